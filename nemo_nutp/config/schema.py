@@ -1,0 +1,202 @@
+"""The dataclasses are the schema; YAML overlays them; Hydra-syntax overrides go on top.
+
+``load_config(overrides)`` composes ``configs/config.yaml`` (or another primary config) with the
+Hydra compose API, merges it onto ``OmegaConf.structured(JobConfig)`` — unknown keys and wrong
+types fail there, naming the full key — and converts it to dataclasses, whose ``__post_init__``
+checks values. Nothing here creates a process group.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from ..layout import ClusterSpec, HealthReport, ModelDims, ParallelSpec, PlanRequest
+from ..layout.specs import _bad, _positive
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+"""The shipped YAML tree (repository layout); ``NUTP_CONFIG_DIR`` overrides it."""
+
+
+@dataclass(frozen=True)
+class ModelConfig(ModelDims):
+    """Model shape (``ModelDims``) plus what only the runtime needs."""
+
+    normalization: str = "RMSNorm"
+    """'RMSNorm' or 'LayerNorm'."""
+    position_embedding: str = "rope"
+    """'rope' or 'learned_absolute'."""
+    init_std: float = 0.02
+    """Std of the normal init of weight matrices."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.normalization not in ("RMSNorm", "LayerNorm"):
+            raise _bad("model.normalization", self.normalization, "must be RMSNorm or LayerNorm")
+        if self.position_embedding not in ("rope", "learned_absolute"):
+            raise _bad("model.position_embedding", self.position_embedding,
+                       "must be rope or learned_absolute")
+
+
+@dataclass(frozen=True)
+class FailuresConfig:
+    """Which GPUs are down: an explicit list and/or a health-report file."""
+
+    failed_gpus: list[int] = field(default_factory=list)
+    """Global GPU ids known to be failed."""
+    report: str | None = None
+    """Path of a health report (YAML/JSON with ``failed_gpus``); merged with the list."""
+
+    def health(self) -> HealthReport:
+        ids = list(self.failed_gpus)
+        if self.report:
+            path = Path(self.report)
+            if not path.exists() and (CONFIG_DIR / path).exists():
+                path = CONFIG_DIR / path
+            if not path.exists():
+                raise _bad("failures.report", self.report, "file not found")
+            ids += list(HealthReport.from_file(path).failed_gpus)
+        return HealthReport(tuple(ids))
+
+
+@dataclass(frozen=True)
+class NutpConfig:
+    """How degraded replicas are handled."""
+
+    policy: str = "nutp"
+    """'nutp' (reduced degree), 'drop' (status quo) or 'uniform-reduce' (public reference)."""
+    replicas: list[int] | None = None
+    """Explicit TP degree per replica, e.g. [4, 3]; overrides the plan derived from failures."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The optimisation run."""
+
+    steps: int = 30
+    """Optimizer steps."""
+    global_batch_size: int = 16
+    """Samples per step, over all replicas."""
+    micro_batch_size: int = 2
+    """Samples per micro-batch."""
+    lr: float = 3e-3
+    """Adam learning rate."""
+    seed: int = 1234
+    """Seed of weights and synthetic data."""
+    optimizer: str = "adam"
+    """'adam' or 'sgd'."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    clip_grad: float = 0.0
+    """Global grad-norm clip (0 disables)."""
+    data_path: str | None = None
+    """Prefix of a megatron-core indexed dataset (.bin/.idx); None = synthetic tokens."""
+    distributed_optimizer: bool = False
+    """Megatron distributed optimizer (not supported yet: rejected)."""
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "global_batch_size", "micro_batch_size"):
+            _positive(f"train.{name}", getattr(self, name))
+        if self.global_batch_size % self.micro_batch_size:
+            raise _bad("train.global_batch_size", self.global_batch_size,
+                       f"must be a multiple of train.micro_batch_size={self.micro_batch_size}")
+        if self.optimizer not in ("adam", "sgd"):
+            raise _bad("train.optimizer", self.optimizer, "must be adam or sgd")
+        if not self.lr > 0:
+            raise _bad("train.lr", self.lr, "must be > 0")
+        if self.distributed_optimizer:
+            raise _bad("train.distributed_optimizer", True,
+                       "the distributed optimizer is not supported with NUTP yet")
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.global_batch_size // self.micro_batch_size
+
+
+@dataclass(frozen=True)
+class OutputConfig:
+    """Where results go."""
+
+    dir: str = "runs/latest"
+    """Run directory: metrics.jsonl, plan.json, plots."""
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """A complete NUTP job."""
+
+    cluster: ClusterSpec = field(default_factory=lambda: ClusterSpec(num_gpus=8, domain_size=4))
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelSpec = field(default_factory=lambda: ParallelSpec(tp_base=4))
+    failures: FailuresConfig = field(default_factory=FailuresConfig)
+    nutp: NutpConfig = field(default_factory=NutpConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+
+def plan_request(cfg: JobConfig, *, world_size: int | None = None) -> PlanRequest:
+    """The planner's input for a job."""
+    return PlanRequest(
+        cluster=cfg.cluster, model=cfg.model, parallel=cfg.parallel,
+        health=cfg.failures.health(), policy=cfg.nutp.policy,
+        replicas=None if cfg.nutp.replicas is None else tuple(cfg.nutp.replicas),
+        global_batch=cfg.train.num_microbatches, world_size=world_size,
+    )
+
+
+def config_dir() -> Path:
+    return Path(os.environ.get("NUTP_CONFIG_DIR", CONFIG_DIR))
+
+
+def _compose(config_name: str, overrides: list[str], directory: Path) -> Any:
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(directory.resolve()), version_base="1.3"):
+        return compose(config_name=config_name, overrides=overrides)
+
+
+def _writable(node: Any) -> None:
+    """Frozen dataclasses make read-only nodes; clear the flag so YAML can overlay them."""
+    OmegaConf.set_readonly(node, None)
+    if OmegaConf.is_dict(node):
+        for key in node.keys():
+            child = node._get_node(key)
+            OmegaConf.set_readonly(child, None)
+            if OmegaConf.is_config(child):
+                _writable(child)
+
+
+def load_config(overrides: list[str] | None = None, *, config_name: str = "config",
+                directory: Path | None = None) -> JobConfig:
+    """Compose YAML + overrides and validate into a ``JobConfig``.
+
+    Raises ``ValueError`` naming the key for unknown keys, wrong types and bad values.
+    """
+    directory = directory or config_dir()
+    try:
+        raw = _compose(config_name, list(overrides or []), directory)
+        OmegaConf.set_struct(raw, False)
+        raw.pop("hydra", None)
+        base = OmegaConf.structured(JobConfig)
+        _writable(base)
+        merged = OmegaConf.merge(base, raw)
+        return OmegaConf.to_object(merged)  # type: ignore[return-value]
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or "config"
+        raise ValueError(f"{key}: {str(e).splitlines()[0]}") from None
+    except Exception as e:  # hydra's own override/config errors
+        if type(e).__module__.startswith("hydra"):
+            raise ValueError(f"config: {e}") from None
+        raise
+
+
+def validate_yaml_file(path: Path) -> JobConfig:
+    """Load one YAML file (a full job or a recipe) strictly into ``JobConfig``."""
+    return load_config([], config_name=path.stem, directory=path.parent)

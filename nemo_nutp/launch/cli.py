@@ -1,0 +1,57 @@
+"""``nutp``: the command-line front end (``nutp plan``; more subcommands join as they land)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from rich.console import Console
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from ..config import load_config, plan_request
+    from ..layout import HealthReport, build_plan
+    from ..layout.serialize import plan_to_dict, write_json_atomic
+    from .plan_report import print_plan
+
+    console = Console()
+    try:
+        cfg = load_config(args.overrides, config_name=args.config_name)
+        req = plan_request(cfg)
+        if args.failed:
+            extra = HealthReport.from_cli(args.failed).failed_gpus
+            req = req.__class__(**{**req.__dict__,
+                                   "health": HealthReport(req.health.failed_gpus + extra)})
+        t0 = time.perf_counter()
+        plan = build_plan(req)
+        elapsed = time.perf_counter() - t0
+    except ValueError as e:
+        console.print(f"[red]error:[/] {e}")
+        return 2
+    comparison = print_plan(plan, console)
+    console.print(f"planned in {elapsed * 1e3:.1f} ms; reshard {plan.reshard_bytes() / 1e6:.2f}"
+                  f" MB/step (fp32 grads)")
+    if args.json:
+        data = plan_to_dict(plan)
+        data["policies"] = comparison
+        write_json_atomic(data, args.json)
+        console.print(f"plan written to {args.json}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="nutp", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("plan", help="plan replicas, ranks, groups and shares for a cluster")
+    p.add_argument("overrides", nargs="*", help="Hydra-style overrides, e.g. cluster=nvl72")
+    p.add_argument("--json", metavar="PATH", help="write the plan as JSON")
+    p.add_argument("--failed", metavar="IDS", help="extra failed GPUs, e.g. 3,17,40-43")
+    p.add_argument("--config-name", default="config", help="primary config in configs/")
+    p.set_defaults(func=_plan)
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""Rich tables describing a plan and comparing policies side by side."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+from rich.console import Console
+from rich.table import Table
+
+from ..layout import POLICIES, Plan, PlanRequest, build_plan, reshard_plan
+from ..layout.units import SPACES
+
+
+def replicas_table(plan: Plan) -> Table:
+    """One row per distinct (degrees, micro-batches) pattern; thousands of replicas stay short."""
+    t = Table(title=f"Plan ({plan.request.policy}): {plan.world_size} ranks, "
+                    f"{len(plan.replicas)} replicas")
+    for col in ("replicas", "TP per stage", "healthy GPUs", "speed", "micro-batches", "weight",
+                "first ranks"):
+        t.add_column(col, justify="right")
+    groups: dict[tuple, list] = {}
+    for r in plan.replicas:
+        groups.setdefault((r.tp, r.healthy, r.microbatches), []).append(r)
+    for (tp, healthy, mb), reps in groups.items():
+        first = reps[0].ranks[0]
+        ranks = f"{first[0]}..{first[-1]}" if len(first) > 1 else str(first[0])
+        t.add_row(str(len(reps)), "/".join(map(str, tp)), "/".join(map(str, healthy)),
+                  f"{reps[0].speed:.3f}", str(mb), f"{reps[0].weight:.4f}",
+                  ranks + (" ..." if len(reps) > 1 else ""))
+    return t
+
+
+def sync_table(plan: Plan) -> Table:
+    t = Table(title=f"Gradient sync layout ({plan.request.parallel.sync_layout})")
+    for col in ("stage", "unit space", "units", "shards", "DP groups", "moved units/replica"):
+        t.add_column(col, justify="right")
+    for s in range(plan.pp):
+        for space in SPACES:
+            lay = plan.sync[(s, space)]
+            moved = Counter(reshard_plan(lay, r.tp[s]).moved_units for r in plan.replicas)
+            t.add_row(str(s), space, str(lay.num_units), str(lay.num_shards),
+                      str(len(plan.sync_groups(s, space))),
+                      ", ".join(f"{m} x{c}" for m, c in sorted(moved.items())))
+    return t
+
+
+def compare_policies(req: PlanRequest) -> tuple[Table, dict[str, dict]]:
+    """Build the plan under every policy and tabulate them side by side."""
+    t = Table(title="Policies side by side (throughput vs fault-free cluster)")
+    for col in ("policy", "ranks", "live replicas", "dropped", "idle healthy GPUs",
+                "predicted throughput", "capacity", "reshard MB/step"):
+        t.add_column(col, justify="right")
+    out: dict[str, dict] = {}
+    for pol in POLICIES:
+        try:
+            p = build_plan(dataclasses.replace(req, policy=pol))
+        except ValueError as e:
+            t.add_row(pol, "-", "-", "-", "-", "-", "-", str(e)[:40])
+            out[pol] = {"error": str(e)}
+            continue
+        mb = p.reshard_bytes() / 1e6
+        out[pol] = {"world_size": p.world_size, "replicas": len(p.replicas),
+                    "dropped_replicas": p.dropped_replicas, "idle_healthy_gpus":
+                    p.idle_healthy_gpus, "predicted_throughput": p.predicted_throughput,
+                    "capacity": p.capacity, "reshard_mb_per_step": mb}
+        t.add_row(pol, str(p.world_size), str(len(p.replicas)), str(p.dropped_replicas),
+                  str(p.idle_healthy_gpus), f"{p.predicted_throughput:.4f}",
+                  f"{p.capacity:.4f}", f"{mb:.2f}")
+    return t, out
+
+
+def print_plan(plan: Plan, console: Console | None = None) -> dict[str, dict]:
+    console = console or Console()
+    c = plan.request.cluster
+    console.print(f"[bold]{c.name}[/]: {c.num_gpus} GPUs, domains of {c.domain_size}, "
+                  f"{len(plan.request.health.failed_gpus)} failed; model "
+                  f"{plan.request.model.num_layers}L h{plan.request.model.hidden_size}")
+    console.print(replicas_table(plan))
+    table, comparison = compare_policies(plan.request)
+    console.print(table)
+    console.print(sync_table(plan))
+    return comparison

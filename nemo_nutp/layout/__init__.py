@@ -1,0 +1,33 @@
+"""Pure layout math: cluster/health specs, unit assignments, sync layouts, reshard plans, plans.
+
+Nothing here imports ``torch`` or creates processes.
+"""
+
+from .plan import POLICIES, Plan, Replica, apportion, build_plan
+from .specs import ClusterSpec, HealthReport, ModelDims, ParallelSpec, PlanRequest
+from .sync import ReshardPlan, SyncLayout, make_sync_layout, moved_lower_bound, reshard_plan
+from .units import PARAM_KINDS, SPACES, assignment, global_index, local_layout, num_units
+
+__all__ = [
+    "PARAM_KINDS",
+    "POLICIES",
+    "SPACES",
+    "ClusterSpec",
+    "HealthReport",
+    "ModelDims",
+    "ParallelSpec",
+    "Plan",
+    "PlanRequest",
+    "Replica",
+    "ReshardPlan",
+    "SyncLayout",
+    "apportion",
+    "assignment",
+    "build_plan",
+    "global_index",
+    "local_layout",
+    "make_sync_layout",
+    "moved_lower_bound",
+    "num_units",
+    "reshard_plan",
+]

@@ -1,0 +1,351 @@
+"""The planner: cluster + health + configuration + policy -> a frozen, serialisable ``Plan``.
+
+Guarantees (property-tested in ``tests/layout``):
+* every live replica stage runs at a valid degree (<= its healthy GPUs, <= the units of every
+  sharded parameter, >= ``parallel.min_tp``, dividing ``seq_length`` under sequence parallel);
+* ranks ``0..world_size-1`` map one-to-one onto used GPUs; a TP group never leaves its domain;
+  rank order is stage-major, then replicas (healthy first, degraded ones contiguous), then TP;
+* micro-batch shares are positive integers summing to ``parallel.global_batch`` and minimise the
+  step makespan ``max(share / speed)``; weights are ``share / global_batch``;
+* policies: ``nutp`` keeps every replica at the degree its healthy GPUs allow; ``drop`` drops any
+  replica with a failed GPU; ``uniform-reduce`` pads every degraded replica down to one common
+  degree (the public reference's behaviour).
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import numpy as np
+
+from .specs import PlanRequest, _bad
+from .sync import SyncLayout, make_sync_layout, reshard_plan
+from .units import PARAM_KINDS, SPACES, layer_kinds, max_degree, num_units, rank_work, unit_numel
+
+POLICIES = ("nutp", "drop", "uniform-reduce")
+
+
+@dataclass(frozen=True)
+class Replica:
+    """One data-parallel copy of the model."""
+
+    index: int
+    tp: tuple[int, ...]  # degree per pipeline stage
+    gpus: tuple[tuple[int, ...], ...]  # GPUs used, per stage, in TP-rank order
+    ranks: tuple[tuple[int, ...], ...]  # global ranks, per stage, in TP-rank order
+    healthy: tuple[int, ...]  # healthy GPUs in each stage's slice
+    speed: float  # relative to a healthy replica (compute model)
+    microbatches: int
+    weight: float  # share of the global batch: microbatches / global_batch
+
+
+@dataclass(frozen=True)
+class Plan:
+    request: PlanRequest
+    replicas: tuple[Replica, ...]
+    world_size: int
+    rank_to_gpu: tuple[int, ...]
+    full_replicas: int  # replicas a fault-free cluster would run
+    predicted_throughput: float  # vs fault-free, with integer micro-batch shares
+    capacity: float  # sum of replica speeds / full_replicas (continuous bound)
+    dropped_replicas: int
+    idle_healthy_gpus: int  # healthy GPUs in slices that the plan does not use
+    sync: dict[tuple[int, str], SyncLayout] = field(repr=False)
+
+    @property
+    def pp(self) -> int:
+        return self.request.parallel.pp
+
+    @cached_property
+    def rank_index(self) -> dict[int, tuple[int, int, int]]:
+        """rank -> (replica position, stage, TP-local index)."""
+        out = {}
+        for i, rep in enumerate(self.replicas):
+            for s, ranks in enumerate(rep.ranks):
+                for j, r in enumerate(ranks):
+                    out[r] = (i, s, j)
+        return out
+
+    def tp_groups(self) -> list[list[int]]:
+        return [list(rep.ranks[s]) for s in range(self.pp) for rep in self.replicas]
+
+    def pp_groups(self) -> list[list[int]]:
+        """Per replica and TP position j: rank j of each stage (j mod degree on smaller ones)."""
+        return [[rep.ranks[s][j % rep.tp[s]] for s in range(self.pp)]
+                for rep in self.replicas for j in range(max(rep.tp))]
+
+    def embedding_groups(self) -> list[list[int]]:
+        """First/last stage pairs holding the (tied) word embedding; empty when pp == 1."""
+        if self.pp == 1:
+            return []
+        return [[rep.ranks[0][j], rep.ranks[-1][j % rep.tp[-1]]]
+                for rep in self.replicas for j in range(rep.tp[0])]
+
+    def stage_groups(self) -> list[list[int]]:
+        """All ranks of a stage over replicas: the DP group of replicated parameters."""
+        return [[r for rep in self.replicas for r in rep.ranks[s]] for s in range(self.pp)]
+
+    def sync_owner_ranks(self, stage: int, space: str) -> np.ndarray:
+        """(replicas, shards) global rank owning each shard in each replica."""
+        lay = self.sync[(stage, space)]
+        rows = [np.asarray(rep.ranks[stage])[lay.owners[rep.tp[stage]]] for rep in self.replicas]
+        return np.stack(rows)
+
+    def sync_groups(self, stage: int, space: str) -> list[list[int]]:
+        """Distinct DP groups (owners of a shard across replicas) for a stage and unit space."""
+        own = self.sync_owner_ranks(stage, space)
+        return [list(map(int, c)) for c in np.unique(own.T, axis=0)]
+
+    def reshard_bytes(self, bytes_per_elem: int = 4) -> int:
+        """Bytes all ranks send per step for resharding gradients there and back."""
+        dims = self.request.model
+        layers = dims.num_layers // self.pp
+        per_space = {s: 0 for s in SPACES}
+        for kind in layer_kinds(dims):
+            per_space[PARAM_KINDS[kind].space] += layers * unit_numel(kind, dims)
+        vocab_kinds = 1 if dims.tie_embeddings else 2
+        total = 0
+        for (stage, space), lay in self.sync.items():
+            elems = per_space[space]
+            if space == "vocab":
+                first, last = stage == 0, stage == self.pp - 1
+                n = (first or (last and dims.tie_embeddings)) + (last and not dims.tie_embeddings)
+                elems = min(n, vocab_kinds) * unit_numel("word_embedding", dims)
+            for rep in self.replicas:
+                moved = reshard_plan(lay, rep.tp[stage]).moved_units
+                total += 2 * moved * elems * bytes_per_elem
+        return total
+
+
+# --------------------------------------------------------------------------------------------
+def _valid_degrees(req: PlanRequest) -> np.ndarray:
+    """valid[t] for t in 0..tp_base: a stage may run at degree t."""
+    p, m = req.parallel, req.model
+    t = np.arange(p.tp_base + 1)
+    ok = (t >= p.min_tp) & (t <= max_degree(m))
+    if p.sequence_parallel:
+        ok &= (m.seq_length % np.maximum(t, 1)) == 0
+    ok[0] = False
+    return ok
+
+
+def _best_degree_table(valid: np.ndarray) -> np.ndarray:
+    """best[h]: largest valid degree <= h (0 if none)."""
+    idx = np.where(valid, np.arange(len(valid)), 0)
+    return np.maximum.accumulate(idx)
+
+
+def _validate(req: PlanRequest) -> None:
+    p, m, c = req.parallel, req.model, req.cluster
+    if req.policy not in POLICIES:
+        raise _bad("nutp.policy", req.policy, f"must be one of {POLICIES}")
+    if m.num_layers % p.pp:
+        raise _bad("parallel.pp", p.pp, f"must divide model.num_layers={m.num_layers}")
+    if p.tp_base > c.domain_size:
+        raise _bad("parallel.tp_base", p.tp_base,
+                   f"a TP group must fit in one domain (cluster.domain_size={c.domain_size})")
+    for space in SPACES:
+        if p.tp_base > num_units(m, space):
+            field_name = {"qg": "num_query_groups", "ffn": "ffn_hidden_size",
+                          "vocab": "vocab_size"}[space]
+            raise _bad("parallel.tp_base", p.tp_base,
+                       f"exceeds model.{field_name}={num_units(m, space)} units")
+    if p.sequence_parallel and m.seq_length % p.tp_base:
+        raise _bad("model.seq_length", m.seq_length,
+                   f"must be divisible by parallel.tp_base={p.tp_base} with sequence parallel")
+    req.health.check_against(c)
+    if req.replicas is not None:
+        if p.pp != 1:
+            raise _bad("nutp.replicas", list(req.replicas), "explicit replicas need parallel.pp=1")
+        valid = _valid_degrees(req)
+        for t in req.replicas:
+            if not (isinstance(t, int) and 0 < t <= p.tp_base and valid[t]):
+                raise _bad("nutp.replicas", list(req.replicas),
+                           f"degree {t} is not valid (1..{p.tp_base}, <= units, >= min_tp, "
+                           "divides seq_length under sequence parallel)")
+
+
+def _slices(req: PlanRequest) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Start GPU of every TP slice (tp_base consecutive GPUs inside one domain), healthy count."""
+    c, tb = req.cluster, req.parallel.tp_base
+    full = c.num_gpus // c.domain_size
+    per = c.domain_size // tb
+    starts = (np.arange(full)[:, None] * c.domain_size + np.arange(per)[None, :] * tb).ravel()
+    rem = c.num_gpus - full * c.domain_size
+    starts = np.concatenate([starts, full * c.domain_size + np.arange(rem // tb) * tb])
+    failed = np.zeros(c.num_gpus, dtype=bool)
+    failed[list(req.health.failed_gpus)] = True
+    healthy = tb - failed[starts[:, None] + np.arange(tb)[None, :]].sum(axis=1)
+    return starts.astype(np.int64), healthy.astype(np.int64), failed
+
+
+def apportion(speeds: np.ndarray, total: int, field_name: str = "global_batch"
+              ) -> np.ndarray:
+    """Integer shares (>= 1 where speed > 0) summing to ``total`` minimising max(share/speed)."""
+    speeds = np.asarray(speeds, dtype=np.float64)
+    live = speeds > 0
+    n = int(live.sum())
+    if n == 0:
+        raise _bad("health.failed_gpus", "...", "no replica can run: every replica lost too much")
+    if total < n:
+        raise _bad(field_name, total, f"fewer micro-batches than live replicas ({n}); "
+                   "raise train.global_batch_size or lower train.micro_batch_size")
+    shares = np.zeros(len(speeds), dtype=np.int64)
+    shares[live] = np.maximum(1, np.floor(total * speeds[live] / speeds[live].sum()))
+    excess = int(shares.sum()) - total
+    if excess > 0:  # only when the floor of 1 over-allocates: take from the most loaded
+        heap = [(-shares[i] / speeds[i], i) for i in np.nonzero(live & (shares > 1))[0]]
+        heapq.heapify(heap)
+        for _ in range(excess):
+            _, i = heapq.heappop(heap)
+            shares[i] -= 1
+            if shares[i] > 1:
+                heapq.heappush(heap, (-shares[i] / speeds[i], i))
+    heap = [((shares[i] + 1) / speeds[i], i) for i in np.nonzero(live)[0]]
+    heapq.heapify(heap)
+    for _ in range(total - int(shares.sum())):
+        _, i = heapq.heappop(heap)
+        shares[i] += 1
+        heapq.heappush(heap, ((shares[i] + 1) / speeds[i], i))
+    return shares
+
+
+def _bench_slow(speeds: np.ndarray, total: int) -> np.ndarray:
+    """Mask of replicas to keep: every replica must take >= 1 micro-batch, so a replica slower
+    than the makespan of the others would slow the whole step; keep the speed threshold (over
+    the few distinct speeds) with the smallest makespan, preferring more replicas on ties."""
+    best_t, best_level = np.inf, 0.0
+    for level in np.unique(speeds):  # ascending: ties keep the lower threshold
+        sub = speeds[speeds >= level]
+        if len(sub) > total:
+            continue
+        t = float((apportion(sub, total) / sub).max())
+        if t < best_t - 1e-12:
+            best_t, best_level = t, level
+    return speeds >= best_level
+
+
+class _Speed:
+    """Stage-bottleneck speed of a replica relative to a healthy one (cached per degree)."""
+
+    def __init__(self, req: PlanRequest) -> None:
+        self.dims, self.pp, self.tb = req.model, req.parallel.pp, req.parallel.tp_base
+        self.layers = self.dims.num_layers // self.pp
+        self._cache: dict[tuple[int, int], float] = {}
+        self.full = max(self.time(s, self.tb) for s in range(self.pp))
+
+    def time(self, stage: int, t: int) -> float:
+        key = (stage, t)
+        if key not in self._cache:
+            work = rank_work(self.dims, t, self.layers, with_vocab=stage == self.pp - 1)
+            self._cache[key] = float(work.max())
+        return self._cache[key]
+
+    def __call__(self, degrees: tuple[int, ...]) -> float:
+        if min(degrees) <= 0:
+            return 0.0
+        return self.full / max(self.time(s, t) for s, t in enumerate(degrees))
+
+
+def _degrees(req: PlanRequest, healthy: np.ndarray) -> np.ndarray:
+    """(replicas, pp) degree per stage under the policy; 0 marks a dropped replica."""
+    tb = req.parallel.tp_base
+    best = _best_degree_table(_valid_degrees(req))
+    if req.policy == "drop":
+        ok = (healthy == tb).all(axis=1)
+        return np.where(ok[:, None], tb, 0) * np.ones_like(healthy)
+    deg = best[healthy]
+    dead = (deg == 0).any(axis=1)
+    deg[dead] = 0
+    if req.policy == "uniform-reduce":
+        degraded = ~dead & (healthy < tb).any(axis=1)
+        if degraded.any():
+            deg[degraded] = int(deg[degraded].min())
+    return deg
+
+
+def build_plan(req: PlanRequest) -> Plan:
+    """Make the plan; raises ``ValueError`` naming the field for every impossible request."""
+    _validate(req)
+    p = req.parallel
+    starts, healthy, failed = _slices(req)
+    n_full = len(starts) // p.pp
+    if n_full == 0:
+        raise _bad("cluster.num_gpus", req.cluster.num_gpus,
+                   f"holds no replica of parallel.pp={p.pp} stages x parallel.tp_base={p.tp_base}")
+    if req.replicas is not None:
+        if len(req.replicas) > len(starts):
+            raise _bad("nutp.replicas", list(req.replicas),
+                       f"more replicas than the cluster's {len(starts)} slices")
+        if p.dp is not None and p.dp != len(req.replicas):
+            raise _bad("parallel.dp", p.dp, f"disagrees with nutp.replicas={list(req.replicas)}")
+        sl = np.arange(len(req.replicas))[:, None]
+        deg = np.asarray(req.replicas, dtype=np.int64)[:, None]
+        if (deg > healthy[sl]).any():
+            raise _bad("nutp.replicas", list(req.replicas), "a degree exceeds its healthy GPUs")
+        n_full = len(req.replicas)
+    else:
+        order = np.lexsort((starts, -healthy))  # healthiest slices first: degraded stages share
+        n_use = n_full if p.dp is None else p.dp  # replicas, so fewer replicas slow down
+        if n_use > n_full:
+            raise _bad("parallel.dp", p.dp, f"cluster holds only {n_full} replicas")
+        n_full = n_use
+        sl = order[: n_use * p.pp].reshape(n_use, p.pp)
+        deg = _degrees(req, healthy[sl])
+    return _assemble(req, starts, healthy, failed, sl, deg, n_full)
+
+
+def _assemble(req: PlanRequest, starts: np.ndarray, healthy: np.ndarray, failed: np.ndarray,
+              sl: np.ndarray, deg: np.ndarray, n_full: int) -> Plan:
+    p = req.parallel
+    speed = _Speed(req)
+    live = np.nonzero((deg > 0).all(axis=1))[0]
+    if len(live) == 0:
+        raise _bad("health.failed_gpus", list(req.health.failed_gpus)[:8],
+                   "no replica can run at parallel.min_tp or above")
+    # Healthy replicas first, then degraded ones grouped by degree (contiguous ranks).
+    live = live[np.lexsort((live, *[-deg[live, s] for s in reversed(range(p.pp))]))]
+    speeds = np.array([speed(tuple(int(x) for x in deg[i])) for i in live])
+    keep = _bench_slow(speeds, req.global_batch)
+    deg[live[~keep]] = 0
+    live, speeds = live[keep], speeds[keep]
+    shares = apportion(speeds, req.global_batch)
+    gpus: dict[tuple[int, int], tuple[int, ...]] = {}
+    for i in live:
+        for s in range(p.pp):
+            start = int(starts[sl[i, s]])
+            ok = np.nonzero(~failed[start:start + p.tp_base])[0][: deg[i, s]] + start
+            gpus[(int(i), s)] = tuple(int(g) for g in ok)
+    ranks: dict[tuple[int, int], tuple[int, ...]] = {}
+    rank_to_gpu: list[int] = []
+    for s in range(p.pp):
+        for i in live:
+            g = gpus[(int(i), s)]
+            ranks[(int(i), s)] = tuple(range(len(rank_to_gpu), len(rank_to_gpu) + len(g)))
+            rank_to_gpu.extend(g)
+    world = len(rank_to_gpu)
+    if req.world_size is not None and req.world_size != world:
+        raise _bad("world_size", req.world_size, f"the launcher's world size differs from the "
+                   f"plan's {world} GPUs")
+    replicas = tuple(
+        Replica(index=k, tp=tuple(int(x) for x in deg[i]),
+                gpus=tuple(gpus[(int(i), s)] for s in range(p.pp)),
+                ranks=tuple(ranks[(int(i), s)] for s in range(p.pp)),
+                healthy=tuple(int(healthy[sl[i, s]]) for s in range(p.pp)),
+                speed=float(speeds[k]), microbatches=int(shares[k]),
+                weight=float(shares[k]) / req.global_batch)
+        for k, i in enumerate(live))
+    sync = {(s, space): make_sync_layout(num_units(req.model, space),
+                                         sorted({r.tp[s] for r in replicas}), p.sync_layout)
+            for s in range(p.pp) for space in SPACES}
+    t_full = apportion(np.ones(n_full), req.global_batch).max()
+    t_plan = float((shares / speeds).max())
+    used = {g for g in rank_to_gpu}
+    in_slices = {int(starts[x]) + j for x in sl.ravel() for j in range(p.tp_base)}
+    idle = sum(1 for g in in_slices if not failed[g] and g not in used)
+    return Plan(request=req, replicas=replicas, world_size=world, rank_to_gpu=tuple(rank_to_gpu),
+                full_replicas=n_full, predicted_throughput=float(t_full / t_plan),
+                capacity=float(speeds.sum() / n_full), dropped_replicas=n_full - len(live),
+                idle_healthy_gpus=idle, sync=sync)

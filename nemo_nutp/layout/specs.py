@@ -1,0 +1,211 @@
+"""Inputs of the planner: cluster, health, parallel configuration and model dimensions.
+
+Pure Python, no ``torch``. Every dataclass validates itself in ``__post_init__`` and raises
+``ValueError`` naming the field (as ``section.field``) and the offending value, so bad input is
+rejected before any process exists.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SYNC_LAYOUTS = ("refine", "base")
+
+
+def _bad(name: str, value: Any, why: str) -> ValueError:
+    return ValueError(f"{name}={value!r}: {why}")
+
+
+def _positive(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise _bad(name, value, "must be a positive integer")
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """GPUs numbered 0..num_gpus-1, cut into consecutive scale-up (NVLink) domains."""
+
+    num_gpus: int
+    """Total GPUs in the allocation."""
+    domain_size: int = 8
+    """GPUs per scale-up domain (8 for DGX H100, 32 for NVL32, 72 for NVL72); a trailing partial
+    domain holds the remainder when num_gpus is not a multiple."""
+    gpus_per_node: int = 8
+    """GPUs per host (for launchers)."""
+    name: str = "cluster"
+    """Free-form label shown in tables."""
+
+    def __post_init__(self) -> None:
+        _positive("cluster.num_gpus", self.num_gpus)
+        _positive("cluster.domain_size", self.domain_size)
+        _positive("cluster.gpus_per_node", self.gpus_per_node)
+        if self.num_gpus % self.gpus_per_node:
+            raise _bad(
+                "cluster.gpus_per_node", self.gpus_per_node,
+                f"must divide cluster.num_gpus={self.num_gpus}",
+            )
+
+    def domain_bounds(self) -> list[tuple[int, int]]:
+        """[start, stop) GPU id range of each scale-up domain."""
+        d = self.domain_size
+        return [(s, min(s + d, self.num_gpus)) for s in range(0, self.num_gpus, d)]
+
+
+@dataclass(frozen=True)
+class HealthReport:
+    """Which GPUs are unusable right now."""
+
+    failed_gpus: tuple[int, ...] = ()
+    """Global ids of failed GPUs."""
+
+    def __post_init__(self) -> None:
+        for g in self.failed_gpus:
+            if isinstance(g, bool) or not isinstance(g, int) or g < 0:
+                raise _bad("health.failed_gpus", g, "GPU ids must be non-negative integers")
+        object.__setattr__(self, "failed_gpus", tuple(sorted(set(self.failed_gpus))))
+
+    def check_against(self, cluster: ClusterSpec) -> None:
+        bad = [g for g in self.failed_gpus if g >= cluster.num_gpus]
+        if bad:
+            raise _bad(
+                "health.failed_gpus", bad[0],
+                f"GPU id out of range for cluster.num_gpus={cluster.num_gpus}",
+            )
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> HealthReport:
+        """Load ``{"failed_gpus": [...]}`` from a YAML or JSON file."""
+        text = Path(path).read_text()
+        if str(path).endswith(".json"):
+            data = json.loads(text)
+        else:
+            import yaml
+
+            data = yaml.safe_load(text)
+        if not isinstance(data, dict) or set(data) - {"failed_gpus"}:
+            raise _bad("health", str(path), "file must hold a mapping with only 'failed_gpus'")
+        return cls(tuple(data.get("failed_gpus") or ()))
+
+    @classmethod
+    def from_cli(cls, text: str) -> HealthReport:
+        """Parse ``"3,17,40-43"`` (ids and inclusive ranges)."""
+        ids: list[int] = []
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            try:
+                if "-" in part:
+                    lo, hi = (int(x) for x in part.split("-", 1))
+                    ids.extend(range(lo, hi + 1))
+                else:
+                    ids.append(int(part))
+            except ValueError:
+                raise _bad("health.failed_gpus", part, "expected an id or a range a-b") from None
+        return cls(tuple(ids))
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """Shape of a GPT model; everything the layout math needs."""
+
+    num_layers: int = 2
+    """Transformer layers."""
+    hidden_size: int = 64
+    """Model width."""
+    num_attention_heads: int = 8
+    """Query heads."""
+    num_query_groups: int = 4
+    """KV heads (GQA groups); equal to num_attention_heads for MHA."""
+    ffn_hidden_size: int = 128
+    """MLP inner width (per half for gated MLPs)."""
+    vocab_size: int = 101
+    """Vocabulary rows (need not divide any TP degree)."""
+    seq_length: int = 12
+    """Tokens per sample."""
+    gated_mlp: bool = True
+    """SwiGLU-style gated MLP (fc1 holds gate and up halves)."""
+    tie_embeddings: bool = False
+    """Output layer shares the word embedding."""
+    add_bias: bool = False
+    """Linear layers carry biases (column-parallel biases shard, row-parallel ones replicate)."""
+    kv_channels: int | None = None
+    """Per-head width; defaults to hidden_size // num_attention_heads."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+                     "ffn_hidden_size", "vocab_size", "seq_length"):
+            _positive(f"model.{name}", getattr(self, name))
+        if self.num_attention_heads % self.num_query_groups:
+            raise _bad("model.num_query_groups", self.num_query_groups,
+                       f"must divide model.num_attention_heads={self.num_attention_heads}")
+        if self.kv_channels is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise _bad("model.hidden_size", self.hidden_size,
+                           f"must be divisible by model.num_attention_heads="
+                           f"{self.num_attention_heads} (or set model.kv_channels)")
+            object.__setattr__(self, "kv_channels", self.hidden_size // self.num_attention_heads)
+        else:
+            _positive("model.kv_channels", self.kv_channels)
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_attention_heads // self.num_query_groups
+
+    @property
+    def kv(self) -> int:
+        assert self.kv_channels is not None
+        return self.kv_channels
+
+
+@dataclass(frozen=True)
+class ParallelSpec:
+    """How replicas are cut: TP degree per replica stage, pipeline stages, batch."""
+
+    tp_base: int = 8
+    """TP degree of a healthy replica stage: a slice of tp_base GPUs inside one domain."""
+    pp: int = 1
+    """Pipeline stages per replica (each stage is one slice)."""
+    dp: int | None = None
+    """Replicas to use; None uses every replica the cluster can hold."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism: every degree must divide model.seq_length."""
+    min_tp: int = 1
+    """Smallest degree a stage may run at (memory floor); below it the replica is dropped."""
+    sync_layout: str = "refine"
+    """'refine': shards at every replica's boundaries (nothing moves, more DP groups);
+    'base': shards of the tp_base layout (degraded replicas reshard, one group per shard)."""
+    def __post_init__(self) -> None:
+        _positive("parallel.tp_base", self.tp_base)
+        _positive("parallel.pp", self.pp)
+        _positive("parallel.min_tp", self.min_tp)
+        if self.dp is not None:
+            _positive("parallel.dp", self.dp)
+        if self.min_tp > self.tp_base:
+            raise _bad("parallel.min_tp", self.min_tp, f"exceeds parallel.tp_base={self.tp_base}")
+        if self.sync_layout not in SYNC_LAYOUTS:
+            raise _bad("parallel.sync_layout", self.sync_layout, f"must be one of {SYNC_LAYOUTS}")
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """Everything the planner reads."""
+
+    cluster: ClusterSpec
+    model: ModelDims = field(default_factory=ModelDims)
+    parallel: ParallelSpec = field(default_factory=ParallelSpec)
+    health: HealthReport = field(default_factory=HealthReport)
+    policy: str = "nutp"
+    """'nutp' | 'drop' | 'uniform-reduce'."""
+    replicas: tuple[int, ...] | None = None
+    """Explicit TP degree per replica (pp=1), overriding what health implies."""
+    global_batch: int = 64
+    """Micro-batches per step (train.global_batch_size / train.micro_batch_size), split among
+    replicas in proportion to speed."""
+    world_size: int | None = None
+    """If set (e.g. by the launcher), the plan's world size must equal it."""
+
+    def __post_init__(self) -> None:
+        _positive("global_batch", self.global_batch)
+        if self.world_size is not None:
+            _positive("world_size", self.world_size)

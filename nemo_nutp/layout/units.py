@@ -1,0 +1,198 @@
+"""Units of TP-sharded parameters, their assignment to ranks, and element index maps.
+
+A *unit* is the smallest slice of a sharded parameter that can move between ranks without
+changing the math (see NUTP.md). Every parameter kind lives in one *unit space*:
+
+=============  ===================  ==========================================================
+space          units                parameter kinds
+=============  ===================  ==========================================================
+``qg``         query groups          fused QKV weight/bias (rows), attention proj (columns)
+``ffn``        FFN columns           fc1 weight/bias (rows; gate+up together), fc2 (columns)
+``vocab``      vocabulary rows       word embedding, untied output layer
+=============  ===================  ==========================================================
+
+Contract:
+* ``assignment(U, t)`` gives rank ``j`` the contiguous units ``[b[j], b[j+1])`` with counts
+  differing by at most one; ``t`` need not divide ``U``.
+* ``global_index(kind, dims, units)`` returns, for each unit, the flat indices of its elements in
+  the *global* (TP1 megatron) tensor in **canonical order** (ascending global flat index). Pairing
+  by (unit, canonical element) is what makes cross-replica reduction correct for row-parallel,
+  gated and GQA layouts alike; pairing by local flat offset is not.
+* ``local_layout(kind, dims, units)`` returns, for each element of the rank's *local* tensor in
+  megatron's memory order, its global flat index (gated fc1: all gate rows, then all up rows).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from .specs import ModelDims
+
+SPACES = ("qg", "ffn", "vocab")
+
+
+@dataclass(frozen=True)
+class ParamKind:
+    """A TP-sharded parameter kind of a GPT model."""
+
+    name: str
+    space: str
+    axis: int  # dimension of the global tensor the units split (0 rows, 1 columns)
+
+
+PARAM_KINDS: dict[str, ParamKind] = {
+    k.name: k
+    for k in (
+        ParamKind("qkv_weight", "qg", 0),
+        ParamKind("qkv_bias", "qg", 0),
+        ParamKind("proj_weight", "qg", 1),
+        ParamKind("fc1_weight", "ffn", 0),
+        ParamKind("fc1_bias", "ffn", 0),
+        ParamKind("fc2_weight", "ffn", 1),
+        ParamKind("word_embedding", "vocab", 0),
+        ParamKind("output_layer", "vocab", 0),
+    )
+}
+
+
+def num_units(dims: ModelDims, space: str) -> int:
+    return {"qg": dims.num_query_groups, "ffn": dims.ffn_hidden_size,
+            "vocab": dims.vocab_size}[space]
+
+
+def layer_kinds(dims: ModelDims) -> list[str]:
+    """Sharded kinds present in one transformer layer."""
+    kinds = ["qkv_weight", "proj_weight", "fc1_weight", "fc2_weight"]
+    if dims.add_bias:
+        kinds += ["qkv_bias", "fc1_bias"]
+    return kinds
+
+
+def replicated_shapes(dims: ModelDims) -> dict[str, tuple[int, ...]]:
+    """Replicated (not TP-sharded) parameters of one layer: norms and row-parallel biases."""
+    h = dims.hidden_size
+    shapes: dict[str, tuple[int, ...]] = {"input_layernorm": (h,), "pre_mlp_layernorm": (h,)}
+    if dims.add_bias:
+        shapes.update(proj_bias=(h,), fc2_bias=(h,))
+    return shapes
+
+
+@lru_cache(maxsize=4096)
+def _assignment(n: int, t: int) -> np.ndarray:
+    b = (np.arange(t + 1, dtype=np.int64) * n) // t
+    b.setflags(write=False)
+    return b
+
+
+def assignment(n: int, t: int) -> np.ndarray:
+    """Boundaries ``b`` (length t+1): rank j holds units [b[j], b[j+1])."""
+    if t < 1 or t > n:
+        raise ValueError(f"degree={t}: must be in [1, {n}] for {n} units")
+    return _assignment(n, t)
+
+
+def _geometry(kind: str, d: ModelDims) -> tuple[tuple[int, ...], int, int]:
+    """(global shape, rows-or-cols per unit along the split axis, rows per half for gated)."""
+    h, g, kv, hpg = d.hidden_size, d.num_query_groups, d.kv, d.heads_per_group
+    f, v = d.ffn_hidden_size, d.vocab_size
+    per_group = (hpg + 2) * kv
+    halves = 2 if d.gated_mlp else 1
+    table: dict[str, tuple[tuple[int, ...], int, int]] = {
+        "qkv_weight": ((g * per_group, h), per_group, 0),
+        "qkv_bias": ((g * per_group,), per_group, 0),
+        "proj_weight": ((h, g * hpg * kv), hpg * kv, 0),
+        "fc1_weight": ((halves * f, h), 1, f if d.gated_mlp else 0),
+        "fc1_bias": ((halves * f,), 1, f if d.gated_mlp else 0),
+        "fc2_weight": ((h, f), 1, 0),
+        "word_embedding": ((v, h), 1, 0),
+        "output_layer": ((v, h), 1, 0),
+    }
+    return table[kind]
+
+
+def global_shape(kind: str, dims: ModelDims) -> tuple[int, ...]:
+    return _geometry(kind, dims)[0]
+
+
+def unit_numel(kind: str, dims: ModelDims) -> int:
+    shape, per_unit, half = _geometry(kind, dims)
+    rest = int(np.prod(shape)) // shape[PARAM_KINDS[kind].axis]
+    return per_unit * rest * (2 if half else 1)
+
+
+def local_shape(kind: str, dims: ModelDims, n_local: int) -> tuple[int, ...]:
+    shape, per_unit, half = _geometry(kind, dims)
+    axis = PARAM_KINDS[kind].axis
+    out = list(shape)
+    out[axis] = n_local * per_unit * (2 if half else 1)
+    return tuple(out)
+
+
+def global_index(kind: str, dims: ModelDims, units: np.ndarray) -> np.ndarray:
+    """(len(units), unit_numel) global flat indices of each unit's elements, canonical order."""
+    shape, per_unit, half = _geometry(kind, dims)
+    units = np.asarray(units, dtype=np.int64)
+    axis = PARAM_KINDS[kind].axis
+    offs = np.arange(per_unit, dtype=np.int64)
+    # Split-axis coordinates of each unit: (n, k) with k = per_unit (x2 for gated halves).
+    coords = units[:, None] * per_unit + offs[None, :]
+    if half:
+        coords = np.concatenate([coords, coords + half], axis=1)
+    if len(shape) == 1:
+        return coords
+    rows, cols = shape
+    if axis == 0:
+        return (coords[:, :, None] * cols + np.arange(cols)[None, None, :]).reshape(len(units), -1)
+    # Split along columns: canonical order is row-major over (row, unit column).
+    return (np.arange(rows)[None, :, None] * cols + coords[:, None, :]).reshape(len(units), -1)
+
+
+def local_layout(kind: str, dims: ModelDims, units: np.ndarray) -> np.ndarray:
+    """Global flat index of every element of the local tensor, in local memory order."""
+    shape, per_unit, half = _geometry(kind, dims)
+    units = np.asarray(units, dtype=np.int64)
+    coords = (units[:, None] * per_unit + np.arange(per_unit)[None, :]).reshape(-1)
+    if half:  # megatron keeps [gate_local; up_local] in two halves
+        coords = np.concatenate([coords, coords + half])
+    if len(shape) == 1:
+        return coords
+    rows, cols = shape
+    if PARAM_KINDS[kind].axis == 0:
+        return (coords[:, None] * cols + np.arange(cols)[None, :]).reshape(-1)
+    return (np.arange(rows)[:, None] * cols + coords[None, :]).reshape(-1)
+
+
+def local_unit_positions(kind: str, dims: ModelDims, n_local: int) -> np.ndarray:
+    """(n_local, unit_numel): position in the local flat tensor of each local unit's canonical
+    elements, for a rank holding ``n_local`` consecutive units. Independent of which units."""
+    units = np.arange(n_local, dtype=np.int64)
+    lay = local_layout(kind, dims, units)
+    canon = global_index(kind, dims, units)
+    order = np.argsort(lay, kind="stable")
+    pos = order[np.searchsorted(lay, canon, sorter=order)]
+    return pos
+
+
+def rank_work(dims: ModelDims, t: int, layers: int, with_vocab: bool) -> np.ndarray:
+    """Relative forward FLOPs per token of each of ``t`` ranks for a stage (compute model).
+
+    Uses the real unit assignment, so query-group granularity and uneven shards show up as a
+    slowest rank. Units: multiply-adds; constant factors cancel in ratios.
+    """
+    h, kv, hpg, s = dims.hidden_size, dims.kv, dims.heads_per_group, dims.seq_length
+    qg = np.diff(assignment(dims.num_query_groups, t)).astype(np.float64)
+    ff = np.diff(assignment(dims.ffn_hidden_size, t)).astype(np.float64)
+    per_group = (hpg + 2) * kv * h + 2 * hpg * s * kv + hpg * kv * h
+    per_ffn = (2 if dims.gated_mlp else 1) * h + h
+    work = layers * (qg * per_group + ff * per_ffn)
+    if with_vocab:
+        work = work + np.diff(assignment(dims.vocab_size, t)) * float(h)
+    return work
+
+
+def max_degree(dims: ModelDims) -> int:
+    """Largest TP degree every sharded parameter can take (one unit per rank at least)."""
+    return min(num_units(dims, s) for s in SPACES)

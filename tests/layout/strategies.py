@@ -1,0 +1,48 @@
+"""Hypothesis strategies for model shapes, clusters and failures (shared by layout tests)."""
+
+from __future__ import annotations
+
+from hypothesis import strategies as st
+
+from nemo_nutp.layout import ClusterSpec, HealthReport, ModelDims, ParallelSpec, PlanRequest
+
+
+@st.composite
+def model_dims(draw: st.DrawFn, *, min_units: int = 1) -> ModelDims:
+    groups = draw(st.integers(max(1, min_units), max(1, min_units) + 8))
+    hpg = draw(st.integers(1, 4))
+    kv = draw(st.integers(1, 4))
+    return ModelDims(
+        num_layers=draw(st.sampled_from([2, 4, 6])),
+        hidden_size=draw(st.integers(2, 12)),
+        num_attention_heads=groups * hpg,
+        num_query_groups=groups,
+        ffn_hidden_size=draw(st.integers(max(1, min_units), max(1, min_units) + 40)),
+        vocab_size=draw(st.integers(max(1, min_units), max(1, min_units) + 130)),
+        seq_length=draw(st.sampled_from([12, 16, 24, 60])),
+        gated_mlp=draw(st.booleans()),
+        tie_embeddings=draw(st.booleans()),
+        add_bias=draw(st.booleans()),
+        kv_channels=kv,
+    )
+
+
+@st.composite
+def plan_requests(draw: st.DrawFn, policy: str | None = None) -> PlanRequest:
+    domain = draw(st.sampled_from([4, 6, 8, 16, 32, 72]))
+    tp_base = draw(st.sampled_from([d for d in (1, 2, 3, 4, 6, 8, 16, 32) if d <= domain]))
+    n_domains = draw(st.integers(1, 6))
+    pp = draw(st.sampled_from([1, 2]))
+    num_gpus = domain * n_domains
+    dims = draw(model_dims(min_units=tp_base))
+    n_fail = draw(st.integers(0, max(0, num_gpus // 4)))
+    failed = draw(st.lists(st.integers(0, num_gpus - 1), min_size=n_fail, max_size=n_fail))
+    return PlanRequest(
+        cluster=ClusterSpec(num_gpus=num_gpus, domain_size=domain, gpus_per_node=domain),
+        model=dims,
+        parallel=ParallelSpec(tp_base=tp_base, pp=pp,
+                              sync_layout=draw(st.sampled_from(["refine", "base"]))),
+        global_batch=draw(st.integers(64, 512)),
+        health=HealthReport(tuple(failed)),
+        policy=policy or draw(st.sampled_from(["nutp", "drop", "uniform-reduce"])),
+    )

@@ -1,0 +1,176 @@
+"""Planner properties over drawn clusters, failures and model shapes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+from nemo_nutp.layout import (
+    ClusterSpec,
+    HealthReport,
+    ModelDims,
+    ParallelSpec,
+    Plan,
+    PlanRequest,
+    apportion,
+    build_plan,
+    moved_lower_bound,
+    reshard_plan,
+)
+
+from .strategies import plan_requests
+
+
+def _plan_or_none(req: PlanRequest) -> Plan | None:
+    try:
+        return build_plan(req)
+    except ValueError as e:  # a drawn cluster may hold no runnable replica: that must say so
+        assert any(f in str(e) for f in ("health.failed_gpus", "cluster.num_gpus",
+                                          "global_batch")), e
+        return None
+
+
+def _check_plan(plan: Plan) -> None:
+    req = plan.request
+    failed = set(req.health.failed_gpus)
+    w = plan.world_size
+    assert sorted(r for g in plan.tp_groups() for r in g) == list(range(w))
+    assert sorted(r for g in plan.stage_groups() for r in g) == list(range(w))
+    assert len(set(plan.rank_to_gpu)) == w and not failed & set(plan.rank_to_gpu)
+    d = req.cluster.domain_size
+    for rep in plan.replicas:
+        for s, (ranks, gpus) in enumerate(zip(rep.ranks, rep.gpus)):
+            assert len(ranks) == len(gpus) == rep.tp[s]
+            assert [plan.rank_to_gpu[r] for r in ranks] == list(gpus)
+            assert len({g // d for g in gpus}) == 1, "TP group leaves its domain"
+            assert rep.tp[s] <= rep.healthy[s]
+    assert sum(r.microbatches for r in plan.replicas) == req.global_batch
+    assert all(r.microbatches >= 1 for r in plan.replicas)
+    assert abs(sum(r.weight for r in plan.replicas) - 1.0) < 1e-9
+    for (stage, space), lay in plan.sync.items():
+        owners = plan.sync_owner_ranks(stage, space)
+        for i, rep in enumerate(plan.replicas):
+            assert set(owners[i]) <= set(rep.ranks[stage])  # owners are the replica's own ranks
+            rp = reshard_plan(lay, rep.tp[stage])
+            assert rp.moved_units == moved_lower_bound(lay.num_units, rep.tp[stage], lay.shards)
+    for g in plan.pp_groups():
+        assert len(g) == req.parallel.pp
+
+
+@settings(max_examples=300, deadline=None)
+@given(req=plan_requests())
+def test_plan_invariants(req: PlanRequest) -> None:
+    plan = _plan_or_none(req)
+    if plan is not None:
+        _check_plan(plan)
+        # Degraded replicas are contiguous in rank order: healthy first within each stage.
+        tb = req.parallel.tp_base
+        kinds = [all(t == tb for t in r.tp) for r in plan.replicas]
+        assert kinds == sorted(kinds, reverse=True)
+
+
+@settings(max_examples=300, deadline=None)
+@given(req=plan_requests(policy="nutp"))
+def test_nutp_dominates_baselines(req: PlanRequest) -> None:
+    nutp = _plan_or_none(req)
+    drop = _plan_or_none(dataclasses.replace(req, policy="drop"))
+    ur = _plan_or_none(dataclasses.replace(req, policy="uniform-reduce"))
+    if drop is not None:
+        assert nutp is not None
+        assert nutp.predicted_throughput >= drop.predicted_throughput - 1e-12
+        assert nutp.capacity >= drop.capacity - 1e-12
+    if ur is not None:
+        assert nutp is not None
+        assert nutp.world_size >= ur.world_size  # never fewer healthy GPUs in use
+        assert nutp.capacity >= ur.capacity - 1e-12
+
+
+def test_apportion_is_optimal_on_small_cases() -> None:
+    import itertools
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        n = int(rng.integers(1, 4))
+        speeds = rng.uniform(0.2, 1.0, n)
+        total = int(rng.integers(n, 9))
+        got = apportion(speeds, total)
+        best = min(max(c / s for c, s in zip(combo, speeds))
+                   for combo in itertools.product(range(1, total + 1), repeat=n)
+                   if sum(combo) == total)
+        assert got.sum() == total and (got >= 1).all()
+        assert max(got / speeds) <= best + 1e-12
+
+
+def test_node_pair_example() -> None:
+    """One failed GPU in a 2x8 pair at TP8: nutp runs TP8+TP7, drop runs TP8 alone."""
+    req = PlanRequest(cluster=ClusterSpec(16, 8),
+                      model=ModelDims(num_attention_heads=16, num_query_groups=8,
+                                      ffn_hidden_size=256),
+                      parallel=ParallelSpec(tp_base=8), global_batch=16,
+                      health=HealthReport((11,)))
+    plan = build_plan(req)
+    assert [r.tp for r in plan.replicas] == [(8,), (7,)]
+    assert plan.world_size == 15 and 11 not in plan.rank_to_gpu
+    assert plan.replicas[1].microbatches < plan.replicas[0].microbatches
+    drop = build_plan(dataclasses.replace(req, policy="drop"))
+    assert [r.tp for r in drop.replicas] == [(8,)] and drop.dropped_replicas == 1
+
+
+# --- validation: one test per rule, the message names the field -------------------------------
+BASE = PlanRequest(cluster=ClusterSpec(16, 8), model=ModelDims(),
+                   parallel=ParallelSpec(tp_base=4), global_batch=8)
+
+
+def _parallel(**kw: object) -> PlanRequest:
+    return dataclasses.replace(BASE, parallel=dataclasses.replace(BASE.parallel, **kw))
+
+
+@pytest.mark.parametrize("make, field", [
+    (lambda: ClusterSpec(0, 8), "cluster.num_gpus"),
+    (lambda: ClusterSpec(16, 8, gpus_per_node=3), "cluster.gpus_per_node"),
+    (lambda: HealthReport((-1,)), "health.failed_gpus"),
+    (lambda: HealthReport.from_cli("3,x"), "health.failed_gpus"),
+    (lambda: ModelDims(num_attention_heads=8, num_query_groups=3), "model.num_query_groups"),
+    (lambda: ModelDims(hidden_size=60, num_attention_heads=8), "model.hidden_size"),
+    (lambda: ModelDims(vocab_size=0), "model.vocab_size"),
+    (lambda: ParallelSpec(tp_base=0), "parallel.tp_base"),
+    (lambda: ParallelSpec(tp_base=2, min_tp=3), "parallel.min_tp"),
+    (lambda: ParallelSpec(sync_layout="ring"), "parallel.sync_layout"),
+    (lambda: build_plan(dataclasses.replace(BASE, policy="best")), "nutp.policy"),
+    (lambda: build_plan(_parallel(pp=3)), "parallel.pp"),
+    (lambda: build_plan(_parallel(tp_base=16)), "parallel.tp_base"),  # larger than a domain
+    (lambda: build_plan(dataclasses.replace(BASE, cluster=ClusterSpec(64, 64),
+                                            parallel=ParallelSpec(tp_base=8))),
+     "parallel.tp_base"),  # more than 4 query groups
+    (lambda: build_plan(_parallel(sequence_parallel=True, tp_base=8)), "parallel.tp_base"),
+    (lambda: build_plan(dataclasses.replace(BASE, model=ModelDims(seq_length=10),
+                                            parallel=ParallelSpec(tp_base=4,
+                                                                  sequence_parallel=True))),
+     "model.seq_length"),
+    (lambda: build_plan(dataclasses.replace(BASE, health=HealthReport((16,)))),
+     "health.failed_gpus"),  # id out of range
+    (lambda: build_plan(dataclasses.replace(
+        BASE, health=HealthReport(tuple(range(16))))), "health.failed_gpus"),  # nothing left
+    (lambda: build_plan(dataclasses.replace(
+        BASE, parallel=ParallelSpec(tp_base=4, min_tp=4),
+        health=HealthReport(tuple(range(0, 16, 4))))), "health.failed_gpus"),  # below min_tp
+    (lambda: build_plan(dataclasses.replace(BASE, global_batch=3)), "global_batch"),
+    (lambda: build_plan(_parallel(dp=5)), "parallel.dp"),
+    (lambda: build_plan(dataclasses.replace(BASE, world_size=12)), "world_size"),
+    (lambda: PlanRequest(cluster=ClusterSpec(8, 8), global_batch=0), "global_batch"),
+    (lambda: build_plan(dataclasses.replace(BASE, cluster=ClusterSpec(2, 2),
+                                            parallel=ParallelSpec(tp_base=2, pp=2))),
+     "cluster.num_gpus"),
+    (lambda: build_plan(dataclasses.replace(BASE, replicas=(4, 5))), "nutp.replicas"),
+    (lambda: build_plan(dataclasses.replace(BASE, replicas=(4, 3, 2, 1, 1))), "nutp.replicas"),
+    (lambda: build_plan(dataclasses.replace(BASE, replicas=(4, 3), health=HealthReport((0, 1)))),
+     "nutp.replicas"),  # degree exceeds healthy GPUs
+    (lambda: build_plan(dataclasses.replace(BASE, replicas=(4, 3), parallel=ParallelSpec(
+        tp_base=4, dp=3))), "parallel.dp"),
+])
+def test_validation_names_field(make, field: str) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        make()
