@@ -1,4 +1,4 @@
-"""nemo_nutp.compat.cpu: inert with CUDA, and enough for megatron-core to train/checkpoint on CPU."""
+"""nemo_nutp.compat.cpu: inert with CUDA; lets megatron-core train and checkpoint on CPU."""
 
 from __future__ import annotations
 
