@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH ?= torch==2.13.0
 
-.PHONY: demo test lint venv bench clean
+.PHONY: demo test lint venv bench sim clean
 
 $(STAMP): setup.py
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -29,6 +29,13 @@ test: lint
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/plan_scale.py
+
+sim: $(STAMP)
+	$(BIN)/nutp simulate sim=paper_32k
+	$(BIN)/nutp simulate sim=paper_32k sim.cost.shard_balance=balanced sim.name=paper_32k_balanced sim.output_dir=runs/sim/paper_32k_balanced
+	$(BIN)/nutp simulate sim=nvl72_gb200
+	$(BIN)/nutp simulate sim=scale_131k
+	$(BIN)/python benchmarks/sim_scale.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache .hypothesis

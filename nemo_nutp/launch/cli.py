@@ -1,4 +1,4 @@
-"""``nutp``: the command-line front end (``nutp plan``; more subcommands join as they land)."""
+"""``nutp``: the command-line front end (``nutp plan``, ``nutp simulate``; more join later)."""
 
 from __future__ import annotations
 
@@ -49,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--failed", metavar="IDS", help="extra failed GPUs, e.g. 3,17,40-43")
     p.add_argument("--config-name", default="config", help="primary config in configs/")
     p.set_defaults(func=_plan)
+    from ..goodput.report import add_parser as add_simulate
+
+    add_simulate(sub)
     args = parser.parse_args(argv)
     return int(args.func(args))
 

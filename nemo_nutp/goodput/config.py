@@ -1,0 +1,284 @@
+"""Simulator configuration: dataclasses are the schema, ``configs/sim/*.yaml`` overlay them.
+
+``load_sim_config(overrides)`` composes ``configs/simulate.yaml`` (group ``sim`` = a scenario in
+``configs/sim/``) with Hydra, merges the ``sim`` node onto ``OmegaConf.structured(SimConfig)``
+(unknown keys and wrong types raise ``ValueError`` naming the full key) and validates values in
+``__post_init__`` (``ValueError`` naming ``sim.<field>``). The hardware file
+``configs/sim/hardware/<sim.hardware>.yaml`` and the model file ``configs/model/<sim.model>.yaml``
+are loaded just as strictly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from ..config.schema import ModelConfig, _compose, _writable, config_dir
+from ..layout.specs import _bad, _positive
+
+POLICIES = ("drop", "drop+spares", "uniform-reduce", "nutp", "nutp+boost", "stop-wait")
+"""Every policy the simulator knows (``sim.policies`` picks and orders them)."""
+CAPACITY_POLICIES = ("drop", "drop+spares", "uniform-reduce", "nutp", "nutp+boost")
+BLAST_KINDS = ("gpu", "node", "domain")
+
+
+def _frac(name: str, value: float, *, lo: float = 0.0, hi: float = 1.0) -> None:
+    if not lo <= float(value) <= hi:
+        raise _bad(name, value, f"must be in [{lo}, {hi}]")
+
+
+@dataclass(frozen=True)
+class HardwareSpec:
+    """One GPU generation in one scale-up domain (numbers and sources in the YAML)."""
+
+    name: str = "gpu"
+    """Label shown in tables."""
+    peak_tflops: float = 989.0
+    """Dense BF16 tensor TFLOP/s per GPU."""
+    nvlink_gbps: float = 450.0
+    """Scale-up bandwidth per GPU per direction, GB/s."""
+    network_gbps: float = 50.0
+    """Scale-out (inter-domain) bandwidth per GPU per direction, GB/s."""
+    tdp_w: float = 700.0
+    """Thermal design power per GPU, W (the power a healthy replica runs at)."""
+    usd_per_gpu_hour: float = 2.5
+    """Price of one GPU-hour, USD."""
+
+    def __post_init__(self) -> None:
+        for k in ("peak_tflops", "nvlink_gbps", "network_gbps", "tdp_w", "usd_per_gpu_hour"):
+            if not float(getattr(self, k)) > 0:
+                raise _bad(f"hardware.{k}", getattr(self, k), "must be > 0")
+
+
+@dataclass(frozen=True)
+class BlastConfig:
+    """Blast radius mix: share of failures taking down one GPU, its node, or its domain."""
+
+    gpu: float = 1.0
+    """Share of failures confined to the failing GPU."""
+    node: float = 0.0
+    """Share taking down the whole host (sim.gpus_per_node GPUs)."""
+    domain: float = 0.0
+    """Share taking down the whole scale-up domain (NVSwitch tray, rack power, ...)."""
+
+    def __post_init__(self) -> None:
+        for k in BLAST_KINDS:
+            _frac(f"sim.failures.blast.{k}", getattr(self, k))
+        if abs(self.gpu + self.node + self.domain - 1.0) > 1e-6:
+            raise _bad("sim.failures.blast", (self.gpu, self.node, self.domain),
+                       "gpu + node + domain shares must sum to 1")
+
+    def shares(self) -> dict[str, float]:
+        return {k: float(getattr(self, k)) for k in BLAST_KINDS}
+
+
+@dataclass(frozen=True)
+class FailureConfig:
+    """The failure process (defaults: Llama 3 405B pre-training report)."""
+
+    rate_per_gpu_day: float = 419 / (54 * 16384)
+    """Unexpected interruptions per GPU-day: 419 in 54 days on 16,384 H100 (~4.7e-4)."""
+    multiplier: float = 1.0
+    """Scales the rate (e.g. 2.0 for a less mature fleet)."""
+    hardware_fraction: float = 0.78
+    """Share of failures that are hardware (GPU, HBM, NVLink, host...): 78% in Llama 3."""
+    hardware_repair_hours: float = 120.0
+    """Time a hardware failure keeps its GPUs out (multi-day RMA/repair)."""
+    software_recovery_hours: float = 3.0
+    """Time a software failure keeps its GPUs out (reboot, drain, health checks)."""
+    repair_distribution: str = "fixed"
+    """'fixed' durations or 'exponential' with those means."""
+    blast: BlastConfig = field(default_factory=lambda: BlastConfig())
+    """Share of failures taking down one GPU / its node / its whole scale-up domain."""
+    trace: str | None = None
+    """CSV/JSON failure trace (time_h, gpu, duration_h[, blast]); replaces the random process."""
+
+    def __post_init__(self) -> None:
+        _frac("sim.failures.hardware_fraction", self.hardware_fraction)
+        for k in ("rate_per_gpu_day", "multiplier", "hardware_repair_hours",
+                  "software_recovery_hours"):
+            if not float(getattr(self, k)) >= 0:
+                raise _bad(f"sim.failures.{k}", getattr(self, k), "must be >= 0")
+        if self.repair_distribution not in ("fixed", "exponential"):
+            raise _bad("sim.failures.repair_distribution", self.repair_distribution,
+                       "must be 'fixed' or 'exponential'")
+
+    @property
+    def rate(self) -> float:
+        """Failures per GPU-hour."""
+        return self.rate_per_gpu_day * self.multiplier / 24.0
+
+
+@dataclass(frozen=True)
+class CostConfig:
+    """Step-time model knobs (see ``goodput.cost``)."""
+
+    mode: str = "full"
+    """'full' (compute + TP comm + DP sync) or 'compute' (the planner's slowest-rank FLOPs only)."""
+    shard_balance: str = "planner"
+    """'planner': units split as the planner does (per unit space, independently);
+    'balanced': FFN/vocab units fill in around the query-group remainder (a bound one unit off)."""
+    mfu: float = 0.45
+    """Fraction of peak FLOP/s the matmuls reach."""
+    tp_overlap: float = 0.3
+    """Fraction of TP communication hidden behind compute."""
+    dp_overlap: float = 0.8
+    """Fraction of the DP gradient sync hidden behind backward."""
+    grad_bytes: int = 4
+    """Bytes per gradient element in the DP sync (fp32 main grads)."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("full", "compute"):
+            raise _bad("sim.cost.mode", self.mode, "must be 'full' or 'compute'")
+        if self.shard_balance not in ("planner", "balanced"):
+            raise _bad("sim.cost.shard_balance", self.shard_balance,
+                       "must be 'planner' or 'balanced'")
+        _frac("sim.cost.mfu", self.mfu, lo=1e-3)
+        _frac("sim.cost.tp_overlap", self.tp_overlap)
+        _frac("sim.cost.dp_overlap", self.dp_overlap)
+        _positive("sim.cost.grad_bytes", self.grad_bytes)
+
+
+@dataclass(frozen=True)
+class BoostConfig:
+    """Power boost of degraded replicas: speed-up (P/TDP)^alpha for P <= (1+max_power) TDP."""
+
+    max_power: float = 0.30
+    """Largest extra power over TDP a suitable rack sustains (the NTP paper's ~30%)."""
+    alpha: float = 1.0 / 3.0
+    """Exponent of the speed/power law: dynamic power ~ f*V^2 with V ~ f gives f ~ P^(1/3)."""
+
+    def __post_init__(self) -> None:
+        _frac("sim.boost.max_power", self.max_power, hi=4.0)
+        _frac("sim.boost.alpha", self.alpha, lo=1e-3)
+
+
+@dataclass(frozen=True)
+class StopWaitConfig:
+    """Checkpoint/restart: the whole job stops on every failure."""
+
+    max_wait_hours: float | None = 4.0
+    """Longest wait for the failed GPUs (hot-swap from a spare pool); None waits for repair."""
+    restart_hours: float = 0.5
+    """Restart cost after the GPUs are back (scheduling, loading the checkpoint, warm-up)."""
+    checkpoint_interval_hours: float = 1.0
+    """Work since the last checkpoint is lost: half an interval per failure on average."""
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """A simulator scenario: cluster, model, hardware, failure process, policies, sweeps."""
+
+    name: str = "scenario"
+    """Label used in tables and file names."""
+    num_gpus: int = 32768
+    """GPUs in the job (spare domains of ``drop+spares`` come on top)."""
+    domain_size: int = 32
+    """GPUs per scale-up domain."""
+    gpus_per_node: int = 4
+    """GPUs per host (blast radius 'node')."""
+    model: str = "gpt_480b"
+    """Name of a model file in configs/model/."""
+    hardware: str = "b200_nvl32"
+    """Name of a hardware file in configs/sim/hardware/."""
+    tp_base: int = 32
+    """Healthy TP degree."""
+    pp: int = 1
+    """Pipeline stages per replica."""
+    min_tp: int = 1
+    """Smallest degree a stage may run at."""
+    micro_batches_per_replica: int = 16
+    """Fault-free micro-batches per replica and step (sets how much DP sync is amortised)."""
+    micro_batch_tokens: int = 8192
+    """Tokens per micro-batch."""
+    policies: list[str] = field(default_factory=lambda: list(POLICIES))
+    """Policies compared side by side."""
+    spare_domains: int = 2
+    """Spare domains of the ``drop+spares`` policy."""
+    trials: int = 200
+    """Monte Carlo trials per sweep point and for the timeline."""
+    seed: int = 0
+    """Seed of every random draw."""
+    fractions: list[float] = field(default_factory=lambda: [1e-4, 5e-4, 1e-3, 2e-3, 4e-3])
+    """Failed-GPU fractions of the static sweep (Fig. 6/7 analogues)."""
+    blast_fraction: float = 2e-3
+    """Failed-GPU fraction of the blast-radius sensitivity (Fig. 10 analogue)."""
+    days: float = 15.0
+    """Horizon of the timeline simulation."""
+    step_hours: float = 1.0
+    """Time step of the timeline."""
+    steady_state: bool = True
+    """Start the timeline with the failures of a long-running job (else all healthy at t=0)."""
+    failures: FailureConfig = field(default_factory=FailureConfig)
+    cost: CostConfig = field(default_factory=CostConfig)
+    boost: BoostConfig = field(default_factory=BoostConfig)
+    stop_wait: StopWaitConfig = field(default_factory=StopWaitConfig)
+    output_dir: str = "runs/sim"
+    """Where JSON and PNGs go."""
+
+    def __post_init__(self) -> None:
+        for k in ("num_gpus", "domain_size", "gpus_per_node", "tp_base", "pp", "min_tp",
+                  "micro_batches_per_replica", "micro_batch_tokens", "trials"):
+            _positive(f"sim.{k}", getattr(self, k))
+        if self.tp_base > self.domain_size:
+            raise _bad("sim.tp_base", self.tp_base, f"exceeds sim.domain_size={self.domain_size}")
+        if self.spare_domains < 0:
+            raise _bad("sim.spare_domains", self.spare_domains, "must be >= 0")
+        for p in self.policies:
+            if p not in POLICIES:
+                raise _bad("sim.policies", p, f"unknown policy; known: {POLICIES}")
+        for f in self.fractions:
+            _frac("sim.fractions", f, hi=0.5)
+        _frac("sim.blast_fraction", self.blast_fraction, hi=0.5)
+        if not (self.days > 0 and 0 < self.step_hours <= self.days * 24):
+            raise _bad("sim.step_hours", self.step_hours, "must be in (0, sim.days*24]")
+
+
+def _strict(schema: type, raw: Any, prefix: str) -> Any:
+    base = OmegaConf.structured(schema)
+    _writable(base)
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(base, raw))
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or ""
+        raise ValueError(f"{prefix}{'.' + key if key else ''}: {str(e).splitlines()[0]}") from None
+
+
+def load_yaml_strict(schema: type, path: Path, prefix: str) -> Any:
+    """Load one YAML file onto a dataclass schema (unknown keys -> ``ValueError`` naming them)."""
+    if not path.exists():
+        raise ValueError(f"{prefix}: file {path} not found")
+    return _strict(schema, OmegaConf.load(path), prefix)
+
+
+def load_sim_config(overrides: list[str] | None = None, *, directory: Path | None = None
+                    ) -> SimConfig:
+    """Compose ``configs/simulate.yaml`` + Hydra overrides into a validated ``SimConfig``."""
+    directory = directory or config_dir()
+    try:
+        raw = _compose("simulate", list(overrides or []), directory)
+    except Exception as e:
+        if type(e).__module__.startswith(("hydra", "omegaconf")):
+            raise ValueError(f"config: {str(e).splitlines()[0]}") from None
+        raise
+    OmegaConf.set_struct(raw, False)
+    extra = [k for k in raw.keys() if k not in ("sim", "hydra")]
+    if extra:
+        raise ValueError(f"{extra[0]}: unknown top-level key (only 'sim' is read)")
+    return _strict(SimConfig, raw.get("sim", {}), "sim")
+
+
+def load_model(cfg: SimConfig, directory: Path | None = None) -> ModelConfig:
+    """The model named by ``sim.model`` (configs/model/<name>.yaml)."""
+    path = (directory or config_dir()) / "model" / f"{cfg.model}.yaml"
+    return load_yaml_strict(ModelConfig, path, "model")  # type: ignore[no-any-return]
+
+
+def load_hardware(cfg: SimConfig, directory: Path | None = None) -> HardwareSpec:
+    """The hardware named by ``sim.hardware`` (configs/sim/hardware/<name>.yaml)."""
+    path = (directory or config_dir()) / "sim" / "hardware" / f"{cfg.hardware}.yaml"
+    return load_yaml_strict(HardwareSpec, path, "hardware")  # type: ignore[no-any-return]

@@ -1,0 +1,104 @@
+"""PNG figures of a simulation result (paper Fig. 6/7/10 analogues), written atomically."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
+
+STYLE = {"drop": "C3", "drop+spares": "C1", "uniform-reduce": "C4", "nutp": "C0",
+         "nutp+boost": "C2", "stop-wait": "C7"}
+
+
+def _save(fig: Figure, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=120, bbox_inches="tight")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    finally:
+        plt.close(fig)
+    return path
+
+
+def _title(res: dict[str, Any]) -> str:
+    c = res["config"]
+    return (f"{c['name']}: {c['num_gpus']:,} GPUs, TP{c['tp_base']}xPP{c['pp']}, "
+            f"{c['trials']} trials")
+
+
+def loss_vs_fraction(res: dict[str, Any], path: Path) -> Path:
+    """Fig. 6 analogue: throughput loss vs failed-GPU fraction, p5-p95 bands."""
+    pts = res["sweep"]["points"]
+    x = [p["fraction"] * 100 for p in pts]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for pol in pts[0]["policies"]:
+        m = [p["policies"][pol]["mean"] * 100 for p in pts]
+        lo = [p["policies"][pol]["p5"] * 100 for p in pts]
+        hi = [p["policies"][pol]["p95"] * 100 for p in pts]
+        ax.plot(x, m, marker="o", ms=3, label=pol, color=STYLE.get(pol))
+        ax.fill_between(x, lo, hi, alpha=0.15, color=STYLE.get(pol))
+    if res["config"]["pp"] == 1:
+        ax.plot(x, [p["drop_closed_form"] * 100 for p in pts], "k--", lw=0.8,
+                label="1-(1-p)^n")
+    ax.plot(x, x, ":", color="grey", lw=0.8, label="= failed fraction")
+    ax.set(xlabel="failed GPUs (%)", ylabel="throughput loss vs fault-free (%)",
+           title=_title(res))
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def spares_vs_fraction(res: dict[str, Any], path: Path) -> Path:
+    """Fig. 7 analogue: spare domains a rigid job needs (p95 over trials)."""
+    pts = res["sweep"]["points"]
+    x = [p["fraction"] * 100 for p in pts]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for pol in ("drop", "nutp", "nutp+boost"):
+        if pol in pts[0]["policies"]:
+            ax.plot(x, [p["policies"][pol]["spare_domains_p95"] for p in pts], marker="o",
+                    ms=3, label=pol, color=STYLE.get(pol))
+    ax.set(xlabel="failed GPUs (%)", ylabel="spare domains for zero pause (p95)",
+           title=_title(res))
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def blast_sensitivity(res: dict[str, Any], path: Path) -> Path:
+    """Fig. 10 analogue: loss at a fixed failed fraction when failures take a GPU/node/domain."""
+    rows = res["sweep"]["blast"]
+    pols = list(rows[0]["policies"])
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    w = 0.8 / len(pols)
+    for i, pol in enumerate(pols):
+        xs = [j + (i - len(pols) / 2 + 0.5) * w for j in range(len(rows))]
+        ax.bar(xs, [r["policies"][pol]["mean"] * 100 for r in rows], w, label=pol,
+               color=STYLE.get(pol))
+    ax.set_xticks(range(len(rows)), [f"{r['kind']} ({r['gpus']} GPUs)" for r in rows])
+    ax.set(ylabel="throughput loss (%)", title=f"{_title(res)}\nfailed fraction "
+           f"{rows[0]['fraction'] * 100:.2f}% by blast radius")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    return _save(fig, path)
+
+
+def write_all(res: dict[str, Any], out_dir: Path) -> list[Path]:
+    """Every figure the result supports; returns the paths written."""
+    if "sweep" not in res:
+        return []
+    name = res["config"]["name"]
+    return [loss_vs_fraction(res, out_dir / f"{name}_loss_vs_fraction.png"),
+            spares_vs_fraction(res, out_dir / f"{name}_spares.png"),
+            blast_sensitivity(res, out_dir / f"{name}_blast.png")]

@@ -1,0 +1,128 @@
+"""``nutp simulate``: load the scenario, run with a progress bar, print rich tables, write
+JSON (``--json PATH``, default ``<output_dir>/<name>.json``) and PNG figures, atomically."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from ..layout.serialize import write_json_atomic
+
+
+def _pct(x: float | None, digits: int = 2) -> str:
+    return "-" if x is None else f"{x * 100:.{digits}f}"
+
+
+def sweep_table(res: dict[str, Any]) -> Table:
+    """Mean [p5, p95] loss per policy at each failed fraction, plus nutp loss / fraction."""
+    pts = res["sweep"]["points"]
+    pols = list(pts[0]["policies"])
+    t = Table(title="Throughput loss % vs failed-GPU fraction: mean [p5, p95]")
+    for col in ("failed %", "drop closed form", *pols, "nutp / failed"):
+        t.add_column(col, justify="right")
+    for p in pts:
+        cells = [f"{_pct(v['mean'])} [{_pct(v['p5'])}, {_pct(v['p95'])}]"
+                 for v in (p["policies"][q] for q in pols)]
+        ratio = (f"{p['policies']['nutp']['mean'] / p['fraction']:.2f}"
+                 if "nutp" in p["policies"] else "-")
+        closed = _pct(p["drop_closed_form"]) if res["config"]["pp"] == 1 else "n/a (pp>1)"
+        t.add_row(_pct(p["fraction"], 3), closed, *cells, ratio)
+    return t
+
+
+def timeline_table(res: dict[str, Any]) -> Table:
+    tl = res["timeline"]
+    c = res["config"]
+    t = Table(title=f"{c['days']:g} days, {tl['trials']} trials, {tl['events']:,} failures, "
+                    f"mean failed {_pct(tl['mean_failed_fraction'], 3)}% of GPUs")
+    for col in ("policy", "loss mean %", "p5 %", "p95 %", "rigid paused %",
+                "spares for 0 pause (p95)", "boost power %", "GPU-h lost", "$ lost"):
+        t.add_column(col, justify="right")
+    for pol, r in tl["policies"].items():
+        sp = r["spare_domains_zero_pause"]
+        t.add_row(pol, _pct(r["mean"], 3), _pct(r["p5"], 3), _pct(r["p95"], 3),
+                  _pct(r["rigid_paused"], 1), "-" if sp is None else f"{sp:.0f}",
+                  _pct(r["boost_power"], 3), f"{r['gpu_hours_lost']:,.0f}",
+                  f"{r['usd_lost']:,.0f}")
+    return t
+
+
+def blast_table(res: dict[str, Any]) -> Table:
+    rows = res["sweep"]["blast"]
+    pols = list(rows[0]["policies"])
+    t = Table(title=f"Blast radius at {_pct(rows[0]['fraction'], 2)}% failed GPUs: mean loss %")
+    for col in ("blast", *pols):
+        t.add_column(col, justify="right")
+    for r in rows:
+        t.add_row(f"{r['kind']} ({r['gpus']})", *[_pct(r["policies"][q]["mean"]) for q in pols])
+    return t
+
+
+def print_result(res: dict[str, Any], console: Console) -> None:
+    c, st = res["config"], res["step_time"]
+    speeds = ", ".join(f"TP{k}: {v:.3f}" for k, v in res["degraded_speed"].items())
+    console.print(f"[bold]{c['name']}[/]: {c['num_gpus']:,} GPUs ({res['hardware']['name']}), "
+                  f"model {c['model']}, TP{c['tp_base']} x PP{c['pp']}, {res['replicas']} "
+                  f"replicas; step {st['step_s']:.2f} s (compute {st['compute_s']:.2f} s); "
+                  f"cost {c['cost']['mode']}/{c['cost']['shard_balance']}")
+    console.print(f"replica speed by degree: {speeds}")
+    if "sweep" in res:
+        console.print(sweep_table(res))
+        console.print(blast_table(res))
+    if "timeline" in res:
+        console.print(timeline_table(res))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of ``nutp simulate`` (exit code 2 on a config error)."""
+    from . import figures
+    from .config import load_sim_config
+    from .simulate import simulate
+
+    console = Console()
+    try:
+        cfg = load_sim_config(args.overrides)
+        t0 = time.perf_counter()
+        with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
+                      console=console, transient=True) as bar:
+            tasks: dict[str, Any] = {}
+
+            def progress(label: str, done: float) -> None:
+                if label not in tasks:
+                    tasks[label] = bar.add_task(label, total=1.0)
+                bar.update(tasks[label], completed=done)
+
+            res = simulate(cfg, progress=progress, sweep=not args.no_sweep,
+                           timeline=not args.no_timeline)
+        elapsed = time.perf_counter() - t0
+    except ValueError as e:
+        console.print(f"[red]error:[/] {e}")
+        return 2
+    res["elapsed_s"] = elapsed
+    print_result(res, console)
+    console.print(f"simulated in {elapsed:.1f} s")
+    out_dir = Path(cfg.output_dir)
+    json_path = Path(args.json) if args.json else out_dir / f"{cfg.name}.json"
+    write_json_atomic(res, json_path)
+    console.print(f"wrote {json_path}")
+    if not args.no_figures:
+        for p in figures.write_all(res, out_dir):
+            console.print(f"wrote {p}")
+    return 0
+
+
+def add_parser(sub: Any) -> None:
+    """Register ``simulate`` on the ``nutp`` sub-command parser."""
+    p = sub.add_parser("simulate", help="goodput simulator: policies under failures at scale")
+    p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. sim=paper_32k sim.trials=50")
+    p.add_argument("--json", metavar="PATH", help="result JSON (default <output_dir>/<name>.json)")
+    p.add_argument("--no-figures", action="store_true", help="skip the PNG figures")
+    p.add_argument("--no-sweep", action="store_true", help="skip the failed-fraction sweep")
+    p.add_argument("--no-timeline", action="store_true", help="skip the timeline simulation")
+    p.set_defaults(func=run)

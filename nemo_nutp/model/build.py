@@ -1,0 +1,168 @@
+"""NUTP GPT specs and builder, and global-weight-consistent initialisation.
+
+* ``nutp_layer_spec(dims, degree, tp_rank)`` derives megatron-core's *local* GPT layer spec and
+  swaps in the NUTP attention/MLP/norm subclasses with this rank's unit counts; pass it (or the
+  block spec from ``nutp_block_spec``) as ``transformer_layer_spec`` to a megatron GPT model.
+* ``build_gpt_model(plan, rank, model_cfg, pgs, seed=...)`` builds this rank's model and loads
+  its units of the *global* weights, which are a deterministic function of (seed, parameter name)
+  — so every replica starts from the same model whatever its degree and unit assignment.
+* Every parameter gets ``nutp_kind`` (a ``layout.units`` kind, or None when replicated) and
+  ``nutp_units = (lo, hi)``, which the gradient sync and checkpointing read.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import zlib
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer import ModuleSpec, TransformerConfig
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+from ..layout import PARAM_KINDS, Plan, assignment, local_layout, num_units
+from ..layout.specs import ModelDims
+from ..layout.units import global_shape
+from .layers import NUTPMLP, NUTPGPTModel, NUTPNorm, NUTPSelfAttention
+
+_KIND_OF = (
+    (r"embedding\.word_embeddings\.weight$", "word_embedding"),
+    (r"output_layer\.weight$", "output_layer"),
+    (r"self_attention\.linear_qkv\.weight$", "qkv_weight"),
+    (r"self_attention\.linear_qkv\.bias$", "qkv_bias"),
+    (r"self_attention\.linear_proj\.weight$", "proj_weight"),
+    (r"mlp\.linear_fc1\.weight$", "fc1_weight"),
+    (r"mlp\.linear_fc1\.bias$", "fc1_bias"),
+    (r"mlp\.linear_fc2\.weight$", "fc2_weight"),
+)
+
+
+def param_kind(name: str) -> str | None:
+    """Layout kind of a GPT parameter name; None for replicated parameters (norms, row biases)."""
+    name = name.removeprefix("module.")
+    for pattern, kind in _KIND_OF:
+        if re.search(pattern, name):
+            return kind
+    return None
+
+
+def unit_range(dims: ModelDims, kind: str, degree: int, tp_rank: int) -> tuple[int, int]:
+    b = assignment(num_units(dims, PARAM_KINDS[kind].space), degree)
+    return int(b[tp_rank]), int(b[tp_rank + 1])
+
+
+def transformer_config(model: Any, *, degree: int, sequence_parallel: bool = False
+                       ) -> TransformerConfig:
+    """megatron ``TransformerConfig`` of the *global* model (fp32, no dropout, no fusions).
+
+    Built at TP1 (megatron validates head counts against ``tensor_model_parallel_size``, which
+    uneven NUTP degrees need not divide); the degree and sequence parallelism are set after.
+    """
+    config = TransformerConfig(
+        num_layers=model.num_layers, hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads, num_query_groups=model.num_query_groups,
+        ffn_hidden_size=model.ffn_hidden_size, kv_channels=model.kv_channels,
+        gated_linear_unit=model.gated_mlp, activation_func=F.silu if model.gated_mlp else F.gelu,
+        normalization=getattr(model, "normalization", "RMSNorm"),
+        add_bias_linear=model.add_bias, add_qkv_bias=model.add_bias,
+        hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
+        perform_initialization=False, params_dtype=torch.float32,
+        bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
+        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+        cross_entropy_loss_fusion=False,
+    )
+    config.tensor_model_parallel_size = degree
+    config.sequence_parallel = sequence_parallel and degree > 1
+    return config
+
+
+def nutp_layer_spec(dims: ModelDims, *, degree: int, tp_rank: int,
+                    tp_group: Any = None) -> ModuleSpec:
+    """megatron's local GPT layer spec with NUTP attention/MLP/norms for this rank's units.
+
+    ``tp_group`` is this rank's TP group: megatron's ``TransformerLayer`` passes a TP group only
+    to the exact ``MLP`` class, so the spec carries it for ``NUTPMLP``.
+    """
+    spec = copy.deepcopy(get_gpt_layer_local_spec())
+    sub = spec.submodules
+    g0, g1 = unit_range(dims, "qkv_weight", degree, tp_rank)
+    f0, f1 = unit_range(dims, "fc1_weight", degree, tp_rank)
+    sub.self_attention.module = NUTPSelfAttention
+    sub.self_attention.params = {**sub.self_attention.params, "nutp_local_groups": g1 - g0}
+    sub.mlp.module = NUTPMLP
+    sub.mlp.params = {**sub.mlp.params, "nutp_local_ffn": f1 - f0, "tp_group": tp_group}
+    sub.input_layernorm = NUTPNorm
+    sub.pre_mlp_layernorm = NUTPNorm
+    return spec
+
+
+def nutp_block_spec(dims: ModelDims, *, degree: int, tp_rank: int,
+                    tp_group: Any = None) -> TransformerBlockSubmodules:
+    layer = nutp_layer_spec(dims, degree=degree, tp_rank=tp_rank, tp_group=tp_group)
+    return TransformerBlockSubmodules(layer_specs=[layer] * dims.num_layers, layer_norm=NUTPNorm)
+
+
+LAYER_SPECS = {"nutp_local": nutp_layer_spec}
+"""Registry of NUTP layer-spec builders, by name (a Transformer-Engine variant joins when TE is
+installed; it is not in this environment)."""
+
+
+def global_weight(name: str, shape: tuple[int, ...], *, seed: int, std: float) -> torch.Tensor:
+    """Deterministic global tensor for a parameter name: N(0, std), norms 1 + N(0, std)."""
+    key = zlib.crc32(f"{seed}:{name.removeprefix('module.')}".encode())
+    gen = torch.Generator().manual_seed(key)
+    w = torch.randn(shape, generator=gen, dtype=torch.float32) * std
+    if "layernorm" in name and name.endswith("weight"):
+        w += 1.0
+    return w
+
+
+def load_global_init(model: torch.nn.Module, dims: ModelDims, *, degree: int, tp_rank: int,
+                     seed: int, std: float = 0.02) -> None:
+    """Tag every parameter with its units and copy in its slice of the global weights."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            kind = param_kind(name)
+            p.nutp_kind = kind  # type: ignore[attr-defined]
+            if kind is None:
+                p.nutp_units = None  # type: ignore[attr-defined]
+                p.copy_(global_weight(name, tuple(p.shape), seed=seed, std=std))
+                continue
+            lo, hi = unit_range(dims, kind, degree, tp_rank)
+            p.nutp_units = (lo, hi)  # type: ignore[attr-defined]
+            full = global_weight(name, global_shape(kind, dims), seed=seed, std=std)
+            idx = torch.from_numpy(local_layout(kind, dims, np.arange(lo, hi)))
+            local = full.reshape(-1)[idx]
+            if local.numel() != p.numel():
+                raise AssertionError(f"{name}: local {tuple(p.shape)} vs {local.numel()} units")
+            p.copy_(local.view_as(p))
+
+
+def build_gpt_model(plan: Plan, rank: int, model_cfg: Any, pgs: ProcessGroupCollection, *,
+                    seed: int = 1234) -> NUTPGPTModel:
+    """This rank's NUTP GPT model (pp == 1), initialised from the global weights."""
+    if plan.pp != 1:
+        raise ValueError(f"parallel.pp={plan.pp}: the NUTP runtime supports pp=1 for now")
+    i, stage, j = plan.rank_index[rank]
+    degree = plan.replicas[i].tp[stage]
+    if pgs.tp.size() != degree:
+        raise ValueError(f"tp group size {pgs.tp.size()} != planned degree {degree}")
+    sp = plan.request.parallel.sequence_parallel
+    config = transformer_config(model_cfg, degree=degree, sequence_parallel=sp)
+    v0, v1 = unit_range(model_cfg, "word_embedding", degree, j)
+    model = NUTPGPTModel(
+        config, nutp_block_spec(model_cfg, degree=degree, tp_rank=j, tp_group=pgs.tp),
+        vocab_range=(v0, v1),
+        max_sequence_length=model_cfg.seq_length,
+        position_embedding_type=getattr(model_cfg, "position_embedding", "rope"),
+        share_embeddings_and_output_weights=model_cfg.tie_embeddings,
+        parallel_output=True, pg_collection=pgs,
+    )
+    load_global_init(model, model_cfg, degree=degree, tp_rank=j, seed=seed,
+                     std=getattr(model_cfg, "init_std", 0.02))
+    return model

@@ -1,0 +1,114 @@
+"""Turn a plan's rank lists into process groups; hand each rank an explicit collection.
+
+Contract:
+* every rank calls ``build_groups`` with the same plan; groups are created in one fixed order
+  (TP, PP, stage/DP, stage leaders, sync groups by stage and space, singletons): no deadlock;
+* the returned ``NUTPGroups.pgs`` is a megatron-core ``ProcessGroupCollection`` holding *this
+  rank's* groups; NUTP never initialises or reads megatron's global ``parallel_state`` groups, so
+  any layer that falls back to a global TP group fails loudly instead of computing wrong math;
+* ``sync[(stage, space, owners)]`` maps the owner tuple of a shard to its DP group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+from ..layout import SPACES, Plan
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """Where a global rank sits in the plan."""
+
+    rank: int
+    replica: int  # position in plan.replicas
+    stage: int
+    tp_rank: int
+    degree: int
+    weight: float
+    microbatches: int
+    microbatch_offset: int  # first global micro-batch index of this replica
+
+
+def rank_context(plan: Plan, rank: int) -> RankContext:
+    if rank not in plan.rank_index:
+        raise ValueError(f"rank={rank}: not in the plan (world_size={plan.world_size})")
+    i, s, j = plan.rank_index[rank]
+    rep = plan.replicas[i]
+    offset = sum(r.microbatches for r in plan.replicas[:i])
+    return RankContext(rank=rank, replica=i, stage=s, tp_rank=j, degree=rep.tp[s],
+                       weight=rep.weight, microbatches=rep.microbatches,
+                       microbatch_offset=offset)
+
+
+@dataclass
+class NUTPGroups:
+    """This rank's process groups."""
+
+    ctx: RankContext
+    pgs: ProcessGroupCollection
+    tp: dist.ProcessGroup
+    stage: dist.ProcessGroup  # all ranks of this stage over replicas (replicated params)
+    leaders: dist.ProcessGroup | None  # TP-rank-0 of every replica of the stage (None if not one)
+    single: dist.ProcessGroup | None = None  # this rank alone (cp=1; single-process references)
+    sync: dict[tuple[int, str, tuple[int, ...]], dist.ProcessGroup] = field(default_factory=dict)
+
+
+def _new_group(ranks: list[int], backend: str | None) -> dist.ProcessGroup | None:
+    g = dist.new_group(ranks=sorted(ranks), backend=backend)
+    return g if dist.get_rank() in ranks else None
+
+
+def build_groups(plan: Plan, *, backend: str | None = None) -> NUTPGroups:
+    """Create every group of the plan (collective over the world) and return this rank's."""
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed must be initialised before build_groups")
+    if dist.get_world_size() != plan.world_size:
+        raise ValueError(f"world_size={dist.get_world_size()}: the plan needs "
+                         f"{plan.world_size} ranks")
+    rank = dist.get_rank()
+    ctx = rank_context(plan, rank)
+    mine: dict[str, dist.ProcessGroup] = {}
+    for kind, lists in (("tp", plan.tp_groups()), ("pp", plan.pp_groups()),
+                        ("stage", plan.stage_groups())):
+        for ranks in lists:
+            g = _new_group(ranks, backend)
+            if g is not None and kind not in mine:  # a rank is in exactly one TP/stage group
+                mine[kind] = g
+    leaders = None
+    for s in range(plan.pp):
+        g = _new_group([rep.ranks[s][0] for rep in plan.replicas], backend)
+        leaders = g if g is not None else leaders
+    sync: dict[tuple[int, str, tuple[int, ...]], dist.ProcessGroup] = {}
+    for s in range(plan.pp):
+        for space in SPACES:
+            for ranks in plan.sync_groups(s, space):
+                g = _new_group(ranks, backend)
+                if g is not None:
+                    sync[(s, space, tuple(ranks))] = g
+    single = None
+    for r in range(plan.world_size):  # size-1 groups for context parallelism (unused: cp=1)
+        g = _new_group([r], backend)
+        single = g if g is not None else single
+    assert single is not None
+    pgs = ProcessGroupCollection()
+    pgs.tp = mine["tp"]
+    pgs.pp = mine["pp"]
+    pgs.cp = single
+    pgs.tp_cp = mine["tp"]
+    pgs.mp = mine["tp"] if plan.pp == 1 else None  # NUTP runtime supports pp == 1 today
+    pgs.tp_ep_pp = pgs.mp
+    pgs.dp = mine["stage"]
+    pgs.dp_cp = mine["stage"]
+    pgs.intra_dp_cp = mine["stage"]
+    pgs.expt_dp = mine["stage"]
+    pgs.embd = None
+    pgs.pos_embd = None
+    pgs.ep = single
+    pgs.expt_tp = mine["tp"]
+    pgs.tp_ep = mine["tp"]
+    return NUTPGroups(ctx=ctx, pgs=pgs, tp=mine["tp"], stage=mine["stage"], leaders=leaders,
+                      single=single, sync=sync)

@@ -1,0 +1,60 @@
+"""megatron-core DDP with NUTP cross-replica gradient sync.
+
+``NUTPDistributedDataParallel`` *is* megatron-core's ``DistributedDataParallel``: its contiguous
+grad buffers, ``main_grad`` accumulation, ``no_sync`` micro-batching, backward hooks and bucket
+readiness tracking are unchanged. Only the communication of a bucket group is NUTP's: each
+megatron bucket group is given the ``NUTPBucketGroup`` behaviour (a subclass of megatron's own
+``_ParamAndGradBucketGroup``), whose ``start_grad_sync`` hands the bucket's parameters to the
+rank's ``GradSyncEngine`` from the backward hooks, and whose ``finish_grad_sync`` completes it.
+The bucket-group instances are built inside megatron's ``__init__`` (a nested function we cannot
+override), hence the ``__class__`` swap right after construction.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
+
+from ..layout import Plan
+from ..parallel.groups import NUTPGroups
+from .engine import GradSyncEngine
+
+
+class NUTPBucketGroup(_ParamAndGradBucketGroup):
+    """megatron bucket group whose collectives are NUTP's reshard + weighted reduction."""
+
+    nutp_engine: GradSyncEngine
+
+    def start_grad_sync(self, force_all_reduce: bool | None = False) -> None:
+        self.nutp_engine.mark_ready(self.params)
+
+    def finish_grad_sync(self, force_all_reduce: bool | None = False) -> None:
+        self.param_gather_dispatched = False
+        if not self.ddp_config.overlap_grad_reduce or self.is_first_batch:
+            self.start_grad_sync()
+        self.nutp_engine.finish()
+
+    def reset(self) -> None:
+        super().reset()
+        self.nutp_engine.reset()
+
+
+class NUTPDistributedDataParallel(DistributedDataParallel):
+    """megatron-core DDP for one NUTP rank; pass the plan and this rank's groups."""
+
+    def __init__(self, config: Any, ddp_config: DistributedDataParallelConfig,
+                 module: Any, *, plan: Plan, groups: NUTPGroups) -> None:
+        if ddp_config.use_distributed_optimizer:
+            raise ValueError("train.distributed_optimizer=True: the distributed optimizer is "
+                             "not supported with NUTP yet")
+        if ddp_config.num_distributed_optimizer_instances != 1:
+            raise ValueError("ddp.num_distributed_optimizer_instances must be 1 with NUTP")
+        super().__init__(config, ddp_config, module, pg_collection=groups.pgs)
+        if self.expert_parallel_bucket_groups:
+            raise ValueError("expert parallel parameters are not supported with NUTP yet")
+        self.nutp_engine = GradSyncEngine(plan, groups, list(module.named_parameters()))
+        for bucket_group in self.bucket_groups:
+            bucket_group.__class__ = NUTPBucketGroup
+            bucket_group.nutp_engine = self.nutp_engine

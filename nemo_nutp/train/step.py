@@ -1,0 +1,69 @@
+"""One optimizer step of a NUTP rank.
+
+The replica runs its plan share of micro-batches (``no_sync`` on all but the last, so megatron
+accumulates into ``main_grad``), each loss scaled by ``1 / m_r``; the NUTP DDP then scales by the
+replica weight ``m_r / M`` and reduces across replicas, so every rank ends with the gradient of
+the mean loss over all ``M`` micro-batches of the global batch. The step's reported loss is the
+same global mean.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+from ..data import MicroBatch
+
+
+@dataclass(frozen=True)
+class StepResult:
+    loss: float  # mean loss over the global batch
+    replica_loss: float  # mean over this replica's micro-batches
+    grad_norm: float
+
+
+def build_optimizer(model: Any, pgs: Any, *, lr: float, optimizer: str = "adam",
+                    weight_decay: float = 0.0, clip_grad: float = 0.0,
+                    adam_eps: float = 1e-8) -> Any:
+    """megatron-core (non-distributed) optimizer over this rank's explicit process groups."""
+    cfg = OptimizerConfig(optimizer=optimizer, lr=lr, weight_decay=weight_decay,
+                          clip_grad=clip_grad, adam_eps=adam_eps, params_dtype=torch.float32,
+                          use_distributed_optimizer=False)
+    opt = get_megatron_optimizer(cfg, [model], use_gloo_process_groups=False, pg_collection=pgs)
+    for inner in getattr(opt, "chained_optimizers", [opt]):
+        # Grad norm: count replicated params once per replica (TP rank 0), never via globals.
+        inner.tp_group = pgs.tp
+    return opt
+
+
+def reduce_replica_loss(replica_loss: float, *, weight: float, degree: int,
+                        stage_group: dist.ProcessGroup) -> float:
+    """Global-batch mean loss: sum over replicas of weight x replica mean."""
+    t = torch.tensor([replica_loss * weight / degree], dtype=torch.float64)
+    dist.all_reduce(t, group=stage_group)
+    return float(t.item())
+
+
+def train_step(model: Any, optimizer: Any, batches: list[MicroBatch], mask: torch.Tensor | None
+               ) -> tuple[float, float]:
+    """Forward/backward this replica's micro-batches, sync, update; (replica loss, grad norm)."""
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    n = len(batches)
+    total = 0.0
+    for i, mb in enumerate(batches):
+        ctx = model.no_sync() if i < n - 1 else contextlib.nullcontext()
+        with ctx:
+            loss = model(mb.tokens, mb.position_ids, mask, labels=mb.labels).float().mean()
+            (loss / n).backward()
+        total += float(loss.detach())
+    model.finish_grad_sync()
+    ok, grad_norm, _ = optimizer.step()
+    if not ok:
+        raise RuntimeError("optimizer step skipped (non-finite gradients)")
+    return total / n, float(grad_norm if grad_norm is not None else 0.0)
