@@ -18,6 +18,9 @@ $(STAMP): setup.py
 venv: $(STAMP)
 
 demo: $(STAMP)
+	$(BIN)/nutp-train
+
+plan-demo: $(STAMP)
 	$(BIN)/nutp plan cluster=node_pair parallel.tp_base=8 failures=one_gpu model=llama3_8b train.global_batch_size=64 train.micro_batch_size=1 --json runs/plan_demo.json
 
 lint: $(STAMP)

@@ -33,6 +33,7 @@ setup(
     entry_points={
         "console_scripts": [
             "nutp=nemo_nutp.launch.cli:main",
+            "nutp-train=nemo_nutp.launch.train:main",
         ],
     },
 )

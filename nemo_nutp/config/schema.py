@@ -153,11 +153,22 @@ def config_dir() -> Path:
     return Path(os.environ.get("NUTP_CONFIG_DIR", CONFIG_DIR))
 
 
+def _register_defaults() -> None:
+    """Every schema key with its default, as the config ``nutp_defaults`` that primary configs
+    list first: Hydra then accepts an override of any schema key (not only those a YAML file
+    mentions). Types are enforced after composition, by the structured merge."""
+    from hydra.core.config_store import ConfigStore
+
+    defaults = OmegaConf.to_container(OmegaConf.structured(JobConfig))
+    ConfigStore.instance().store(name="nutp_defaults", node=defaults)
+
+
 def _compose(config_name: str, overrides: list[str], directory: Path) -> Any:
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
     GlobalHydra.instance().clear()
+    _register_defaults()
     with initialize_config_dir(config_dir=str(directory.resolve()), version_base="1.3"):
         return compose(config_name=config_name, overrides=overrides)
 

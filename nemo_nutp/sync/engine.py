@@ -99,7 +99,8 @@ class GradSyncEngine:
         b = assignment(lay.num_units, ctx.degree)
         assert units == (int(b[ctx.tp_rank]), int(b[ctx.tp_rank + 1])), (name, units)
         e.numel_unit = unit_numel(kind, self.dims)
-        e.pos = torch.from_numpy(local_unit_positions(kind, self.dims, units[1] - units[0]))
+        e.pos = torch.from_numpy(local_unit_positions(kind, self.dims, units[1] - units[0])).to(
+            p.device)
         rp = reshard_plan(lay, ctx.degree)
         e.sends = [(self.ranks[d], lo, hi) for d, lo, hi in rp.sends(ctx.tp_rank)]
         recvs = [(self.ranks[s], lo, hi) for s, lo, hi in rp.recvs(ctx.tp_rank)]
@@ -113,6 +114,7 @@ class GradSyncEngine:
 
     # ---------------------------------------------------------------- per step
     def reset(self) -> None:
+        self.sent_bytes = 0  # reshard bytes this rank sent this step (there and back)
         self.ready = np.zeros(len(self.order), dtype=bool)
         self.posted = 0  # params whose p2p / replicated collectives are posted
         self.launched = 0  # shard all-reduces launched, counted over the flattened queue
@@ -148,8 +150,10 @@ class GradSyncEngine:
         for dst, lo, hi in e.sends:
             piece = flat[self._local(e, lo, hi)]
             e.send_work.append((dist.isend(piece, dst), piece))
+            self.sent_bytes += piece.numel() * piece.element_size()
         for sh in e.shards:
-            sh.buf = torch.empty((sh.hi - sh.lo) * e.numel_unit, dtype=grad.dtype)
+            sh.buf = torch.empty((sh.hi - sh.lo) * e.numel_unit, dtype=grad.dtype,
+                                 device=grad.device)
             for src, lo, hi in sh.recvs:
                 view = sh.buf[(lo - sh.lo) * e.numel_unit:(hi - sh.lo) * e.numel_unit]
                 sh.recv_work.append(dist.irecv(view, src))
@@ -190,7 +194,8 @@ class GradSyncEngine:
             for work, _piece in e.send_work:
                 work.wait()
             for dst, lo, hi in e.sends:  # our units come back reduced from their owner
-                piece = torch.empty((hi - lo) * e.numel_unit, dtype=flat.dtype)
+                piece = torch.empty((hi - lo) * e.numel_unit, dtype=flat.dtype,
+                                    device=flat.device)
                 e.back_recv.append((dist.irecv(piece, dst), piece, lo, hi))
             for sh in e.shards:
                 sh.reduce_work.wait()
@@ -203,6 +208,7 @@ class GradSyncEngine:
                     off = (lo - sh.lo) * e.numel_unit
                     view = sh.buf[off:off + (hi - lo) * e.numel_unit]  # type: ignore[index]
                     backs.append((dist.isend(view.contiguous(), src), None))
+                    self.sent_bytes += view.numel() * view.element_size()
         for e in self.order:
             for work, piece, lo, hi in e.back_recv:
                 work.wait()

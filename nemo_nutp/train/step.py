@@ -10,6 +10,7 @@ same global mean.
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,7 @@ class StepResult:
     loss: float  # mean loss over the global batch
     replica_loss: float  # mean over this replica's micro-batches
     grad_norm: float
+    times: dict[str, float]  # this rank: compute_s, sync_s, optimizer_s
 
 
 def build_optimizer(model: Any, pgs: Any, *, lr: float, optimizer: str = "adam",
@@ -50,20 +52,33 @@ def reduce_replica_loss(replica_loss: float, *, weight: float, degree: int,
 
 
 def train_step(model: Any, optimizer: Any, batches: list[MicroBatch], mask: torch.Tensor | None
-               ) -> tuple[float, float]:
-    """Forward/backward this replica's micro-batches, sync, update; (replica loss, grad norm)."""
+               ) -> tuple[float, float, dict[str, float]]:
+    """Forward/backward this replica's micro-batches, sync, update.
+
+    Returns (replica mean loss, grad norm, seconds spent in compute / exposed sync / optimizer).
+    """
+    t0 = time.perf_counter()
     model.zero_grad_buffer()
     optimizer.zero_grad()
     n = len(batches)
     total = 0.0
+    device = next(model.parameters()).device
     for i, mb in enumerate(batches):
         ctx = model.no_sync() if i < n - 1 else contextlib.nullcontext()
         with ctx:
-            loss = model(mb.tokens, mb.position_ids, mask, labels=mb.labels).float().mean()
+            loss = model(mb.tokens.to(device), mb.position_ids.to(device),
+                         None if mask is None else mask.to(device),
+                         labels=mb.labels.to(device)).float().mean()
             (loss / n).backward()
         total += float(loss.detach())
+    t1 = time.perf_counter()
     model.finish_grad_sync()
+    t2 = time.perf_counter()
     ok, grad_norm, _ = optimizer.step()
     if not ok:
         raise RuntimeError("optimizer step skipped (non-finite gradients)")
-    return total / n, float(grad_norm if grad_norm is not None else 0.0)
+    t3 = time.perf_counter()
+    if grad_norm is None or grad_norm == 0.0:  # clipping off: megatron did not compute it
+        grad_norm = optimizer.get_grad_norm()  # grads of this step are still in place
+    times = {"compute_s": t1 - t0, "sync_s": t2 - t1, "optimizer_s": t3 - t2}
+    return total / n, float(grad_norm if grad_norm is not None else 0.0), times

@@ -99,7 +99,7 @@ def _reference(case: Case, single: Any, train: bool
         batches = replica_microbatches(offset=0, count=case.global_batch, seed=1234, step=step,
                                        micro_batch_size=case.micro_batch_size,
                                        seq_length=cfg.seq_length, vocab_size=cfg.vocab_size)
-        loss, _ = train_step(ddp, opt, batches, causal_mask(cfg.seq_length))
+        loss, _, _ = train_step(ddp, opt, batches, causal_mask(cfg.seq_length))
         losses.append(loss)
         params.append(assemble([local_shards(module)], cfg))
     return losses, params
@@ -129,8 +129,7 @@ def run_case(case: Case, outdir: str) -> None:
     rank = dist.get_rank()
     losses, replica_equal, assembled = [], True, []
     for step in range(case.steps):
-        loss, _, _ = session.step(step)
-        losses.append(loss)
+        losses.append(session.step(step).loss)
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, (session.groups.ctx.replica, local_shards(
             session.model.module)))
@@ -193,7 +192,7 @@ def _megatron_ddp(case: Case, nutp_session: Any) -> dict[str, Any] | None:
     opt = build_optimizer(ddp, pgs, lr=case.lr, optimizer=case.optimizer)
     losses = []
     for step in range(case.steps):
-        loss, _ = train_step(ddp, opt, nutp_session.batches(step), nutp_session.mask)
+        loss, _, _ = train_step(ddp, opt, nutp_session.batches(step), nutp_session.mask)
         losses.append(reduce_replica_loss(loss, weight=ctx.weight, degree=ctx.degree,
                                           stage_group=groups.stage))
     mine, theirs = local_shards(nutp_session.model.module), local_shards(module)

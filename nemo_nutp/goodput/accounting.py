@@ -1,0 +1,79 @@
+"""Goodput accounting of a real run: where every GPU-second of the allocation went.
+
+Per step of wall time ``T`` on a cluster of ``N`` GPUs, ``N * T`` GPU-seconds split into:
+
+* ``useful``  — replica ranks computing forward/backward (``degree_r * compute_r``);
+* ``sync``    — exposed gradient sync: reshard + cross-replica reduction + reshard back, and the
+  optimizer step (``degree_r * (sync_r + optimizer_r)``);
+* ``slack``   — replica ranks waiting for slower replicas at the step boundary
+  (``degree_r * (T - compute_r - sync_r - optimizer_r)``);
+* ``failed``  — failed GPUs idle; ``idle`` — healthy GPUs the plan does not use;
+* ``checkpoint`` and ``restart`` — time spent saving or restarting (charged to all GPUs).
+
+By construction the parts add up to the total; ``GoodputLedger.check()`` verifies it (a test
+does too). Pure Python: no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+CAUSES = ("useful", "sync", "slack", "failed", "idle", "checkpoint", "restart")
+
+
+@dataclass
+class GoodputLedger:
+    cluster_gpus: int
+    failed_gpus: int
+    idle_gpus: int
+    totals: dict[str, float] = field(default_factory=lambda: {c: 0.0 for c in CAUSES})
+    per_step: list[dict[str, float]] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    def add_step(self, step_s: float, replicas: list[tuple[int, float, float, float]]) -> float:
+        """Account one step. ``replicas``: (degree, compute_s, sync_s, optimizer_s) each, the
+        replica's slowest rank. Returns the step's goodput (useful / total)."""
+        parts = {c: 0.0 for c in CAUSES}
+        for degree, compute, sync, opt in replicas:
+            busy = min(compute + sync + opt, step_s)
+            parts["useful"] += degree * min(compute, step_s)
+            parts["sync"] += degree * max(0.0, busy - min(compute, step_s))
+            parts["slack"] += degree * (step_s - busy)
+        used = sum(d for d, *_ in replicas)
+        parts["failed"] = self.failed_gpus * step_s
+        parts["idle"] = (self.cluster_gpus - self.failed_gpus - used) * step_s
+        self._add(parts, step_s)
+        return parts["useful"] / (self.cluster_gpus * step_s) if step_s > 0 else 0.0
+
+    def add_pause(self, cause: str, seconds: float) -> None:
+        """Whole-cluster pause (checkpoint save, restart)."""
+        if cause not in ("checkpoint", "restart"):
+            raise ValueError(f"cause={cause!r}: must be checkpoint or restart")
+        parts = {c: 0.0 for c in CAUSES}
+        parts[cause] = self.cluster_gpus * seconds
+        self._add(parts, seconds)
+
+    def _add(self, parts: dict[str, float], seconds: float) -> None:
+        self.wall_s += seconds
+        for c, v in parts.items():
+            self.totals[c] += v
+        self.per_step.append(parts)
+
+    @property
+    def total(self) -> float:
+        return self.cluster_gpus * self.wall_s
+
+    @property
+    def goodput(self) -> float:
+        return self.totals["useful"] / self.total if self.total else 0.0
+
+    def check(self, rel: float = 0.01) -> None:
+        """Parts must add up to cluster GPUs x wall time (within ``rel``)."""
+        s = sum(self.totals.values())
+        if self.total and abs(s - self.total) > rel * self.total:
+            raise AssertionError(f"goodput parts {s:.3f} != total {self.total:.3f} GPU-s")
+
+    def as_dict(self) -> dict[str, float]:
+        out = {f"{c}_gpu_s": v for c, v in self.totals.items()}
+        out.update(total_gpu_s=self.total, wall_s=self.wall_s, goodput=self.goodput)
+        return out

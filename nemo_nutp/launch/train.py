@@ -1,0 +1,97 @@
+"""``nutp-train`` / ``python -m nemo_nutp.train``: the main job.
+
+* Plain invocation (no ``RANK`` in the environment): plan the job, print the plan, and spawn the
+  plan's world on this machine with gloo (CPU), one process per rank.
+* Under ``torchrun`` (``RANK``/``WORLD_SIZE``/``LOCAL_RANK``) or ``srun`` (``SLURM_PROCID``/
+  ``SLURM_NTASKS``/``SLURM_LOCALID`` plus ``MASTER_ADDR``/``MASTER_PORT``): use the launcher's
+  ranks, NCCL and ``cuda:LOCAL_RANK`` when CUDA is present (gloo/CPU otherwise).
+
+The configuration is validated and the plan built *before* any process group exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+from typing import Any
+
+from rich.console import Console
+
+
+def _launcher_env() -> tuple[int, int, int] | None:
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0))
+    if "SLURM_PROCID" in env and "MASTER_ADDR" in env:
+        return int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0))
+    return None
+
+
+def _run_rank(rank: int, world: int, local_rank: int, cfg: Any, plan: Any,
+              port: int | None) -> None:
+    import torch
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore")
+    if port is not None:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    device = None
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        backend = "nccl"
+    else:
+        from ..compat.cpu import apply_cpu_patches
+
+        apply_cpu_patches()
+        torch.set_num_threads(1)
+        backend = "gloo"
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    try:
+        from ..train.loop import train_rank
+
+        train_rank(cfg, plan, device=device)
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawned(rank: int, world: int, cfg: Any, plan: Any, port: int) -> None:
+    _run_rank(rank, world, rank, cfg, plan, port)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="nutp-train", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. nutp.replicas=[4,3]")
+    ap.add_argument("--config-name", default="config", help="primary config in configs/")
+    args = ap.parse_args(argv)
+    console = Console()
+    from ..config import load_config, plan_request
+    from ..layout import build_plan
+
+    env = _launcher_env()
+    try:
+        cfg = load_config(args.overrides, config_name=args.config_name)
+        plan = build_plan(plan_request(cfg, world_size=env[1] if env else None))
+    except ValueError as e:
+        console.print(f"[red]error:[/] {e}")
+        return 2
+    if env is None or env[0] == 0:
+        from .plan_report import replicas_table
+
+        console.print(replicas_table(plan))
+    if env is not None:
+        _run_rank(env[0], env[1], env[2], cfg, plan, None)
+        return 0
+    import torch.multiprocessing as mp
+
+    from ..launch.ports import free_port
+
+    mp.spawn(_spawned, args=(plan.world_size, cfg, plan, free_port()), nprocs=plan.world_size)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""End-of-run reports for ``nutp-train``: goodput table and the loss/goodput plot."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from ..goodput.accounting import CAUSES, GoodputLedger
+
+_LABELS = {"useful": "useful work", "sync": "resharding / sync exposed",
+           "slack": "slack: waiting for slower replicas", "failed": "failed GPUs idle",
+           "idle": "healthy GPUs unused", "checkpoint": "checkpoint time",
+           "restart": "restart time"}
+
+
+def print_goodput(ledger: GoodputLedger, console: Console | None = None) -> None:
+    t = Table(title=f"Goodput report: {ledger.cluster_gpus} GPUs x {ledger.wall_s:.1f} s")
+    t.add_column("where the GPU-time went")
+    t.add_column("GPU-s", justify="right")
+    t.add_column("share", justify="right")
+    for c in CAUSES:
+        v = ledger.totals[c]
+        t.add_row(_LABELS[c], f"{v:.2f}", f"{v / ledger.total:.1%}" if ledger.total else "-")
+    t.add_row("[bold]total", f"{ledger.total:.2f}", "100.0%")
+    (console or Console()).print(t)
+
+
+def plot_training(rows: list[dict[str, Any]], path: Path) -> Path:
+    """Loss and goodput over steps as a PNG (written to a temp name, then renamed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
+    a.plot(steps, [r["loss"] for r in rows], marker=".")
+    a.set(xlabel="step", ylabel="loss", title="training loss (global batch)")
+    b.plot(steps, [100 * r["goodput"] for r in rows], marker=".", color="tab:green")
+    b.set(xlabel="step", ylabel="goodput %", title="goodput (useful / allocated GPU-time)",
+          ylim=(0, 100))
+    for ax in (a, b):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".png", dir=path.parent)
+    os.close(fd)
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,141 @@
+"""The per-rank training loop of ``nutp-train``: steps, metrics, progress, goodput, outputs.
+
+Rank 0 writes ``metrics.jsonl`` (one JSON object per step; written as ``.partial`` and renamed
+when the run ends), ``goodput.json`` and ``training.png`` into ``output.dir``, shows a rich
+progress bar (step, loss, tokens/s, goodput) and prints the goodput report at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..config import JobConfig
+from ..goodput.accounting import GoodputLedger
+from ..layout import Plan
+
+
+def _gather_times(session: Any, times: dict[str, float], step_s: float) -> list[list[float]]:
+    ctx = session.groups.ctx
+    mine = torch.tensor([ctx.replica, ctx.degree, times["compute_s"], times["sync_s"],
+                         times["optimizer_s"], step_s], dtype=torch.float64)
+    out = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, mine)
+    return [t.tolist() for t in out]
+
+
+def _replica_times(rows: list[list[float]], n_replicas: int
+                   ) -> tuple[float, list[tuple[int, float, float, float]]]:
+    """Step wall time (slowest rank) and per replica (degree, compute, sync, opt) maxima."""
+    step_s = max(r[5] for r in rows)
+    reps = []
+    for i in range(n_replicas):
+        mine = [r for r in rows if int(r[0]) == i]
+        reps.append((int(mine[0][1]), max(r[2] for r in mine), max(r[3] for r in mine),
+                     max(r[4] for r in mine)))
+    return step_s, reps
+
+
+class _Outputs:
+    """Rank-0 side effects: metrics file, TensorBoard (if installed), progress."""
+
+    def __init__(self, cfg: JobConfig, plan: Plan) -> None:
+        self.dir = Path(cfg.output.dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.partial = self.dir / "metrics.jsonl.partial"
+        self.file = self.partial.open("w")
+        self.tb = None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(self.dir / "tensorboard"))
+        except Exception:  # tensorboard not installed: optional
+            self.tb = None
+        self.rows: list[dict[str, Any]] = []
+
+    def write(self, row: dict[str, Any]) -> None:
+        self.rows.append(row)
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            for k in ("loss", "grad_norm", "goodput", "tokens_per_s"):
+                self.tb.add_scalar(f"train/{k}", row[k], row["step"])
+
+    def close(self) -> None:
+        self.file.close()
+        os.replace(self.partial, self.dir / "metrics.jsonl")
+        if self.tb is not None:
+            self.tb.close()
+
+
+def train_rank(cfg: JobConfig, plan: Plan, *, device: torch.device | None = None
+               ) -> list[dict[str, Any]] | None:
+    """Run the whole job on this rank (process group already initialised)."""
+    from ..train.session import build_session
+
+    t = cfg.train
+    session = build_session(plan, cfg.model, lr=t.lr, seed=t.seed,
+                            micro_batch_size=t.micro_batch_size, optimizer=t.optimizer,
+                            weight_decay=t.weight_decay, clip_grad=t.clip_grad, device=device,
+                            data_path=t.data_path)
+    rank0 = dist.get_rank() == 0
+    out = _Outputs(cfg, plan) if rank0 else None
+    ledger = GoodputLedger(cluster_gpus=plan.request.cluster.num_gpus,
+                           failed_gpus=len(plan.request.health.failed_gpus),
+                           idle_gpus=plan.idle_healthy_gpus)
+    tokens = t.global_batch_size * cfg.model.seq_length
+    progress = _progress() if rank0 else None
+    task = progress.add_task("train", total=t.steps, info="") if progress else None
+    if progress:
+        progress.start()
+    try:
+        for step in range(t.steps):
+            t0 = time.perf_counter()
+            res = session.step(step)
+            rows = _gather_times(session, res.times, time.perf_counter() - t0)
+            step_s, reps = _replica_times(rows, len(plan.replicas))
+            goodput = ledger.add_step(step_s, reps)
+            if out is not None and progress is not None:
+                row = {"step": step, "loss": res.loss, "grad_norm": res.grad_norm,
+                       "tokens": tokens, "step_time_s": step_s, "tokens_per_s": tokens / step_s,
+                       "goodput": goodput,
+                       "microbatches": [r.microbatches for r in plan.replicas],
+                       "replica_tp": [list(r.tp) for r in plan.replicas],
+                       "reshard_bytes_rank0": session.model.nutp_engine.sent_bytes}
+                out.write(row)
+                progress.update(task, advance=1, info=f"loss {res.loss:.4f}  "
+                                f"{tokens / step_s:,.0f} tok/s  goodput {goodput:.1%}")
+    finally:
+        if progress:
+            progress.stop()
+    if out is None:
+        return None
+    out.close()
+    ledger.check()
+    return _finish(cfg, out.rows, ledger)
+
+
+def _progress() -> Any:
+    from rich import progress as rp
+
+    return rp.Progress(rp.TextColumn("[bold]step"), rp.MofNCompleteColumn(), rp.BarColumn(),
+                       rp.TextColumn("{task.fields[info]}"), rp.TimeElapsedColumn())
+
+
+def _finish(cfg: JobConfig, rows: list[dict[str, Any]], ledger: GoodputLedger
+            ) -> list[dict[str, Any]]:
+    from ..launch.train_report import plot_training, print_goodput
+    from ..layout.serialize import write_json_atomic
+
+    d = Path(cfg.output.dir)
+    write_json_atomic(ledger.as_dict(), d / "goodput.json")
+    print_goodput(ledger)
+    png = plot_training(rows, d / "training.png")
+    print(f"metrics: {d / 'metrics.jsonl'}\nplot: {png}")
+    return rows
