@@ -1,4 +1,4 @@
-"""``nutp``: the command-line front end (``nutp plan``, ``nutp simulate``; more join later)."""
+"""``nutp``: the command-line front end (``nutp plan``, ``nutp sbatch``, ``nutp simulate``)."""
 
 from __future__ import annotations
 
@@ -10,14 +10,15 @@ from rich.console import Console
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from ..config import load_config, plan_request
+    from ..config import plan_request
+    from ..config.recipes import load_job
     from ..layout import HealthReport, build_plan
     from ..layout.serialize import plan_to_dict, write_json_atomic
     from .plan_report import print_plan
 
     console = Console()
     try:
-        cfg = load_config(args.overrides, config_name=args.config_name)
+        cfg = load_job(args.overrides, config_name=args.config_name, recipe=args.recipe)
         req = plan_request(cfg)
         if args.failed:
             extra = HealthReport.from_cli(args.failed).failed_gpus
@@ -48,9 +49,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", metavar="PATH", help="write the plan as JSON")
     p.add_argument("--failed", metavar="IDS", help="extra failed GPUs, e.g. 3,17,40-43")
     p.add_argument("--config-name", default="config", help="primary config in configs/")
+    p.add_argument("--recipe", help="a recipe in recipes/ (same as the override recipe=NAME)")
     p.set_defaults(func=_plan)
     from ..goodput.report import add_parser as add_simulate
+    from .slurm import add_parser as add_sbatch
 
+    add_sbatch(sub)
     add_simulate(sub)
     args = parser.parse_args(argv)
     return int(args.func(args))

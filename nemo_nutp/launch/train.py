@@ -64,16 +64,18 @@ def _spawned(rank: int, world: int, cfg: Any, plan: Any, port: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="nutp-train", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. nutp.replicas=[4,3]")
+    ap.add_argument("overrides", nargs="*",
+                    help="Hydra overrides, e.g. nutp.replicas=[4,3] or recipe=llama3_8b_h100")
     ap.add_argument("--config-name", default="config", help="primary config in configs/")
     args = ap.parse_args(argv)
     console = Console()
-    from ..config import load_config, plan_request
+    from ..config import plan_request
+    from ..config.recipes import load_job
     from ..layout import build_plan
 
     env = _launcher_env()
     try:
-        cfg = load_config(args.overrides, config_name=args.config_name)
+        cfg = load_job(args.overrides, config_name=args.config_name)
         plan = build_plan(plan_request(cfg, world_size=env[1] if env else None))
     except ValueError as e:
         console.print(f"[red]error:[/] {e}")

@@ -100,23 +100,29 @@ class Plan:
 
     def reshard_bytes(self, bytes_per_elem: int = 4) -> int:
         """Bytes all ranks send per step for resharding gradients there and back."""
+        return sum(self.reshard_bytes_by_rank(bytes_per_elem).values())
+
+    def reshard_bytes_by_rank(self, bytes_per_elem: int = 4) -> dict[int, int]:
+        """Bytes each rank sends per step: units to their owner, reduced units back."""
         dims = self.request.model
         layers = dims.num_layers // self.pp
         per_space = {s: 0 for s in SPACES}
         for kind in layer_kinds(dims):
             per_space[PARAM_KINDS[kind].space] += layers * unit_numel(kind, dims)
-        vocab_kinds = 1 if dims.tie_embeddings else 2
-        total = 0
+        out: dict[int, int] = {}
         for (stage, space), lay in self.sync.items():
             elems = per_space[space]
             if space == "vocab":
                 first, last = stage == 0, stage == self.pp - 1
-                n = (first or (last and dims.tie_embeddings)) + (last and not dims.tie_embeddings)
-                elems = min(n, vocab_kinds) * unit_numel("word_embedding", dims)
+                n = int(first or (last and dims.tie_embeddings)) + int(last and not
+                                                                      dims.tie_embeddings)
+                elems = n * unit_numel("word_embedding", dims)
             for rep in self.replicas:
-                moved = reshard_plan(lay, rep.tp[stage]).moved_units
-                total += 2 * moved * elems * bytes_per_elem
-        return total
+                for src, dst, lo, hi in reshard_plan(lay, rep.tp[stage]).transfers:
+                    b = (hi - lo) * elems * bytes_per_elem
+                    for r in (rep.ranks[stage][src], rep.ranks[stage][dst]):
+                        out[r] = out.get(r, 0) + b
+        return out
 
 
 # --------------------------------------------------------------------------------------------

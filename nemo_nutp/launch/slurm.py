@@ -1,0 +1,335 @@
+"""``nutp sbatch``: render a Slurm batch script (pyxis/enroot container) for a NUTP job.
+
+The script only sets resources, container and mounts, then starts ``nutp-train`` with the same
+overrides the plan was made from. What it guarantees:
+
+* ``--nodes`` = the nodes holding at least one GPU of the plan (= ceil(GPUs in use / GPUs per
+  node) whenever the plan fills nodes; a node the plan does not touch is not allocated).
+* The plan's rank order is honoured: the script carries, per Slurm node id, the plan rank of every
+  local GPU (``NUTP_NODE_RANKS_<node>``, -1 = failed or idle). Slurm starts one task per GPU slot
+  in its usual block order; a small wrapper (``nutp_task``) looks up the slot's plan rank and sets
+  ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``CUDA_VISIBLE_DEVICES``/``MASTER_ADDR`` before it execs
+  the trainer, so every TP group lands in the scale-up domain the planner chose. Unused slots
+  exit 0.
+* Slurm node id ``k`` is the k-th host of ``scontrol show hostnames $SLURM_JOB_NODELIST`` and is
+  taken to be the k-th node of the plan that holds a rank (``--nodelist`` pins the hosts when GPU
+  ids from a health report must match physical nodes).
+
+Not guaranteed: that ``nutp-train`` in the image plans the same way; run the same code version.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..config.recipes import searchpath_override
+from ..layout.plan import Plan
+
+LAUNCHERS = ("srun", "torchrun")
+_TIME = re.compile(r"^(\d+-)?\d{1,2}(:\d{2}){0,2}$|^\d+$")
+_WORD = re.compile(r"^[^\s\"'`$\\;|&<>]+$")
+
+
+def _check_word(name: str, value: str | None) -> None:
+    if value is not None and not _WORD.match(value):
+        raise ValueError(f"{name}={value!r}: no whitespace, quotes or shell characters allowed")
+
+
+@dataclass(frozen=True)
+class SbatchOptions:
+    """Cluster-side settings of the batch script (none of them is committed anywhere)."""
+
+    partition: str | None = None
+    """Slurm partition; a ``<partition>`` placeholder if unset."""
+    account: str | None = None
+    """Slurm account; an ``<account>`` placeholder if unset."""
+    image: str | None = None
+    """Container image for pyxis (``nvcr.io#org/img:tag`` or a .sqsh path); placeholder if unset."""
+    mounts: tuple[str, ...] = ()
+    """Container mounts ``SRC:DST[:FLAGS]``."""
+    time: str = "04:00:00"
+    """Wall-clock limit (Slurm syntax)."""
+    job_name: str = "nutp"
+    """Slurm job name."""
+    launcher: str = "srun"
+    """'srun' (one task per GPU) or 'torchrun' (one task per node, torchrun spawns the GPUs)."""
+    master_port: int = 29500
+    """Port of rank 0's torch.distributed store (torchrun's rendezvous uses the next one)."""
+    nodelist: str | None = None
+    """Optional ``--nodelist`` pinning the hosts in plan node order."""
+    repo: str = "/opt/nemo_nutp"
+    """Where the Dockerfile installed nemo_nutp inside the image (configs/ and recipes/)."""
+
+    def __post_init__(self) -> None:
+        if self.launcher not in LAUNCHERS:
+            raise ValueError(f"launcher={self.launcher!r}: must be one of {LAUNCHERS}")
+        if not _TIME.match(self.time):
+            raise ValueError(f"time={self.time!r}: expected Slurm time, e.g. 04:00:00")
+        if not 1024 <= self.master_port < 65535:
+            raise ValueError(f"master_port={self.master_port}: must be in 1024..65534")
+        for name in ("partition", "account", "image", "job_name", "nodelist", "repo"):
+            _check_word(name, getattr(self, name))
+        for m in self.mounts:
+            _check_word("mounts", m)
+            if m.count(":") not in (1, 2) or "," in m:
+                raise ValueError(f"mounts={m!r}: expected SRC:DST[:FLAGS]")
+
+
+@dataclass(frozen=True)
+class NodeTable:
+    """Plan rank of every GPU slot of the allocation, in Slurm node id order."""
+
+    nodes: tuple[int, ...]
+    """Cluster node index of each allocated node (Slurm node id = position)."""
+    rows: tuple[tuple[int, ...], ...]
+    """Per allocated node: plan rank of local GPU 0..gpus_per_node-1, -1 if unused."""
+    gpus_per_node: int
+
+    def rank_slots(self) -> list[tuple[int, int]]:
+        """rank -> (Slurm node id, local GPU): the plan's ``rank_to_gpu`` on the allocation."""
+        out: dict[int, tuple[int, int]] = {}
+        for k, row in enumerate(self.rows):
+            for gpu, rank in enumerate(row):
+                if rank >= 0:
+                    out[rank] = (k, gpu)
+        return [out[r] for r in range(len(out))]
+
+
+def node_table(plan: Plan) -> NodeTable:
+    gpn = plan.request.cluster.gpus_per_node
+    nodes = sorted({g // gpn for g in plan.rank_to_gpu})
+    slot = {n: k for k, n in enumerate(nodes)}
+    rows = [[-1] * gpn for _ in nodes]
+    for rank, g in enumerate(plan.rank_to_gpu):
+        rows[slot[g // gpn]][g % gpn] = rank
+    return NodeTable(nodes=tuple(nodes), rows=tuple(tuple(r) for r in rows), gpus_per_node=gpn)
+
+
+def train_command(overrides: list[str], *, config_name: str = "config",
+                  recipe: str | None = None) -> tuple[list[str], str]:
+    """(bash words of the ``nutp-train`` call, extra script lines) for the job's config.
+
+    A recipe is composed from ``$NUTP_REPO/recipes`` (``NUTP_CONFIG_DIR``) with ``configs/`` on
+    Hydra's search path, which is what ``nemo_nutp.config.recipes.load_recipe`` does.
+    """
+    words = ["nutp-train"]
+    extra = ""
+    if recipe is not None:
+        words += ["--config-name", shlex.quote(recipe),
+                  f'"{searchpath_override("${NUTP_REPO}/configs")}"']
+        extra = 'export NUTP_CONFIG_DIR="${NUTP_REPO}/recipes"  # recipes/ is the primary dir\n'
+    elif config_name != "config":
+        words += ["--config-name", shlex.quote(config_name)]
+    return words + [shlex.quote(o) for o in overrides], extra
+
+
+_WRAPPER = r"""
+# Runs inside the container once per GPU slot (srun task or torchrun worker): looks up the plan
+# rank of (Slurm node id, local GPU), exposes only that GPU (so any device rule -- LOCAL_RANK or
+# rank % device_count -- picks it) and execs the trainer with torch.distributed's env:// variables.
+nutp_task() {
+  local node=$SLURM_NODEID gpu row rank
+  if [[ $NUTP_LAUNCHER == torchrun ]]; then gpu=$LOCAL_RANK; else gpu=$SLURM_LOCALID; fi
+  row="NUTP_NODE_RANKS_${node}"
+  if [[ -z ${!row:-} ]]; then
+    echo "nutp: no rank table row for Slurm node ${node}" >&2
+    exit 1
+  fi
+  local -a ranks visible
+  read -r -a ranks <<< "${!row}"
+  rank=${ranks[$gpu]}
+  if (( rank < 0 )); then
+    echo "nutp: node ${node} GPU ${gpu} is not in the plan (failed or idle)" >&2
+    exit 0
+  fi
+  IFS=, read -r -a visible <<< "${CUDA_VISIBLE_DEVICES:-}"
+  if (( ${#visible[@]} > gpu )); then gpu=${visible[$gpu]}; fi
+  unset TORCHELASTIC_USE_AGENT_STORE  # rank 0 hosts the store at MASTER_ADDR, not torchrun
+  export RANK=$rank WORLD_SIZE=$NUTP_WORLD_SIZE LOCAL_RANK=0 CUDA_VISIBLE_DEVICES=$gpu
+  export MASTER_ADDR=$NUTP_MASTER_ADDR MASTER_PORT=$NUTP_MASTER_PORT
+  exec "$@"
+}
+NUTP_TASK="$(declare -f nutp_task)"$'\n''nutp_task "$@"'
+"""
+
+_TABLE_DOC = """\
+# Rank table. Slurm numbers tasks node by node (block distribution), which is not the plan's
+# rank order: the plan keeps each TP group inside one NVLink domain, puts degraded replicas last
+# and skips failed GPUs. So one task runs per GPU slot and nutp_task (below) maps the slot to its
+# plan rank with this table instead of trusting SLURM_PROCID. --distribution=arbitrary would only
+# choose the node of a task, not its GPU, so it cannot express this. Row k = Slurm node id k (the
+# k-th host of `scontrol show hostnames`); entry j = plan rank on local GPU j, -1 = unused.
+"""
+
+
+def _header(plan: Plan, opts: SbatchOptions, nodes: int, command: str) -> str:
+    c, m = plan.request.cluster, plan.request.model
+    degrees = sorted({t for r in plan.replicas for t in r.tp}, reverse=True)
+    tasks = c.gpus_per_node if opts.launcher == "srun" else 1
+    lines = [
+        "#!/bin/bash",
+        "# Generated by `nutp sbatch`; re-render when the config, failed GPUs or code change:",
+        f"#   {command}",
+        f"# Cluster {c.name}: {c.num_gpus} GPUs, {c.gpus_per_node} per node, NVLink domain "
+        f"{c.domain_size}. Model: {m.num_layers} layers, hidden {m.hidden_size}.",
+        f"# Plan: {plan.world_size} ranks on {nodes} nodes, {len(plan.replicas)} replicas, "
+        f"TP degrees {degrees}, PP {plan.pp}, policy {plan.request.policy}.",
+        f"#SBATCH --job-name={opts.job_name}",
+        f"#SBATCH --nodes={nodes}",
+        f"#SBATCH --ntasks-per-node={tasks}",
+        f"#SBATCH --gpus-per-node={c.gpus_per_node}",
+        f"#SBATCH --time={opts.time}",
+        f"#SBATCH --partition={opts.partition or '<partition>'}",
+        f"#SBATCH --account={opts.account or '<account>'}",
+        "#SBATCH --exclusive",
+        "#SBATCH --output=%x-%j.out",
+    ]
+    if opts.nodelist:
+        lines.append(f"#SBATCH --nodelist={opts.nodelist}")
+    return "\n".join(lines) + "\n"
+
+
+def _table(plan: Plan, table: NodeTable) -> str:
+    gpn = table.gpus_per_node
+    lines = [_TABLE_DOC.rstrip("\n"), f"export NUTP_WORLD_SIZE={plan.world_size}"]
+    for k, (node, row) in enumerate(zip(table.nodes, table.rows)):
+        ranks = " ".join(str(r) for r in row)
+        lines.append(f'export NUTP_NODE_RANKS_{k}="{ranks}"  # cluster node {node}: GPUs '
+                     f"{node * gpn}-{node * gpn + gpn - 1}")
+    rank0_node = table.rank_slots()[0][0]
+    lines += [
+        "# Rank 0 hosts the torch.distributed store, so MASTER_ADDR is the host of its node.",
+        f"NUTP_RANK0_NODE={rank0_node}",
+        'NUTP_MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" '
+        '| sed -n "$((NUTP_RANK0_NODE + 1))p")"',
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _launch(opts: SbatchOptions, gpn: int, train: list[str]) -> str:
+    lines = [
+        "# pyxis: the container runs every task; srun's environment (the table) is passed in.",
+        'NUTP_SRUN=(--container-image="$NUTP_IMAGE" --container-workdir="$NUTP_REPO"',
+        "           --no-container-mount-home --kill-on-bad-exit=1)",
+        'if [[ -n "$NUTP_MOUNTS" ]]; then NUTP_SRUN+=(--container-mounts="$NUTP_MOUNTS"); fi',
+        f"NUTP_TRAIN=({' '.join(train)})",
+    ]
+    if opts.launcher == "srun":
+        lines += [
+            "# One task per GPU slot; nutp_task turns the slot into the plan rank.",
+            f'srun --ntasks-per-node={gpn} "${{NUTP_SRUN[@]}}" \\',
+            '  bash -c "$NUTP_TASK" nutp-task "${NUTP_TRAIN[@]}"',
+        ]
+    else:
+        lines += [
+            "# One torchrun per node spawning one worker per GPU; torchrun's own ranks are",
+            "# replaced by the plan's in nutp_task (LOCAL_RANK = local GPU of the worker).",
+            'srun --ntasks-per-node=1 "${NUTP_SRUN[@]}" \\',
+            f'  torchrun --nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node={gpn} \\',
+            '  --rdzv-backend=c10d \\',
+            '  --rdzv-endpoint="$NUTP_MASTER_ADDR:$((NUTP_MASTER_PORT + 1))" \\',
+            '  --rdzv-id="$SLURM_JOB_ID" --no-python \\',
+            '  bash -c "$NUTP_TASK" nutp-task "${NUTP_TRAIN[@]}"',
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def render_sbatch(plan: Plan, opts: SbatchOptions, *, overrides: list[str],
+                  config_name: str = "config", recipe: str | None = None) -> str:
+    """The batch script text for ``plan`` (made from the same config + overrides)."""
+    table = node_table(plan)
+    train, extra = train_command(overrides, config_name=config_name, recipe=recipe)
+    shown = " ".join(["nutp sbatch", *([f"recipe={recipe}"] if recipe else []),
+                      *([f"--config-name {config_name}"] if config_name != "config" else []),
+                      *(shlex.quote(o) for o in overrides)])
+    mounts = ",".join(opts.mounts)
+    setup = "\n".join([
+        "set -euo pipefail",
+        "",
+        "# Container image and mounts (pyxis/enroot); NUTP_REPO = nemo_nutp's path in the image.",
+        f'NUTP_IMAGE="${{NUTP_IMAGE:-{opts.image or "<image>"}}}"',
+        f'NUTP_MOUNTS="${{NUTP_MOUNTS:-{mounts}}}"',
+        f'NUTP_REPO="${{NUTP_REPO:-{opts.repo}}}"',
+        'if [[ "$NUTP_IMAGE" == "<"* ]]; then',
+        '  echo "set the container image: nutp sbatch --image, or NUTP_IMAGE=..." >&2',
+        "  exit 2",
+        "fi",
+    ]) + "\n"
+    env = (f"export NUTP_MASTER_ADDR NUTP_MASTER_PORT={opts.master_port} "
+           f"NUTP_LAUNCHER={opts.launcher} NUTP_REPO\n{extra}")
+    parts = [_header(plan, opts, len(table.nodes), shown), setup, _table(plan, table), env,
+             _WRAPPER.lstrip("\n"), _launch(opts, table.gpus_per_node, train)]
+    return "\n".join(parts)
+
+
+def write_text_atomic(text: str, path: str | Path, *, mode: int = 0o755) -> None:
+    """Write to a temporary file in the same directory, then rename over ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from ..config import plan_request
+    from ..config.recipes import load_job, split_recipe
+    from ..layout import build_plan
+
+    console = Console()
+    try:
+        recipe, overrides = split_recipe(args.overrides, args.recipe)
+        cfg = load_job(overrides, config_name=args.config_name, recipe=recipe)
+        plan = build_plan(plan_request(cfg))
+        opts = SbatchOptions(partition=args.partition, account=args.account, image=args.image,
+                             mounts=tuple(m for arg in args.mounts for m in arg.split(",") if m),
+                             time=args.time, job_name=args.job_name, launcher=args.launcher,
+                             master_port=args.master_port, nodelist=args.nodelist,
+                             repo=args.repo)
+        text = render_sbatch(plan, opts, overrides=overrides, config_name=args.config_name,
+                             recipe=recipe)
+    except ValueError as e:
+        console.print(f"[red]error:[/] {e}")
+        return 2
+    write_text_atomic(text, args.out)
+    nodes = len(node_table(plan).nodes)
+    console.print(f"{args.out}: {plan.world_size} ranks on {nodes} nodes "
+                  f"({opts.launcher}); submit with: sbatch {args.out}")
+    return 0
+
+
+def add_parser(sub: Any) -> None:
+    """Register ``sbatch`` on the ``nutp`` sub-command parser."""
+    p = sub.add_parser("sbatch", help="render a Slurm batch script (pyxis container) for a job")
+    p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. recipe=llama3_8b_h100")
+    p.add_argument("--recipe", help="a recipe in recipes/ (same as the override recipe=NAME)")
+    p.add_argument("--config-name", default="config", help="primary config in configs/")
+    p.add_argument("--out", default="nutp.sbatch", help="script path (written atomically)")
+    p.add_argument("--partition", help="Slurm partition (placeholder if omitted)")
+    p.add_argument("--account", help="Slurm account (placeholder if omitted)")
+    p.add_argument("--image", help="container image for pyxis (placeholder if omitted)")
+    p.add_argument("--mounts", action="append", default=[], metavar="SRC:DST[,SRC:DST]",
+                   help="container mounts (repeatable)")
+    p.add_argument("--time", default="04:00:00", help="wall-clock limit")
+    p.add_argument("--job-name", default="nutp", help="Slurm job name")
+    p.add_argument("--launcher", choices=LAUNCHERS, default="srun",
+                   help="srun: a task per GPU; torchrun: a task per node")
+    p.add_argument("--master-port", type=int, default=29500, help="rank 0's store port")
+    p.add_argument("--nodelist", help="pin the hosts, in plan node order")
+    p.add_argument("--repo", default="/opt/nemo_nutp", help="nemo_nutp's path in the image")
+    p.set_defaults(func=run)
