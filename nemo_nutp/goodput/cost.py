@@ -25,7 +25,7 @@ import numpy as np
 
 from ..layout.plan import _best_degree_table
 from ..layout.specs import ModelDims
-from ..layout.units import assignment, max_degree, rank_work
+from ..layout.units import max_degree, rank_work, space_bounds
 from .config import BoostConfig, HardwareSpec, SimConfig
 
 
@@ -58,11 +58,11 @@ def valid_degrees(dims: ModelDims, tp_base: int, min_tp: int) -> np.ndarray:
 
 def _max_rank_params(dims: ModelDims, t: int, layers: int, with_vocab: bool) -> float:
     h, kv, hpg = dims.hidden_size, dims.kv, dims.heads_per_group
-    qg = np.diff(assignment(dims.num_query_groups, t)).astype(np.float64)
-    ff = np.diff(assignment(dims.ffn_hidden_size, t)).astype(np.float64)
+    qg = np.diff(space_bounds(dims, "qg", t)).astype(np.float64)
+    ff = np.diff(space_bounds(dims, "ffn", t)).astype(np.float64)
     per = layers * (qg * (2 * hpg + 2) * kv * h + ff * ((2 if dims.gated_mlp else 1) + 1) * h)
     if with_vocab:
-        per = per + np.diff(assignment(dims.vocab_size, t)) * float(h)
+        per = per + np.diff(space_bounds(dims, "vocab", t)) * float(h)
     return float(per.max())
 
 
@@ -71,7 +71,7 @@ def _balanced_work(dims: ModelDims, t: int, layers: int, with_vocab: bool) -> fl
     planner = rank_work(dims, t, layers, with_vocab)
     h, kv, hpg, s = dims.hidden_size, dims.kv, dims.heads_per_group, dims.seq_length
     per_group = (hpg + 2) * kv * h + 2 * hpg * s * kv + hpg * kv * h
-    attn_max = layers * per_group * float(np.diff(assignment(dims.num_query_groups, t)).max())
+    attn_max = layers * per_group * float(np.diff(space_bounds(dims, "qg", t)).max())
     return float(min(planner.max(), max(attn_max, planner.sum() / t)))
 
 

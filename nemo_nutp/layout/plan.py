@@ -14,6 +14,7 @@ Guarantees (property-tested in ``tests/layout``):
 
 from __future__ import annotations
 
+import functools
 import heapq
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -22,7 +23,16 @@ import numpy as np
 
 from .specs import PlanRequest, _bad
 from .sync import SyncLayout, make_sync_layout, reshard_plan
-from .units import PARAM_KINDS, SPACES, layer_kinds, max_degree, num_units, rank_work, unit_numel
+from .units import (
+    PARAM_KINDS,
+    SPACES,
+    layer_kinds,
+    max_degree,
+    num_units,
+    rank_work,
+    space_bounds,
+    unit_numel,
+)
 
 POLICIES = ("nutp", "drop", "uniform-reduce")
 
@@ -86,6 +96,10 @@ class Plan:
     def stage_groups(self) -> list[list[int]]:
         """All ranks of a stage over replicas: the DP group of replicated parameters."""
         return [[r for rep in self.replicas for r in rep.ranks[s]] for s in range(self.pp)]
+
+    def unit_bounds(self, stage: int, space: str, degree: int) -> np.ndarray:
+        """Unit assignment (boundaries, length degree+1) of a degree in a stage."""
+        return self.sync[(stage, space)].bounds[degree]
 
     def sync_owner_ranks(self, stage: int, space: str) -> np.ndarray:
         """(replicas, shards) global rank owning each shard in each replica."""
@@ -239,13 +253,15 @@ class _Speed:
     def __init__(self, req: PlanRequest) -> None:
         self.dims, self.pp, self.tb = req.model, req.parallel.pp, req.parallel.tp_base
         self.layers = self.dims.num_layers // self.pp
+        self.balance = req.parallel.unit_balance
         self._cache: dict[tuple[int, int], float] = {}
         self.full = max(self.time(s, self.tb) for s in range(self.pp))
 
     def time(self, stage: int, t: int) -> float:
         key = (stage, t)
         if key not in self._cache:
-            work = rank_work(self.dims, t, self.layers, with_vocab=stage == self.pp - 1)
+            work = rank_work(self.dims, t, self.layers, with_vocab=stage == self.pp - 1,
+                             balance=self.balance)
             self._cache[key] = float(work.max())
         return self._cache[key]
 
@@ -343,9 +359,10 @@ def _assemble(req: PlanRequest, starts: np.ndarray, healthy: np.ndarray, failed:
                 speed=float(speeds[k]), microbatches=int(shares[k]),
                 weight=float(shares[k]) / req.global_batch)
         for k, i in enumerate(live))
-    sync = {(s, space): make_sync_layout(num_units(req.model, space),
-                                         sorted({r.tp[s] for r in replicas}), p.sync_layout)
-            for s in range(p.pp) for space in SPACES}
+    sync = {(s, space): make_sync_layout(
+        num_units(req.model, space), sorted({r.tp[s] for r in replicas}), p.sync_layout,
+        bounds=functools.partial(space_bounds, req.model, space, balance=p.unit_balance))
+        for s in range(p.pp) for space in SPACES}
     t_full = apportion(np.ones(n_full), req.global_batch).max()
     t_plan = float((shares / speeds).max())
     used = {g for g in rank_to_gpu}

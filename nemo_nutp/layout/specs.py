@@ -172,6 +172,9 @@ class ParallelSpec:
     """Megatron sequence parallelism: every degree must divide model.seq_length."""
     min_tp: int = 1
     """Smallest degree a stage may run at (memory floor); below it the replica is dropped."""
+    unit_balance: str = "work"
+    """'work': FFN columns sized so every rank's layer work is even (a rank with an extra query
+    group takes fewer columns); 'units': every parameter split into counts differing by <= 1."""
     sync_layout: str = "refine"
     """'refine': shards at every replica's boundaries (nothing moves, more DP groups);
     'base': shards of the tp_base layout (degraded replicas reshard, one group per shard)."""
@@ -183,6 +186,8 @@ class ParallelSpec:
             _positive("parallel.dp", self.dp)
         if self.min_tp > self.tp_base:
             raise _bad("parallel.min_tp", self.min_tp, f"exceeds parallel.tp_base={self.tp_base}")
+        if self.unit_balance not in ("work", "units"):
+            raise _bad("parallel.unit_balance", self.unit_balance, "must be 'work' or 'units'")
         if self.sync_layout not in SYNC_LAYOUTS:
             raise _bad("parallel.sync_layout", self.sync_layout, f"must be one of {SYNC_LAYOUTS}")
 

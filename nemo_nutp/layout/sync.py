@@ -18,6 +18,7 @@ The reverse plan (owner back to holders) is the same list with src/dst swapped.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,34 +33,44 @@ class SyncLayout:
     num_units: int
     shards: np.ndarray  # boundaries, length S+1
     owners: dict[int, np.ndarray]  # degree -> (S,) TP-local owner rank index
+    bounds: dict[int, np.ndarray]  # degree -> that degree's unit assignment (length degree+1)
 
     @property
     def num_shards(self) -> int:
         return len(self.shards) - 1
 
 
-def overlaps(num_units: int, degree: int, shards: np.ndarray) -> np.ndarray:
+def overlaps(num_units: int, degree: int, shards: np.ndarray,
+             bounds: np.ndarray | None = None) -> np.ndarray:
     """(S, degree) number of units of shard k held by rank j of a degree-``degree`` replica."""
-    b = assignment(num_units, degree)
+    b = assignment(num_units, degree) if bounds is None else bounds
     lo = np.maximum(shards[:-1, None], b[None, :-1])
     hi = np.minimum(shards[1:, None], b[None, 1:])
     return np.maximum(hi - lo, 0)
 
 
 def make_sync_layout(num_units: int, degrees: tuple[int, ...] | list[int],
-                     mode: str = "refine") -> SyncLayout:
-    """Sync layout shared by replicas of the given degrees (duplicates allowed)."""
+                     mode: str = "refine", bounds: Callable[[int], np.ndarray] | None = None
+                     ) -> SyncLayout:
+    """Sync layout shared by replicas of the given degrees (duplicates allowed).
+
+    ``bounds(t)`` gives a degree's unit assignment (default: ``assignment(num_units, t)``).
+    """
     degs = sorted(set(int(t) for t in degrees))
     if not degs:
         raise ValueError("degrees=[]: a sync layout needs at least one replica")
+    fn = bounds or (lambda t: assignment(num_units, t))
+    b = {t: np.asarray(fn(t), dtype=np.int64) for t in degs}
+    for t, bt in b.items():
+        assert len(bt) == t + 1 and bt[0] == 0 and bt[-1] == num_units, (t, bt)
     if mode == "refine":
-        shards = np.unique(np.concatenate([assignment(num_units, t) for t in degs]))
+        shards = np.unique(np.concatenate(list(b.values())))
     elif mode == "base":
-        shards = assignment(num_units, max(degs)).copy()
+        shards = b[max(degs)].copy()
     else:
         raise ValueError(f"parallel.sync_layout={mode!r}: must be 'refine' or 'base'")
-    owners = {t: np.argmax(overlaps(num_units, t, shards), axis=1) for t in degs}
-    return SyncLayout(num_units, shards, owners)
+    owners = {t: np.argmax(overlaps(num_units, t, shards, b[t]), axis=1) for t in degs}
+    return SyncLayout(num_units, shards, owners, b)
 
 
 @dataclass(frozen=True)
@@ -85,7 +96,7 @@ class ReshardPlan:
 
 def reshard_plan(layout: SyncLayout, degree: int) -> ReshardPlan:
     """Transfers taking a degree-``degree`` replica's units to their shard owners."""
-    b = assignment(layout.num_units, degree)
+    b = layout.bounds[degree]
     own = layout.owners[degree]
     out: list[tuple[int, int, int, int]] = []
     for k in range(layout.num_shards):
@@ -100,9 +111,10 @@ def reshard_plan(layout: SyncLayout, degree: int) -> ReshardPlan:
     return ReshardPlan(degree, tuple(out))
 
 
-def moved_lower_bound(num_units: int, degree: int, shards: np.ndarray) -> int:
+def moved_lower_bound(num_units: int, degree: int, shards: np.ndarray,
+                      bounds: np.ndarray | None = None) -> int:
     """Fewest units that must move for this replica, whatever owners are chosen."""
-    ov = overlaps(num_units, degree, shards)
+    ov = overlaps(num_units, degree, shards, bounds)
     return int((np.diff(shards) - ov.max(axis=1)).sum())
 
 

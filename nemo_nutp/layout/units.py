@@ -13,7 +13,8 @@ space          units                parameter kinds
 
 Contract:
 * ``assignment(U, t)`` gives rank ``j`` the contiguous units ``[b[j], b[j+1])`` with counts
-  differing by at most one; ``t`` need not divide ``U``.
+  differing by at most one; ``t`` need not divide ``U``. ``space_bounds`` is what plans use:
+  the same for query groups and vocab rows, and by default *work-balanced* FFN ranges.
 * ``global_index(kind, dims, units)`` returns, for each unit, the flat indices of its elements in
   the *global* (TP1 megatron) tensor in **canonical order** (ascending global flat index). Pairing
   by (unit, canonical element) is what makes cross-replica reduction correct for row-parallel,
@@ -176,20 +177,67 @@ def local_unit_positions(kind: str, dims: ModelDims, n_local: int) -> np.ndarray
     return pos
 
 
-def rank_work(dims: ModelDims, t: int, layers: int, with_vocab: bool) -> np.ndarray:
+BALANCES = ("work", "units")
+
+
+def _unit_costs(dims: ModelDims) -> tuple[float, float]:
+    """Forward multiply-adds per token of one query group and of one FFN column."""
+    h, kv, hpg, s = dims.hidden_size, dims.kv, dims.heads_per_group, dims.seq_length
+    per_group = (hpg + 2) * kv * h + 2 * hpg * s * kv + hpg * kv * h
+    per_ffn = (2 if dims.gated_mlp else 1) * h + h
+    return float(per_group), float(per_ffn)
+
+
+@lru_cache(maxsize=1024)
+def _work_balanced_ffn(dims: ModelDims, t: int) -> np.ndarray:
+    """FFN boundaries that even out per-rank layer work given the query-group split: a rank
+    holding an extra query group takes fewer FFN columns (each rank keeps >= 1 column)."""
+    f = dims.ffn_hidden_size
+    per_group, per_ffn = _unit_costs(dims)
+    qg = np.diff(assignment(dims.num_query_groups, t)).astype(np.float64)
+    target = (qg.sum() * per_group + f * per_ffn) / t
+    ideal = np.clip((target - qg * per_group) / per_ffn, 1.0, None)
+    ideal *= f / ideal.sum()
+    counts = np.maximum(1, np.floor(ideal)).astype(np.int64)
+    while counts.sum() > f:  # only when the floor of 1 over-allocates
+        counts[np.argmax(np.where(counts > 1, counts - ideal, -np.inf))] -= 1
+    for i in np.argsort(-(ideal - counts), kind="stable")[: f - int(counts.sum())]:
+        counts[i] += 1
+    b = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    b.setflags(write=False)
+    return b
+
+
+def space_bounds(dims: ModelDims, space: str, t: int, balance: str = "work") -> np.ndarray:
+    """Boundaries (length t+1) of the units of ``space`` over ``t`` ranks.
+
+    ``units``: every space split into counts differing by at most one. ``work`` (default): query
+    groups and vocab rows as ``units``; FFN columns sized so that every rank's layer work is as
+    even as the query-group granularity allows (a rank with an extra group gets fewer columns).
+    """
+    n = num_units(dims, space)
+    if balance == "units" or space != "ffn" or t == 1:
+        return assignment(n, t)
+    if balance != "work":
+        raise ValueError(f"parallel.unit_balance={balance!r}: must be one of {BALANCES}")
+    if t > n:
+        raise ValueError(f"degree={t}: must be in [1, {n}] for {n} units")
+    return _work_balanced_ffn(dims, t)
+
+
+def rank_work(dims: ModelDims, t: int, layers: int, with_vocab: bool,
+              balance: str = "work") -> np.ndarray:
     """Relative forward FLOPs per token of each of ``t`` ranks for a stage (compute model).
 
     Uses the real unit assignment, so query-group granularity and uneven shards show up as a
     slowest rank. Units: multiply-adds; constant factors cancel in ratios.
     """
-    h, kv, hpg, s = dims.hidden_size, dims.kv, dims.heads_per_group, dims.seq_length
-    qg = np.diff(assignment(dims.num_query_groups, t)).astype(np.float64)
-    ff = np.diff(assignment(dims.ffn_hidden_size, t)).astype(np.float64)
-    per_group = (hpg + 2) * kv * h + 2 * hpg * s * kv + hpg * kv * h
-    per_ffn = (2 if dims.gated_mlp else 1) * h + h
+    per_group, per_ffn = _unit_costs(dims)
+    qg = np.diff(space_bounds(dims, "qg", t, balance)).astype(np.float64)
+    ff = np.diff(space_bounds(dims, "ffn", t, balance)).astype(np.float64)
     work = layers * (qg * per_group + ff * per_ffn)
     if with_vocab:
-        work = work + np.diff(assignment(dims.vocab_size, t)) * float(h)
+        work = work + np.diff(space_bounds(dims, "vocab", t, balance)) * float(dims.hidden_size)
     return work
 
 

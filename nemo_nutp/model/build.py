@@ -25,9 +25,9 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import ModuleSpec, TransformerConfig
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-from ..layout import PARAM_KINDS, Plan, assignment, local_layout, num_units
+from ..layout import PARAM_KINDS, Plan, local_layout
 from ..layout.specs import ModelDims
-from ..layout.units import global_shape
+from ..layout.units import global_shape, space_bounds
 from .layers import NUTPMLP, NUTPGPTModel, NUTPNorm, NUTPSelfAttention
 
 _KIND_OF = (
@@ -51,8 +51,10 @@ def param_kind(name: str) -> str | None:
     return None
 
 
-def unit_range(dims: ModelDims, kind: str, degree: int, tp_rank: int) -> tuple[int, int]:
-    b = assignment(num_units(dims, PARAM_KINDS[kind].space), degree)
+def unit_range(dims: ModelDims, kind: str, degree: int, tp_rank: int, balance: str = "work"
+               ) -> tuple[int, int]:
+    """Units [lo, hi) of a parameter kind held by ``tp_rank`` (the plan's assignment)."""
+    b = space_bounds(dims, PARAM_KINDS[kind].space, degree, balance)
     return int(b[tp_rank]), int(b[tp_rank + 1])
 
 
@@ -82,7 +84,7 @@ def transformer_config(model: Any, *, degree: int, sequence_parallel: bool = Fal
 
 
 def nutp_layer_spec(dims: ModelDims, *, degree: int, tp_rank: int,
-                    tp_group: Any = None) -> ModuleSpec:
+                    tp_group: Any = None, balance: str = "work") -> ModuleSpec:
     """megatron's local GPT layer spec with NUTP attention/MLP/norms for this rank's units.
 
     ``tp_group`` is this rank's TP group: megatron's ``TransformerLayer`` passes a TP group only
@@ -90,8 +92,8 @@ def nutp_layer_spec(dims: ModelDims, *, degree: int, tp_rank: int,
     """
     spec = copy.deepcopy(get_gpt_layer_local_spec())
     sub = spec.submodules
-    g0, g1 = unit_range(dims, "qkv_weight", degree, tp_rank)
-    f0, f1 = unit_range(dims, "fc1_weight", degree, tp_rank)
+    g0, g1 = unit_range(dims, "qkv_weight", degree, tp_rank, balance)
+    f0, f1 = unit_range(dims, "fc1_weight", degree, tp_rank, balance)
     sub.self_attention.module = NUTPSelfAttention
     sub.self_attention.params = {**sub.self_attention.params, "nutp_local_groups": g1 - g0}
     sub.mlp.module = NUTPMLP
@@ -102,8 +104,9 @@ def nutp_layer_spec(dims: ModelDims, *, degree: int, tp_rank: int,
 
 
 def nutp_block_spec(dims: ModelDims, *, degree: int, tp_rank: int,
-                    tp_group: Any = None) -> TransformerBlockSubmodules:
-    layer = nutp_layer_spec(dims, degree=degree, tp_rank=tp_rank, tp_group=tp_group)
+                    tp_group: Any = None, balance: str = "work") -> TransformerBlockSubmodules:
+    layer = nutp_layer_spec(dims, degree=degree, tp_rank=tp_rank, tp_group=tp_group,
+                            balance=balance)
     return TransformerBlockSubmodules(layer_specs=[layer] * dims.num_layers, layer_norm=NUTPNorm)
 
 
@@ -123,7 +126,7 @@ def global_weight(name: str, shape: tuple[int, ...], *, seed: int, std: float) -
 
 
 def load_global_init(model: torch.nn.Module, dims: ModelDims, *, degree: int, tp_rank: int,
-                     seed: int, std: float = 0.02) -> None:
+                     seed: int, std: float = 0.02, balance: str = "work") -> None:
     """Tag every parameter with its units and copy in its slice of the global weights."""
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -133,7 +136,7 @@ def load_global_init(model: torch.nn.Module, dims: ModelDims, *, degree: int, tp
                 p.nutp_units = None  # type: ignore[attr-defined]
                 p.copy_(global_weight(name, tuple(p.shape), seed=seed, std=std))
                 continue
-            lo, hi = unit_range(dims, kind, degree, tp_rank)
+            lo, hi = unit_range(dims, kind, degree, tp_rank, balance)
             p.nutp_units = (lo, hi)  # type: ignore[attr-defined]
             full = global_weight(name, global_shape(kind, dims), seed=seed, std=std)
             idx = torch.from_numpy(local_layout(kind, dims, np.arange(lo, hi)))
@@ -154,9 +157,11 @@ def build_gpt_model(plan: Plan, rank: int, model_cfg: Any, pgs: ProcessGroupColl
         raise ValueError(f"tp group size {pgs.tp.size()} != planned degree {degree}")
     sp = plan.request.parallel.sequence_parallel
     config = transformer_config(model_cfg, degree=degree, sequence_parallel=sp)
-    v0, v1 = unit_range(model_cfg, "word_embedding", degree, j)
+    balance = plan.request.parallel.unit_balance
+    v0, v1 = unit_range(model_cfg, "word_embedding", degree, j, balance)
     model = NUTPGPTModel(
-        config, nutp_block_spec(model_cfg, degree=degree, tp_rank=j, tp_group=pgs.tp),
+        config, nutp_block_spec(model_cfg, degree=degree, tp_rank=j, tp_group=pgs.tp,
+                                balance=balance),
         vocab_range=(v0, v1),
         max_sequence_length=model_cfg.seq_length,
         position_embedding_type=getattr(model_cfg, "position_embedding", "rope"),
@@ -164,5 +169,5 @@ def build_gpt_model(plan: Plan, rank: int, model_cfg: Any, pgs: ProcessGroupColl
         parallel_output=True, pg_collection=pgs,
     )
     load_global_init(model, model_cfg, degree=degree, tp_rank=j, seed=seed,
-                     std=getattr(model_cfg, "init_std", 0.02))
+                     std=getattr(model_cfg, "init_std", 0.02), balance=balance)
     return model

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..layout import PARAM_KINDS, Plan, assignment, reshard_plan
+from ..layout import PARAM_KINDS, Plan, reshard_plan
 from ..layout.sync import owned_shards
 from ..layout.units import local_unit_positions, unit_numel
 from ..parallel.groups import NUTPGroups
@@ -96,7 +96,7 @@ class GradSyncEngine:
         ctx, plan = self.ctx, self.plan
         space = PARAM_KINDS[kind].space
         lay = plan.sync[(ctx.stage, space)]
-        b = assignment(lay.num_units, ctx.degree)
+        b = lay.bounds[ctx.degree]
         assert units == (int(b[ctx.tp_rank]), int(b[ctx.tp_rank + 1])), (name, units)
         e.numel_unit = unit_numel(kind, self.dims)
         e.pos = torch.from_numpy(local_unit_positions(kind, self.dims, units[1] - units[0])).to(

