@@ -110,9 +110,36 @@ def nutp_block_spec(dims: ModelDims, *, degree: int, tp_rank: int,
     return TransformerBlockSubmodules(layer_specs=[layer] * dims.num_layers, layer_norm=NUTPNorm)
 
 
-LAYER_SPECS = {"nutp_local": nutp_layer_spec}
-"""Registry of NUTP layer-spec builders, by name (a Transformer-Engine variant joins when TE is
-installed; it is not in this environment)."""
+def nutp_te_layer_spec(dims: ModelDims, *, degree: int, tp_rank: int,
+                       tp_group: Any = None, balance: str = "work") -> ModuleSpec:
+    """Transformer-Engine variant: megatron's TE GPT layer spec with the NUTP attention/MLP.
+
+    TE's fused layernorm-linear modules size their shard from the same rank-local config view,
+    so the substitution is the same as for the local spec. Needs ``transformer_engine``; it is
+    not installed in CI, so this path has no CPU test (a GPU test is marked ``gpu``).
+    """
+    try:
+        import transformer_engine  # noqa: F401
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_layer_with_transformer_engine_spec,
+        )
+    except ImportError as e:
+        raise ImportError("nutp_te_layer_spec needs transformer_engine (pip install "
+                          "transformer-engine, or use the NGC container)") from e
+    spec = copy.deepcopy(get_gpt_layer_with_transformer_engine_spec())
+    sub = spec.submodules
+    g0, g1 = unit_range(dims, "qkv_weight", degree, tp_rank, balance)
+    f0, f1 = unit_range(dims, "fc1_weight", degree, tp_rank, balance)
+    sub.self_attention.module = NUTPSelfAttention
+    sub.self_attention.params = {**sub.self_attention.params, "nutp_local_groups": g1 - g0}
+    sub.mlp.module = NUTPMLP
+    sub.mlp.params = {**sub.mlp.params, "nutp_local_ffn": f1 - f0, "tp_group": tp_group}
+    return spec
+
+
+LAYER_SPECS = {"nutp_local": nutp_layer_spec, "nutp_te": nutp_te_layer_spec}
+"""Registry of NUTP layer-spec builders by name; pass the result as a megatron-core GPT
+``transformer_layer_spec`` (with ``NUTPGPTModel`` for uneven vocab shards)."""
 
 
 def global_weight(name: str, shape: tuple[int, ...], *, seed: int, std: float) -> torch.Tensor:
