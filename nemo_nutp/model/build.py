@@ -90,7 +90,17 @@ def nutp_layer_spec(dims: ModelDims, *, degree: int, tp_rank: int,
     ``tp_group`` is this rank's TP group: megatron's ``TransformerLayer`` passes a TP group only
     to the exact ``MLP`` class, so the spec carries it for ``NUTPMLP``.
     """
-    spec = copy.deepcopy(get_gpt_layer_local_spec())
+    spec = _with_nutp_modules(get_gpt_layer_local_spec(), dims, degree, tp_rank, tp_group,
+                              balance)
+    spec.submodules.input_layernorm = NUTPNorm
+    spec.submodules.pre_mlp_layernorm = NUTPNorm
+    return spec
+
+
+def _with_nutp_modules(base: ModuleSpec, dims: ModelDims, degree: int, tp_rank: int,
+                       tp_group: Any, balance: str) -> ModuleSpec:
+    """Copy of a megatron GPT layer spec with NUTP attention/MLP holding this rank's units."""
+    spec = copy.deepcopy(base)
     sub = spec.submodules
     g0, g1 = unit_range(dims, "qkv_weight", degree, tp_rank, balance)
     f0, f1 = unit_range(dims, "fc1_weight", degree, tp_rank, balance)
@@ -98,8 +108,6 @@ def nutp_layer_spec(dims: ModelDims, *, degree: int, tp_rank: int,
     sub.self_attention.params = {**sub.self_attention.params, "nutp_local_groups": g1 - g0}
     sub.mlp.module = NUTPMLP
     sub.mlp.params = {**sub.mlp.params, "nutp_local_ffn": f1 - f0, "tp_group": tp_group}
-    sub.input_layernorm = NUTPNorm
-    sub.pre_mlp_layernorm = NUTPNorm
     return spec
 
 
@@ -126,15 +134,8 @@ def nutp_te_layer_spec(dims: ModelDims, *, degree: int, tp_rank: int,
     except ImportError as e:
         raise ImportError("nutp_te_layer_spec needs transformer_engine (pip install "
                           "transformer-engine, or use the NGC container)") from e
-    spec = copy.deepcopy(get_gpt_layer_with_transformer_engine_spec())
-    sub = spec.submodules
-    g0, g1 = unit_range(dims, "qkv_weight", degree, tp_rank, balance)
-    f0, f1 = unit_range(dims, "fc1_weight", degree, tp_rank, balance)
-    sub.self_attention.module = NUTPSelfAttention
-    sub.self_attention.params = {**sub.self_attention.params, "nutp_local_groups": g1 - g0}
-    sub.mlp.module = NUTPMLP
-    sub.mlp.params = {**sub.mlp.params, "nutp_local_ffn": f1 - f0, "tp_group": tp_group}
-    return spec
+    return _with_nutp_modules(get_gpt_layer_with_transformer_engine_spec(), dims, degree,
+                              tp_rank, tp_group, balance)
 
 
 LAYER_SPECS = {"nutp_local": nutp_layer_spec, "nutp_te": nutp_te_layer_spec}
