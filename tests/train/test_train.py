@@ -83,7 +83,9 @@ def test_bad_config_fails_before_anything_runs(tmp_path: Path) -> None:
     out = tmp_path / "never"
     for override, key in (("train.stepz=3", "train.stepz"), ("train.steps=abc", "train.steps"),
                           ("nutp.replicas=[4,9]", "nutp.replicas"),
-                          ("train.micro_batch_size=3", "train.global_batch_size")):
+                          ("train.micro_batch_size=3", "train.global_batch_size"),
+                          ("train.distributed_optimizer=true", "train.distributed_optimizer"),
+                          ("parallel.unit_balance=heads", "parallel.unit_balance")):
         r = _train(out, override)
         assert r.returncode == 2, (override, r.stdout, r.stderr)
         assert key in r.stdout, (override, r.stdout)
