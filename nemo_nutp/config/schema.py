@@ -127,6 +127,54 @@ class OutputConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    """Layout-portable checkpoints (``nemo_nutp.checkpoint``)."""
+
+    dir: str | None = None
+    """Checkpoint root; None = ``<output.dir>/checkpoints`` when ``interval`` > 0."""
+    interval: int = 0
+    """Save every this many steps (0 disables saving)."""
+    resume: bool = True
+    """Start from the newest complete checkpoint under the root, if any."""
+
+    def __post_init__(self) -> None:
+        if self.interval < 0:
+            raise _bad("checkpoint.interval", self.interval, "must be >= 0")
+
+
+@dataclass(frozen=True)
+class FaultConfig:
+    """Fault injection for tests and demos (env ``NUTP_FAULT=kind:rank:step`` overrides)."""
+
+    kind: str | None = None
+    """None, 'kill' (SIGKILL), 'hang' (sleep forever) or 'save_crash' (die inside a save)."""
+    rank: int = 0
+    """Global rank that fails."""
+    step: int = 0
+    """Step (0-based) at whose start the fault fires (first attempt only)."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in (None, "kill", "hang", "save_crash"):
+            raise _bad("recovery.fault.kind", self.kind, "must be null, kill, hang or save_crash")
+
+
+@dataclass(frozen=True)
+class RecoveryConfig:
+    """Automatic recovery: a supervisor restarts the job at reduced TP after a rank failure."""
+
+    enabled: bool = False
+    """Run the ranks under the recovery supervisor (needs ``checkpoint.interval`` > 0)."""
+    max_restarts: int = 3
+    """Give up after this many restarts."""
+    heartbeat_timeout_s: float = 60.0
+    """A rank whose step progress stalls this long (after its first step) counts as hung."""
+    startup_timeout_s: float = 300.0
+    """Time a (re)started world may take to reach its first step."""
+    fault: FaultConfig = field(default_factory=FaultConfig)
+    """Fault injection."""
+
+
+@dataclass(frozen=True)
 class JobConfig:
     """A complete NUTP job."""
 
@@ -137,6 +185,20 @@ class JobConfig:
     nutp: NutpConfig = field(default_factory=NutpConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+
+    def __post_init__(self) -> None:
+        if self.recovery.enabled and self.checkpoint.interval <= 0:
+            raise _bad("checkpoint.interval", self.checkpoint.interval,
+                       "must be > 0 when recovery.enabled is true")
+
+    @property
+    def checkpoint_dir(self) -> str | None:
+        """The checkpoint root in use (None: checkpointing off)."""
+        if self.checkpoint.dir:
+            return self.checkpoint.dir
+        return f"{self.output.dir}/checkpoints" if self.checkpoint.interval > 0 else None
 
 
 def plan_request(cfg: JobConfig, *, world_size: int | None = None) -> PlanRequest:

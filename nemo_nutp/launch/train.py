@@ -87,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     if env is not None:
         _run_rank(env[0], env[1], env[2], cfg, plan, None)
         return 0
+    if cfg.recovery.enabled:  # restart at reduced TP on failure (see launch/supervisor.py)
+        from .supervisor import supervise
+
+        return supervise(cfg, console)
     import torch.multiprocessing as mp
 
     from ..launch.ports import free_port

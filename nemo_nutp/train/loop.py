@@ -45,10 +45,11 @@ def _replica_times(rows: list[list[float]], n_replicas: int
 class _Outputs:
     """Rank-0 side effects: metrics file, TensorBoard (if installed), progress."""
 
-    def __init__(self, cfg: JobConfig, plan: Plan) -> None:
+    def __init__(self, cfg: JobConfig, plan: Plan, *, start_step: int = 0) -> None:
         self.dir = Path(cfg.output.dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.partial = self.dir / "metrics.jsonl.partial"
+        kept = _earlier_rows(self.partial, start_step)  # resumed run: keep steps before resume
         self.file = self.partial.open("w")
         self.tb = None
         try:
@@ -58,6 +59,9 @@ class _Outputs:
         except Exception:  # tensorboard not installed: optional
             self.tb = None
         self.rows: list[dict[str, Any]] = []
+        for row in kept:
+            self.rows.append(row)
+            self.file.write(json.dumps(row) + "\n")
 
     def write(self, row: dict[str, Any]) -> None:
         self.rows.append(row)
@@ -74,6 +78,13 @@ class _Outputs:
             self.tb.close()
 
 
+def _earlier_rows(path: Path, start_step: int) -> list[dict[str, Any]]:
+    if start_step == 0 or not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if r["step"] < start_step]
+
+
 def train_rank(cfg: JobConfig, plan: Plan, *, device: torch.device | None = None
                ) -> list[dict[str, Any]] | None:
     """Run the whole job on this rank (process group already initialised)."""
@@ -84,18 +95,24 @@ def train_rank(cfg: JobConfig, plan: Plan, *, device: torch.device | None = None
                             micro_batch_size=t.micro_batch_size, optimizer=t.optimizer,
                             weight_decay=t.weight_decay, clip_grad=t.clip_grad, device=device,
                             data_path=t.data_path)
+    from ..checkpoint.hooks import CheckpointHooks
+
     rank0 = dist.get_rank() == 0
-    out = _Outputs(cfg, plan) if rank0 else None
     ledger = GoodputLedger(cluster_gpus=plan.request.cluster.num_gpus,
                            failed_gpus=len(plan.request.health.failed_gpus),
                            idle_gpus=plan.idle_healthy_gpus)
+    hooks = CheckpointHooks(cfg, session)
+    start = hooks.resume(ledger)
+    out = _Outputs(cfg, plan, start_step=start) if rank0 else None
     tokens = t.global_batch_size * cfg.model.seq_length
     progress = _progress() if rank0 else None
-    task = progress.add_task("train", total=t.steps, info="") if progress else None
+    task = (progress.add_task("train", total=t.steps, completed=start, info="")
+            if progress else None)
     if progress:
         progress.start()
     try:
-        for step in range(t.steps):
+        for step in range(start, t.steps):
+            hooks.before_step(step)
             t0 = time.perf_counter()
             res = session.step(step)
             rows = _gather_times(session, res.times, time.perf_counter() - t0)
@@ -111,6 +128,7 @@ def train_rank(cfg: JobConfig, plan: Plan, *, device: torch.device | None = None
                 out.write(row)
                 progress.update(task, advance=1, info=f"loss {res.loss:.4f}  "
                                 f"{tokens / step_s:,.0f} tok/s  goodput {goodput:.1%}")
+            hooks.after_step(step, ledger)
     finally:
         if progress:
             progress.stop()

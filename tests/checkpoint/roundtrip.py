@@ -1,0 +1,99 @@
+"""Round-trip harness: save in one layout after 3 steps, load in another, train 2 more steps.
+
+One spawned world per world size runs a list of ``Job``s in order; each job builds a session for
+its layout and either trains ``fresh`` steps and saves, loads checkpoints of other layouts and
+trains on, or (TP1 only) records the uninterrupted reference losses. Results are JSON files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import traceback
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+SAVE_AT = 3
+AFTER = 2
+MODEL = dict(add_bias=True)  # tiny: GQA 8 heads / 4 groups, SwiGLU, vocab 101, + biases
+
+
+@dataclass(frozen=True)
+class Job:
+    layout: str  # name, e.g. "tp4_tp3"
+    replicas: tuple[int, ...]
+    load: tuple[str, ...] = ()  # layouts whose checkpoints to load (each: 2 steps after)
+    save: bool = False  # train SAVE_AT steps from scratch and save
+    reference: bool = False  # train SAVE_AT + AFTER steps uninterrupted
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def make_plan(replicas: tuple[int, ...]) -> Any:
+    from nemo_nutp.config import ModelConfig
+    from nemo_nutp.layout import ClusterSpec, ParallelSpec, PlanRequest, build_plan
+
+    tb = max(replicas)
+    req = PlanRequest(cluster=ClusterSpec(num_gpus=tb * len(replicas), domain_size=tb,
+                                          gpus_per_node=tb),
+                      model=ModelConfig(**MODEL), parallel=ParallelSpec(tp_base=tb),
+                      replicas=replicas, global_batch=8)
+    return build_plan(req)
+
+
+def _session(job: Job) -> Any:
+    from nemo_nutp.train.session import build_session
+
+    plan = make_plan(job.replicas)
+    return build_session(plan, plan.request.model, lr=1e-3, seed=1234, micro_batch_size=2)
+
+
+def run_job(job: Job, outdir: str, index: str) -> None:
+    import torch.distributed as dist
+
+    from nemo_nutp.checkpoint import load_checkpoint, save_checkpoint
+
+    rank0 = dist.get_rank() == 0
+    res: dict[str, Any] = {}
+    if job.reference:
+        s = _session(job)
+        res["reference"] = [s.step(k).loss for k in range(SAVE_AT + AFTER)]
+    for src in job.load:
+        s = _session(job)  # fresh weights: everything must come from the checkpoint
+        info = load_checkpoint(s, os.path.join(outdir, f"ckpt_{src}", f"step_{SAVE_AT:08d}"))
+        assert info["step"] == SAVE_AT, info["step"]
+        res[f"from_{src}"] = [s.step(k).loss for k in range(SAVE_AT, SAVE_AT + AFTER)]
+    if job.save:
+        s = _session(job)
+        res["fresh"] = [s.step(k).loss for k in range(SAVE_AT)]
+        save_checkpoint(s, os.path.join(outdir, f"ckpt_{job.layout}"), step=SAVE_AT)
+        # Self round trip in the same session object: load over the trained state.
+        info = load_checkpoint(s, os.path.join(outdir, f"ckpt_{job.layout}",
+                                               f"step_{SAVE_AT:08d}"))
+        res["self"] = [s.step(k).loss for k in range(SAVE_AT, SAVE_AT + AFTER)]
+    if rank0:
+        with open(os.path.join(outdir, f"{job.layout}@{index}.json"), "w") as f:
+            json.dump(res, f)
+    dist.barrier()
+
+
+def worker(rank: int, world: int, port: int, jobs: list[Job], outdir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    warnings.filterwarnings("ignore")
+    try:
+        from nemo_nutp.compat.cpu import apply_cpu_patches
+
+        apply_cpu_patches()
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        torch.set_num_threads(1)
+        for k, job in enumerate(jobs):
+            run_job(job, outdir, f"{world}.{port}.{k}")
+        dist.destroy_process_group()
+    except BaseException:
+        with open(os.path.join(outdir, f"error_rank{rank}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
