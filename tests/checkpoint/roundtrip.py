@@ -9,12 +9,8 @@ from __future__ import annotations
 
 import json
 import os
-import traceback
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
-
-import torch
 
 SAVE_AT = 3
 AFTER = 2
@@ -80,20 +76,10 @@ def run_job(job: Job, outdir: str, index: str) -> None:
 
 
 def worker(rank: int, world: int, port: int, jobs: list[Job], outdir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    warnings.filterwarnings("ignore")
-    try:
-        from nemo_nutp.compat.cpu import apply_cpu_patches
+    from tests._dist import gloo_rank
 
-        apply_cpu_patches()
-        import torch.distributed as dist
-
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        torch.set_num_threads(1)
+    def body() -> None:
         for k, job in enumerate(jobs):
             run_job(job, outdir, f"{world}.{port}.{k}")
-        dist.destroy_process_group()
-    except BaseException:
-        with open(os.path.join(outdir, f"error_rank{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
+
+    gloo_rank(rank, world, port, outdir, body)

@@ -12,8 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import traceback
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -211,20 +209,10 @@ def _megatron_ddp(case: Case, nutp_session: Any) -> dict[str, Any] | None:
 
 
 def worker(rank: int, world: int, port: int, cases: list[Case], outdir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    warnings.filterwarnings("ignore")
-    try:
-        from nemo_nutp.compat.cpu import apply_cpu_patches
+    from tests._dist import gloo_rank
 
-        apply_cpu_patches()
-        import torch.distributed as dist
-
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        torch.set_num_threads(1)
+    def body() -> None:
         for case in cases:
             run_case(case, outdir)
-        dist.destroy_process_group()
-    except BaseException:
-        with open(os.path.join(outdir, f"error_rank{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
+
+    gloo_rank(rank, world, port, outdir, body)

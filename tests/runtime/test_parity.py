@@ -17,9 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch.multiprocessing as mp
 
-from tests._dist import free_port
+from tests._dist import spawn
 
 from .parity import TENSOR_TOL, TOL, Case
 
@@ -43,12 +42,7 @@ FOUR = [Case("uniform_tp2_dp2", (2, 2), GQA_SWIGLU, vs_megatron_ddp=True)]
 def _run(cases: list[Case], world: int, tmp_path: Path) -> dict[str, dict[str, Any]]:
     from .parity import worker
 
-    try:
-        mp.spawn(worker, args=(world, free_port(), cases, str(tmp_path)), nprocs=world)
-    finally:
-        errors = sorted(tmp_path.glob("error_rank*.txt"))
-        if errors:
-            print(errors[0].read_text())
+    spawn(worker, world, (cases,), tmp_path)
     res = {c.name: json.loads((tmp_path / f"{c.name}.json").read_text()) for c in cases}
     for name, r in res.items():  # shown with -s / on failure
         print(f"{name}: shares={r['shares']} loss_rel={max(r['loss_rel']):.2e} "
