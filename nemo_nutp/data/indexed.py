@@ -5,6 +5,8 @@ same samples."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 
@@ -15,9 +17,13 @@ class IndexedTokenSource:
     def __init__(self, path_prefix: str, *, vocab_size: int, seq_length: int) -> None:
         from megatron.core.datasets.indexed_dataset import IndexedDataset
 
+        missing = [f"{path_prefix}{ext}" for ext in (".bin", ".idx")
+                   if not os.path.isfile(f"{path_prefix}{ext}")]
+        if missing:
+            raise ValueError(f"train.data_path={path_prefix!r}: missing {', '.join(missing)}")
         try:
             ds = IndexedDataset(path_prefix)
-        except (FileNotFoundError, OSError) as e:
+        except Exception as e:  # megatron asserts on malformed index files
             raise ValueError(f"train.data_path={path_prefix!r}: cannot open indexed dataset "
                              f"({e})") from None
         self.tokens = np.concatenate([np.asarray(ds[i]) for i in range(len(ds))]).astype(np.int64)

@@ -61,6 +61,24 @@ def _spawned(rank: int, world: int, cfg: Any, plan: Any, port: int) -> None:
     _run_rank(rank, world, rank, cfg, plan, port)
 
 
+def preflight(cfg: Any) -> None:
+    """Checks that need files, done before any process or group exists: the data path opens
+    and fits the vocabulary; a checkpoint to resume from matches the model."""
+    if cfg.train.data_path:
+        from ..data.indexed import IndexedTokenSource
+
+        IndexedTokenSource(cfg.train.data_path, vocab_size=cfg.model.vocab_size,
+                           seq_length=cfg.model.seq_length)
+    root = cfg.checkpoint_dir
+    if root is not None and cfg.checkpoint.resume:
+        from ..checkpoint.store import check_compatible, find_latest, read_marker
+
+        latest = find_latest(root)
+        marker = read_marker(latest) if latest is not None else None
+        if latest is not None and marker is not None:
+            check_compatible(marker, cfg.model, latest)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="nutp-train", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -77,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_job(args.overrides, config_name=args.config_name)
         plan = build_plan(plan_request(cfg, world_size=env[1] if env else None))
+        preflight(cfg)
     except ValueError as e:
         console.print(f"[red]error:[/] {e}")
         return 2

@@ -130,7 +130,7 @@ class ModelDims:
     add_bias: bool = False
     """Linear layers carry biases (column-parallel biases shard, row-parallel ones replicate)."""
     kv_channels: int | None = None
-    """Per-head width; defaults to hidden_size // num_attention_heads."""
+    """Per-head width; None means hidden_size // num_attention_heads (see ``kv``)."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
@@ -139,12 +139,13 @@ class ModelDims:
         if self.num_attention_heads % self.num_query_groups:
             raise _bad("model.num_query_groups", self.num_query_groups,
                        f"must divide model.num_attention_heads={self.num_attention_heads}")
+        # kv_channels stays None when derived: a schema default must not freeze one model's
+        # head width into every other model loaded over it.
         if self.kv_channels is None:
             if self.hidden_size % self.num_attention_heads:
                 raise _bad("model.hidden_size", self.hidden_size,
                            f"must be divisible by model.num_attention_heads="
                            f"{self.num_attention_heads} (or set model.kv_channels)")
-            object.__setattr__(self, "kv_channels", self.hidden_size // self.num_attention_heads)
         else:
             _positive("model.kv_channels", self.kv_channels)
 
@@ -154,8 +155,10 @@ class ModelDims:
 
     @property
     def kv(self) -> int:
-        assert self.kv_channels is not None
-        return self.kv_channels
+        """Per-head width: model.kv_channels, or hidden_size // num_attention_heads."""
+        if self.kv_channels is not None:
+            return self.kv_channels
+        return self.hidden_size // self.num_attention_heads
 
 
 @dataclass(frozen=True)

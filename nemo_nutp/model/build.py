@@ -68,7 +68,7 @@ def transformer_config(model: Any, *, degree: int, sequence_parallel: bool = Fal
     config = TransformerConfig(
         num_layers=model.num_layers, hidden_size=model.hidden_size,
         num_attention_heads=model.num_attention_heads, num_query_groups=model.num_query_groups,
-        ffn_hidden_size=model.ffn_hidden_size, kv_channels=model.kv_channels,
+        ffn_hidden_size=model.ffn_hidden_size, kv_channels=model.kv,
         gated_linear_unit=model.gated_mlp, activation_func=F.silu if model.gated_mlp else F.gelu,
         normalization=getattr(model, "normalization", "RMSNorm"),
         add_bias_linear=model.add_bias, add_qkv_bias=model.add_bias,

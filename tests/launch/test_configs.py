@@ -172,3 +172,14 @@ def test_bad_hardware_file_names_the_key(tmp_path: Path) -> None:
                     + "bogus: 1\n")
     with pytest.raises(ValueError, match=r"^hardware\.bogus\b"):
         load_yaml_strict(HardwareSpec, path, "hardware")
+
+
+def test_derived_head_width_follows_the_chosen_model() -> None:
+    """kv_channels derives from each model's own hidden/heads (not a schema default)."""
+    from nemo_nutp.config import load_config
+
+    assert load_config(["model=tiny"]).model.kv == 8
+    assert load_config(["model=llama3_8b"]).model.kv == 128
+    assert load_config(["model=llama3_70b", "model.num_attention_heads=32"]).model.kv == 256
+    with pytest.raises(ValueError, match=r"model\.hidden_size=63"):
+        load_config(["model.hidden_size=63"])

@@ -85,7 +85,8 @@ def test_bad_config_fails_before_anything_runs(tmp_path: Path) -> None:
                           ("nutp.replicas=[4,9]", "nutp.replicas"),
                           ("train.micro_batch_size=3", "train.global_batch_size"),
                           ("train.distributed_optimizer=true", "train.distributed_optimizer"),
-                          ("parallel.unit_balance=heads", "parallel.unit_balance")):
+                          ("parallel.unit_balance=heads", "parallel.unit_balance"),
+                          ("train.data_path=/nonexistent/tokens", "train.data_path")):
         r = _train(out, override)
         assert r.returncode == 2, (override, r.stdout, r.stderr)
         assert key in r.stdout, (override, r.stdout)
