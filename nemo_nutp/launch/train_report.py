@@ -12,7 +12,7 @@ from rich.table import Table
 
 from ..goodput.accounting import CAUSES, GoodputLedger
 
-_LABELS = {"useful": "useful work", "sync": "resharding / sync exposed",
+_LABELS = {"useful": "useful work", "sync": "exposed sync (reshard + reduce) + optimizer",
            "slack": "slack: waiting for slower replicas", "failed": "failed GPUs idle",
            "idle": "healthy GPUs unused", "checkpoint": "checkpoint time",
            "restart": "restart time"}
