@@ -3,19 +3,15 @@
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from nemo_nutp.launch.ports import free_port
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that the OS reported free (bound to port 0, then released)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+__all__ = ["free_port", "gloo_rank", "spawn"]
 
 
 def gloo_rank(rank: int, world: int, port: int, outdir: str, body: Callable[[], None]) -> None:
