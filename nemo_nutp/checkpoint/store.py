@@ -111,6 +111,9 @@ def save_checkpoint(session: Any, root: str | Path, *, step: int,
     """
     from megatron.core import dist_checkpointing
 
+    from ..procs import results_queue_dies_with_rank
+
+    results_queue_dies_with_rank()  # no orphaned helper holds the job's output after a crash
     root = Path(root)
     rank0 = dist.get_rank() == 0
     tmp = root / f"step_{step:08d}.tmp-{_broadcast(secrets.token_hex(4))}"

@@ -170,8 +170,17 @@ class RecoveryConfig:
     """A rank whose step progress stalls this long (after its first step) counts as hung."""
     startup_timeout_s: float = 300.0
     """Time a (re)started world may take to reach its first step."""
+    probe_timeout_s: float = 60.0
+    """Under a launcher: time a worker's device probe may take before its GPU counts as failed."""
     fault: FaultConfig = field(default_factory=FaultConfig)
     """Fault injection."""
+
+    def __post_init__(self) -> None:
+        if self.max_restarts < 0:
+            raise _bad("recovery.max_restarts", self.max_restarts, "must be >= 0")
+        for name in ("heartbeat_timeout_s", "startup_timeout_s", "probe_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise _bad(f"recovery.{name}", getattr(self, name), "must be > 0")
 
 
 @dataclass(frozen=True)

@@ -90,15 +90,27 @@ def main(argv: list[str] | None = None) -> int:
     from ..config import plan_request
     from ..config.recipes import load_job
     from ..layout import build_plan
+    from . import elastic
 
     env = _launcher_env()
     try:
         cfg = load_job(args.overrides, config_name=args.config_name)
-        plan = build_plan(plan_request(cfg, world_size=env[1] if env else None))
+        under_recovery = env is not None and cfg.recovery.enabled
+        slot = -1
+        if under_recovery:  # one worker per GPU slot; each attempt re-plans (launch/elastic.py)
+            assert env is not None
+            elastic.check_world(cfg, env[1])
+            slot = elastic.gpu_slot(dict(os.environ), env[0], env[2], cfg.cluster.gpus_per_node)
+        plan = build_plan(plan_request(cfg, world_size=None if env is None or under_recovery
+                                       else env[1]))
         preflight(cfg)
     except ValueError as e:
         console.print(f"[red]error:[/] {e}")
         return 2
+    if env is not None and under_recovery:
+        attempt = elastic.attempt_number(dict(os.environ))
+        return elastic.run_worker(
+            cfg, elastic.LauncherEnv(env[0], env[1], env[2], attempt, slot), console)
     if env is None or env[0] == 0:
         from .plan_report import replicas_table
 

@@ -1,0 +1,429 @@
+"""Recovery under an external launcher: ``torchrun --max-restarts``, ``ft_launcher``, srun loops.
+
+``nutp-train recovery.enabled=true`` started by a launcher (``RANK``/``WORLD_SIZE`` in the
+environment) runs one worker per GPU *slot* of the cluster (launcher rank ``r`` = GPU ``r``,
+node-major, as ``torchrun --nproc-per-node=<GPUs per node>`` and srun's block order number
+them). The launcher restarts the whole worker group when one worker dies (torchrun/ft_launcher
+``--max-restarts``; ft_launcher also when a rank stops sending heartbeats). Each attempt:
+
+1. every worker joins the launcher's rendezvous store (no process group yet), probes its device
+   (CUDA: a small matmul within ``recovery.probe_timeout_s``; CPU: always healthy) and posts the
+   result;
+2. worker 0 decides the failed GPUs: the health report (``<output.dir>/recovery/health.json``,
+   the operator's truth; a GPU removed from it is back), plus GPUs whose probe failed, plus the
+   GPUs *blamed* for the previous attempt's end: a rank that left no exit record died without a
+   word (SIGKILL, segfault, lost GPU); ranks that raised or were terminated by the launcher wrote
+   one. A hang found by the watchdog (below) blames the rank that progressed least. It writes the
+   health report and the attempt record, logs timestamped events, and posts the decision;
+3. every worker builds the same plan from the decision (the job's policy re-plans degrees);
+   workers in the plan form a fresh default process group over the store (rank = plan rank,
+   NCCL on CUDA, gloo on CPU) and resume from the newest complete checkpoint; a worker whose GPU
+   is failed or unused waits idle until the plan's rank 0 posts that the job finished;
+4. a watchdog thread on plan rank 0 reads the per-rank step heartbeats and, when progress
+   stalls past ``recovery.heartbeat_timeout_s``, records the blamed rank and exits the worker,
+   so the launcher restarts the group. Under ft_launcher (nvidia-resiliency-ext) every worker
+   also sends the rank monitor liveness heartbeats from a thread, so a worker frozen as a whole
+   is terminated by ft_launcher (keep ``recovery.heartbeat_timeout_s`` below ft_launcher's
+   ``--ft-rank-heartbeat-timeout`` so the watchdog, which can name the rank that hung, acts
+   first).
+
+Events (``recovery/events.jsonl``) and the per-restart summary (``recovery/summary.json``) have
+the same form as under the CPU supervisor (``launch/supervisor.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from ..checkpoint.events import log_event, read_events
+from .recovery import Failure, Progress, blame_hang, job_for, lost_steps, next_failed
+
+EXIT_HANG = 75  # worker exit code after the watchdog found a hang (EX_TEMPFAIL)
+
+
+@dataclass(frozen=True)
+class LauncherEnv:
+    rank: int
+    world: int
+    local_rank: int
+    attempt: int
+    slot: int
+    """This worker's GPU slot in the cluster's numbering (see ``gpu_slot``)."""
+
+
+def gpu_slot(env: dict[str, str], rank: int, local_rank: int, gpus_per_node: int) -> int:
+    """The cluster GPU this worker drives: node index x GPUs per node + local rank.
+
+    The node index must be stable across restarts (a failed GPU must stay the same physical
+    GPU), which a launcher's global rank is not (torchrun's c10d rendezvous numbers nodes in
+    join order). So it is ``NUTP_NODE_INDEX`` if set, else Slurm's ``SLURM_NODEID``, else
+    torchrun's ``GROUP_RANK`` (stable with a static ``--node-rank``), else rank // GPUs per
+    node (single node)."""
+    if not 0 <= local_rank < gpus_per_node:
+        raise ValueError(f"LOCAL_RANK={local_rank}: must be < cluster.gpus_per_node="
+                         f"{gpus_per_node} (one worker per GPU)")
+    for key in ("NUTP_NODE_INDEX", "SLURM_NODEID", "GROUP_RANK"):
+        if env.get(key, "").isdigit():
+            return int(env[key]) * gpus_per_node + local_rank
+    return (rank // gpus_per_node) * gpus_per_node + local_rank
+
+
+def attempt_number(env: dict[str, str]) -> int:
+    """The launcher's restart count: torchrun/ft_launcher, Slurm requeue, or ours."""
+    for key in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT", "NUTP_ATTEMPT"):
+        if env.get(key, "").isdigit():
+            return int(env[key])
+    return 0
+
+
+def check_world(cfg: Any, world: int) -> None:
+    """One worker per GPU slot (before any process group exists)."""
+    if world != cfg.cluster.num_gpus:
+        raise ValueError(
+            f"recovery.enabled=true under a launcher needs one worker per GPU slot: the launcher's "
+            f"WORLD_SIZE={world} but cluster.num_gpus={cfg.cluster.num_gpus} (start "
+            f"cluster.gpus_per_node workers per node on every node of the cluster)")
+
+
+# ---------------------------------------------------------------------------------------------
+# Evidence of an attempt (files under <output.dir>/recovery, one directory per attempt)
+# ---------------------------------------------------------------------------------------------
+
+
+def read_progress(hb_dir: Path, world: int) -> dict[int, Progress | None]:
+    """Per plan rank: the last step heartbeat (written by ``checkpoint/hooks.py``)."""
+    out: dict[int, Progress | None] = {}
+    for r in range(world):
+        try:
+            phase, step, t = (hb_dir / f"rank{r}").read_text().split()
+            out[r] = Progress(phase, int(step), float(t))
+        except (OSError, ValueError):
+            out[r] = None
+    return out
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(obj) + "\n")
+    os.replace(tmp, path)
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def blame_previous(record: dict[str, Any], exits: dict[int, dict[str, Any]],
+                   hang: dict[str, Any] | None) -> Failure | None:
+    """Who ended the previous attempt (pure).
+
+    ``record``: that attempt's decision (``rank_to_gpu``); ``exits``: exit records by GPU slot;
+    ``hang``: the watchdog's finding, if any. A hang names its ranks. Otherwise every plan rank
+    without an exit record died without a word and is blamed; if all wrote one (errors, or
+    the launcher stopped them), nobody is blamed and the same layout restarts."""
+    gpus = record["rank_to_gpu"]
+    if hang is not None:
+        return Failure(tuple(hang["ranks"]), hang["reason"])
+    silent = tuple(r for r, g in enumerate(gpus) if g not in exits)
+    if silent:
+        return Failure(silent, "died without an exit record (killed, crashed or lost its GPU)")
+    return None
+
+
+class ExitRecorder:
+    """Writes this worker's exit record ``exits.<attempt>/gpu<slot>``: on return, on an
+    exception, and on SIGTERM/SIGINT from the launcher even while the main thread is blocked in a
+    collective (the C-level signal handler wakes a thread through ``signal.set_wakeup_fd``).
+    A worker that leaves no record died without a word."""
+
+    def __init__(self, directory: Path, slot: int) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.path = directory / f"gpu{slot}"
+        self._lock = threading.Lock()
+        self._done = False
+
+    def write(self, status: str, detail: str = "") -> None:
+        with self._lock:
+            if self._done:
+                return
+            _write_json(self.path, {"status": status, "detail": detail[-500:],
+                                    "t": time.time(), "pid": os.getpid()})
+            self._done = True
+
+    def install(self) -> None:
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+
+        def on_signal(signum: int, _frame: Any) -> None:  # main thread, when it gets there
+            self.write("terminated", f"signal {signum}")
+            os._exit(128 + signum)
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, on_signal)
+        signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+
+        def watch() -> None:
+            data = os.read(r, 1)
+            signum = data[0] if data else signal.SIGTERM
+            self.write("terminated", f"signal {signum}")
+            os._exit(128 + signum)
+
+        threading.Thread(target=watch, name="nutp-exit-record", daemon=True).start()
+
+
+def read_exits(directory: Path) -> dict[int, dict[str, Any]]:
+    out: dict[int, dict[str, Any]] = {}
+    if directory.is_dir():
+        for p in directory.glob("gpu*"):
+            rec = _read_json(p)
+            if rec is not None and p.name[3:].isdigit():
+                out[int(p.name[3:])] = rec
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Device probe, decision, watchdog, ft_launcher heartbeats
+# ---------------------------------------------------------------------------------------------
+
+
+def probe_device(local_rank: int, timeout_s: float) -> str | None:
+    """None if this worker's device computes; else why not. CPU workers are always healthy."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    box: list[str | None] = ["probe timed out"]
+
+    def run() -> None:
+        try:
+            torch.cuda.set_device(local_rank)
+            x = torch.ones(256, 256, device=f"cuda:{local_rank}")
+            ok = float((x @ x).sum().item()) == 256.0 ** 3
+            box[0] = None if ok else "wrong matmul result"
+        except Exception as e:  # any CUDA error means the device is unusable
+            box[0] = f"{type(e).__name__}: {e}"
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    return box[0]
+
+
+def decide(cfg: Any, rdir: Path, attempt: int, probes: dict[int, str | None]
+           ) -> dict[str, Any]:
+    """Worker 0: the failed GPUs of this attempt; writes health report, record and events."""
+    from ..checkpoint import find_latest
+    from ..checkpoint.store import read_marker
+    from ..config import plan_request
+    from ..layout import build_plan
+
+    events, health = rdir / "events.jsonl", rdir / "health.json"
+    prev = _read_json(rdir / f"attempt.{attempt - 1}.json") if attempt else None
+    current = (frozenset(prev["failed_gpus"]) if prev is not None
+               else frozenset(cfg.failures.health().failed_gpus))
+    reported = _read_json(health)
+    reported_set = (frozenset(reported["failed_gpus"]) if reported is not None and attempt
+                    else None)
+    blamed: tuple[int, ...] = ()
+    if prev is not None:
+        exits = read_exits(rdir / f"exits.{attempt - 1}")
+        failure = blame_previous(prev, exits, _read_json(rdir / f"hang.{attempt - 1}.json"))
+        gpus = prev["rank_to_gpu"]
+        blamed = () if failure is None else tuple(gpus[r] for r in failure.ranks)
+        hb = read_progress(rdir / f"heartbeats.{attempt - 1}", len(gpus))
+        dones = [p.step for p in hb.values() if p is not None and p.phase == "done"]
+        starts = [p.step - 1 for p in hb.values() if p is not None and p.phase == "start"]
+        last = max(dones + starts) if dones or starts else None
+        root = cfg.checkpoint_dir
+        latest = find_latest(root) if root else None
+        marker = read_marker(latest) if latest is not None else None
+        resume = int(marker["step"]) if marker else 0
+        # Detection: the first exit record after the attempt's failure (the launcher's
+        # reaction), else now.
+        times = sorted(e["t"] for e in exits.values() if e.get("status") != "ok")
+        detected = times[0] if times else time.time()
+        log_event("failure", file=events, t=detected, attempt=attempt - 1,
+                  ranks=[] if failure is None else list(failure.ranks), gpus=list(blamed),
+                  reason="worker group failed (no rank to blame)" if failure is None
+                  else failure.reason, lost_steps=lost_steps(last, resume), resume_step=resume)
+    failed = next_failed(current, blamed, reported_set)
+    failed |= {g for g, why in probes.items() if why is not None}
+    job = job_for(cfg, frozenset(failed))
+    try:
+        plan = build_plan(plan_request(job))
+    except ValueError as e:
+        log_event("gave_up", file=events, attempt=attempt, failed_gpus=sorted(failed),
+                  reason=str(e))
+        return {"error": str(e), "failed_gpus": sorted(failed)}
+    _write_json(health, {"failed_gpus": sorted(failed)})
+    record = {"attempt": attempt, "failed_gpus": sorted(failed),
+              "rank_to_gpu": list(plan.rank_to_gpu), "t": time.time(),
+              "probes": {str(g): why for g, why in probes.items() if why is not None}}
+    _write_json(rdir / f"attempt.{attempt}.json", record)
+    log_event("start", file=events, attempt=attempt, failed_gpus=sorted(failed),
+              world_size=plan.world_size, replica_tp=[list(r.tp) for r in plan.replicas])
+    return record
+
+
+def start_watchdog(cfg: Any, rdir: Path, attempt: int, world: int, exits: ExitRecorder
+                   ) -> threading.Thread:
+    """Plan rank 0: exit the worker (the launcher restarts the group) when step progress stalls;
+    the blamed ranks go to ``hang.<attempt>.json`` for the next attempt's decision."""
+    rec = cfg.recovery
+    hb_dir = rdir / f"heartbeats.{attempt}"
+    started = time.time()
+
+    def run() -> None:
+        while True:
+            time.sleep(0.5)
+            failure = blame_hang(read_progress(hb_dir, world), now=time.time(),
+                                 timeout_s=rec.heartbeat_timeout_s, started_at=started,
+                                 startup_timeout_s=rec.startup_timeout_s)
+            if failure is not None:
+                _write_json(rdir / f"hang.{attempt}.json",
+                            {"ranks": list(failure.ranks), "reason": failure.reason})
+                log_event("hang_detected", file=rdir / "events.jsonl", attempt=attempt,
+                          ranks=list(failure.ranks), reason=failure.reason)
+                exits.write("watchdog", failure.reason)
+                os._exit(EXIT_HANG)
+
+    t = threading.Thread(target=run, name="nutp-watchdog", daemon=True)
+    t.start()
+    return t
+
+
+def start_ft_heartbeats(interval_s: float = 1.0) -> Any:
+    """Under ft_launcher (nvidia-resiliency-ext): send the rank monitor a heartbeat from a thread
+    every ``interval_s``. A worker whose process freezes as a whole (even its threads stop) is
+    then terminated by ft_launcher and, leaving no exit record, blamed; a stalled *step* (peers
+    blocked in a hung rank's collective) is the watchdog's business, which can name the rank
+    that progressed least. No-op outside ft_launcher or without nvidia-resiliency-ext."""
+    if not os.environ.get("FT_RANK_MONITOR_IPC_SOCKET"):
+        return None
+    try:
+        from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
+    except ImportError:
+        return None
+    client = RankMonitorClient()
+    client.init_workload_monitoring()
+
+    def run() -> None:
+        while True:
+            client.send_heartbeat()
+            time.sleep(interval_s)
+
+    threading.Thread(target=run, name="nutp-ft-heartbeat", daemon=True).start()
+    return client
+
+
+# ---------------------------------------------------------------------------------------------
+# The worker
+# ---------------------------------------------------------------------------------------------
+
+
+def run_worker(cfg: Any, env: LauncherEnv, console: Any) -> int:
+    """One attempt of one worker. Returns the process exit code."""
+    import torch
+    import torch.distributed as dist
+
+    rdir = Path(cfg.output.dir) / "recovery"
+    rdir.mkdir(parents=True, exist_ok=True)
+    exits = ExitRecorder(rdir / f"exits.{env.attempt}", env.slot)
+    exits.install()
+    try:
+        timeout = timedelta(seconds=cfg.recovery.startup_timeout_s)
+        base, _, _ = next(dist.rendezvous("env://", env.rank, env.world, timeout=timeout))
+        store = dist.PrefixStore(f"nutp/attempt{env.attempt}/", base)
+        why = probe_device(env.local_rank, cfg.recovery.probe_timeout_s)
+        store.set(f"worker/{env.rank}", json.dumps({"slot": env.slot, "probe": why}))
+        if env.rank == 0:
+            keys = [f"worker/{r}" for r in range(env.world)]
+            store.wait(keys, timeout)
+            posts = [json.loads(store.get(k)) for k in keys]
+            probes = {w["slot"]: w["probe"] for w in posts}
+            if sorted(probes) != list(range(env.world)):
+                slots = sorted(w["slot"] for w in posts)
+                decision = {"error": f"workers' GPU slots {slots} are not 0..{env.world - 1} "
+                                     "once each: set NUTP_NODE_INDEX per node (or SLURM_NODEID/"
+                                     "GROUP_RANK must be the node index)",
+                            "failed_gpus": []}
+            else:
+                decision = decide(cfg, rdir, env.attempt, probes)
+            store.set("decision", json.dumps(decision))
+        decision = json.loads(store.get("decision"))
+        if "error" in decision:
+            console.print(f"[red]recovery:[/] no plan for failed GPUs "
+                          f"{decision['failed_gpus']}: {decision['error']}")
+            exits.write("error", decision["error"])
+            return 2
+        failed = frozenset(decision["failed_gpus"])
+        job = job_for(cfg, failed)
+        from ..config import plan_request
+        from ..layout import build_plan
+
+        plan = build_plan(plan_request(job))
+        assert list(plan.rank_to_gpu) == decision["rank_to_gpu"], "workers planned differently"
+        if env.slot not in plan.rank_to_gpu:
+            start_ft_heartbeats()
+            while not store.check(["finished"]):
+                time.sleep(1.0)
+            exits.write("ok", "idle")
+            return 0
+        prank = plan.rank_to_gpu.index(env.slot)
+        hb_dir = rdir / f"heartbeats.{env.attempt}"
+        hb_dir.mkdir(parents=True, exist_ok=True)
+        os.environ.update(NUTP_ATTEMPT=str(env.attempt), NUTP_HEARTBEAT_DIR=str(hb_dir),
+                          NUTP_EVENTS=str(rdir / "events.jsonl"))
+        if prank == 0:
+            from .plan_report import replicas_table
+
+            console.print(replicas_table(plan))
+        start_ft_heartbeats()
+        device = None
+        if torch.cuda.is_available():
+            torch.cuda.set_device(env.local_rank)
+            device = torch.device("cuda", env.local_rank)
+            backend = "nccl"
+        else:
+            from ..compat.cpu import apply_cpu_patches
+
+            apply_cpu_patches()
+            torch.set_num_threads(1)
+            backend = "gloo"
+        dist.init_process_group(backend, store=dist.PrefixStore("train/", store), rank=prank,
+                                world_size=plan.world_size)
+        if prank == 0:
+            start_watchdog(job, rdir, env.attempt, plan.world_size, exits)
+        try:
+            from ..train.loop import train_rank
+
+            train_rank(job, plan, device=device)
+        finally:
+            dist.destroy_process_group()
+        if prank == 0:
+            log_event("finished", file=rdir / "events.jsonl", attempt=env.attempt)
+            _write_summary(rdir, console)
+            store.set("finished", "1")
+        exits.write("ok")
+        return 0
+    except BaseException as e:
+        exits.write("error", f"{type(e).__name__}: {e}")
+        raise
+
+
+def _write_summary(rdir: Path, console: Any) -> None:
+    from .supervisor import _print_summary, _summary
+
+    summary = _summary(read_events(rdir / "events.jsonl"))
+    _write_json(rdir / "summary.json", summary)
+    _print_summary(console, summary)

@@ -1,0 +1,164 @@
+"""Recovery under an external launcher (``launch/elastic.py``).
+
+Pure decisions are tested on files in a temporary directory (no processes). The end-to-end
+test runs ``torchrun --max-restarts`` on CPU with one worker per GPU slot of the default cluster
+(8 slots, GPU 7 failed → TP4+TP3 on 7 workers, 1 idle), SIGKILLs plan rank 1 at step 5 and
+checks that the next attempt blames GPU 1 (no exit record), re-plans TP3+TP3, resumes from the
+step-4 checkpoint and ends with the losses of an uninterrupted single-process run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from nemo_nutp.config import load_config
+from nemo_nutp.launch import elastic
+from nemo_nutp.launch.recovery import Failure
+
+TOL = 1e-5
+COMMON = ("train.steps=6", "train.seed=7", "train.global_batch_size=12",
+          "train.micro_batch_size=2")
+
+
+def test_attempt_number_prefers_the_launcher() -> None:
+    assert elastic.attempt_number({}) == 0
+    assert elastic.attempt_number({"TORCHELASTIC_RESTART_COUNT": "2", "NUTP_ATTEMPT": "5"}) == 2
+    assert elastic.attempt_number({"SLURM_RESTART_COUNT": "1"}) == 1
+    assert elastic.attempt_number({"NUTP_ATTEMPT": "3"}) == 3
+
+
+def test_world_must_cover_every_gpu_slot() -> None:
+    cfg = load_config(["recovery.enabled=true", "checkpoint.interval=2"])
+    elastic.check_world(cfg, cfg.cluster.num_gpus)
+    with pytest.raises(ValueError, match=r"WORLD_SIZE=7.*cluster.num_gpus=8"):
+        elastic.check_world(cfg, 7)
+
+
+def test_blame_previous_attempt() -> None:
+    record = {"rank_to_gpu": [0, 1, 2, 4]}
+    exits = {g: {"status": "terminated"} for g in (0, 2, 4, 3)}
+    assert elastic.blame_previous(record, exits, None) == Failure(
+        (1,), "died without an exit record (killed, crashed or lost its GPU)")
+    exits[1] = {"status": "error"}
+    assert elastic.blame_previous(record, exits, None) is None  # same layout restarts
+    hang = {"ranks": [3], "reason": "no progress"}
+    assert elastic.blame_previous(record, exits, hang) == Failure((3,), "no progress")
+    # An idle worker (GPU 3: not in the plan) without a record is not blamed.
+    del exits[3]
+    assert elastic.blame_previous(record, exits, None) is None
+
+
+def _exit_records(rdir: Path, attempt: int, gpus: list[int], status: str) -> None:
+    d = rdir / f"exits.{attempt}"
+    d.mkdir(parents=True, exist_ok=True)
+    for g in gpus:
+        (d / f"gpu{g}").write_text(json.dumps({"status": status, "t": time.time()}))
+
+
+def test_decide_across_attempts(tmp_path: Path) -> None:
+    cfg = load_config([f"output.dir={tmp_path}", "recovery.enabled=true",
+                       "checkpoint.interval=2"])
+    rdir = tmp_path / "recovery"
+    rdir.mkdir()
+    ok = dict.fromkeys(range(8))
+    d0 = elastic.decide(cfg, rdir, 0, ok)
+    assert d0["failed_gpus"] == [7] and sorted(d0["rank_to_gpu"]) == list(range(7))
+    # Attempt 0 ends: GPU 1's worker left no record (SIGKILL); the others were terminated.
+    _exit_records(rdir, 0, [0, 2, 3, 4, 5, 6, 7], "terminated")
+    d1 = elastic.decide(cfg, rdir, 1, ok)
+    assert d1["failed_gpus"] == [1, 7]
+    assert len(d1["rank_to_gpu"]) == 6 and 1 not in d1["rank_to_gpu"]
+    fail = [e for e in (json.loads(x) for x in (rdir / "events.jsonl").read_text().splitlines())
+            if e["event"] == "failure"]
+    assert [f["gpus"] for f in fail] == [[1]]
+    assert json.loads((rdir / "health.json").read_text())["failed_gpus"] == [1, 7]
+    # The operator reports both GPUs back; attempt 1 ended with every worker terminated.
+    (rdir / "health.json").write_text(json.dumps({"failed_gpus": []}))
+    _exit_records(rdir, 1, list(range(8)), "terminated")
+    d2 = elastic.decide(cfg, rdir, 2, ok)
+    assert d2["failed_gpus"] == [] and sorted(d2["rank_to_gpu"]) == list(range(8))
+    # A device probe that fails marks that GPU failed.
+    _exit_records(rdir, 2, list(range(8)), "terminated")
+    d3 = elastic.decide(cfg, rdir, 3, {**ok, 5: "CUDA error: unspecified launch failure"})
+    assert d3["failed_gpus"] == [5] and 5 not in d3["rank_to_gpu"]
+
+
+def test_exit_record_written_when_terminated_inside_a_blocking_call(tmp_path: Path) -> None:
+    """SIGTERM while the main thread is blocked in C++ (a store wait that never returns)."""
+    code = textwrap.dedent(f"""
+        from datetime import timedelta
+        from pathlib import Path
+        import torch.distributed as dist
+        from nemo_nutp.launch.elastic import ExitRecorder
+        rec = ExitRecorder(Path({str(tmp_path)!r}), 3)
+        rec.install()
+        store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=60))
+        print("ready", flush=True)
+        store.wait(["never"])
+    """)
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+    time.sleep(0.3)
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=20) == 128 + signal.SIGTERM
+    rec = json.loads((tmp_path / "gpu3").read_text())
+    assert rec["status"] == "terminated" and rec["pid"] == p.pid
+
+
+def _losses(out: Path) -> list[float]:
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(len(rows)))
+    return [r["loss"] for r in rows]
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(900)
+def test_torchrun_kill_recovers_at_reduced_tp(tmp_path: Path) -> None:
+    ref = tmp_path / "ref"
+    r = subprocess.run([sys.executable, "-m", "nemo_nutp.train", f"output.dir={ref}", *COMMON,
+                        "nutp.replicas=[1]", "failures=none"],
+                       capture_output=True, text=True, timeout=600, check=False)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    out = tmp_path / "torchrun"
+    env = {**os.environ, "NUTP_FAULT": "kill:1:5"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "8", "--max-restarts", "2", "--monitor-interval", "0.1", "-m", "nemo_nutp.train",
+           f"output.dir={out}", *COMMON, "checkpoint.interval=2", "recovery.enabled=true"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=800, check=False, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    ref_losses, losses = _losses(ref), _losses(out)
+    assert len(losses) == len(ref_losses)
+    for a, b in zip(losses, ref_losses, strict=True):
+        assert abs(a - b) <= TOL * abs(b), (losses, ref_losses)
+    rdir = out / "recovery"
+    (s,) = json.loads((rdir / "summary.json").read_text())
+    assert s["gpus"] == [1] and "without an exit record" in s["reason"]
+    assert s["resume_step"] == 4 and s["replica_tp"] == [[3], [3]]
+    assert s["lost_steps"] <= 2
+    assert json.loads((rdir / "health.json").read_text())["failed_gpus"] == [1, 7]
+    # Attempt 1: GPUs 1 and 7 sat idle and left on the 'finished' key.
+    idle = {g: json.loads((rdir / "exits.1" / f"gpu{g}").read_text()) for g in (1, 7)}
+    assert all(v["status"] == "ok" and v["detail"] == "idle" for v in idle.values())
+    good = json.loads((out / "goodput.json").read_text())
+    assert good["restart_gpu_s"] > 0 and good["checkpoint_gpu_s"] > 0
+    print(f"torchrun kill test: detect {s['detect_s']:.2f} s, restart {s['restart_s']:.2f} s, "
+          f"lost steps {s['lost_steps']}")
+
+
+def test_gpu_slot_follows_the_node_not_the_launcher_rank() -> None:
+    # torchrun's c10d rendezvous may give node 1 the global ranks 0..7 after a restart.
+    assert elastic.gpu_slot({"SLURM_NODEID": "1"}, rank=3, local_rank=3, gpus_per_node=8) == 11
+    assert elastic.gpu_slot({"NUTP_NODE_INDEX": "2", "GROUP_RANK": "0"}, 0, 1, 4) == 9
+    assert elastic.gpu_slot({"GROUP_RANK": "1"}, 0, 2, 4) == 6
+    assert elastic.gpu_slot({}, 13, 5, 8) == 13
+    with pytest.raises(ValueError, match=r"LOCAL_RANK=8.*gpus_per_node=8"):
+        elastic.gpu_slot({}, 8, 8, 8)
