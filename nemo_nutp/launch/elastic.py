@@ -77,8 +77,9 @@ def gpu_slot(env: dict[str, str], rank: int, local_rank: int, gpus_per_node: int
 
 
 def attempt_number(env: dict[str, str]) -> int:
-    """The launcher's restart count: torchrun/ft_launcher, Slurm requeue, or ours."""
-    for key in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT", "NUTP_ATTEMPT"):
+    """The launcher's restart count: torchrun/ft_launcher's, else ours (``NUTP_ATTEMPT``, set by
+    the srun loop of ``nutp sbatch``). A requeued Slurm job is a new allocation: attempt 0."""
+    for key in ("TORCHELASTIC_RESTART_COUNT", "NUTP_ATTEMPT"):
         if env.get(key, "").isdigit():
             return int(env[key])
     return 0

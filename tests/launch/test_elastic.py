@@ -32,7 +32,7 @@ COMMON = ("train.steps=6", "train.seed=7", "train.global_batch_size=12",
 def test_attempt_number_prefers_the_launcher() -> None:
     assert elastic.attempt_number({}) == 0
     assert elastic.attempt_number({"TORCHELASTIC_RESTART_COUNT": "2", "NUTP_ATTEMPT": "5"}) == 2
-    assert elastic.attempt_number({"SLURM_RESTART_COUNT": "1"}) == 1
+    assert elastic.attempt_number({"SLURM_RESTART_COUNT": "1"}) == 0  # requeue: new allocation
     assert elastic.attempt_number({"NUTP_ATTEMPT": "3"}) == 3
 
 

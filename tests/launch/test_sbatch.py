@@ -159,3 +159,41 @@ def test_plan_accepts_recipe(tmp_path: Path) -> None:
     assert main(["plan", "--recipe", "llama3_8b_h100", "cluster=node_pair", "--json",
                  str(out)]) == 0
     assert out.exists()
+
+
+RECOVERY = ["cluster=node_pair", "parallel.tp_base=8", "model=llama3_8b", "failures=one_gpu",
+            "train.global_batch_size=64", "train.micro_batch_size=1", "recovery.enabled=true",
+            "checkpoint.interval=50", "recovery.heartbeat_timeout_s=90"]
+
+
+@pytest.mark.skipif(BASH is None, reason="bash not installed")
+@pytest.mark.parametrize("launcher", ["srun", "torchrun", "ft_launcher"])
+def test_recovery_script_runs_a_worker_per_gpu_slot_under_restarts(launcher: str,
+                                                                   tmp_path: Path) -> None:
+    cfg = load_job(RECOVERY)
+    plan = build_plan(plan_request(cfg))
+    text = render_sbatch(plan, SbatchOptions(launcher=launcher, image="img:1"),
+                         overrides=RECOVERY, recovery=cfg.recovery)
+    _bash_n(text, tmp_path)
+    c = cfg.cluster
+    assert plan.world_size < c.num_gpus  # the failed GPU's slot still gets a worker
+    assert int(_sbatch(text, "nodes")) == c.num_gpus // c.gpus_per_node
+    assert f"export NUTP_WORLD_SIZE={c.num_gpus}\n" in text
+    assert "NUTP_NODE_RANKS_" not in text  # no static rank table: each attempt re-plans
+    restarts = cfg.recovery.max_restarts
+    if launcher == "srun":
+        assert int(_sbatch(text, "ntasks-per-node")) == c.gpus_per_node
+        assert f"for attempt in $(seq 0 {restarts}); do" in text
+        assert "LOCAL_RANK=$SLURM_LOCALID" in text and "NUTP_ATTEMPT=$1" in text
+    else:
+        assert int(_sbatch(text, "ntasks-per-node")) == 1
+        assert f"{launcher} --nnodes" in text and f"--max-restarts={restarts}" in text
+    if launcher == "ft_launcher":  # our watchdog (which names the hung rank) must act first
+        hb = float(re.search(r"--ft-rank-heartbeat-timeout=(\S+)", text).group(1))
+        init = float(re.search(r"--ft-initial-rank-heartbeat-timeout=(\S+)", text).group(1))
+        assert hb > cfg.recovery.heartbeat_timeout_s and init > cfg.recovery.startup_timeout_s
+
+
+def test_ft_launcher_needs_recovery() -> None:
+    with pytest.raises(ValueError, match=r"ft_launcher.*recovery.enabled=true"):
+        _render(JOBS["cpu_local_one_gpu"], launcher="ft_launcher")
