@@ -6,8 +6,9 @@
 ARG PYTORCH_TAG=25.01-py3
 FROM nvcr.io/nvidia/pytorch:${PYTORCH_TAG}
 
-# Extras declared in setup.py: test (pytest, hypothesis) or dev (test + ruff, mypy).
-ARG EXTRAS=test
+# Extras declared in setup.py: test (pytest, hypothesis), dev (test + ruff, mypy, resilience),
+# resilience (nvidia-resiliency-ext: ft_launcher for `nutp sbatch --launcher ft_launcher`).
+ARG EXTRAS=test,resilience
 
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1 \

@@ -27,7 +27,9 @@ setup(
     extras_require={
         "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100"],
         "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "ruff>=0.6",
-                "mypy>=1.10"],
+                "mypy>=1.10", "nvidia-resiliency-ext>=0.4"],
+        # ft_launcher and its rank monitor (recovery under a launcher, launch/elastic.py).
+        "resilience": ["nvidia-resiliency-ext>=0.4"],
         "tensorboard": ["tensorboard>=2.15"],
     },
     entry_points={

@@ -68,8 +68,8 @@ def test_base_is_ngc_pytorch_with_tag_argument() -> None:
 def test_installs_the_package_with_declared_extras() -> None:
     targets = [w for cmd in _pip_installs() for w in cmd if w.startswith(".")]
     assert targets, "the package itself is never pip-installed"
-    extras = {m for t in targets for m in re.findall(r"\[(\w+)\]", t)}
-    assert extras and extras <= _extras() & {"test", "dev"}
+    extras = {e for t in targets for m in re.findall(r"\[([\w,]+)\]", t) for e in m.split(",")}
+    assert extras and extras <= _extras() & {"test", "dev", "resilience"}
 
 
 def test_does_not_pip_install_torch_or_megatron_core() -> None:
