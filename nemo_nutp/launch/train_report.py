@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +19,17 @@ _LABELS = {"useful": "useful work", "sync": "exposed sync (reshard + reduce) + o
            "restart": "restart time"}
 
 
-def print_goodput(ledger: GoodputLedger, console: Console | None = None) -> None:
-    t = Table(title=f"Goodput report: {ledger.cluster_gpus} GPUs x {ledger.wall_s:.1f} s")
+def print_goodput(ledger: GoodputLedger, console: Console | None = None, *,
+                  restarts: Sequence[dict[str, Any]] = ()) -> None:
+    caption = None
+    if restarts:
+        lost = sum(r.get("lost_steps", 0) for r in restarts)
+        secs = [r["restart_s"] for r in restarts if r.get("restart_s") is not None]
+        caption = (f"{len(restarts)} restart(s): {lost} step(s) recomputed, "
+                   f"{sum(secs):.1f} s from failure to resumed training"
+                   " (charged to restart time)")
+    t = Table(title=f"Goodput report: {ledger.cluster_gpus} GPUs x {ledger.wall_s:.1f} s",
+              caption=caption)
     t.add_column("where the GPU-time went")
     t.add_column("GPU-s", justify="right")
     t.add_column("share", justify="right")
@@ -30,8 +40,10 @@ def print_goodput(ledger: GoodputLedger, console: Console | None = None) -> None
     (console or Console()).print(t)
 
 
-def plot_training(rows: list[dict[str, Any]], path: Path) -> Path:
-    """Loss and goodput over steps as a PNG (written to a temp name, then renamed)."""
+def plot_training(rows: list[dict[str, Any]], path: Path, *,
+                  restarts: Sequence[dict[str, Any]] = ()) -> Path:
+    """Loss and goodput over steps as a PNG (written to a temp name, then renamed); a dashed
+    line marks the step each restart resumed from."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -46,6 +58,12 @@ def plot_training(rows: list[dict[str, Any]], path: Path) -> Path:
           ylim=(0, 100))
     for ax in (a, b):
         ax.grid(alpha=0.3)
+        for k, r in enumerate(restarts):
+            if r.get("resume_step") is not None:
+                ax.axvline(r["resume_step"], color="tab:red", ls="--", lw=1,
+                           label="restart (resumed step)" if k == 0 else None)
+    if restarts:
+        a.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".png", dir=path.parent)

@@ -152,8 +152,23 @@ def _finish(cfg: JobConfig, rows: list[dict[str, Any]], ledger: GoodputLedger
     from ..layout.serialize import write_json_atomic
 
     d = Path(cfg.output.dir)
-    write_json_atomic(ledger.as_dict(), d / "goodput.json")
-    print_goodput(ledger)
-    png = plot_training(rows, d / "training.png")
+    restarts = _restarts()
+    write_json_atomic({**ledger.as_dict(), "restarts": restarts,
+                       "lost_steps": sum(r.get("lost_steps", 0) for r in restarts)},
+                      d / "goodput.json")
+    print_goodput(ledger, restarts=restarts)
+    png = plot_training(rows, d / "training.png", restarts=restarts)
     print(f"metrics: {d / 'metrics.jsonl'}\nplot: {png}")
     return rows
+
+
+def _restarts() -> list[dict[str, Any]]:
+    """Restarts of this job so far (under recovery: from ``$NUTP_EVENTS``), one dict each with
+    ``gpus``, ``reason``, ``lost_steps``, ``restart_s``, ``resume_step``."""
+    import os
+
+    from ..checkpoint.events import read_events
+    from ..launch.supervisor import _summary
+
+    path = os.environ.get("NUTP_EVENTS")
+    return _summary(read_events(path)) if path else []

@@ -150,6 +150,10 @@ def test_torchrun_kill_recovers_at_reduced_tp(tmp_path: Path) -> None:
     assert all(v["status"] == "ok" and v["detail"] == "idle" for v in idle.values())
     good = json.loads((out / "goodput.json").read_text())
     assert good["restart_gpu_s"] > 0 and good["checkpoint_gpu_s"] > 0
+    # The goodput report shows the restart: lost steps and time from failure to resumed.
+    assert [g["gpus"] for g in good["restarts"]] == [[1]]
+    assert good["lost_steps"] == s["lost_steps"]
+    assert f"1 restart(s): {s['lost_steps']} step(s) recomputed" in r.stdout
     print(f"torchrun kill test: detect {s['detect_s']:.2f} s, restart {s['restart_s']:.2f} s, "
           f"lost steps {s['lost_steps']}")
 

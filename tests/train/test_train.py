@@ -46,6 +46,7 @@ def test_nutp_layout_matches_single_replica(tmp_path: Path) -> None:
     good = json.loads((a / "goodput.json").read_text())
     parts = sum(good[f"{c}_gpu_s"] for c in CAUSES)
     assert abs(parts - good["total_gpu_s"]) <= 0.01 * good["total_gpu_s"]
+    assert good["restarts"] == [] and good["lost_steps"] == 0
 
 
 @pytest.mark.dist
