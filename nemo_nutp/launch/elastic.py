@@ -131,14 +131,14 @@ def blame_previous(record: dict[str, Any], exits: dict[int, dict[str, Any]],
     ``record``: that attempt's decision (``rank_to_gpu``); ``exits``: exit records by GPU slot;
     ``hang``: the watchdog's finding, if any. A hang names its ranks. Otherwise every plan rank
     without an exit record died without a word and is blamed; if all wrote one (errors, or
-    the launcher stopped them), nobody is blamed and the same layout restarts."""
+    the launcher stopped them) or none did, nobody is blamed and the same layout restarts."""
     gpus = record["rank_to_gpu"]
     if hang is not None:
         return Failure(tuple(hang["ranks"]), hang["reason"])
     silent = tuple(r for r, g in enumerate(gpus) if g not in exits)
-    if silent:
+    if silent and len(silent) < len(gpus):
         return Failure(silent, "died without an exit record (killed, crashed or lost its GPU)")
-    return None
+    return None  # nothing to tell ranks apart (e.g. the whole group was SIGKILLed): same GPUs
 
 
 class ExitRecorder:

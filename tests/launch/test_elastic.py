@@ -55,6 +55,8 @@ def test_blame_previous_attempt() -> None:
     # An idle worker (GPU 3: not in the plan) without a record is not blamed.
     del exits[3]
     assert elastic.blame_previous(record, exits, None) is None
+    # Every plan rank silent (the whole group SIGKILLed): nothing tells them apart.
+    assert elastic.blame_previous(record, {3: {"status": "ok"}}, None) is None
 
 
 def _exit_records(rdir: Path, attempt: int, gpus: list[int], status: str) -> None:
@@ -120,30 +122,27 @@ def _losses(out: Path) -> list[float]:
     return [r["loss"] for r in rows]
 
 
-@pytest.mark.dist
-@pytest.mark.timeout(900)
-def test_torchrun_kill_recovers_at_reduced_tp(tmp_path: Path) -> None:
-    ref = tmp_path / "ref"
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
+    ref = tmp_path_factory.mktemp("ref")
     r = subprocess.run([sys.executable, "-m", "nemo_nutp.train", f"output.dir={ref}", *COMMON,
                         "nutp.replicas=[1]", "failures=none"],
                        capture_output=True, text=True, timeout=600, check=False)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    out = tmp_path / "torchrun"
-    env = {**os.environ, "NUTP_FAULT": "kill:1:5"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           "8", "--max-restarts", "2", "--monitor-interval", "0.1", "-m", "nemo_nutp.train",
-           f"output.dir={out}", *COMMON, "checkpoint.interval=2", "recovery.enabled=true"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=800, check=False, env=env)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    ref_losses, losses = _losses(ref), _losses(out)
-    assert len(losses) == len(ref_losses)
-    for a, b in zip(losses, ref_losses, strict=True):
-        assert abs(a - b) <= TOL * abs(b), (losses, ref_losses)
+    return _losses(ref)
+
+
+def _check_recovered(out: Path, stdout: str, reference: list[float]) -> dict:
+    """Rank 1 (GPU 1) was SIGKILLed at step 5 of the default TP4+TP3 job (GPU 7 failed)."""
+    losses = _losses(out)
+    assert len(losses) == len(reference)
+    for a, b in zip(losses, reference, strict=True):
+        assert abs(a - b) <= TOL * abs(b), (losses, reference)
     rdir = out / "recovery"
     (s,) = json.loads((rdir / "summary.json").read_text())
     assert s["gpus"] == [1] and "without an exit record" in s["reason"]
     assert s["resume_step"] == 4 and s["replica_tp"] == [[3], [3]]
-    assert s["lost_steps"] <= 2
+    assert s["lost_steps"] <= 2  # at most the checkpoint interval is recomputed
     assert json.loads((rdir / "health.json").read_text())["failed_gpus"] == [1, 7]
     # Attempt 1: GPUs 1 and 7 sat idle and left on the 'finished' key.
     idle = {g: json.loads((rdir / "exits.1" / f"gpu{g}").read_text()) for g in (1, 7)}
@@ -153,8 +152,85 @@ def test_torchrun_kill_recovers_at_reduced_tp(tmp_path: Path) -> None:
     # The goodput report shows the restart: lost steps and time from failure to resumed.
     assert [g["gpus"] for g in good["restarts"]] == [[1]]
     assert good["lost_steps"] == s["lost_steps"]
-    assert f"1 restart(s): {s['lost_steps']} step(s) recomputed" in r.stdout
+    assert f"1 restart(s): {s['lost_steps']} step(s) recomputed" in stdout
+    return s
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(900)
+def test_torchrun_kill_recovers_at_reduced_tp(tmp_path: Path, reference: list[float]) -> None:
+    out = tmp_path / "torchrun"
+    env = {**os.environ, "NUTP_FAULT": "kill:1:5"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "8", "--max-restarts", "2", "--monitor-interval", "0.1", "-m", "nemo_nutp.train",
+           f"output.dir={out}", *COMMON, "checkpoint.interval=2", "recovery.enabled=true"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=800, check=False, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    s = _check_recovered(out, r.stdout, reference)
     print(f"torchrun kill test: detect {s['detect_s']:.2f} s, restart {s['restart_s']:.2f} s, "
+          f"lost steps {s['lost_steps']}")
+
+
+FAKE_SRUN = """#!{python}
+# One-node stand-in for srun: --ntasks-per-node copies of the command with Slurm's task variables;
+# --kill-on-bad-exit: when a task fails, the others get SIGTERM, then SIGKILL after 30 s.
+import os, signal, subprocess, sys, time
+args = sys.argv[1:]
+n = 1
+while args and args[0].startswith("-"):
+    a = args.pop(0)
+    if a.startswith("--ntasks-per-node="):
+        n = int(a.split("=", 1)[1])
+env = lambda r: dict(os.environ, SLURM_PROCID=str(r), SLURM_LOCALID=str(r), SLURM_NODEID="0",
+                     SLURM_NTASKS=str(n))
+procs = [subprocess.Popen(args, env=env(r), start_new_session=True) for r in range(n)]
+while any(p.poll() is None for p in procs):
+    if any(p.returncode not in (None, 0) for p in procs):
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        deadline = time.time() + 30
+        while time.time() < deadline and any(p.poll() is None for p in procs):
+            time.sleep(0.05)
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+        break
+    time.sleep(0.05)
+sys.exit(0 if all(p.wait() == 0 for p in procs) else 1)
+"""
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(900)
+def test_sbatch_srun_loop_recovers(tmp_path: Path, reference: list[float]) -> None:
+    """The script `nutp sbatch ... recovery.enabled=true` renders, run with a one-node srun
+    stand-in: attempt 0 loses rank 1, the loop starts attempt 1, which re-plans TP3+TP3."""
+    from nemo_nutp.launch.ports import free_port
+
+    out = tmp_path / "srun"
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "srun").write_text(FAKE_SRUN.format(python=sys.executable))
+    (bindir / "scontrol").write_text("#!/bin/sh\necho 127.0.0.1\n")
+    for f in bindir.iterdir():
+        f.chmod(0o755)
+    script = tmp_path / "job.sbatch"
+    r = subprocess.run([sys.executable, "-m", "nemo_nutp.launch.cli", "sbatch",
+                        f"output.dir={out}", *COMMON, "checkpoint.interval=2",
+                        "recovery.enabled=true", "--image", "img", "--out", str(script),
+                        "--master-port", str(free_port())],
+                       capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    path = os.pathsep.join([str(bindir), str(Path(sys.executable).parent), os.environ["PATH"]])
+    env = {**os.environ, "PATH": path, "NUTP_FAULT": "kill:1:5", "SLURM_JOB_ID": "1",
+           "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_NUM_NODES": "1"}
+    r = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=800,
+                       check=False, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "attempt 0 failed; restarting" in r.stderr
+    s = _check_recovered(out, r.stdout, reference)
+    print(f"srun loop kill test: detect {s['detect_s']:.2f} s, restart {s['restart_s']:.2f} s, "
           f"lost steps {s['lost_steps']}")
 
 
