@@ -95,6 +95,20 @@ def _state_dict(session: Any, *, is_loading: bool) -> dict[str, Any]:
     return {"model": model, "optimizer": optim}
 
 
+def _rng_states() -> dict[str, Any]:
+    return {"cpu": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+
+
+def _rng_object(plan: Any, data: Any) -> Any:
+    """This rank's RNG states as one entry of a per-rank object (megatron's own checkpoints
+    keep ``rng_state`` the same way); only a run with the same plan can load it."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    return ShardedObject("rng_state", data, (plan.world_size,), (dist.get_rank(),),
+                         replica_id=0)
+
+
 def _broadcast(obj: Any) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=0)
@@ -103,7 +117,8 @@ def _broadcast(obj: Any) -> Any:
 
 def save_checkpoint(session: Any, root: str | Path, *, step: int,
                     extra: dict[str, Any] | None = None, fault: Any = None) -> Path:
-    """Save model, optimizer, ``step`` (steps completed = next step to run), RNG and ``extra``
+    """Save model, optimizer, ``step`` (steps completed = next step to run), RNG (every rank's
+    CPU/CUDA states, plus rank 0's CPU state for other layouts) and ``extra``
     (JSON-able, taken from rank 0) atomically under ``root``; returns the final directory.
 
     ``fault`` (tests): a callable run by every rank after its shards are written and before
@@ -124,6 +139,7 @@ def save_checkpoint(session: Any, root: str | Path, *, step: int,
     # Identical on every rank (megatron checks the common part for consistency).
     state["train"] = _broadcast({"step": step, "extra": extra or {},
                                  "rng": torch.get_rng_state()} if rank0 else None)
+    state["rng"] = _rng_object(session.plan, _rng_states())
     dist_checkpointing.save(state, str(tmp))
     if fault is not None:
         fault()
@@ -212,11 +228,23 @@ def load_checkpoint(session: Any, path: str | Path, *, verify: bool = True) -> d
         raise CheckpointError(problem)
     state = _state_dict(session, is_loading=True)
     state["train"] = None
+    # Per-rank RNG states come back only into the same plan (rank r is the same GPU and role);
+    # any other layout gets rank 0's CPU state on every rank (no per-rank meaning there).
+    same_plan = marker.get("plan") == _plan_summary(session.plan)
+    if same_plan:
+        state["rng"] = _rng_object(session.plan, None)
     loaded = dist_checkpointing.load(state, str(path))
     with torch.no_grad():
         for name, p in session.model.module.named_parameters():
             p.copy_(loaded["model"][name.removeprefix("module.")].view_as(p))
     session.optimizer.load_state_dict(loaded["optimizer"])
     train = loaded["train"]
-    torch.set_rng_state(train["rng"])
-    return {"step": int(train["step"]), "extra": train["extra"], "marker": marker}
+    if same_plan:
+        rng = loaded["rng"]
+        torch.set_rng_state(rng["cpu"])
+        if rng["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+    else:
+        torch.set_rng_state(train["rng"])
+    return {"step": int(train["step"]), "extra": train["extra"], "marker": marker,
+            "rng": "per-rank" if same_plan else "rank 0"}

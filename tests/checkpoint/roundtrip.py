@@ -47,6 +47,7 @@ def _session(job: Job) -> Any:
 
 
 def run_job(job: Job, outdir: str, index: str) -> None:
+    import torch
     import torch.distributed as dist
 
     from nemo_nutp.checkpoint import load_checkpoint, save_checkpoint
@@ -60,19 +61,46 @@ def run_job(job: Job, outdir: str, index: str) -> None:
         s = _session(job)  # fresh weights: everything must come from the checkpoint
         info = load_checkpoint(s, os.path.join(outdir, f"ckpt_{src}", f"step_{SAVE_AT:08d}"))
         assert info["step"] == SAVE_AT, info["step"]
+        # Another plan: every rank gets the saving run's rank 0 CPU state.
+        assert info["rng"] == "rank 0", info["rng"]
+        res[f"rng_from_{src}"] = _all(torch.equal(torch.get_rng_state(),
+                                                  _seeded_state(1000)))
         res[f"from_{src}"] = [s.step(k).loss for k in range(SAVE_AT, SAVE_AT + AFTER)]
     if job.save:
         s = _session(job)
         res["fresh"] = [s.step(k).loss for k in range(SAVE_AT)]
+        torch.manual_seed(1000 + dist.get_rank())  # per-rank RNG states differ
+        saved_rng = torch.get_rng_state()
         save_checkpoint(s, os.path.join(outdir, f"ckpt_{job.layout}"), step=SAVE_AT)
+        torch.manual_seed(0)
         # Self round trip in the same session object: load over the trained state.
         info = load_checkpoint(s, os.path.join(outdir, f"ckpt_{job.layout}",
                                                f"step_{SAVE_AT:08d}"))
+        # Same plan: every rank gets its own RNG state back.
+        res["self_rng"] = [info["rng"], _all(torch.equal(torch.get_rng_state(), saved_rng))]
         res["self"] = [s.step(k).loss for k in range(SAVE_AT, SAVE_AT + AFTER)]
     if rank0:
         with open(os.path.join(outdir, f"{job.layout}@{index}.json"), "w") as f:
             json.dump(res, f)
     dist.barrier()
+
+
+def _all(flag: bool) -> bool:
+    """``flag`` holds on every rank."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([int(flag)])
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
+def _seeded_state(seed: int) -> Any:
+    import torch
+
+    g = torch.Generator()
+    g.manual_seed(seed)
+    return g.get_state()
 
 
 def worker(rank: int, world: int, port: int, jobs: list[Job], outdir: str) -> None:

@@ -62,6 +62,11 @@ def test_round_trip_every_layout_pair(tmp_path: Path) -> None:
     worst = 0.0
     pairs = 0
     for dst, res in results.items():
+        if "self_rng" in res:  # same plan: each rank's own RNG state came back
+            assert res["self_rng"] == ["per-rank", True], (dst, res["self_rng"])
+        for key, ok in res.items():
+            if key.startswith("rng_from_"):  # other plan: the saver's rank 0 CPU state
+                assert ok is True, (dst, key)
         fresh = res.get("fresh", [])
         assert all(abs(a - b) <= TOL * abs(b) for a, b in zip(fresh, ref[:3])), (dst, fresh)
         for key, losses in res.items():
