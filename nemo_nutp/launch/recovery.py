@@ -1,12 +1,15 @@
-"""Pure recovery decisions: which rank failed, which GPUs are failed next, which job to run.
+"""Pure recovery decisions: which rank failed, which GPUs are failed next, which job to run,
+when to restart for GPUs that came back.
 
-No processes, no torch: the supervisor feeds observations (exit codes, heartbeats, the health
-report) in and acts on the answers; ``tests/checkpoint/test_recovery_logic.py`` covers them.
+No processes, no torch: the supervisor feeds observations (exit codes, step heartbeats, what
+each rank's stack watcher saw, the health report, the newest complete checkpoint) in and acts
+on the answers; ``tests/checkpoint/test_recovery_logic.py`` covers them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +25,16 @@ class Progress:
     @property
     def rank_key(self) -> tuple[int, int]:
         return (self.step, 1 if self.phase == "done" else 0)
+
+
+@dataclass(frozen=True)
+class Activity:
+    """What a rank's stack watcher last saw, sampled at ``t``: whether the main thread was
+    blocked on communication (``waiting``) and when its stack last changed (``changed_t``)."""
+
+    waiting: bool
+    changed_t: float
+    t: float
 
 
 @dataclass(frozen=True)
@@ -43,28 +56,52 @@ def blame_exits(exit_codes: dict[int, int | None]) -> Failure | None:
     return Failure(tuple(sorted(bad)), "exited with error")
 
 
-def blame_hang(progress: dict[int, Progress | None], *, now: float, timeout_s: float,
-               started_at: float, startup_timeout_s: float) -> Failure | None:
-    """A hang: no heartbeat for ``timeout_s`` (or none at all within ``startup_timeout_s``).
+def is_comm_wait(filename: str, line: str) -> bool:
+    """Whether a main thread whose innermost Python frame is at ``line`` of ``filename`` is
+    blocked on communication: inside torch.distributed's collective API, or on a ``wait()`` of
+    an async collective's work handle (a C call, so the caller's line is the innermost)."""
+    return (filename.replace("\\", "/").endswith("torch/distributed/distributed_c10d.py")
+            or ".wait(" in line)
 
-    Peers of a hung rank block in its next collective, so every rank looks stale; the hung one
-    is the rank that progressed least. If all progressed equally nobody is blamed (restart the
-    same layout)."""
+
+def blame_hang(progress: Mapping[int, Progress | None], *, now: float, timeout_s: float,
+               started_at: float, startup_timeout_s: float,
+               activity: Mapping[int, Activity | None] | None = None) -> Failure | None:
+    """A hang: no sign of progress for ``timeout_s`` (or no heartbeat at all within
+    ``startup_timeout_s``). Signs of progress are step heartbeats and, between steps (the
+    newest heartbeat is a 'done': checkpoint saves and the end-of-run report, which may take
+    longer than a step), the activity of any rank. Inside a step only heartbeats count, so a
+    rank that spins without finishing its step is still found.
+
+    Peers of a hung rank block in its next collective, so every rank looks stale and usually
+    all report the same step. With ``activity``, the ranks *not* blocked on communication (or
+    whose watcher fell silent for ``timeout_s``) are blamed when some but not all are. Otherwise
+    the hung rank is the one that progressed least; if all progressed equally nobody is blamed
+    (restart the same layout)."""
     beats = [p for p in progress.values() if p is not None]
     if not beats:
         if now - started_at > startup_timeout_s:
             return Failure((), f"no heartbeat within {startup_timeout_s:.0f} s of start")
         return None
-    if now - max(p.t for p in beats) <= timeout_s:
+    acts = {r: a for r, a in (activity or {}).items() if a is not None}
+    newest = max(beats, key=lambda p: p.t)
+    last = max([newest.t] + [a.changed_t for a in acts.values() if newest.phase == "done"])
+    if now - last <= timeout_s:
         return None
     silent = tuple(sorted(r for r, p in progress.items() if p is None))
     if silent and now - started_at > startup_timeout_s:
         return Failure(silent, "never sent a heartbeat")
     least = min(p.rank_key for p in beats)
+    if activity is not None:
+        stuck = tuple(sorted(r for r in progress if r not in acts or not acts[r].waiting
+                             or now - acts[r].t > timeout_s))
+        if 0 < len(stuck) < len(progress):
+            return Failure(stuck, f"hung: no progress for {timeout_s:.0f} s at step "
+                           f"{least[0]}, peers blocked in collectives")
     behind = tuple(sorted(r for r, p in progress.items() if p is not None and p.rank_key == least))
     if len(behind) == len(progress):
         return Failure((), f"all ranks stalled for {timeout_s:.0f} s at step {least[0]}")
-    return Failure(behind, f"no progress for {timeout_s:.0f} s at step {least[0]}")
+    return Failure(behind, f"hung: no progress for {timeout_s:.0f} s at step {least[0]}")
 
 
 def next_failed(current: frozenset[int], blamed_gpus: tuple[int, ...],
@@ -91,3 +128,30 @@ def job_for(cfg: Any, failed: frozenset[int]) -> Any:
     failures = dataclasses.replace(cfg.failures, failed_gpus=sorted(failed), report=None)
     nutp = dataclasses.replace(cfg.nutp, replicas=None)
     return dataclasses.replace(cfg, failures=failures, nutp=nutp)
+
+
+def returned_gpus(current: frozenset[int], reported: frozenset[int] | None) -> frozenset[int]:
+    """GPUs the health report says are back while a world runs: those of ``current`` it no
+    longer lists, if it lists a strict subset of ``current`` (a report that also adds GPUs is
+    acted on at the next restart, not by a planned one)."""
+    if reported is None or not reported < current:
+        return frozenset()
+    return current - reported
+
+
+def scale_up_blocker(cfg: Any) -> str | None:
+    """Why the job cannot restart for returned GPUs without losing steps (None: it can)."""
+    if cfg.checkpoint_dir is None or cfg.checkpoint.interval <= 0:
+        return "checkpointing is off"
+    if not cfg.checkpoint.resume:
+        return "checkpoint.resume is false"
+    return None
+
+
+def scale_up_due(*, base_step: int | None, latest_step: int | None, total_steps: int) -> bool:
+    """Restart for returned GPUs now: a checkpoint newer than the newest complete one when the
+    GPUs were reported back (``base_step``) is complete at ``latest_step``, and training is not
+    over there (a final checkpoint leaves nothing to run at the fuller layout)."""
+    if latest_step is None or (base_step is not None and latest_step <= base_step):
+        return False
+    return latest_step < total_steps
