@@ -19,9 +19,13 @@ them). The launcher restarts the whole worker group when one worker dies (torchr
    workers in the plan form a fresh default process group over the store (rank = plan rank,
    NCCL on CUDA, gloo on CPU) and resume from the newest complete checkpoint; a worker whose GPU
    is failed or unused waits idle until the plan's rank 0 posts that the job finished;
-4. a watchdog thread on plan rank 0 reads the per-rank step heartbeats and, when progress
-   stalls past ``recovery.heartbeat_timeout_s``, records the blamed rank and exits the worker,
-   so the launcher restarts the group. Under ft_launcher (nvidia-resiliency-ext) every worker
+4. every plan rank runs the stack watcher of ``watch.py``; a watchdog thread on plan rank 0
+   reads the step heartbeats and watcher reports and, when progress stalls past
+   ``recovery.heartbeat_timeout_s``, records the blamed ranks (those not blocked in
+   collectives: ``recovery.blame_hang``) and exits the worker, so the launcher restarts the
+   group. It also reads the health report: GPUs reported back trigger a planned restart at the
+   first checkpoint completed after the report (``scaleup.<attempt>.json``), and the next
+   attempt plans the fuller layout. Under ft_launcher (nvidia-resiliency-ext) every worker
    also sends the rank monitor liveness heartbeats from a thread, so a worker frozen as a whole
    is terminated by ft_launcher (keep ``recovery.heartbeat_timeout_s`` below ft_launcher's
    ``--ft-rank-heartbeat-timeout`` so the watchdog, which can name the rank that hung, acts
@@ -44,9 +48,11 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint.events import log_event, read_events
-from .recovery import Failure, Progress, blame_hang, job_for, lost_steps, next_failed
+from . import watch
+from .recovery import Failure, blame_hang, job_for, lost_steps, next_failed
 
 EXIT_HANG = 75  # worker exit code after the watchdog found a hang (EX_TEMPFAIL)
+EXIT_SCALE_UP = 76  # worker exit code for a planned restart: GPUs reported back
 
 
 @dataclass(frozen=True)
@@ -97,18 +103,6 @@ def check_world(cfg: Any, world: int) -> None:
 # ---------------------------------------------------------------------------------------------
 # Evidence of an attempt (files under <output.dir>/recovery, one directory per attempt)
 # ---------------------------------------------------------------------------------------------
-
-
-def read_progress(hb_dir: Path, world: int) -> dict[int, Progress | None]:
-    """Per plan rank: the last step heartbeat (written by ``checkpoint/hooks.py``)."""
-    out: dict[int, Progress | None] = {}
-    for r in range(world):
-        try:
-            phase, step, t = (hb_dir / f"rank{r}").read_text().split()
-            out[r] = Progress(phase, int(step), float(t))
-        except (OSError, ValueError):
-            out[r] = None
-    return out
 
 
 def _write_json(path: Path, obj: Any) -> None:
@@ -238,25 +232,33 @@ def decide(cfg: Any, rdir: Path, attempt: int, probes: dict[int, str | None]
     blamed: tuple[int, ...] = ()
     if prev is not None:
         exits = read_exits(rdir / f"exits.{attempt - 1}")
-        failure = blame_previous(prev, exits, _read_json(rdir / f"hang.{attempt - 1}.json"))
+        hang = _read_json(rdir / f"hang.{attempt - 1}.json")
+        scale = _read_json(rdir / f"scaleup.{attempt - 1}.json")
         gpus = prev["rank_to_gpu"]
-        blamed = () if failure is None else tuple(gpus[r] for r in failure.ranks)
-        hb = read_progress(rdir / f"heartbeats.{attempt - 1}", len(gpus))
-        dones = [p.step for p in hb.values() if p is not None and p.phase == "done"]
-        starts = [p.step - 1 for p in hb.values() if p is not None and p.phase == "start"]
-        last = max(dones + starts) if dones or starts else None
+        last = watch.last_done(rdir / f"heartbeats.{attempt - 1}", len(gpus))
         root = cfg.checkpoint_dir
         latest = find_latest(root) if root else None
         marker = read_marker(latest) if latest is not None else None
         resume = int(marker["step"]) if marker else 0
-        # Detection: the first exit record after the attempt's failure (the launcher's
-        # reaction), else now.
+        # Detection: the watchdog's finding, else the first exit record that is not a clean
+        # end (the launcher's reaction to the failure), else now.
         times = sorted(e["t"] for e in exits.values() if e.get("status") != "ok")
-        detected = times[0] if times else time.time()
-        log_event("failure", file=events, t=detected, attempt=attempt - 1,
-                  ranks=[] if failure is None else list(failure.ranks), gpus=list(blamed),
-                  reason="worker group failed (no rank to blame)" if failure is None
-                  else failure.reason, lost_steps=lost_steps(last, resume), resume_step=resume)
+        if scale is not None:
+            log_event("scale_up", file=events, attempt=attempt - 1, gpus=scale["gpus"],
+                      reason="GPU back", requested_at=scale["requested_at"],
+                      detected_at=scale["detected_at"], step=scale["step"],
+                      lost_steps=lost_steps(last, resume), resume_step=resume)
+        else:
+            failure = blame_previous(prev, exits, hang)
+            blamed = () if failure is None else tuple(gpus[r] for r in failure.ranks)
+            detected = (hang["detected_at"] if hang is not None
+                        else times[0] if times else time.time())
+            log_event("failure", file=events, attempt=attempt - 1,
+                      cause="hang" if hang is not None else "exit", detected_at=detected,
+                      ranks=[] if failure is None else list(failure.ranks), gpus=list(blamed),
+                      reason="worker group failed (no rank to blame)" if failure is None
+                      else failure.reason, lost_steps=lost_steps(last, resume),
+                      resume_step=resume, where={} if hang is None else hang["where"])
     failed = next_failed(current, blamed, reported_set)
     failed |= {g for g, why in probes.items() if why is not None}
     job = job_for(cfg, frozenset(failed))
@@ -276,27 +278,46 @@ def decide(cfg: Any, rdir: Path, attempt: int, probes: dict[int, str | None]
     return record
 
 
-def start_watchdog(cfg: Any, rdir: Path, attempt: int, world: int, exits: ExitRecorder
-                   ) -> threading.Thread:
-    """Plan rank 0: exit the worker (the launcher restarts the group) when step progress stalls;
-    the blamed ranks go to ``hang.<attempt>.json`` for the next attempt's decision."""
-    rec = cfg.recovery
+def start_watchdog(cfg: Any, job: Any, plan: Any, failed: frozenset[int], rdir: Path,
+                   attempt: int, exits: ExitRecorder, console: Any) -> threading.Thread:
+    """Plan rank 0, a daemon thread. Exits the worker (so the launcher restarts the group):
+
+    * on a hang: step progress stalled past ``recovery.heartbeat_timeout_s`` (between steps no
+      rank's stack watcher saw activity either); the ranks ``blame_hang`` names (the ones not
+      blocked in collectives) and where they were go to ``hang.<attempt>.json``;
+    * for GPUs reported back in the health report, at the first checkpoint newer than the one
+      complete when the report was seen (``scaleup.<attempt>.json``), so the next attempt plans
+      the fuller layout without losing a committed step (the launcher counts it as a restart)."""
+    rec = job.recovery
+    world = plan.world_size
     hb_dir = rdir / f"heartbeats.{attempt}"
     started = time.time()
+    health = watch.HealthWatch(cfg, job, plan, failed, rdir, console)
 
     def run() -> None:
         while True:
             time.sleep(0.5)
-            failure = blame_hang(read_progress(hb_dir, world), now=time.time(),
+            now = time.time()
+            failure = blame_hang(watch.read_progress(hb_dir, world), now=now,
                                  timeout_s=rec.heartbeat_timeout_s, started_at=started,
-                                 startup_timeout_s=rec.startup_timeout_s)
+                                 startup_timeout_s=rec.startup_timeout_s,
+                                 activity=watch.read_activity(hb_dir, world))
             if failure is not None:
+                where = {str(r): watch.read_where(hb_dir, r) for r in failure.ranks}
                 _write_json(rdir / f"hang.{attempt}.json",
-                            {"ranks": list(failure.ranks), "reason": failure.reason})
+                            {"ranks": list(failure.ranks), "reason": failure.reason,
+                             "detected_at": now, "where": where})
                 log_event("hang_detected", file=rdir / "events.jsonl", attempt=attempt,
-                          ranks=list(failure.ranks), reason=failure.reason)
+                          ranks=list(failure.ranks), reason=failure.reason, where=where)
                 exits.write("watchdog", failure.reason)
                 os._exit(EXIT_HANG)
+            scale = health.poll(now)
+            if scale is not None:
+                _write_json(rdir / f"scaleup.{attempt}.json",
+                            {"gpus": list(scale.gpus), "requested_at": scale.requested_at,
+                             "step": scale.step, "detected_at": now})
+                exits.write("scale_up", f"GPUs {list(scale.gpus)} back")
+                os._exit(EXIT_SCALE_UP)
 
     t = threading.Thread(target=run, name="nutp-watchdog", daemon=True)
     t.start()
@@ -403,8 +424,9 @@ def run_worker(cfg: Any, env: LauncherEnv, console: Any) -> int:
             backend = "gloo"
         dist.init_process_group(backend, store=dist.PrefixStore("train/", store), rank=prank,
                                 world_size=plan.world_size)
+        watch.start_stack_watcher(hb_dir / f"rank{prank}.stack")
         if prank == 0:
-            start_watchdog(job, rdir, env.attempt, plan.world_size, exits)
+            start_watchdog(cfg, job, plan, failed, rdir, env.attempt, exits, console)
         try:
             from ..train.loop import train_rank
 
@@ -423,8 +445,6 @@ def run_worker(cfg: Any, env: LauncherEnv, console: Any) -> int:
 
 
 def _write_summary(rdir: Path, console: Any) -> None:
-    from .supervisor import _print_summary, _summary
-
-    summary = _summary(read_events(rdir / "events.jsonl"))
+    summary = watch.summary(read_events(rdir / "events.jsonl"))
     _write_json(rdir / "summary.json", summary)
-    _print_summary(console, summary)
+    watch.print_summary(console, summary)

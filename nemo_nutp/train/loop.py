@@ -168,7 +168,7 @@ def _restarts() -> list[dict[str, Any]]:
     import os
 
     from ..checkpoint.events import read_events
-    from ..launch.supervisor import _summary
+    from ..launch.watch import summary
 
     path = os.environ.get("NUTP_EVENTS")
-    return _summary(read_events(path)) if path else []
+    return summary(read_events(path)) if path else []

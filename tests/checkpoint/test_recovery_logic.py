@@ -25,7 +25,9 @@ from nemo_nutp.launch.recovery import (
     scale_up_blocker,
     scale_up_due,
 )
-from nemo_nutp.launch.supervisor import ScaleUp, _HealthWatch, _summary
+from nemo_nutp.launch.watch import HealthWatch as _HealthWatch
+from nemo_nutp.launch.watch import ScaleUp
+from nemo_nutp.launch.watch import summary as _summary
 from nemo_nutp.layout import build_plan
 
 

@@ -9,6 +9,7 @@ step-4 checkpoint and ends with the losses of an uninterrupted single-process ru
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -20,9 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from nemo_nutp.config import load_config
+from nemo_nutp.config import load_config, plan_request
 from nemo_nutp.launch import elastic
 from nemo_nutp.launch.recovery import Failure
+from nemo_nutp.layout import build_plan
 
 TOL = 1e-5
 COMMON = ("train.steps=6", "train.seed=7", "train.global_batch_size=12",
@@ -88,10 +90,29 @@ def test_decide_across_attempts(tmp_path: Path) -> None:
     _exit_records(rdir, 1, list(range(8)), "terminated")
     d2 = elastic.decide(cfg, rdir, 2, ok)
     assert d2["failed_gpus"] == [] and sorted(d2["rank_to_gpu"]) == list(range(8))
+    # A hang found by the watchdog blames the ranks it names (plan rank 2 = GPU 3 here).
+    _exit_records(rdir, 2, [g for g in range(8) if g != 0], "terminated")
+    (rdir / "hang.2.json").write_text(json.dumps(
+        {"ranks": [2], "reason": "hung", "detected_at": time.time(), "where": {"2": "x.py:1"}}))
+    assert d2["rank_to_gpu"][2] == 2
+    d3 = elastic.decide(cfg, rdir, 3, ok)
+    assert d3["failed_gpus"] == [2]
+    # The operator reports GPU 2 back; the watchdog stopped attempt 3 for it after a checkpoint.
+    (rdir / "health.json").write_text(json.dumps({"failed_gpus": []}))
+    _exit_records(rdir, 3, list(range(8)), "terminated")
+    (rdir / "scaleup.3.json").write_text(json.dumps(
+        {"gpus": [2], "requested_at": time.time() - 1, "step": 4, "detected_at": time.time()}))
+    d4 = elastic.decide(cfg, rdir, 4, ok)
+    assert d4["failed_gpus"] == [] and len(d4["rank_to_gpu"]) == 8
+    ev = [json.loads(x) for x in (rdir / "events.jsonl").read_text().splitlines()]
+    kinds = [(e["event"], e.get("cause")) for e in ev if e["event"] in ("failure", "scale_up")]
+    assert kinds == [("failure", "exit"), ("failure", "exit"), ("failure", "hang"),
+                     ("scale_up", None)]
+    assert ev[-2]["event"] == "scale_up" and ev[-2]["gpus"] == [2]
     # A device probe that fails marks that GPU failed.
-    _exit_records(rdir, 2, list(range(8)), "terminated")
-    d3 = elastic.decide(cfg, rdir, 3, {**ok, 5: "CUDA error: unspecified launch failure"})
-    assert d3["failed_gpus"] == [5] and 5 not in d3["rank_to_gpu"]
+    _exit_records(rdir, 4, list(range(8)), "terminated")
+    d5 = elastic.decide(cfg, rdir, 5, {**ok, 5: "CUDA error: unspecified launch failure"})
+    assert d5["failed_gpus"] == [5] and 5 not in d5["rank_to_gpu"]
 
 
 def test_exit_record_written_when_terminated_inside_a_blocking_call(tmp_path: Path) -> None:
@@ -242,3 +263,69 @@ def test_gpu_slot_follows_the_node_not_the_launcher_rank() -> None:
     assert elastic.gpu_slot({}, 13, 5, 8) == 13
     with pytest.raises(ValueError, match=r"LOCAL_RANK=8.*gpus_per_node=8"):
         elastic.gpu_slot({}, 8, 8, 8)
+
+
+def _wait_for(pred, timeout_s: float, proc: subprocess.Popen) -> None:
+    deadline = time.time() + timeout_s
+    while not pred():
+        assert proc.poll() is None, "launcher exited early"
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def _events(rdir: Path) -> list[dict]:
+    try:
+        return [json.loads(x) for x in (rdir / "events.jsonl").read_text().splitlines() if x]
+    except OSError:
+        return []
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(importlib.util.find_spec("nvidia_resiliency_ext") is None,
+                    reason="nvidia-resiliency-ext (ft_launcher) not installed")
+def test_ft_launcher_hang_then_gpu_back(tmp_path: Path, reference: list[float]) -> None:
+    """ft_launcher, 8 workers: plan rank 5 hangs at step 3; the watchdog blames it (its peers
+    wait in collectives), attempt 1 runs without GPU 5; the operator then reports GPUs 5 and 7
+    back, and attempt 2 resumes on the full TP4xDP2 layout at the next checkpoint."""
+    out = tmp_path / "ft"
+    rdir = out / "recovery"
+    log = tmp_path / "ft.log"
+    env = {**os.environ, "NUTP_FAULT": "hang:5:3"}
+    cmd = [sys.executable, "-m", "nvidia_resiliency_ext.fault_tolerance.launcher",
+           "--standalone", "--nproc-per-node", "8", "--max-restarts", "3",
+           "--monitor-interval", "0.1", "--ft-rank-heartbeat-timeout", "60",
+           "--ft-initial-rank-heartbeat-timeout", "300", "-m", "nemo_nutp.train",
+           f"output.dir={out}", *COMMON, "checkpoint.interval=2", "recovery.enabled=true",
+           "recovery.heartbeat_timeout_s=6"]
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+        try:
+            # Attempt 1 decided (health report written without GPU 5): report GPUs 5, 7 back.
+            _wait_for(lambda: any(e["event"] == "start" and e["attempt"] == 1
+                                  for e in _events(rdir)), 600, proc)
+            (rdir / "health.json").write_text(json.dumps({"failed_gpus": []}))
+            rc = proc.wait(timeout=600)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert rc == 0, text[-4000:]
+    losses = _losses(out)
+    for a, b in zip(losses, reference, strict=True):
+        assert abs(a - b) <= TOL * abs(b), (losses, reference)
+    hang, back = json.loads((rdir / "summary.json").read_text())
+    assert hang["cause"] == "hang" and hang["gpus"] == [5] and hang["resume_step"] == 2
+    assert "faults.py" in json.dumps([e for e in _events(rdir) if e["event"] == "failure"])
+    deg = build_plan(plan_request(load_config(["failures.failed_gpus=[5,7]"])))
+    assert hang["replica_tp"] == [list(r.tp) for r in deg.replicas]
+    assert back["cause"] == "gpu_back" and back["gpus"] == [5, 7]
+    assert back["resume_step"] == 4 and back["replica_tp"] == [[4], [4]]
+    assert hang["lost_steps"] <= 2 and back["lost_steps"] <= 1
+    assert json.loads((rdir / "health.json").read_text())["failed_gpus"] == []
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["replica_tp"] for r in rows][-1] == [[4], [4]]
+    print(f"ft_launcher: hang detect {hang['detect_s']:.2f} s, restart {hang['restart_s']:.2f} s;"
+          f" GPU back: report->stop {back['detect_s']:.2f} s, restart {back['restart_s']:.2f} s, "
+          f"lost steps {hang['lost_steps']}/{back['lost_steps']}")

@@ -1,0 +1,269 @@
+"""What recovery watches, shared by the CPU supervisor (``supervisor.py``) and the workers under
+an external launcher (``elastic.py``): step heartbeats and stack watcher reports of the ranks
+(``<output.dir>/recovery/heartbeats.<attempt>/rank<r>[.stack]``), the health report, the newest
+complete checkpoint, and the per-restart summary of ``events.jsonl``.
+"""
+
+from __future__ import annotations
+
+import json
+import linecache
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..checkpoint.events import log_event
+from .recovery import (
+    Activity,
+    Progress,
+    is_comm_wait,
+    job_for,
+    returned_gpus,
+    scale_up_blocker,
+    scale_up_due,
+)
+
+SAMPLE_S = 0.5  # rank side: stack watcher period
+HEALTH_POLL_S = 1.0  # the health report, for GPUs reported back
+CPU_EPS_S = 0.002  # CPU use between two samples that counts as activity
+
+
+def start_stack_watcher(path: Path) -> threading.Thread:
+    """Start this rank's stack watcher (a daemon thread writing ``path``; see ``watch_stack``)."""
+    t = threading.Thread(target=watch_stack, name="nutp-stack-watch", daemon=True,
+                         args=(path, threading.main_thread()))
+    t.start()
+    return t
+
+
+def read_progress(hb_dir: Path, world: int) -> dict[int, Progress | None]:
+    out: dict[int, Progress | None] = {}
+    for r in range(world):
+        try:
+            phase, step, t = (hb_dir / f"rank{r}").read_text().split()
+            out[r] = Progress(phase, int(step), float(t))
+        except (OSError, ValueError):
+            out[r] = None
+    return out
+
+
+def read_activity(hb_dir: Path, world: int) -> dict[int, Activity | None]:
+    out: dict[int, Activity | None] = {}
+    for r in range(world):
+        try:
+            waiting, changed, t = (hb_dir / f"rank{r}.stack").read_text().split("\n")[0].split()
+            out[r] = Activity(waiting == "1", float(changed), float(t))
+        except (OSError, ValueError):
+            out[r] = None
+    return out
+
+
+def cpu_s(main_clock: int) -> float:
+    """CPU seconds of the rank's main thread plus its live child processes (helpers such as
+    checkpoint writers the main thread waits for); the rank's other threads are left out."""
+    total = time.clock_gettime(main_clock)
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:  # no procfs: the main thread only
+        return total
+    tick = os.sysconf("SC_CLK_TCK")
+    for task in tasks:
+        try:
+            kids = Path(f"/proc/self/task/{task}/children").read_text().split()
+        except OSError:
+            continue
+        for pid in kids:
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            total += (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+    return total
+
+
+def watch_stack(path: Path, main: threading.Thread) -> None:
+    """Rank side, a daemon thread: every ``SAMPLE_S`` write ``waiting changed_t t`` and the
+    innermost frame of the main thread: is it blocked on communication, when did it last show
+    activity (its stack changed, or, outside communication, it or its child processes used
+    CPU), now. Works while the main thread is blocked in C: collectives and sleeps release
+    the GIL."""
+    clock = time.pthread_getcpuclockid(main.ident or 0)
+    last: tuple[tuple[str, int], ...] = ()
+    changed, cpu = time.time(), cpu_s(clock)
+    tmp = path.with_name(path.name + ".tmp")
+    while True:
+        frame = sys._current_frames().get(main.ident or -1)
+        stack = []
+        f = frame
+        while f is not None:
+            stack.append((f.f_code.co_filename, f.f_lineno, f.f_code.co_name))
+            f = f.f_back
+        del frame, f
+        now, used = time.time(), cpu_s(clock)
+        waiting = bool(stack) and is_comm_wait(stack[0][0], linecache.getline(*stack[0][:2]))
+        # CPU used while waiting for peers (a Work.wait() polls) is not progress
+        if tuple(s[:2] for s in stack) != last or (not waiting and used - cpu > CPU_EPS_S):
+            last, changed = tuple(s[:2] for s in stack), now
+        cpu = used
+        where = f"{stack[0][0]}:{stack[0][1]} in {stack[0][2]}" if stack else "-"
+        try:
+            tmp.write_text(f"{int(waiting)} {changed} {now}\n{where}\n")
+            os.replace(tmp, path)
+        except OSError:
+            pass
+        time.sleep(SAMPLE_S)
+
+
+def read_where(hb_dir: Path, rank: int) -> str:
+    """Innermost frame of ``rank``'s main thread as its stack watcher last saw it."""
+    try:
+        return (hb_dir / f"rank{rank}.stack").read_text().split("\n")[1]
+    except (OSError, IndexError):
+        return "?"
+
+
+def latest_step(root: str | None) -> int | None:
+    """Step of the newest complete checkpoint (the ``latest`` pointer, marker checked)."""
+    from ..checkpoint.store import read_marker
+
+    if root is None:
+        return None
+    try:
+        name = (Path(root) / "latest").read_text().strip()
+    except OSError:
+        return None
+    marker = read_marker(Path(root) / name) if name else None
+    return None if marker is None else int(marker["step"])
+
+
+def last_done(hb: Path, world: int) -> int | None:
+    beats = [p for p in read_progress(hb, world).values() if p is not None]
+    done = [p.step if p.phase == "done" else p.step - 1 for p in beats]
+    return max(done) if done else None
+
+
+def read_health(path: Path) -> frozenset[int] | None:
+    try:
+        return frozenset(json.loads(path.read_text())["failed_gpus"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def write_health(path: Path, failed: frozenset[int]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"failed_gpus": sorted(failed)}) + "\n")
+    os.replace(tmp, path)
+
+
+def summary(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per restart: detection (fault -> detected; GPU back: report seen -> restart decided),
+    restart (detected -> resumed: stopping the world included), lost steps, new layout."""
+    out: list[dict[str, Any]] = []
+    fault_t = None
+    for e in events:
+        if e["event"] == "fault":
+            fault_t = e["t"]
+        elif e["event"] == "failure":
+            t = e.get("detected_at", e["t"])
+            out.append({"detected_at": t, "cause": e.get("cause"), "ranks": e["ranks"],
+                        "gpus": e["gpus"], "reason": e["reason"], "lost_steps": e["lost_steps"],
+                        "detect_s": None if fault_t is None else t - fault_t})
+            fault_t = None
+        elif e["event"] == "scale_up":
+            t = e.get("detected_at", e["t"])
+            out.append({"detected_at": t, "cause": "gpu_back", "ranks": [],
+                        "gpus": e["gpus"], "reason": e["reason"], "lost_steps": e["lost_steps"],
+                        "detect_s": t - e["requested_at"]})
+        elif e["event"] == "resumed" and out and "restart_s" not in out[-1]:
+            out[-1].update(restart_s=e["t"] - out[-1]["detected_at"], resume_step=e["step"],
+                           replica_tp=e["replica_tp"])
+    return out
+
+
+def print_summary(console: Any, summary: list[dict[str, Any]]) -> None:
+    from rich.table import Table
+
+    if not summary:
+        return
+    t = Table(title="Recovery")
+    for col in ("GPUs", "reason", "detect s", "restart s", "lost steps", "new TP"):
+        t.add_column(col)
+    for s in summary:
+        det = "-" if s["detect_s"] is None else f"{s['detect_s']:.2f}"
+        t.add_row(str(s["gpus"]), s["reason"], det, f"{s.get('restart_s', float('nan')):.2f}",
+                  str(s["lost_steps"]), str(s.get("replica_tp")))
+    console.print(t)
+
+
+def layout_of(plan: Any) -> list[list[int]]:
+    return [list(r.tp) for r in plan.replicas]
+
+
+@dataclass(frozen=True)
+class ScaleUp:
+    """A planned restart: ``gpus`` reported back (seen at ``requested_at``), resuming from the
+    checkpoint of ``step``."""
+
+    gpus: tuple[int, ...]
+    requested_at: float
+    step: int
+
+
+class HealthWatch:
+    """While a world runs: GPUs reported back in the health report -> a planned restart at the
+    first checkpoint newer than the one complete when the report was seen."""
+
+    def __init__(self, cfg: Any, job: Any, plan: Any, failed: frozenset[int], rdir: Path,
+                 console: Any) -> None:
+        self.cfg, self.job, self.failed, self.rdir, self.console = cfg, job, failed, rdir, console
+        self.layout = layout_of(plan)
+        self.next_read = 0.0
+        self.seen: frozenset[int] = frozenset()
+        self.pending: tuple[frozenset[int], float, int | None] | None = None
+
+    def poll(self, now: float) -> ScaleUp | None:
+        if now >= self.next_read:
+            self.next_read = now + HEALTH_POLL_S
+            self._read(now)
+        if self.pending is None:
+            return None
+        gpus, since, base = self.pending
+        latest = latest_step(self.job.checkpoint_dir)
+        if not scale_up_due(base_step=base, latest_step=latest, total_steps=self.job.train.steps):
+            return None
+        assert latest is not None
+        return ScaleUp(tuple(sorted(gpus)), since, latest)
+
+    def _read(self, now: float) -> None:
+        back = returned_gpus(self.failed, read_health(self.rdir / "health.json"))
+        if back == self.seen:
+            return
+        self.seen = back
+        if not back:  # reported failed again before the restart: nothing to do
+            self.pending = None
+            return
+        from ..config import plan_request
+        from ..layout import build_plan
+
+        events = self.rdir / "events.jsonl"
+        fuller = build_plan(plan_request(job_for(self.cfg, self.failed - back)))
+        why = ("the layout does not change" if layout_of(fuller) == self.layout
+               else scale_up_blocker(self.job))
+        if why is not None:
+            log_event("gpu_back", file=events, gpus=sorted(back), deferred=why)
+            self.console.print(f"[yellow]recovery:[/] GPUs {sorted(back)} reported back; {why}: "
+                               "they are used at the next restart")
+            self.pending = None
+            return
+        base = (self.pending[2] if self.pending is not None
+                else latest_step(self.job.checkpoint_dir))
+        since = self.pending[1] if self.pending is not None else now
+        self.pending = (back, since, base)
+        log_event("scale_up_requested", file=events, gpus=sorted(back), base_step=base,
+                  world_size=fuller.world_size, replica_tp=[list(r.tp) for r in fuller.replicas])
+        self.console.print(f"[green]recovery:[/] GPUs {sorted(back)} reported back; restarting "
+                           f"at {layout_of(fuller)} after the next checkpoint")
