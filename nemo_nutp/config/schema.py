@@ -167,7 +167,8 @@ class RecoveryConfig:
     max_restarts: int = 3
     """Give up after this many restarts."""
     heartbeat_timeout_s: float = 60.0
-    """A rank whose step progress stalls this long (after its first step) counts as hung."""
+    """Hang: no step heartbeat for this long (between steps, e.g. in a save, no rank activity
+    either); the ranks not blocked in collectives are blamed."""
     startup_timeout_s: float = 300.0
     """Time a (re)started world may take to reach its first step."""
     probe_timeout_s: float = 60.0

@@ -49,7 +49,10 @@ class _Outputs:
         self.dir = Path(cfg.output.dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.partial = self.dir / "metrics.jsonl.partial"
-        kept = _earlier_rows(self.partial, start_step)  # resumed run: keep steps before resume
+        # Resumed run: keep the steps before the resume point, from the previous attempt's file
+        # (still partial, or already renamed if it was stopped after writing it).
+        final = self.dir / "metrics.jsonl"
+        kept = _earlier_rows(self.partial if self.partial.exists() else final, start_step)
         self.file = self.partial.open("w")
         self.tb = None
         try:
