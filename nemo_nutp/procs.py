@@ -21,8 +21,12 @@ def die_with_parent() -> None:
     """In a child process: ask the kernel for SIGKILL when the parent dies (Linux only)."""
     if sys.platform.startswith("linux"):
         import ctypes
+        import os
 
+        parent = os.getppid()
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # the parent died before the request took effect
+            os._exit(1)
 
 
 def results_queue_dies_with_rank() -> None:

@@ -149,7 +149,7 @@ def save_checkpoint(session: Any, root: str | Path, *, step: int,
         marker = {"format": FORMAT, "step": step, "model": _dims(session.model_cfg),
                   "plan": _plan_summary(session.plan),
                   "global_shapes": global_shapes(session.model.module, session.model_cfg),
-                  "files": _checksums(tmp)}
+                  "files": _checksums(tmp), "rng_per_rank": True}
         _write_atomic(tmp / MARKER, json.dumps(marker, indent=1))
         if final.exists():  # an older save of the same step (e.g. before a restart)
             shutil.rmtree(final)
@@ -230,7 +230,8 @@ def load_checkpoint(session: Any, path: str | Path, *, verify: bool = True) -> d
     state["train"] = None
     # Per-rank RNG states come back only into the same plan (rank r is the same GPU and role);
     # any other layout gets rank 0's CPU state on every rank (no per-rank meaning there).
-    same_plan = marker.get("plan") == _plan_summary(session.plan)
+    same_plan = (marker.get("rng_per_rank", False)  # older checkpoints have no per-rank RNG
+                 and marker.get("plan") == _plan_summary(session.plan))
     if same_plan:
         state["rng"] = _rng_object(session.plan, None)
     loaded = dist_checkpointing.load(state, str(path))

@@ -13,8 +13,8 @@ them). The launcher restarts the whole worker group when one worker dies (torchr
    the operator's truth; a GPU removed from it is back), plus GPUs whose probe failed, plus the
    GPUs *blamed* for the previous attempt's end: a rank that left no exit record died without a
    word (SIGKILL, segfault, lost GPU); ranks that raised or were terminated by the launcher wrote
-   one. A hang found by the watchdog (below) blames the rank that progressed least. It writes the
-   health report and the attempt record, logs timestamped events, and posts the decision;
+   one. A hang found by the watchdog (below) blames the ranks it names. It writes the health
+   report and the attempt record, logs timestamped events, and posts the decision;
 3. every worker builds the same plan from the decision (the job's policy re-plans degrees);
    workers in the plan form a fresh default process group over the store (rank = plan rank,
    NCCL on CUDA, gloo on CPU) and resume from the newest complete checkpoint; a worker whose GPU
@@ -53,6 +53,8 @@ from .recovery import Failure, blame_hang, job_for, lost_steps, next_failed
 
 EXIT_HANG = 75  # worker exit code after the watchdog found a hang (EX_TEMPFAIL)
 EXIT_SCALE_UP = 76  # worker exit code for a planned restart: GPUs reported back
+EXIT_ABORT = 77  # another worker ended the attempt (store key "abort"), or the store is gone
+CONTROL_S = 1.0  # period of the control thread (abort key, store liveness)
 
 
 @dataclass(frozen=True)
@@ -65,21 +67,26 @@ class LauncherEnv:
     """This worker's GPU slot in the cluster's numbering (see ``gpu_slot``)."""
 
 
-def gpu_slot(env: dict[str, str], rank: int, local_rank: int, gpus_per_node: int) -> int:
+def gpu_slot(env: dict[str, str], world: int, local_rank: int, gpus_per_node: int) -> int:
     """The cluster GPU this worker drives: node index x GPUs per node + local rank.
 
     The node index must be stable across restarts (a failed GPU must stay the same physical
-    GPU), which a launcher's global rank is not (torchrun's c10d rendezvous numbers nodes in
-    join order). So it is ``NUTP_NODE_INDEX`` if set, else Slurm's ``SLURM_NODEID``, else
-    torchrun's ``GROUP_RANK`` (stable with a static ``--node-rank``), else rank // GPUs per
-    node (single node)."""
+    GPU), which neither a launcher's global rank nor torchrun's ``GROUP_RANK`` is (the c10d
+    rendezvous numbers nodes in join order). So it is ``NUTP_NODE_INDEX`` if set, else Slurm's
+    ``SLURM_NODEID``; a single-node world needs neither (node 0)."""
     if not 0 <= local_rank < gpus_per_node:
         raise ValueError(f"LOCAL_RANK={local_rank}: must be < cluster.gpus_per_node="
                          f"{gpus_per_node} (one worker per GPU)")
-    for key in ("NUTP_NODE_INDEX", "SLURM_NODEID", "GROUP_RANK"):
-        if env.get(key, "").isdigit():
+    for key in ("NUTP_NODE_INDEX", "SLURM_NODEID"):
+        if key in env:
+            if not env[key].isdigit():
+                raise ValueError(f"{key}={env[key]!r}: must be the node index (0, 1, ...)")
             return int(env[key]) * gpus_per_node + local_rank
-    return (rank // gpus_per_node) * gpus_per_node + local_rank
+    if world > gpus_per_node:
+        raise ValueError(f"WORLD_SIZE={world} spans several nodes: set NUTP_NODE_INDEX (or run "
+                         "under Slurm, which sets SLURM_NODEID) so GPU slots stay the same "
+                         "physical GPUs across restarts")
+    return local_rank
 
 
 def attempt_number(env: dict[str, str]) -> int:
@@ -127,7 +134,7 @@ def blame_previous(record: dict[str, Any], exits: dict[int, dict[str, Any]],
     without an exit record died without a word and is blamed; if all wrote one (errors, or
     the launcher stopped them) or none did, nobody is blamed and the same layout restarts."""
     gpus = record["rank_to_gpu"]
-    if hang is not None:
+    if hang is not None and hang["ranks"]:
         return Failure(tuple(hang["ranks"]), hang["reason"])
     silent = tuple(r for r, g in enumerate(gpus) if g not in exits)
     if silent and len(silent) < len(gpus):
@@ -142,15 +149,16 @@ class ExitRecorder:
     A worker that leaves no record died without a word."""
 
     def __init__(self, directory: Path, slot: int) -> None:
-        directory.mkdir(parents=True, exist_ok=True)
         self.path = directory / f"gpu{slot}"
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # the main thread's handler may interrupt a write
         self._done = False
+        self._pid = os.getpid()
 
     def write(self, status: str, detail: str = "") -> None:
         with self._lock:
-            if self._done:
+            if self._done or os.getpid() != self._pid:  # not in a forked helper
                 return
+            self.path.parent.mkdir(parents=True, exist_ok=True)
             _write_json(self.path, {"status": status, "detail": detail[-500:],
                                     "t": time.time(), "pid": os.getpid()})
             self._done = True
@@ -158,17 +166,23 @@ class ExitRecorder:
     def install(self) -> None:
         r, w = os.pipe()
         os.set_blocking(w, False)
+        stop = (signal.SIGTERM, signal.SIGINT)
 
         def on_signal(signum: int, _frame: Any) -> None:  # main thread, when it gets there
             self.write("terminated", f"signal {signum}")
             os._exit(128 + signum)
 
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in stop:
             signal.signal(sig, on_signal)
         signal.set_wakeup_fd(w, warn_on_full_buffer=False)
 
         def watch() -> None:
-            data = os.read(r, 1)
+            while True:  # the wakeup fd carries every handled signal: act on ours only
+                data = os.read(r, 1)
+                if not data or data[0] in stop:
+                    break
+            if os.getpid() != self._pid:
+                return
             signum = data[0] if data else signal.SIGTERM
             self.write("terminated", f"signal {signum}")
             os._exit(128 + signum)
@@ -223,7 +237,16 @@ def decide(cfg: Any, rdir: Path, attempt: int, probes: dict[int, str | None]
     from ..layout import build_plan
 
     events, health = rdir / "events.jsonl", rdir / "health.json"
-    prev = _read_json(rdir / f"attempt.{attempt - 1}.json") if attempt else None
+    if attempt == 0:
+        watch.archive_previous_run(rdir)  # evidence of an earlier run is not this run's
+    gave_up = _read_json(rdir / "gave_up.json")
+    if gave_up is not None:  # a later attempt of a job that has no plan: stay given up
+        return gave_up
+    # The newest attempt that decided (an attempt whose worker 0 died before deciding left
+    # nothing; its predecessor's evidence is what ended the run of plans).
+    prev_n = next((k for k in range(attempt - 1, -1, -1)
+                   if (rdir / f"attempt.{k}.json").exists()), None)
+    prev = _read_json(rdir / f"attempt.{prev_n}.json") if prev_n is not None else None
     current = (frozenset(prev["failed_gpus"]) if prev is not None
                else frozenset(cfg.failures.health().failed_gpus))
     reported = _read_json(health)
@@ -231,11 +254,11 @@ def decide(cfg: Any, rdir: Path, attempt: int, probes: dict[int, str | None]
                     else None)
     blamed: tuple[int, ...] = ()
     if prev is not None:
-        exits = read_exits(rdir / f"exits.{attempt - 1}")
-        hang = _read_json(rdir / f"hang.{attempt - 1}.json")
-        scale = _read_json(rdir / f"scaleup.{attempt - 1}.json")
+        exits = read_exits(rdir / f"exits.{prev_n}")
+        hang = _read_json(rdir / f"hang.{prev_n}.json")
+        scale = _read_json(rdir / f"scaleup.{prev_n}.json")
         gpus = prev["rank_to_gpu"]
-        last = watch.last_done(rdir / f"heartbeats.{attempt - 1}", len(gpus))
+        last = watch.last_done(rdir / f"heartbeats.{prev_n}", len(gpus))
         root = cfg.checkpoint_dir
         latest = find_latest(root) if root else None
         marker = read_marker(latest) if latest is not None else None
@@ -244,7 +267,7 @@ def decide(cfg: Any, rdir: Path, attempt: int, probes: dict[int, str | None]
         # end (the launcher's reaction to the failure), else now.
         times = sorted(e["t"] for e in exits.values() if e.get("status") != "ok")
         if scale is not None:
-            log_event("scale_up", file=events, attempt=attempt - 1, gpus=scale["gpus"],
+            log_event("scale_up", file=events, attempt=prev_n, gpus=scale["gpus"],
                       reason="GPU back", requested_at=scale["requested_at"],
                       detected_at=scale["detected_at"], step=scale["step"],
                       lost_steps=lost_steps(last, resume), resume_step=resume)
@@ -253,7 +276,7 @@ def decide(cfg: Any, rdir: Path, attempt: int, probes: dict[int, str | None]
             blamed = () if failure is None else tuple(gpus[r] for r in failure.ranks)
             detected = (hang["detected_at"] if hang is not None
                         else times[0] if times else time.time())
-            log_event("failure", file=events, attempt=attempt - 1,
+            log_event("failure", file=events, attempt=prev_n,
                       cause="hang" if hang is not None else "exit", detected_at=detected,
                       ranks=[] if failure is None else list(failure.ranks), gpus=list(blamed),
                       reason="worker group failed (no rank to blame)" if failure is None
@@ -267,7 +290,9 @@ def decide(cfg: Any, rdir: Path, attempt: int, probes: dict[int, str | None]
     except ValueError as e:
         log_event("gave_up", file=events, attempt=attempt, failed_gpus=sorted(failed),
                   reason=str(e))
-        return {"error": str(e), "failed_gpus": sorted(failed)}
+        out = {"error": str(e), "failed_gpus": sorted(failed)}
+        _write_json(rdir / "gave_up.json", out)
+        return out
     _write_json(health, {"failed_gpus": sorted(failed)})
     record = {"attempt": attempt, "failed_gpus": sorted(failed),
               "rank_to_gpu": list(plan.rank_to_gpu), "t": time.time(),
@@ -279,8 +304,11 @@ def decide(cfg: Any, rdir: Path, attempt: int, probes: dict[int, str | None]
 
 
 def start_watchdog(cfg: Any, job: Any, plan: Any, failed: frozenset[int], rdir: Path,
-                   attempt: int, exits: ExitRecorder, console: Any) -> threading.Thread:
-    """Plan rank 0, a daemon thread. Exits the worker (so the launcher restarts the group):
+                   attempt: int, exits: ExitRecorder, console: Any, control: Control, *,
+                   health_watch: bool) -> threading.Thread:
+    """Every plan rank, a daemon thread (the first to see it acts; a dead rank's watcher reports
+    go stale, so its peers find it). Ends the attempt (``control.abort``: every worker exits, so
+    the launcher restarts the group):
 
     * on a hang: step progress stalled past ``recovery.heartbeat_timeout_s`` (between steps no
       rank's stack watcher saw activity either); the ranks ``blame_hang`` names (the ones not
@@ -292,7 +320,7 @@ def start_watchdog(cfg: Any, job: Any, plan: Any, failed: frozenset[int], rdir: 
     world = plan.world_size
     hb_dir = rdir / f"heartbeats.{attempt}"
     started = time.time()
-    health = watch.HealthWatch(cfg, job, plan, failed, rdir, console)
+    health = watch.HealthWatch(cfg, job, plan, failed, rdir, console) if health_watch else None
 
     def run() -> None:
         while True:
@@ -310,13 +338,15 @@ def start_watchdog(cfg: Any, job: Any, plan: Any, failed: frozenset[int], rdir: 
                 log_event("hang_detected", file=rdir / "events.jsonl", attempt=attempt,
                           ranks=list(failure.ranks), reason=failure.reason, where=where)
                 exits.write("watchdog", failure.reason)
+                control.abort("hang")
                 os._exit(EXIT_HANG)
-            scale = health.poll(now)
+            scale = health.poll(now) if health is not None else None
             if scale is not None:
                 _write_json(rdir / f"scaleup.{attempt}.json",
                             {"gpus": list(scale.gpus), "requested_at": scale.requested_at,
                              "step": scale.step, "detected_at": now})
                 exits.write("scale_up", f"GPUs {list(scale.gpus)} back")
+                control.abort("scale_up")
                 os._exit(EXIT_SCALE_UP)
 
     t = threading.Thread(target=run, name="nutp-watchdog", daemon=True)
@@ -341,7 +371,10 @@ def start_ft_heartbeats(interval_s: float = 1.0) -> Any:
 
     def run() -> None:
         while True:
-            client.send_heartbeat()
+            try:
+                client.send_heartbeat()
+            except Exception as e:  # keep beating: a silent thread would get us killed
+                print(f"nutp: ft_launcher heartbeat failed: {e}", flush=True)
             time.sleep(interval_s)
 
     threading.Thread(target=run, name="nutp-ft-heartbeat", daemon=True).start()
@@ -353,6 +386,55 @@ def start_ft_heartbeats(interval_s: float = 1.0) -> Any:
 # ---------------------------------------------------------------------------------------------
 
 
+class Control:
+    """The attempt's in-band control over the rendezvous store, so an attempt ends as a whole
+    whatever the launcher does (srun without --kill-on-bad-exit waits for every task):
+
+    * ``abort(why)`` (any worker leaving abnormally) sets the key ``abort``; every worker's
+      control thread sees it within ``CONTROL_S``, writes its exit record and exits;
+    * a store that stops answering (its host, launcher rank 0, died) ends the worker too;
+    * ``leave()`` at a normal end: a barrier, so the store's host exits last."""
+
+    def __init__(self, store: Any, exits: ExitRecorder, world: int, host: bool) -> None:
+        self.store, self.exits, self.world, self.host = store, exits, world, host
+        self._stopped = threading.Event()
+
+    def start(self) -> None:
+        def run() -> None:
+            misses = 0
+            while not self._stopped.wait(CONTROL_S):
+                try:
+                    aborted = self.store.check(["abort"])
+                    misses = 0
+                except Exception:
+                    misses += 1
+                    if misses < 5 or self._stopped.is_set():
+                        continue
+                    self.exits.write("aborted", "rendezvous store unreachable")
+                    os._exit(EXIT_ABORT)
+                if aborted and not self._stopped.is_set():
+                    self.exits.write("aborted", "another worker ended the attempt")
+                    os._exit(EXIT_ABORT)
+
+        threading.Thread(target=run, name="nutp-control", daemon=True).start()
+
+    def abort(self, why: str) -> None:
+        try:
+            self.store.set("abort", why)
+        except Exception:
+            pass
+
+    def leave(self, timeout_s: float = 120.0) -> None:
+        self._stopped.set()
+        try:
+            self.store.add("left", 1)
+            deadline = time.time() + timeout_s
+            while self.host and self.store.add("left", 0) < self.world and time.time() < deadline:
+                time.sleep(0.2)
+        except Exception:
+            pass
+
+
 def run_worker(cfg: Any, env: LauncherEnv, console: Any) -> int:
     """One attempt of one worker. Returns the process exit code."""
     import torch
@@ -362,10 +444,13 @@ def run_worker(cfg: Any, env: LauncherEnv, console: Any) -> int:
     rdir.mkdir(parents=True, exist_ok=True)
     exits = ExitRecorder(rdir / f"exits.{env.attempt}", env.slot)
     exits.install()
+    control: Control | None = None
     try:
         timeout = timedelta(seconds=cfg.recovery.startup_timeout_s)
         base, _, _ = next(dist.rendezvous("env://", env.rank, env.world, timeout=timeout))
         store = dist.PrefixStore(f"nutp/attempt{env.attempt}/", base)
+        control = Control(store, exits, env.world, host=env.rank == 0)
+        control.start()
         why = probe_device(env.local_rank, cfg.recovery.probe_timeout_s)
         store.set(f"worker/{env.rank}", json.dumps({"slot": env.slot, "probe": why}))
         if env.rank == 0:
@@ -386,7 +471,8 @@ def run_worker(cfg: Any, env: LauncherEnv, console: Any) -> int:
         if "error" in decision:
             console.print(f"[red]recovery:[/] no plan for failed GPUs "
                           f"{decision['failed_gpus']}: {decision['error']}")
-            exits.write("error", decision["error"])
+            exits.write("gave_up", decision["error"])
+            control.leave()
             return 2
         failed = frozenset(decision["failed_gpus"])
         job = job_for(cfg, failed)
@@ -394,12 +480,16 @@ def run_worker(cfg: Any, env: LauncherEnv, console: Any) -> int:
         from ..layout import build_plan
 
         plan = build_plan(plan_request(job))
-        assert list(plan.rank_to_gpu) == decision["rank_to_gpu"], "workers planned differently"
-        if env.slot not in plan.rank_to_gpu:
+        if list(plan.rank_to_gpu) != decision["rank_to_gpu"]:
+            raise RuntimeError(f"GPU slot {env.slot} planned rank_to_gpu={list(plan.rank_to_gpu)}"
+                               f" but worker 0 decided {decision['rank_to_gpu']} (same code and "
+                               "config on every node?)")
+        if env.slot not in plan.rank_to_gpu:  # failed or unused GPU: wait for the end
             start_ft_heartbeats()
             while not store.check(["finished"]):
-                time.sleep(1.0)
+                time.sleep(CONTROL_S)
             exits.write("ok", "idle")
+            control.leave()
             return 0
         prank = plan.rank_to_gpu.index(env.slot)
         hb_dir = rdir / f"heartbeats.{env.attempt}"
@@ -416,17 +506,21 @@ def run_worker(cfg: Any, env: LauncherEnv, console: Any) -> int:
             torch.cuda.set_device(env.local_rank)
             device = torch.device("cuda", env.local_rank)
             backend = "nccl"
+            # NCCL errors and timeouts become exceptions (an exit record), not a silent abort.
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         else:
             from ..compat.cpu import apply_cpu_patches
 
             apply_cpu_patches()
             torch.set_num_threads(1)
             backend = "gloo"
+        # Collectives wait longer than the watchdog, which names the rank that hung.
+        pg_timeout = timedelta(seconds=max(600.0, 3 * cfg.recovery.heartbeat_timeout_s))
         dist.init_process_group(backend, store=dist.PrefixStore("train/", store), rank=prank,
-                                world_size=plan.world_size)
+                                world_size=plan.world_size, timeout=pg_timeout)
         watch.start_stack_watcher(hb_dir / f"rank{prank}.stack")
-        if prank == 0:
-            start_watchdog(cfg, job, plan, failed, rdir, env.attempt, exits, console)
+        start_watchdog(cfg, job, plan, failed, rdir, env.attempt, exits, console, control,
+                       health_watch=prank == 0)
         try:
             from ..train.loop import train_rank
 
@@ -438,9 +532,12 @@ def run_worker(cfg: Any, env: LauncherEnv, console: Any) -> int:
             _write_summary(rdir, console)
             store.set("finished", "1")
         exits.write("ok")
+        control.leave()
         return 0
     except BaseException as e:
         exits.write("error", f"{type(e).__name__}: {e}")
+        if control is not None:
+            control.abort(f"slot {env.slot}: {type(e).__name__}")
         raise
 
 

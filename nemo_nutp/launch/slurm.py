@@ -272,22 +272,28 @@ NUTP_WORKER="$(declare -f nutp_worker)"$'\n''nutp_worker "$@"'
 
 
 def _launch_recovery(opts: SbatchOptions, gpn: int, train: list[str], recovery: Any) -> str:
+    # srun: no --kill-on-bad-exit (its SIGKILL would leave no exit records to blame by): the
+    # workers end an attempt themselves (store key "abort"); --wait bounds the rest.
+    kill = (f"--kill-on-bad-exit=0 --wait={int(2 * recovery.heartbeat_timeout_s) + 60}"
+            if opts.launcher == "srun" else "--kill-on-bad-exit=1")
     lines = [
         "# pyxis: the container runs every task; srun's environment is passed in.",
         'NUTP_SRUN=(--container-image="$NUTP_IMAGE" --container-workdir="$NUTP_REPO"',
-        "           --no-container-mount-home --kill-on-bad-exit=1)",
+        f"           --no-container-mount-home {kill})",
         'if [[ -n "$NUTP_MOUNTS" ]]; then NUTP_SRUN+=(--container-mounts="$NUTP_MOUNTS"); fi',
         f"NUTP_TRAIN=({' '.join(train)})",
     ]
     if opts.launcher == "srun":
         lines += [
-            "# srun ends every task when one fails (--kill-on-bad-exit); the loop restarts.",
+            "# A failed worker ends its attempt for all (store key abort); the loop restarts, and",
+            "# stops for good when the workers found no plan for the failed GPUs (exit code 2).",
             f"for attempt in $(seq 0 {recovery.max_restarts}); do",
-            f'  if srun --ntasks-per-node={gpn} "${{NUTP_SRUN[@]}}" \\',
-            '      bash -c "$NUTP_WORKER" nutp-worker "$attempt" "${NUTP_TRAIN[@]}"; then',
-            "    exit 0",
-            "  fi",
-            '  echo "nutp: attempt $attempt failed; restarting with a new plan" >&2',
+            "  rc=0",
+            f'  srun --ntasks-per-node={gpn} "${{NUTP_SRUN[@]}}" \\',
+            '    bash -c "$NUTP_WORKER" nutp-worker "$attempt" "${NUTP_TRAIN[@]}" || rc=$?',
+            "  if (( rc == 0 )); then exit 0; fi",
+            '  if (( rc == 2 )); then echo "nutp: no plan for the failed GPUs" >&2; exit 2; fi',
+            '  echo "nutp: attempt $attempt failed (exit $rc); restarting with a new plan" >&2',
             "done",
             "exit 1",
         ]
@@ -346,7 +352,7 @@ def render_sbatch(plan: Plan, opts: SbatchOptions, *, overrides: list[str],
         where = "\n".join([
             _RECOVERY_DOC.rstrip("\n"),
             f"export NUTP_WORLD_SIZE={c.num_gpus}",
-            'NUTP_MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
+            'NUTP_MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)"',
         ]) + "\n"
         return "\n".join([_header(plan, opts, c.num_gpus // c.gpus_per_node, shown, recovery),
                           setup, where, env,

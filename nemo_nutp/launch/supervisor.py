@@ -100,8 +100,8 @@ def _stop(procs: list[Any]) -> None:
         if p.pid is not None:
             try:
                 os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            except ProcessLookupError:  # not yet its own group leader (or gone): the process
+                p.kill()
     for p in procs:
         p.join()
 
@@ -208,6 +208,7 @@ def supervise(cfg: Any, console: Any) -> int:
     rdir = Path(cfg.output.dir) / "recovery"
     rdir.mkdir(parents=True, exist_ok=True)
     events, health = rdir / "events.jsonl", rdir / "health.json"
+    watch.archive_previous_run(rdir)  # an earlier run's heartbeats and events are not ours
     failed = frozenset(cfg.failures.health().failed_gpus)
     watch.write_health(health, failed)
     attempt = restarts = 0

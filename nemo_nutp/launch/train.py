@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         if under_recovery:  # one worker per GPU slot; each attempt re-plans (launch/elastic.py)
             assert env is not None
             elastic.check_world(cfg, env[1])
-            slot = elastic.gpu_slot(dict(os.environ), env[0], env[2], cfg.cluster.gpus_per_node)
+            slot = elastic.gpu_slot(dict(os.environ), env[1], env[2], cfg.cluster.gpus_per_node)
         plan = build_plan(plan_request(cfg, world_size=None if env is None or under_recovery
                                        else env[1]))
         preflight(cfg)

@@ -267,3 +267,17 @@ class HealthWatch:
                   world_size=fuller.world_size, replica_tp=[list(r.tp) for r in fuller.replicas])
         self.console.print(f"[green]recovery:[/] GPUs {sorted(back)} reported back; restarting "
                            f"at {layout_of(fuller)} after the next checkpoint")
+
+
+def archive_previous_run(rdir: Path) -> Path | None:
+    """At the first attempt of a run: move what an earlier run left in ``rdir`` (heartbeats, exit
+    records, hang/scale-up records, events, summary) to ``rdir/prev-<time>/``, so none of it is
+    read as this run's evidence. Returns the archive directory (None if there was nothing)."""
+    old = [p for p in rdir.iterdir() if not p.name.startswith("prev-")] if rdir.is_dir() else []
+    if not old:
+        return None
+    dest = rdir / f"prev-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    dest.mkdir()
+    for p in old:
+        os.replace(p, dest / p.name)
+    return dest

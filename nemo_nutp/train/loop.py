@@ -23,8 +23,10 @@ from ..layout import Plan
 
 def _gather_times(session: Any, times: dict[str, float], step_s: float) -> list[list[float]]:
     ctx = session.groups.ctx
+    # On the parameters' device: NCCL groups only move device tensors.
+    device = next(session.model.parameters()).device
     mine = torch.tensor([ctx.replica, ctx.degree, times["compute_s"], times["sync_s"],
-                         times["optimizer_s"], step_s], dtype=torch.float64)
+                         times["optimizer_s"], step_s], dtype=torch.float64, device=device)
     out = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(out, mine)
     return [t.tolist() for t in out]

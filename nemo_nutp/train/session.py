@@ -52,7 +52,8 @@ class RankSession:
                                                     self.batches(step), self.mask)
         ctx = self.groups.ctx
         loss = reduce_replica_loss(replica_loss, weight=ctx.weight, degree=ctx.degree,
-                                   stage_group=self.groups.stage)
+                                   stage_group=self.groups.stage,
+                                   device=next(self.model.parameters()).device)
         return StepResult(loss=loss, replica_loss=replica_loss, grad_norm=grad_norm, times=times)
 
 

@@ -44,9 +44,11 @@ def build_optimizer(model: Any, pgs: Any, *, lr: float, optimizer: str = "adam",
 
 
 def reduce_replica_loss(replica_loss: float, *, weight: float, degree: int,
-                        stage_group: dist.ProcessGroup) -> float:
-    """Global-batch mean loss: sum over replicas of weight x replica mean."""
-    t = torch.tensor([replica_loss * weight / degree], dtype=torch.float64)
+                        stage_group: dist.ProcessGroup,
+                        device: torch.device | None = None) -> float:
+    """Global-batch mean loss: sum over replicas of weight x replica mean (``device``: where
+    the group's collectives run, e.g. the rank's GPU under NCCL)."""
+    t = torch.tensor([replica_loss * weight / degree], dtype=torch.float64, device=device)
     dist.all_reduce(t, group=stage_group)
     return float(t.item())
 

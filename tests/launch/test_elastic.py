@@ -153,25 +153,34 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
     return _losses(ref)
 
 
+def _layout(*overrides: str) -> tuple[list[int], list[list[int]]]:
+    """(rank_to_gpu, replica TP degrees) the planner gives the default job with overrides."""
+    plan = build_plan(plan_request(load_config(list(overrides))))
+    return list(plan.rank_to_gpu), [list(r.tp) for r in plan.replicas]
+
+
 def _check_recovered(out: Path, stdout: str, reference: list[float]) -> dict:
-    """Rank 1 (GPU 1) was SIGKILLed at step 5 of the default TP4+TP3 job (GPU 7 failed)."""
+    """Plan rank 1 was SIGKILLed at step 5 of the default job (TP4+TP3, GPU 7 failed)."""
+    first, _ = _layout()
+    failed = sorted({first[1], *load_config([]).failures.failed_gpus})
+    _, degraded = _layout(f"failures.failed_gpus=[{','.join(map(str, failed))}]")
     losses = _losses(out)
     assert len(losses) == len(reference)
     for a, b in zip(losses, reference, strict=True):
         assert abs(a - b) <= TOL * abs(b), (losses, reference)
     rdir = out / "recovery"
     (s,) = json.loads((rdir / "summary.json").read_text())
-    assert s["gpus"] == [1] and "without an exit record" in s["reason"]
-    assert s["resume_step"] == 4 and s["replica_tp"] == [[3], [3]]
+    assert s["gpus"] == [first[1]] and "without an exit record" in s["reason"]
+    assert s["resume_step"] == 4 and s["replica_tp"] == degraded
     assert s["lost_steps"] <= 2  # at most the checkpoint interval is recomputed
-    assert json.loads((rdir / "health.json").read_text())["failed_gpus"] == [1, 7]
-    # Attempt 1: GPUs 1 and 7 sat idle and left on the 'finished' key.
-    idle = {g: json.loads((rdir / "exits.1" / f"gpu{g}").read_text()) for g in (1, 7)}
+    assert json.loads((rdir / "health.json").read_text())["failed_gpus"] == failed
+    # Attempt 1: the failed GPUs' workers sat idle and left on the 'finished' key.
+    idle = {g: json.loads((rdir / "exits.1" / f"gpu{g}").read_text()) for g in failed}
     assert all(v["status"] == "ok" and v["detail"] == "idle" for v in idle.values())
     good = json.loads((out / "goodput.json").read_text())
     assert good["restart_gpu_s"] > 0 and good["checkpoint_gpu_s"] > 0
     # The goodput report shows the restart: lost steps and time from failure to resumed.
-    assert [g["gpus"] for g in good["restarts"]] == [[1]]
+    assert [g["gpus"] for g in good["restarts"]] == [[first[1]]]
     assert good["lost_steps"] == s["lost_steps"]
     assert f"1 restart(s): {s['lost_steps']} step(s) recomputed" in stdout
     return s
@@ -193,32 +202,37 @@ def test_torchrun_kill_recovers_at_reduced_tp(tmp_path: Path, reference: list[fl
 
 
 FAKE_SRUN = """#!{python}
-# One-node stand-in for srun: --ntasks-per-node copies of the command with Slurm's task variables;
-# --kill-on-bad-exit: when a task fails, the others get SIGTERM, then SIGKILL after 30 s.
+# One-node stand-in for srun: --ntasks-per-node copies of the command with Slurm's task variables.
+# --kill-on-bad-exit=1: a task failing gets every other task SIGKILLed at once (no exit records);
+# --wait=N: N seconds after the first task ends, the rest are SIGKILLed; otherwise srun waits.
 import os, signal, subprocess, sys, time
 args = sys.argv[1:]
-n = 1
+n, kill_bad, wait = 1, False, None
 while args and args[0].startswith("-"):
     a = args.pop(0)
     if a.startswith("--ntasks-per-node="):
         n = int(a.split("=", 1)[1])
+    elif a == "--kill-on-bad-exit=1":
+        kill_bad = True
+    elif a.startswith("--wait="):
+        wait = float(a.split("=", 1)[1])
 env = lambda r: dict(os.environ, SLURM_PROCID=str(r), SLURM_LOCALID=str(r), SLURM_NODEID="0",
                      SLURM_NTASKS=str(n))
 procs = [subprocess.Popen(args, env=env(r), start_new_session=True) for r in range(n)]
+first_end = None
 while any(p.poll() is None for p in procs):
-    if any(p.returncode not in (None, 0) for p in procs):
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        deadline = time.time() + 30
-        while time.time() < deadline and any(p.poll() is None for p in procs):
-            time.sleep(0.05)
+    ended = [p for p in procs if p.poll() is not None]
+    if ended and first_end is None:
+        first_end = time.time()
+    bad = kill_bad and any(p.returncode != 0 for p in ended)
+    if bad or (wait and first_end is not None and time.time() - first_end > wait):
         for p in procs:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
         break
     time.sleep(0.05)
-sys.exit(0 if all(p.wait() == 0 for p in procs) else 1)
+codes = [p.wait() for p in procs]
+sys.exit(0 if all(c == 0 for c in codes) else max(abs(c) for c in codes))
 """
 
 
@@ -249,18 +263,22 @@ def test_sbatch_srun_loop_recovers(tmp_path: Path, reference: list[float]) -> No
     r = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=800,
                        check=False, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "attempt 0 failed; restarting" in r.stderr
+    assert "attempt 0 failed" in r.stderr and "attempt 1 failed" not in r.stderr
     s = _check_recovered(out, r.stdout, reference)
     print(f"srun loop kill test: detect {s['detect_s']:.2f} s, restart {s['restart_s']:.2f} s, "
           f"lost steps {s['lost_steps']}")
 
 
 def test_gpu_slot_follows_the_node_not_the_launcher_rank() -> None:
-    # torchrun's c10d rendezvous may give node 1 the global ranks 0..7 after a restart.
-    assert elastic.gpu_slot({"SLURM_NODEID": "1"}, rank=3, local_rank=3, gpus_per_node=8) == 11
-    assert elastic.gpu_slot({"NUTP_NODE_INDEX": "2", "GROUP_RANK": "0"}, 0, 1, 4) == 9
-    assert elastic.gpu_slot({"GROUP_RANK": "1"}, 0, 2, 4) == 6
-    assert elastic.gpu_slot({}, 13, 5, 8) == 13
+    # torchrun's c10d rendezvous may give node 1 the global ranks 0..7 after a restart, and its
+    # GROUP_RANK is join order too: only a node index from the environment is trusted.
+    assert elastic.gpu_slot({"SLURM_NODEID": "1"}, world=16, local_rank=3, gpus_per_node=8) == 11
+    assert elastic.gpu_slot({"NUTP_NODE_INDEX": "2", "SLURM_NODEID": "0"}, 12, 1, 4) == 9
+    assert elastic.gpu_slot({"GROUP_RANK": "1"}, 8, 5, 8) == 5  # single node: node 0
+    with pytest.raises(ValueError, match=r"WORLD_SIZE=16 spans several nodes.*NUTP_NODE_INDEX"):
+        elastic.gpu_slot({"GROUP_RANK": "1"}, 16, 2, 8)
+    with pytest.raises(ValueError, match=r"NUTP_NODE_INDEX='x'"):
+        elastic.gpu_slot({"NUTP_NODE_INDEX": "x"}, 16, 2, 8)
     with pytest.raises(ValueError, match=r"LOCAL_RANK=8.*gpus_per_node=8"):
         elastic.gpu_slot({}, 8, 8, 8)
 
@@ -315,17 +333,85 @@ def test_ft_launcher_hang_then_gpu_back(tmp_path: Path, reference: list[float]) 
     losses = _losses(out)
     for a, b in zip(losses, reference, strict=True):
         assert abs(a - b) <= TOL * abs(b), (losses, reference)
+    first, _ = _layout()
+    failed = sorted({first[5], *load_config([]).failures.failed_gpus})
+    _, degraded = _layout(f"failures.failed_gpus=[{','.join(map(str, failed))}]")
+    _, full = _layout("failures=none")
     hang, back = json.loads((rdir / "summary.json").read_text())
-    assert hang["cause"] == "hang" and hang["gpus"] == [5] and hang["resume_step"] == 2
+    assert hang["cause"] == "hang" and hang["gpus"] == [first[5]] and hang["resume_step"] == 2
     assert "faults.py" in json.dumps([e for e in _events(rdir) if e["event"] == "failure"])
-    deg = build_plan(plan_request(load_config(["failures.failed_gpus=[5,7]"])))
-    assert hang["replica_tp"] == [list(r.tp) for r in deg.replicas]
-    assert back["cause"] == "gpu_back" and back["gpus"] == [5, 7]
-    assert back["resume_step"] == 4 and back["replica_tp"] == [[4], [4]]
+    assert hang["replica_tp"] == degraded
+    assert back["cause"] == "gpu_back" and back["gpus"] == failed
+    assert back["resume_step"] == 4 and back["replica_tp"] == full
     assert hang["lost_steps"] <= 2 and back["lost_steps"] <= 1
     assert json.loads((rdir / "health.json").read_text())["failed_gpus"] == []
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["replica_tp"] for r in rows][-1] == [[4], [4]]
+    assert [r["replica_tp"] for r in rows][-1] == full
     print(f"ft_launcher: hang detect {hang['detect_s']:.2f} s, restart {hang['restart_s']:.2f} s;"
           f" GPU back: report->stop {back['detect_s']:.2f} s, restart {back['restart_s']:.2f} s, "
           f"lost steps {hang['lost_steps']}/{back['lost_steps']}")
+
+
+def test_decide_ignores_an_earlier_run_and_stays_given_up(tmp_path: Path) -> None:
+    cfg = load_config([f"output.dir={tmp_path}", "recovery.enabled=true",
+                       "checkpoint.interval=2"])
+    rdir = tmp_path / "recovery"
+    rdir.mkdir()
+    ok = dict.fromkeys(range(8))
+    # An earlier run in the same output dir left a hang record and exit records behind.
+    (rdir / "hang.0.json").write_text(json.dumps({"ranks": [3], "reason": "old", "where": {},
+                                                  "detected_at": 0.0}))
+    _exit_records(rdir, 0, [0, 1], "terminated")
+    (rdir / "events.jsonl").write_text(json.dumps({"t": 0, "event": "failure"}) + "\n")
+    elastic.decide(cfg, rdir, 0, ok)
+    (archive,) = rdir.glob("prev-*")
+    assert (archive / "hang.0.json").exists() and not (rdir / "hang.0.json").exists()
+    assert [e["event"] for e in _events(rdir)] == ["start"]
+    # This run's attempt 0 ends with GPU 2's worker silent: only GPU 2 is blamed.
+    _exit_records(rdir, 0, [g for g in range(8) if g != 2], "terminated")
+    assert elastic.decide(cfg, rdir, 1, ok)["failed_gpus"] == [2, 7]
+    # If attempt 1's worker 0 had died before deciding (no attempt.1.json), attempt 2 decides
+    # from the newest record there is (attempt 0's) and its evidence.
+    (rdir / "attempt.1.json").unlink()
+    assert elastic.decide(cfg, rdir, 2, ok)["failed_gpus"] == [2, 7]
+    # Every GPU reported failed: no plan; later attempts stay given up (no silent recovery).
+    (rdir / "health.json").write_text(json.dumps({"failed_gpus": list(range(8))}))
+    _exit_records(rdir, 2, list(range(8)), "terminated")
+    gave_up = elastic.decide(cfg, rdir, 3, ok)
+    assert "error" in gave_up and gave_up["failed_gpus"] == list(range(8))
+    (rdir / "health.json").write_text(json.dumps({"failed_gpus": [7]}))
+    assert elastic.decide(cfg, rdir, 4, ok) == gave_up
+
+
+CONTROL_CHILD = textwrap.dedent("""
+    import sys, time
+    from datetime import timedelta
+    from pathlib import Path
+    import torch.distributed as dist
+    from nemo_nutp.launch import elastic
+    rec = elastic.ExitRecorder(Path(sys.argv[1]), 4)
+    rec.install()
+    store = dist.TCPStore("127.0.0.1", int(sys.argv[2]), 2, False,
+                          timeout=timedelta(seconds=30))
+    elastic.Control(store, rec, world=2, host=False).start()
+    print("ready", flush=True)
+    time.sleep(120)
+""")
+
+
+def test_abort_key_ends_every_worker(tmp_path: Path) -> None:
+    """A worker blocked for good (srun would wait on it) leaves when another sets ``abort``."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    server = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=timedelta(seconds=30),
+                           wait_for_workers=False)
+    p = subprocess.Popen([sys.executable, "-c", CONTROL_CHILD, str(tmp_path), str(server.port)],
+                         stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+    time.sleep(1.5)
+    assert p.poll() is None  # no abort yet: keeps running
+    server.set("abort", "test")
+    assert p.wait(timeout=30) == elastic.EXIT_ABORT
+    assert json.loads((tmp_path / "gpu4").read_text())["status"] == "aborted"

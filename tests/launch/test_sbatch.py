@@ -185,6 +185,8 @@ def test_recovery_script_runs_a_worker_per_gpu_slot_under_restarts(launcher: str
         assert int(_sbatch(text, "ntasks-per-node")) == c.gpus_per_node
         assert f"for attempt in $(seq 0 {restarts}); do" in text
         assert "LOCAL_RANK=$SLURM_LOCALID" in text and "NUTP_ATTEMPT=$1" in text
+        # srun's --kill-on-bad-exit SIGKILLs (no exit records): workers abort in-band instead.
+        assert "--kill-on-bad-exit=0" in text and "--wait=" in text
     else:
         assert int(_sbatch(text, "ntasks-per-node")) == 1
         assert f"{launcher} --nnodes" in text and f"--max-restarts={restarts}" in text
