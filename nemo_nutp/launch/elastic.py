@@ -293,7 +293,7 @@ def decide(cfg: Any, rdir: Path, attempt: int, probes: dict[int, str | None]
         out = {"error": str(e), "failed_gpus": sorted(failed)}
         _write_json(rdir / "gave_up.json", out)
         return out
-    _write_json(health, {"failed_gpus": sorted(failed)})
+    watch.write_health(health, frozenset(failed))
     record = {"attempt": attempt, "failed_gpus": sorted(failed),
               "rank_to_gpu": list(plan.rank_to_gpu), "t": time.time(),
               "probes": {str(g): why for g, why in probes.items() if why is not None}}
@@ -501,6 +501,11 @@ def run_worker(cfg: Any, env: LauncherEnv, console: Any) -> int:
 
             console.print(replicas_table(plan))
         start_ft_heartbeats()
+        # Watched from here on: a start-up that stalls (a peer never joins the process group, a
+        # checkpoint load that hangs) is found like a hang inside training.
+        watch.start_stack_watcher(hb_dir / f"rank{prank}.stack")
+        start_watchdog(cfg, job, plan, failed, rdir, env.attempt, exits, console, control,
+                       health_watch=prank == 0)
         device = None
         if torch.cuda.is_available():
             torch.cuda.set_device(env.local_rank)
@@ -518,9 +523,6 @@ def run_worker(cfg: Any, env: LauncherEnv, console: Any) -> int:
         pg_timeout = timedelta(seconds=max(600.0, 3 * cfg.recovery.heartbeat_timeout_s))
         dist.init_process_group(backend, store=dist.PrefixStore("train/", store), rank=prank,
                                 world_size=plan.world_size, timeout=pg_timeout)
-        watch.start_stack_watcher(hb_dir / f"rank{prank}.stack")
-        start_watchdog(cfg, job, plan, failed, rdir, env.attempt, exits, console, control,
-                       health_watch=prank == 0)
         try:
             from ..train.loop import train_rank
 

@@ -68,10 +68,10 @@ def blame_hang(progress: Mapping[int, Progress | None], *, now: float, timeout_s
                started_at: float, startup_timeout_s: float,
                activity: Mapping[int, Activity | None] | None = None) -> Failure | None:
     """A hang: no sign of progress for ``timeout_s`` (or no heartbeat at all within
-    ``startup_timeout_s``). Signs of progress are step heartbeats and, between steps (the
-    newest heartbeat is a 'done': checkpoint saves and the end-of-run report, which may take
-    longer than a step), the activity of any rank. Inside a step only heartbeats count, so a
-    rank that spins without finishing its step is still found.
+    ``startup_timeout_s`` and no rank activity for ``timeout_s``). Signs of progress are step
+    heartbeats and, between steps (the newest heartbeat is a 'done': checkpoint saves and the
+    end-of-run report, which may take longer than a step), the activity of any rank. Inside a
+    step only heartbeats count, so a rank that spins without finishing its step is still found.
 
     Peers of a hung rank block in its next collective, so every rank looks stale and usually
     all report the same step. With ``activity``, the ranks *not* blocked on communication (or
@@ -79,11 +79,14 @@ def blame_hang(progress: Mapping[int, Progress | None], *, now: float, timeout_s
     the hung rank is the one that progressed least; if all progressed equally nobody is blamed
     (restart the same layout)."""
     beats = [p for p in progress.values() if p is not None]
+    acts = {r: a for r, a in (activity or {}).items() if a is not None}
     if not beats:
-        if now - started_at > startup_timeout_s:
+        # Start-up (imports, process groups, loading a checkpoint) may outlast the limit while
+        # some rank is still busy: only a start-up without any activity for timeout_s fails.
+        busy = max((a.changed_t for a in acts.values()), default=started_at)
+        if now - started_at > startup_timeout_s and now - busy > timeout_s:
             return Failure((), f"no heartbeat within {startup_timeout_s:.0f} s of start")
         return None
-    acts = {r: a for r, a in (activity or {}).items() if a is not None}
     newest = max(beats, key=lambda p: p.t)
     last = max([newest.t] + [a.changed_t for a in acts.values() if newest.phase == "done"])
     if now - last <= timeout_s:

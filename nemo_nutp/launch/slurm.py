@@ -324,6 +324,10 @@ def render_sbatch(plan: Plan, opts: SbatchOptions, *, overrides: list[str],
 
     With ``recovery`` (the job's ``RecoveryConfig`` when ``recovery.enabled``) the script
     allocates the whole cluster and runs a worker per GPU slot under a restarting launcher."""
+    if recovery is not None and opts.master_port + recovery.max_restarts > 65535:
+        raise ValueError(f"master_port={opts.master_port}: the srun loop uses master_port + "
+                         f"attempt, up to + recovery.max_restarts={recovery.max_restarts}; "
+                         "must stay <= 65535")
     if opts.launcher == "ft_launcher" and recovery is None:
         raise ValueError("launcher='ft_launcher': needs recovery.enabled=true (ft_launcher "
                          "restarts the workers, which re-plan each attempt)")

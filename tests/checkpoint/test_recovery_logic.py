@@ -213,3 +213,16 @@ def test_health_watch_without_resume_uses_the_gpus_at_the_next_restart(tmp_path:
     assert watch.poll(1.0) is None and watch.poll(2.0) is None
     (ev,) = [e for e in read_events(rdir / "events.jsonl") if e["event"] == "gpu_back"]
     assert "resume" in ev["deferred"] and "next restart" in out.getvalue()
+
+
+def test_slow_start_with_activity_is_not_a_hang() -> None:
+    """Loading a large checkpoint before the first step: busy ranks keep the world alive past
+    ``startup_timeout_s``; a start-up with no activity for ``timeout_s`` still fails."""
+    none = {0: None, 1: None}
+    busy = {0: Activity(False, 395.0, 399.0), 1: Activity(True, 100.0, 399.0)}
+    kw = dict(now=400.0, timeout_s=30.0, started_at=0.0, startup_timeout_s=300.0)
+    assert blame_hang(none, **kw, activity=busy) is None
+    idle = {0: Activity(True, 100.0, 399.0), 1: Activity(True, 100.0, 399.0)}
+    f = blame_hang(none, **kw, activity=idle)
+    assert f is not None and f.ranks == () and "no heartbeat" in f.reason
+    assert blame_hang(none, **kw) is not None  # without watcher reports: the limit alone
