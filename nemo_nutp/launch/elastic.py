@@ -131,15 +131,26 @@ def blame_previous(record: dict[str, Any], exits: dict[int, dict[str, Any]],
 
     ``record``: that attempt's decision (``rank_to_gpu``); ``exits``: exit records by GPU slot;
     ``hang``: the watchdog's finding, if any. A hang names its ranks. Otherwise every plan rank
-    without an exit record died without a word and is blamed; if all wrote one (errors, or
-    the launcher stopped them) or none did, nobody is blamed and the same layout restarts."""
+    without an exit record died without a word and is blamed; if none wrote one, nobody is
+    blamed; if all did, the rank whose error record is earliest is blamed, and nobody if the
+    launcher or the control thread ended them all (the same layout restarts)."""
     gpus = record["rank_to_gpu"]
     if hang is not None and hang["ranks"]:
         return Failure(tuple(hang["ranks"]), hang["reason"])
     silent = tuple(r for r, g in enumerate(gpus) if g not in exits)
     if silent and len(silent) < len(gpus):
         return Failure(silent, "died without an exit record (killed, crashed or lost its GPU)")
-    return None  # nothing to tell ranks apart (e.g. the whole group was SIGKILLed): same GPUs
+    if silent:
+        return None  # nothing tells the ranks apart (the whole group was SIGKILLed): same GPUs
+    # Every rank left a record. A rank that raised writes its record before it ends the attempt
+    # (abort key, process exit), so the peers' errors and aborts come after it: the earliest
+    # error is the cause (e.g. an ECC error or OOM on one GPU). Only terminations: nobody.
+    errors = sorted((exits[g]["t"], r) for r, g in enumerate(gpus)
+                    if exits[g].get("status") == "error")
+    if errors:
+        r = errors[0][1]
+        return Failure((r,), f"raised first: {exits[gpus[r]].get('detail', '')}"[:300])
+    return None
 
 
 class ExitRecorder:

@@ -50,7 +50,7 @@ def test_blame_previous_attempt() -> None:
     exits = {g: {"status": "terminated"} for g in (0, 2, 4, 3)}
     assert elastic.blame_previous(record, exits, None) == Failure(
         (1,), "died without an exit record (killed, crashed or lost its GPU)")
-    exits[1] = {"status": "error"}
+    exits[1] = {"status": "terminated", "t": 5.0}
     assert elastic.blame_previous(record, exits, None) is None  # same layout restarts
     hang = {"ranks": [3], "reason": "no progress"}
     assert elastic.blame_previous(record, exits, hang) == Failure((3,), "no progress")
@@ -59,6 +59,11 @@ def test_blame_previous_attempt() -> None:
     assert elastic.blame_previous(record, exits, None) is None
     # Every plan rank silent (the whole group SIGKILLed): nothing tells them apart.
     assert elastic.blame_previous(record, {3: {"status": "ok"}}, None) is None
+    # The rank that raised first is the cause; peers that errored after it are not.
+    exits.update({1: {"status": "error", "t": 3.0, "detail": "CUDA error: ECC"},
+                  2: {"status": "error", "t": 3.4}, 4: {"status": "aborted", "t": 3.9}})
+    f = elastic.blame_previous(record, exits, None)
+    assert f is not None and f.ranks == (1,) and "ECC" in f.reason
 
 
 def _exit_records(rdir: Path, attempt: int, gpus: list[int], status: str) -> None:
