@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint.events import log_event, read_events
+from ..layout.serialize import write_json_atomic
 from . import watch
 from .recovery import Failure, blame_hang, job_for, lost_steps, next_failed
 
@@ -112,12 +113,6 @@ def check_world(cfg: Any, world: int) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(obj) + "\n")
-    os.replace(tmp, path)
-
-
 def _read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text())
@@ -169,9 +164,8 @@ class ExitRecorder:
         with self._lock:
             if self._done or os.getpid() != self._pid:  # not in a forked helper
                 return
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            _write_json(self.path, {"status": status, "detail": detail[-500:],
-                                    "t": time.time(), "pid": os.getpid()})
+            write_json_atomic({"status": status, "detail": detail[-500:], "t": time.time(),
+                               "pid": os.getpid()}, self.path)
             self._done = True
 
     def install(self) -> None:
@@ -242,8 +236,6 @@ def probe_device(local_rank: int, timeout_s: float) -> str | None:
 def decide(cfg: Any, rdir: Path, attempt: int, probes: dict[int, str | None]
            ) -> dict[str, Any]:
     """Worker 0: the failed GPUs of this attempt; writes health report, record and events."""
-    from ..checkpoint import find_latest
-    from ..checkpoint.store import read_marker
     from ..config import plan_request
     from ..layout import build_plan
 
@@ -270,10 +262,7 @@ def decide(cfg: Any, rdir: Path, attempt: int, probes: dict[int, str | None]
         scale = _read_json(rdir / f"scaleup.{prev_n}.json")
         gpus = prev["rank_to_gpu"]
         last = watch.last_done(rdir / f"heartbeats.{prev_n}", len(gpus))
-        root = cfg.checkpoint_dir
-        latest = find_latest(root) if root else None
-        marker = read_marker(latest) if latest is not None else None
-        resume = int(marker["step"]) if marker else 0
+        resume = watch.resume_step(cfg.checkpoint_dir)
         # Detection: the watchdog's finding, else the first exit record that is not a clean
         # end (the launcher's reaction to the failure), else now.
         times = sorted(e["t"] for e in exits.values() if e.get("status") != "ok")
@@ -302,13 +291,13 @@ def decide(cfg: Any, rdir: Path, attempt: int, probes: dict[int, str | None]
         log_event("gave_up", file=events, attempt=attempt, failed_gpus=sorted(failed),
                   reason=str(e))
         out = {"error": str(e), "failed_gpus": sorted(failed)}
-        _write_json(rdir / "gave_up.json", out)
+        write_json_atomic(out, rdir / "gave_up.json")
         return out
     watch.write_health(health, frozenset(failed))
     record = {"attempt": attempt, "failed_gpus": sorted(failed),
               "rank_to_gpu": list(plan.rank_to_gpu), "t": time.time(),
               "probes": {str(g): why for g, why in probes.items() if why is not None}}
-    _write_json(rdir / f"attempt.{attempt}.json", record)
+    write_json_atomic(record, rdir / f"attempt.{attempt}.json")
     log_event("start", file=events, attempt=attempt, failed_gpus=sorted(failed),
               world_size=plan.world_size, replica_tp=[list(r.tp) for r in plan.replicas])
     return record
@@ -343,9 +332,9 @@ def start_watchdog(cfg: Any, job: Any, plan: Any, failed: frozenset[int], rdir: 
                                  activity=watch.read_activity(hb_dir, world))
             if failure is not None:
                 where = {str(r): watch.read_where(hb_dir, r) for r in failure.ranks}
-                _write_json(rdir / f"hang.{attempt}.json",
-                            {"ranks": list(failure.ranks), "reason": failure.reason,
-                             "detected_at": now, "where": where})
+                write_json_atomic({"ranks": list(failure.ranks), "reason": failure.reason,
+                                   "detected_at": now, "where": where},
+                                  rdir / f"hang.{attempt}.json")
                 log_event("hang_detected", file=rdir / "events.jsonl", attempt=attempt,
                           ranks=list(failure.ranks), reason=failure.reason, where=where)
                 exits.write("watchdog", failure.reason)
@@ -353,9 +342,9 @@ def start_watchdog(cfg: Any, job: Any, plan: Any, failed: frozenset[int], rdir: 
                 os._exit(EXIT_HANG)
             scale = health.poll(now) if health is not None else None
             if scale is not None:
-                _write_json(rdir / f"scaleup.{attempt}.json",
-                            {"gpus": list(scale.gpus), "requested_at": scale.requested_at,
-                             "step": scale.step, "detected_at": now})
+                write_json_atomic({"gpus": list(scale.gpus), "requested_at": scale.requested_at,
+                                   "step": scale.step, "detected_at": now},
+                                  rdir / f"scaleup.{attempt}.json")
                 exits.write("scale_up", f"GPUs {list(scale.gpus)} back")
                 control.abort("scale_up")
                 os._exit(EXIT_SCALE_UP)
@@ -556,5 +545,5 @@ def run_worker(cfg: Any, env: LauncherEnv, console: Any) -> int:
 
 def _write_summary(rdir: Path, console: Any) -> None:
     summary = watch.summary(read_events(rdir / "events.jsonl"))
-    _write_json(rdir / "summary.json", summary)
+    write_json_atomic(summary, rdir / "summary.json")
     watch.print_summary(console, summary)

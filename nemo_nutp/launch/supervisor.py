@@ -176,15 +176,10 @@ def _record_scale_up(res: Attempt, rdir: Path, console: Any, attempt: int) -> No
 def _record_failure(job: Any, res: Attempt, failed: frozenset[int], rdir: Path, console: Any,
                     attempt: int) -> frozenset[int]:
     """Mark the blamed GPUs failed (health report) and log; returns the new failed set."""
-    from ..checkpoint import find_latest
-    from ..checkpoint.store import read_marker
-
     assert res.failure is not None
     health = rdir / "health.json"
     gpus = tuple(res.rank_to_gpu[r] for r in res.failure.ranks)
-    latest = find_latest(job.checkpoint_dir) if job.checkpoint_dir else None
-    marker = read_marker(latest) if latest is not None else None
-    resume_step = int(marker["step"]) if marker else 0
+    resume_step = watch.resume_step(job.checkpoint_dir)
     failed = next_failed(failed, gpus, watch.read_health(health))
     watch.write_health(health, failed)
     log_event("failure", file=rdir / "events.jsonl", attempt=attempt, cause=res.cause,

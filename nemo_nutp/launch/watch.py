@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint.events import log_event
+from ..layout.serialize import write_json_atomic
 from .recovery import (
     Activity,
     Progress,
@@ -154,9 +155,7 @@ def read_health(path: Path) -> frozenset[int] | None:
 
 
 def write_health(path: Path, failed: frozenset[int]) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"failed_gpus": sorted(failed)}) + "\n")
-    os.replace(tmp, path)
+    write_json_atomic({"failed_gpus": sorted(failed)}, path)
 
 
 def summary(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -281,3 +280,13 @@ def archive_previous_run(rdir: Path) -> Path | None:
     for p in old:
         os.replace(p, dest / p.name)
     return dest
+
+
+def resume_step(root: str | None) -> int:
+    """The step a restart resumes at: that of the newest complete checkpoint (0 if none)."""
+    from ..checkpoint import find_latest
+    from ..checkpoint.store import read_marker
+
+    latest = find_latest(root) if root else None
+    marker = read_marker(latest) if latest is not None else None
+    return int(marker["step"]) if marker else 0

@@ -18,6 +18,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -73,12 +74,17 @@ def _exit_records(rdir: Path, attempt: int, gpus: list[int], status: str) -> Non
         (d / f"gpu{g}").write_text(json.dumps({"status": status, "t": time.time()}))
 
 
-def test_decide_across_attempts(tmp_path: Path) -> None:
+def _decide_setup(tmp_path: Path) -> tuple[Any, Path, dict[int, str | None]]:
+    """(job config with recovery, its empty recovery dir, every device probe healthy)."""
     cfg = load_config([f"output.dir={tmp_path}", "recovery.enabled=true",
                        "checkpoint.interval=2"])
     rdir = tmp_path / "recovery"
     rdir.mkdir()
-    ok = dict.fromkeys(range(8))
+    return cfg, rdir, dict.fromkeys(range(8))
+
+
+def test_decide_across_attempts(tmp_path: Path) -> None:
+    cfg, rdir, ok = _decide_setup(tmp_path)
     d0 = elastic.decide(cfg, rdir, 0, ok)
     assert d0["failed_gpus"] == [7] and sorted(d0["rank_to_gpu"]) == list(range(7))
     # Attempt 0 ends: GPU 1's worker left no record (SIGKILL); the others were terminated.
@@ -358,11 +364,7 @@ def test_ft_launcher_hang_then_gpu_back(tmp_path: Path, reference: list[float]) 
 
 
 def test_decide_ignores_an_earlier_run_and_stays_given_up(tmp_path: Path) -> None:
-    cfg = load_config([f"output.dir={tmp_path}", "recovery.enabled=true",
-                       "checkpoint.interval=2"])
-    rdir = tmp_path / "recovery"
-    rdir.mkdir()
-    ok = dict.fromkeys(range(8))
+    cfg, rdir, ok = _decide_setup(tmp_path)
     # An earlier run in the same output dir left a hang record and exit records behind.
     (rdir / "hang.0.json").write_text(json.dumps({"ranks": [3], "reason": "old", "where": {},
                                                   "detected_at": 0.0}))
