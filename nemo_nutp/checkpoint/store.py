@@ -89,7 +89,7 @@ def _plan_summary(plan: Any) -> dict[str, Any]:
 
 def _state_dict(session: Any, *, is_loading: bool) -> dict[str, Any]:
     ctx = session.groups.ctx
-    model = model_sharded_state_dict(session.model.module, session.model_cfg,
+    model = model_sharded_state_dict(session.gpt, session.model_cfg,
                                      replica=ctx.replica, tp_rank=ctx.tp_rank)
     optim = session.optimizer.sharded_state_dict(model, is_loading=is_loading)
     return {"model": model, "optimizer": optim}
@@ -148,7 +148,7 @@ def save_checkpoint(session: Any, root: str | Path, *, step: int,
     if rank0:
         marker = {"format": FORMAT, "step": step, "model": _dims(session.model_cfg),
                   "plan": _plan_summary(session.plan),
-                  "global_shapes": global_shapes(session.model.module, session.model_cfg),
+                  "global_shapes": global_shapes(session.gpt, session.model_cfg),
                   "files": _checksums(tmp), "rng_per_rank": True}
         _write_atomic(tmp / MARKER, json.dumps(marker, indent=1))
         if final.exists():  # an older save of the same step (e.g. before a restart)
@@ -236,7 +236,7 @@ def load_checkpoint(session: Any, path: str | Path, *, verify: bool = True) -> d
         state["rng"] = _rng_object(session.plan, None)
     loaded = dist_checkpointing.load(state, str(path))
     with torch.no_grad():
-        for name, p in session.model.module.named_parameters():
+        for name, p in session.gpt.named_parameters():
             p.copy_(loaded["model"][name.removeprefix("module.")].view_as(p))
     session.optimizer.load_state_dict(loaded["optimizer"])
     train = loaded["train"]

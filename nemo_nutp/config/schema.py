@@ -8,6 +8,7 @@ checks values. Nothing here creates a process group.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ from ..layout.specs import _bad, _positive
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 """The shipped YAML tree (repository layout); ``NUTP_CONFIG_DIR`` overrides it."""
+PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,10 @@ class ModelConfig(ModelDims):
     """'rope' or 'learned_absolute'."""
     init_std: float = 0.02
     """Std of the normal init of weight matrices."""
+    hidden_dropout: float = 0.0
+    """Dropout after attention/MLP output (megatron hidden_dropout)."""
+    attention_dropout: float = 0.0
+    """Dropout on attention probabilities."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -41,6 +47,17 @@ class ModelConfig(ModelDims):
         if self.position_embedding not in ("rope", "learned_absolute"):
             raise _bad("model.position_embedding", self.position_embedding,
                        "must be rope or learned_absolute")
+        if self.position_embedding == "rope" and self.kv % 2:
+            # RoPE rotates channel pairs; megatron's rotate_half cannot split an odd width.
+            if self.kv_channels is not None:
+                raise _bad("model.kv_channels", self.kv_channels,
+                           "RoPE needs an even head dimension")
+            raise _bad("model.hidden_size", self.hidden_size,
+                       f"RoPE needs an even head dimension "
+                       f"({self.hidden_size}/{self.num_attention_heads} heads={self.kv})")
+        for name in ("hidden_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise _bad(f"model.{name}", getattr(self, name), "must be in [0, 1)")
 
 
 @dataclass(frozen=True)
@@ -94,6 +111,24 @@ class TrainConfig:
     """Decoupled weight decay."""
     clip_grad: float = 0.0
     """Global grad-norm clip (0 disables)."""
+    precision: str = "fp32"
+    """'fp32' | 'bf16' | 'fp16' (fp16: megatron's dynamic loss scaler)."""
+    grad_reduce_in_fp32: bool = True
+    """Accumulate and reduce gradients across replicas in fp32 (megatron main_grad)."""
+    initial_loss_scale: float = 4294967296.0
+    """fp16: starting dynamic loss scale."""
+    min_loss_scale: float = 1.0
+    """fp16: floor of the dynamic loss scale."""
+    loss_scale_window: int = 1000
+    """fp16: steps without overflow before the scale grows."""
+    check_for_nan_in_grad: bool = True
+    """Stop with an error naming the parameters when the global gradient has NaN/Inf (fp16
+    overflow is handled by the loss scaler instead)."""
+    large_grad_factor: float = 0.0
+    """Stop with an error when the grad norm exceeds this factor times the largest of the previous
+    ``large_grad_window`` steps (megatron's large-gradient check; 0 disables)."""
+    large_grad_window: int = 20
+    """Steps of grad-norm history the large-gradient check compares against."""
     data_path: str | None = None
     """Prefix of a megatron-core indexed dataset (.bin/.idx); None = synthetic tokens."""
     distributed_optimizer: bool = False
@@ -109,9 +144,30 @@ class TrainConfig:
             raise _bad("train.optimizer", self.optimizer, "must be adam or sgd")
         if not self.lr > 0:
             raise _bad("train.lr", self.lr, "must be > 0")
+        if not 0.0 <= self.clip_grad < math.inf:
+            raise _bad("train.clip_grad", self.clip_grad, "must be >= 0 (0 disables)")
         if self.distributed_optimizer:
             raise _bad("train.distributed_optimizer", True,
                        "the distributed optimizer is not supported with NUTP yet")
+        self._check_numerics()
+
+    def _check_numerics(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise _bad("train.precision", self.precision, f"must be one of {PRECISIONS}")
+        if self.precision == "fp16" and not self.grad_reduce_in_fp32:
+            raise _bad("train.grad_reduce_in_fp32", False,
+                       "must be true with train.precision=fp16")
+        for name in ("initial_loss_scale", "min_loss_scale"):
+            if not 0.0 < getattr(self, name) < math.inf:
+                raise _bad(f"train.{name}", getattr(self, name), "must be a finite number > 0")
+        if self.min_loss_scale > self.initial_loss_scale:
+            raise _bad("train.min_loss_scale", self.min_loss_scale,
+                       f"exceeds train.initial_loss_scale={self.initial_loss_scale}")
+        _positive("train.loss_scale_window", self.loss_scale_window)
+        if not (self.large_grad_factor == 0.0 or 1.0 < self.large_grad_factor < math.inf):
+            raise _bad("train.large_grad_factor", self.large_grad_factor,
+                       "must be 0 (off) or a finite number > 1")
+        _positive("train.large_grad_window", self.large_grad_window)
 
     @property
     def num_microbatches(self) -> int:

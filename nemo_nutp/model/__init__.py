@@ -3,7 +3,6 @@
 from .build import (
     LAYER_SPECS,
     build_gpt_model,
-    global_weight,
     load_global_init,
     nutp_block_spec,
     nutp_layer_spec,
@@ -19,7 +18,6 @@ __all__ = [
     "NUTPNorm",
     "NUTPSelfAttention",
     "build_gpt_model",
-    "global_weight",
     "load_global_init",
     "nutp_block_spec",
     "nutp_layer_spec",

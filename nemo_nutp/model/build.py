@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import copy
 import re
-import zlib
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -25,9 +23,10 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import ModuleSpec, TransformerConfig
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-from ..layout import PARAM_KINDS, Plan, local_layout
+from ..layout import PARAM_KINDS, Plan
 from ..layout.specs import ModelDims
-from ..layout.units import global_shape, space_bounds
+from ..layout.units import space_bounds
+from .init import init_param_
 from .layers import NUTPMLP, NUTPGPTModel, NUTPNorm, NUTPSelfAttention
 
 _KIND_OF = (
@@ -58,12 +57,17 @@ def unit_range(dims: ModelDims, kind: str, degree: int, tp_rank: int, balance: s
     return int(b[tp_rank]), int(b[tp_rank + 1])
 
 
-def transformer_config(model: Any, *, degree: int, sequence_parallel: bool = False
-                       ) -> TransformerConfig:
-    """megatron ``TransformerConfig`` of the *global* model (fp32, no dropout, no fusions).
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def transformer_config(model: Any, *, degree: int, sequence_parallel: bool = False,
+                       precision: str = "fp32") -> TransformerConfig:
+    """megatron ``TransformerConfig`` of the *global* model (no fusions: CPU-portable math).
 
     Built at TP1 (megatron validates head counts against ``tensor_model_parallel_size``, which
     uneven NUTP degrees need not divide); the degree and sequence parallelism are set after.
+    ``precision`` 'bf16'/'fp16' sets megatron's ``bf16``/``fp16`` and the params dtype (the
+    model is then wrapped in megatron's ``Float16Module``).
     """
     config = TransformerConfig(
         num_layers=model.num_layers, hidden_size=model.hidden_size,
@@ -72,8 +76,10 @@ def transformer_config(model: Any, *, degree: int, sequence_parallel: bool = Fal
         gated_linear_unit=model.gated_mlp, activation_func=F.silu if model.gated_mlp else F.gelu,
         normalization=getattr(model, "normalization", "RMSNorm"),
         add_bias_linear=model.add_bias, add_qkv_bias=model.add_bias,
-        hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
-        perform_initialization=False, params_dtype=torch.float32,
+        hidden_dropout=float(getattr(model, "hidden_dropout", 0.0)),
+        attention_dropout=float(getattr(model, "attention_dropout", 0.0)),
+        use_cpu_initialization=True, perform_initialization=False,
+        params_dtype=_DTYPES[precision], bf16=precision == "bf16", fp16=precision == "fp16",
         bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
         cross_entropy_loss_fusion=False,
@@ -143,39 +149,29 @@ LAYER_SPECS = {"nutp_local": nutp_layer_spec, "nutp_te": nutp_te_layer_spec}
 ``transformer_layer_spec`` (with ``NUTPGPTModel`` for uneven vocab shards)."""
 
 
-def global_weight(name: str, shape: tuple[int, ...], *, seed: int, std: float) -> torch.Tensor:
-    """Deterministic global tensor for a parameter name: N(0, std), norms 1 + N(0, std)."""
-    key = zlib.crc32(f"{seed}:{name.removeprefix('module.')}".encode())
-    gen = torch.Generator().manual_seed(key)
-    w = torch.randn(shape, generator=gen, dtype=torch.float32) * std
-    if "layernorm" in name and name.endswith("weight"):
-        w += 1.0
-    return w
-
-
 def load_global_init(model: torch.nn.Module, dims: ModelDims, *, degree: int, tp_rank: int,
                      seed: int, std: float = 0.02, balance: str = "work") -> None:
-    """Tag every parameter with its units and copy in its slice of the global weights."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            kind = param_kind(name)
-            p.nutp_kind = kind  # type: ignore[attr-defined]
-            if kind is None:
-                p.nutp_units = None  # type: ignore[attr-defined]
-                p.copy_(global_weight(name, tuple(p.shape), seed=seed, std=std))
-                continue
-            lo, hi = unit_range(dims, kind, degree, tp_rank, balance)
-            p.nutp_units = (lo, hi)  # type: ignore[attr-defined]
-            full = global_weight(name, global_shape(kind, dims), seed=seed, std=std)
-            idx = torch.from_numpy(local_layout(kind, dims, np.arange(lo, hi)))
-            local = full.reshape(-1)[idx]
-            if local.numel() != p.numel():
-                raise AssertionError(f"{name}: local {tuple(p.shape)} vs {local.numel()} units")
-            p.copy_(local.view_as(p))
+    """Tag every parameter with its units and fill in its units of the global init.
+
+    The init is megatron's (``model/init.py``: N(0, std), output projections scaled by
+    1/sqrt(2L), zero biases, unit norms), generated per unit block, so a rank's time and memory
+    scale with its shard. Sharded parameters also get megatron's TP attributes
+    (``tensor_model_parallel``, ``partition_dim``), which megatron sets only inside its own
+    init routines."""
+    for name, p in model.named_parameters():
+        kind = param_kind(name)
+        p.nutp_kind = kind  # type: ignore[attr-defined]
+        units = None if kind is None else unit_range(dims, kind, degree, tp_rank, balance)
+        p.nutp_units = units  # type: ignore[attr-defined]
+        if kind is not None:
+            p.tensor_model_parallel = True  # type: ignore[attr-defined]
+            p.partition_dim = PARAM_KINDS[kind].axis  # type: ignore[attr-defined]
+            p.partition_stride = 1  # type: ignore[attr-defined]
+        init_param_(p, name=name, kind=kind, units=units, dims=dims, seed=seed, std=std)
 
 
 def build_gpt_model(plan: Plan, rank: int, model_cfg: Any, pgs: ProcessGroupCollection, *,
-                    seed: int = 1234) -> NUTPGPTModel:
+                    seed: int = 1234, precision: str = "fp32") -> NUTPGPTModel:
     """This rank's NUTP GPT model (pp == 1), initialised from the global weights."""
     if plan.pp != 1:
         raise ValueError(f"parallel.pp={plan.pp}: the NUTP runtime supports pp=1 for now")
@@ -184,7 +180,8 @@ def build_gpt_model(plan: Plan, rank: int, model_cfg: Any, pgs: ProcessGroupColl
     if pgs.tp.size() != degree:
         raise ValueError(f"tp group size {pgs.tp.size()} != planned degree {degree}")
     sp = plan.request.parallel.sequence_parallel
-    config = transformer_config(model_cfg, degree=degree, sequence_parallel=sp)
+    config = transformer_config(model_cfg, degree=degree, sequence_parallel=sp,
+                                precision=precision)
     balance = plan.request.parallel.unit_balance
     v0, v1 = unit_range(model_cfg, "word_embedding", degree, j, balance)
     model = NUTPGPTModel(

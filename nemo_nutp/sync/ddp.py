@@ -32,6 +32,13 @@ class NUTPBucketGroup(_ParamAndGradBucketGroup):
 
     def finish_grad_sync(self, force_all_reduce: bool | None = False) -> None:
         self.param_gather_dispatched = False
+        if self.is_first_batch:  # megatron learns each param's hook count in the first batch
+            silent = [p for p in self.params if p not in self.per_param_grad_ready_counts]
+            if silent:
+                names = [self.nutp_engine.name_of(p) for p in silent]
+                raise RuntimeError(f"gradient sync: no backward hook fired for {names[:5]} "
+                                   f"({len(names)} parameter(s)); every parameter must take "
+                                   "part in the loss")
         if not self.ddp_config.overlap_grad_reduce or self.is_first_batch:
             self.start_grad_sync()
         self.nutp_engine.finish()
@@ -54,7 +61,25 @@ class NUTPDistributedDataParallel(DistributedDataParallel):
         super().__init__(config, ddp_config, module, pg_collection=groups.pgs)
         if self.expert_parallel_bucket_groups:
             raise ValueError("expert parallel parameters are not supported with NUTP yet")
+        if not ddp_config.overlap_grad_reduce:
+            raise ValueError("ddp.overlap_grad_reduce must be True with NUTP (backward hooks "
+                             "drive the canonical launch order)")
         self.nutp_engine = GradSyncEngine(plan, groups, list(module.named_parameters()))
         for bucket_group in self.bucket_groups:
             bucket_group.__class__ = NUTPBucketGroup
             bucket_group.nutp_engine = self.nutp_engine
+
+    def finish_grad_sync(self, *args: Any, **kwargs: Any) -> None:
+        """megatron's per-bucket-group finish, then the whole step's sync, strictly: a
+        parameter whose backward hook did not fire is an error naming it, never a silently
+        skipped sync."""
+        silent = [self.nutp_engine.name_of(p) for g in self.bucket_groups
+                  if not g.is_first_batch for p in g.params
+                  if g.per_param_grad_ready_counts.get(p, 0)
+                  != g.golden_per_param_grad_ready_counts.get(p, 0)]
+        if silent:
+            raise RuntimeError(f"gradient sync: the backward hook of {silent[:5]} "
+                               f"({len(silent)} parameter(s)) did not fire as in the first "
+                               "step; every parameter must take part in the loss")
+        super().finish_grad_sync(*args, **kwargs)
+        self.nutp_engine.finish(strict=True)

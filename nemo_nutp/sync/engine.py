@@ -17,6 +17,16 @@ order, i.e. roughly backward order):
    parallelism SP ranks hold partial sums (scaled by w_r), TP1 replicas full copies (w_r / t_r),
    and all ranks of the stage all-reduce them in one collective.
 
+Grad norm (the single-process value, the same bits on every rank of the stage): every element
+of the reduced gradient is counted exactly once, *on the sync layout*. The owner of sync shard
+``k`` of a parameter squares-and-sums its reduced shard buffer (identical bits in every replica,
+since all owners received the same all-reduce result); TP rank 0 does the same for each
+replicated parameter. Each value goes into its own slot of a small per-TP-group vector; one
+all-reduce over the TP group fills every slot from its single contributor (adding zeros is
+exact), and the same vector summed in the same order gives the same total on every rank of every
+replica. ``grad_sumsq`` holds it after ``finish``; ``nonfinite_params()`` names the parameters
+whose slot is NaN/Inf.
+
 Ordering contract: collectives on any group are *launched* in canonical order on every member
 (a shard's all-reduce waits for its received pieces), so members whose megatron buckets differ
 (uneven shards give different bucket boundaries) still pair the same operations. Nothing blocks
@@ -61,6 +71,8 @@ class _Param:
     sends: list[tuple[int, int, int]] = field(default_factory=list)  # (dst global, lo, hi)
     shards: list[_Shard] = field(default_factory=list)
     partial: bool = False  # replicated param holding a per-rank partial sum (sequence parallel)
+    slot: int = 0  # first slot of this param in the grad-norm vector
+    n_slots: int = 1  # sync shards (sharded) or 1 (replicated)
     send_work: list[Any] = field(default_factory=list)
     back_recv: list[tuple[Any, torch.Tensor, int, int]] = field(default_factory=list)
     reduce_work: Any = None
@@ -83,6 +95,12 @@ class GradSyncEngine:
         self.order: list[_Param] = [self._describe(n, p) for n, p in reversed(named_params)
                                     if p.requires_grad]
         self.index = {id(e.param): i for i, e in enumerate(self.order)}
+        slot = 0
+        for e in self.order:
+            e.slot, slot = slot, slot + e.n_slots
+        self.n_slots = slot
+        self.grad_sumsq = float("nan")  # of the last finished step (see module docstring)
+        self.sumsq_slots: torch.Tensor | None = None
         self.reset()
 
     # ---------------------------------------------------------------- setup
@@ -101,6 +119,7 @@ class GradSyncEngine:
         e.numel_unit = unit_numel(kind, self.dims)
         e.pos = torch.from_numpy(local_unit_positions(kind, self.dims, units[1] - units[0])).to(
             p.device)
+        e.n_slots = len(lay.shards) - 1
         rp = reshard_plan(lay, ctx.degree)
         e.sends = [(self.ranks[d], lo, hi) for d, lo, hi in rp.sends(ctx.tp_rank)]
         recvs = [(self.ranks[s], lo, hi) for s, lo, hi in rp.recvs(ctx.tp_rank)]
@@ -180,15 +199,35 @@ class GradSyncEngine:
                 sh.reduce_work = dist.all_reduce(sh.buf, group=sh.group, async_op=True)
             self.launched += 1
 
-    def finish(self) -> None:
-        """Complete the step's sync (no-op until every parameter was marked ready)."""
-        if self.done or not self.ready.all():
+    def name_of(self, param: torch.nn.Parameter) -> str:
+        return self.order[self.index[id(param)]].name
+
+    def not_ready(self) -> list[str]:
+        """Names of the parameters not yet marked ready this step."""
+        return [e.name for e, r in zip(self.order, self.ready) if not r]
+
+    def finish(self, *, strict: bool = False) -> None:
+        """Complete the step's sync. Until every parameter was marked ready this is a no-op,
+        or, with ``strict`` (end of backward), an error naming the parameters never marked."""
+        if self.done:
+            return
+        if not self.ready.all():
+            if strict:
+                missing = self.not_ready()
+                raise RuntimeError(
+                    f"gradient sync: {len(missing)} parameter(s) were never marked ready in "
+                    f"backward (no gradient hook fired), e.g. {missing[:5]}; every parameter "
+                    "must take part in the loss on every rank")
             return
         self._launch(block=True)
+        device = self.order[0].param.device if self.order else torch.device("cpu")
+        sumsq = torch.zeros(self.n_slots, dtype=torch.float64, device=device)
         backs: list[Any] = []
         for e in self.order:
             if e.kind is None:
                 self._finish_replicated(e)
+                if self.ctx.tp_rank == 0:
+                    sumsq[e.slot] = _sumsq(e.param.main_grad)  # type: ignore[attr-defined]
                 continue
             flat = e.param.main_grad.view(-1)  # type: ignore[attr-defined]
             for work, _piece in e.send_work:
@@ -199,6 +238,7 @@ class GradSyncEngine:
                 e.back_recv.append((dist.irecv(piece, dst), piece, lo, hi))
             for sh in e.shards:
                 sh.reduce_work.wait()
+                sumsq[e.slot + sh.k] = _sumsq(sh.buf)  # type: ignore[arg-type]
                 mine_lo, mine_hi = max(sh.lo, e.units[0]), min(sh.hi, e.units[1])  # type: ignore
                 if mine_hi > mine_lo:
                     off = (mine_lo - sh.lo) * e.numel_unit
@@ -215,8 +255,21 @@ class GradSyncEngine:
                 e.param.main_grad.view(-1)[self._local(e, lo, hi)] = piece  # type: ignore
         for work, _ in backs:
             work.wait()
+        # One contributor per slot in every TP group: the sum is exact, the total the same bits
+        # in every replica. (With pipeline stages this becomes the replica's model-parallel
+        # group.)
+        dist.all_reduce(sumsq, group=self.groups.tp)
+        self.sumsq_slots = sumsq
+        self.grad_sumsq = float(sumsq.sum())
         self._clear()
         self.done = True
+
+    def nonfinite_params(self) -> list[str]:
+        """Parameters whose reduced gradient holds NaN/Inf (the same list on every rank)."""
+        if self.sumsq_slots is None:
+            return []
+        bad = ~torch.isfinite(self.sumsq_slots.cpu())
+        return [e.name for e in self.order if bool(bad[e.slot:e.slot + e.n_slots].any())]
 
     def _finish_replicated(self, e: _Param) -> None:
         if e.reduce_work is not None:
@@ -233,3 +286,8 @@ class GradSyncEngine:
             for sh in e.shards:
                 sh.buf, sh.reduce_work = None, None
                 sh.recv_work.clear()
+
+
+def _sumsq(t: torch.Tensor) -> torch.Tensor:
+    """Sum of squares accumulated in fp64 (deterministic for the same tensor on any rank)."""
+    return torch.sum(torch.square(t.float()), dtype=torch.float64)

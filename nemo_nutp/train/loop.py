@@ -74,7 +74,8 @@ class _Outputs:
         self.file.flush()
         if self.tb is not None:
             for k in ("loss", "grad_norm", "goodput", "tokens_per_s"):
-                self.tb.add_scalar(f"train/{k}", row[k], row["step"])
+                if row[k] is not None:
+                    self.tb.add_scalar(f"train/{k}", row[k], row["step"])
 
     def close(self) -> None:
         self.file.close()
@@ -93,13 +94,14 @@ def _earlier_rows(path: Path, start_step: int) -> list[dict[str, Any]]:
 def train_rank(cfg: JobConfig, plan: Plan, *, device: torch.device | None = None
                ) -> list[dict[str, Any]] | None:
     """Run the whole job on this rank (process group already initialised)."""
-    from ..train.session import build_session
+    from ..train.session import build_session, precision_of
+    from ..train.step import step_options
 
     t = cfg.train
     session = build_session(plan, cfg.model, lr=t.lr, seed=t.seed,
                             micro_batch_size=t.micro_batch_size, optimizer=t.optimizer,
-                            weight_decay=t.weight_decay, clip_grad=t.clip_grad, device=device,
-                            data_path=t.data_path)
+                            weight_decay=t.weight_decay, opts=step_options(t),
+                            precision=precision_of(t), device=device, data_path=t.data_path)
     from ..checkpoint.hooks import CheckpointHooks
 
     rank0 = dist.get_rank() == 0
@@ -124,7 +126,10 @@ def train_rank(cfg: JobConfig, plan: Plan, *, device: torch.device | None = None
             step_s, reps = _replica_times(rows, len(plan.replicas))
             goodput = ledger.add_step(step_s, reps)
             if out is not None and progress is not None:
-                row = {"step": step, "loss": res.loss, "grad_norm": res.grad_norm,
+                row = {"step": step, "loss": res.loss,
+                       "grad_norm": None if res.skipped else res.grad_norm,
+                       "skipped": res.skipped,
+                       "loss_scale": float(session.optimizer.get_loss_scale()),
                        "tokens": tokens, "step_time_s": step_s, "tokens_per_s": tokens / step_s,
                        "goodput": goodput,
                        "microbatches": [r.microbatches for r in plan.replicas],

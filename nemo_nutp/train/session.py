@@ -2,21 +2,48 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.transformer.module import Float16Module
 
 from ..data import MicroBatch, replica_microbatches
 from ..data.indexed import IndexedTokenSource
 from ..layout import Plan
-from ..model import build_gpt_model
+from ..model import NUTPGPTModel, build_gpt_model
 from ..model.build import transformer_config
 from ..parallel import NUTPGroups, build_groups
 from ..sync import NUTPDistributedDataParallel
-from .step import StepResult, build_optimizer, reduce_replica_loss, train_step
+from .step import (
+    GradChecks,
+    StepOptions,
+    StepResult,
+    build_optimizer,
+    reduce_replica_loss,
+    train_step,
+)
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Mixed precision of a run (``train.precision`` and its loss-scaler settings)."""
+
+    precision: str = "fp32"
+    grad_reduce_in_fp32: bool = True
+    initial_loss_scale: float = 2.0 ** 32
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+
+
+def precision_of(train: Any) -> Precision:
+    """``Precision`` from a ``train`` config section."""
+    return Precision(precision=train.precision, grad_reduce_in_fp32=train.grad_reduce_in_fp32,
+                     initial_loss_scale=train.initial_loss_scale,
+                     min_loss_scale=train.min_loss_scale,
+                     loss_scale_window=train.loss_scale_window)
 
 
 @dataclass
@@ -29,7 +56,10 @@ class RankSession:
     micro_batch_size: int
     seed: int
     mask: torch.Tensor | None
+    gpt: NUTPGPTModel  # the unwrapped model (names and shards as in checkpoints)
     source: IndexedTokenSource | None = None
+    opts: StepOptions = field(default_factory=StepOptions)
+    checks: GradChecks | None = None
 
     def batches(self, step: int) -> list[MicroBatch]:
         """This replica's micro-batches of the step's global batch."""
@@ -46,15 +76,17 @@ class RankSession:
                                     seq_length=self.model_cfg.seq_length,
                                     vocab_size=self.model_cfg.vocab_size)
 
-    def step(self, step: int) -> StepResult:
+    def step(self, step: int, *, after_sync: Any = None) -> StepResult:
         """Train one step; the loss is the global-batch mean (a collective over the stage)."""
-        replica_loss, grad_norm, times = train_step(self.model, self.optimizer,
-                                                    self.batches(step), self.mask)
+        replica_loss, grad_norm, times, skipped = train_step(
+            self.model, self.optimizer, self.batches(step), self.mask, opts=self.opts,
+            checks=self.checks, step=step, after_sync=after_sync)
         ctx = self.groups.ctx
         loss = reduce_replica_loss(replica_loss, weight=ctx.weight, degree=ctx.degree,
                                    stage_group=self.groups.stage,
                                    device=next(self.model.parameters()).device)
-        return StepResult(loss=loss, replica_loss=replica_loss, grad_norm=grad_norm, times=times)
+        return StepResult(loss=loss, replica_loss=replica_loss, grad_norm=grad_norm, times=times,
+                          skipped=skipped)
 
 
 def causal_mask(seq_length: int) -> torch.Tensor:
@@ -63,28 +95,47 @@ def causal_mask(seq_length: int) -> torch.Tensor:
 
 
 def build_session(plan: Plan, model_cfg: Any, *, lr: float, seed: int, micro_batch_size: int,
-                  optimizer: str = "adam", weight_decay: float = 0.0, clip_grad: float = 0.0,
+                  optimizer: str = "adam", weight_decay: float = 0.0,
+                  opts: StepOptions | None = None, precision: Precision | None = None,
                   bucket_size: int | None = None, groups: NUTPGroups | None = None,
                   device: torch.device | None = None, data_path: str | None = None
                   ) -> RankSession:
-    """Collective over the world: create groups (unless given), the model, DDP and optimizer."""
+    """Collective over the world: create groups (unless given), the model, DDP and optimizer.
+
+    bf16/fp16: the model is megatron's ``Float16Module`` around the NUTP GPT (half-precision
+    params, fp32 ``main_grad`` accumulation and cross-replica reduction unless
+    ``grad_reduce_in_fp32`` is off), and megatron's mixed-precision optimizer keeps fp32 master
+    weights.
+    """
+    opts = opts or StepOptions()
+    prec = precision or Precision()
     groups = groups or build_groups(plan)
     if getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None) is None:
         parallel_state._set_global_memory_buffer()  # scratch buffers only; no groups
     ctx = groups.ctx
     tensor_parallel.model_parallel_cuda_manual_seed(seed, tp_rank=ctx.tp_rank, ep_rank=0,
                                                     etp_rank=0)
-    module = build_gpt_model(plan, ctx.rank, model_cfg, groups.pgs, seed=seed)
+    gpt = build_gpt_model(plan, ctx.rank, model_cfg, groups.pgs, seed=seed,
+                          precision=prec.precision)
     if device is not None:
-        module = module.to(device)
-    config = transformer_config(model_cfg, degree=ctx.degree,
+        gpt = gpt.to(device)
+    config = transformer_config(model_cfg, degree=ctx.degree, precision=prec.precision,
                                 sequence_parallel=plan.request.parallel.sequence_parallel)
-    ddp_cfg = DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=bucket_size)
+    module: Any = gpt if prec.precision == "fp32" else Float16Module(config, gpt)
+    ddp_cfg = DistributedDataParallelConfig(
+        overlap_grad_reduce=True, bucket_size=bucket_size,
+        grad_reduce_in_fp32=prec.grad_reduce_in_fp32 or prec.precision == "fp32",
+        check_for_nan_in_grad=False)  # checked on the global norm instead (train/step.py)
     model = NUTPDistributedDataParallel(config, ddp_cfg, module, plan=plan, groups=groups)
     opt = build_optimizer(model, groups.pgs, lr=lr, optimizer=optimizer,
-                          weight_decay=weight_decay, clip_grad=clip_grad)
+                          weight_decay=weight_decay, clip_grad=opts.clip_grad,
+                          precision=prec.precision, initial_loss_scale=prec.initial_loss_scale,
+                          min_loss_scale=prec.min_loss_scale,
+                          loss_scale_window=prec.loss_scale_window)
     source = None if data_path is None else IndexedTokenSource(
         data_path, vocab_size=model_cfg.vocab_size, seq_length=model_cfg.seq_length)
+    checks = GradChecks(opts) if (opts.check_for_nan_in_grad or opts.large_grad_factor) else None
     return RankSession(plan=plan, groups=groups, model=model, optimizer=opt, model_cfg=model_cfg,
-                       micro_batch_size=micro_batch_size, seed=seed,
-                       mask=causal_mask(model_cfg.seq_length), source=source)
+                       micro_batch_size=micro_batch_size, seed=seed, gpt=gpt,
+                       mask=causal_mask(model_cfg.seq_length), source=source, opts=opts,
+                       checks=checks)

@@ -1,44 +1,107 @@
 """One optimizer step of a NUTP rank.
 
 The replica runs its plan share of micro-batches (``no_sync`` on all but the last, so megatron
-accumulates into ``main_grad``), each loss scaled by ``1 / m_r``; the NUTP DDP then scales by the
-replica weight ``m_r / M`` and reduces across replicas, so every rank ends with the gradient of
-the mean loss over all ``M`` micro-batches of the global batch. The step's reported loss is the
-same global mean.
+accumulates into ``main_grad``), each loss scaled by ``1 / m_r`` (and by the fp16 loss scale);
+the NUTP DDP then scales by the replica weight ``m_r / M`` and reduces across replicas, so every
+rank ends with the gradient of the mean loss over all ``M`` micro-batches of the global batch.
+
+The optimizer step is megatron's own ``prepare_grads`` / ``step_with_ready_grads`` (fp32 master
+weights, fp16 unscaling and overflow skip), with the grad norm taken from the NUTP sync (counted
+once per unit on the sync layout, the same bits on every replica) instead of megatron's per-TP-
+group norm; clipping uses megatron's ``clip_grad_by_total_norm_fp32`` with that norm, so every
+replica applies the same factor. Models without a NUTP engine (plain megatron DDP) keep
+megatron's own norm.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
 from ..data import MicroBatch
+
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)
 class StepResult:
     loss: float  # mean loss over the global batch
     replica_loss: float  # mean over this replica's micro-batches
-    grad_norm: float
+    grad_norm: float  # NaN when an fp16 step was skipped (overflow)
     times: dict[str, float]  # this rank: compute_s, sync_s, optimizer_s
+    skipped: bool = False  # fp16 overflow: the loss scaler skipped the update
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """What one optimizer step does besides the update (all from ``train.*``)."""
+
+    clip_grad: float = 0.0
+    check_for_nan_in_grad: bool = True
+    large_grad_factor: float = 0.0
+    large_grad_window: int = 20
+
+
+def step_options(train: Any) -> StepOptions:
+    """``StepOptions`` from a ``train`` config section."""
+    return StepOptions(clip_grad=train.clip_grad, check_for_nan_in_grad=train.check_for_nan_in_grad,
+                       large_grad_factor=train.large_grad_factor,
+                       large_grad_window=train.large_grad_window)
+
+
+class GradChecks:
+    """megatron's gradient checks on the global grad norm: NaN/Inf and unexpectedly large.
+
+    The norm is the same on every rank, so every rank raises together (no rank is left waiting
+    in a collective)."""
+
+    def __init__(self, opts: StepOptions) -> None:
+        self.opts = opts
+        self.history: deque[float] = deque(maxlen=max(1, opts.large_grad_window))
+
+    def check(self, grad_norm: float, *, step: int | None, names: Callable[[], list[str]]
+              ) -> None:
+        where = "" if step is None else f" at step {step}"
+        if self.opts.check_for_nan_in_grad and not math.isfinite(grad_norm):
+            raise FloatingPointError(
+                f"grad norm is {grad_norm}{where}: non-finite gradient in {names()[:8]} "
+                "(train.check_for_nan_in_grad=true)")
+        f = self.opts.large_grad_factor
+        if f > 0 and len(self.history) == self.history.maxlen and \
+                grad_norm > f * max(self.history):
+            raise FloatingPointError(
+                f"grad norm {grad_norm:.4g}{where} is more than train.large_grad_factor={f} x "
+                f"the largest of the previous {len(self.history)} steps ({max(self.history):.4g})")
+        self.history.append(grad_norm)
 
 
 def build_optimizer(model: Any, pgs: Any, *, lr: float, optimizer: str = "adam",
                     weight_decay: float = 0.0, clip_grad: float = 0.0,
-                    adam_eps: float = 1e-8) -> Any:
-    """megatron-core (non-distributed) optimizer over this rank's explicit process groups."""
+                    adam_eps: float = 1e-8, precision: str = "fp32",
+                    initial_loss_scale: float = 2.0 ** 32, min_loss_scale: float = 1.0,
+                    loss_scale_window: int = 1000) -> Any:
+    """megatron-core (non-distributed) optimizer over this rank's explicit process groups:
+    fp32 (``FP32Optimizer``) or, for bf16/fp16 models, megatron's mixed-precision optimizer with
+    fp32 master weights (fp16: dynamic loss scaler)."""
     cfg = OptimizerConfig(optimizer=optimizer, lr=lr, weight_decay=weight_decay,
-                          clip_grad=clip_grad, adam_eps=adam_eps, params_dtype=torch.float32,
+                          clip_grad=clip_grad, adam_eps=adam_eps,
+                          params_dtype=PRECISIONS[precision], bf16=precision == "bf16",
+                          fp16=precision == "fp16", initial_loss_scale=initial_loss_scale,
+                          min_loss_scale=min_loss_scale, loss_scale_window=loss_scale_window,
                           use_distributed_optimizer=False)
     opt = get_megatron_optimizer(cfg, [model], use_gloo_process_groups=False, pg_collection=pgs)
     for inner in getattr(opt, "chained_optimizers", [opt]):
-        # Grad norm: count replicated params once per replica (TP rank 0), never via globals.
+        # Replicated params counted once per TP group (TP rank 0), never via globals.
         inner.tp_group = pgs.tp
     return opt
 
@@ -53,16 +116,59 @@ def reduce_replica_loss(replica_loss: float, *, weight: float, degree: int,
     return float(t.item())
 
 
-def train_step(model: Any, optimizer: Any, batches: list[MicroBatch], mask: torch.Tensor | None
-               ) -> tuple[float, float, dict[str, float]]:
+def _inner(optimizer: Any) -> list[Any]:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def loss_scale(optimizer: Any) -> float:
+    """The factor backward's loss is multiplied by (fp16: megatron's dynamic scale; else 1)."""
+    return float(optimizer.get_loss_scale())
+
+
+def optimizer_step(model: Any, optimizer: Any, opts: StepOptions, checks: GradChecks | None,
+                   *, step: int | None = None) -> tuple[bool, float]:
+    """megatron's optimizer step with the NUTP grad norm: (updated, grad norm).
+
+    fp16 overflow: megatron's ``prepare_grads`` finds it (and lowers the scale); the update is
+    skipped and the norm is NaN."""
+    scale = loss_scale(optimizer)
+    if optimizer.prepare_grads():  # main grads in place (unscaled); True = fp16 overflow
+        return False, float("nan")
+    engine = getattr(model, "nutp_engine", None)
+    if engine is not None:
+        grad_norm = math.sqrt(engine.grad_sumsq) / scale
+        names: Callable[[], list[str]] = engine.nonfinite_params
+    else:  # plain megatron DDP (references, uniform comparisons): megatron's own norm
+        grad_norm = float(optimizer.get_grad_norm())
+        names = list
+    if checks is not None:
+        checks.check(grad_norm, step=step, names=names)
+    if opts.clip_grad > 0.0:
+        for inner in _inner(optimizer):
+            params = inner.get_parameters()
+            if params:
+                clip_grad_by_total_norm_fp32(params, max_norm=opts.clip_grad,
+                                             total_norm=grad_norm)
+    optimizer.step_with_ready_grads()
+    return True, grad_norm
+
+
+def train_step(model: Any, optimizer: Any, batches: list[MicroBatch], mask: torch.Tensor | None,
+               *, opts: StepOptions | None = None, checks: GradChecks | None = None,
+               step: int | None = None, after_sync: Callable[[], None] | None = None
+               ) -> tuple[float, float, dict[str, float], bool]:
     """Forward/backward this replica's micro-batches, sync, update.
 
-    Returns (replica mean loss, grad norm, seconds spent in compute / exposed sync / optimizer).
+    Returns (replica mean loss, grad norm, seconds in compute / exposed sync / optimizer,
+    whether the update was skipped). ``after_sync`` runs between the gradient sync and the
+    optimizer (tests read the synchronised gradients there).
     """
+    opts = opts or StepOptions()
     t0 = time.perf_counter()
     model.zero_grad_buffer()
     optimizer.zero_grad()
     n = len(batches)
+    scale = loss_scale(optimizer)
     total = 0.0
     device = next(model.parameters()).device
     for i, mb in enumerate(batches):
@@ -71,16 +177,15 @@ def train_step(model: Any, optimizer: Any, batches: list[MicroBatch], mask: torc
             loss = model(mb.tokens.to(device), mb.position_ids.to(device),
                          None if mask is None else mask.to(device),
                          labels=mb.labels.to(device)).float().mean()
-            (loss / n).backward()
+            scaled = loss / n
+            (scaled * scale if scale != 1.0 else scaled).backward()
         total += float(loss.detach())
     t1 = time.perf_counter()
     model.finish_grad_sync()
+    if after_sync is not None:
+        after_sync()
     t2 = time.perf_counter()
-    ok, grad_norm, _ = optimizer.step()
-    if not ok:
-        raise RuntimeError("optimizer step skipped (non-finite gradients)")
+    ok, grad_norm = optimizer_step(model, optimizer, opts, checks, step=step)
     t3 = time.perf_counter()
-    if grad_norm is None or grad_norm == 0.0:  # clipping off: megatron did not compute it
-        grad_norm = optimizer.get_grad_norm()  # grads of this step are still in place
     times = {"compute_s": t1 - t0, "sync_s": t2 - t1, "optimizer_s": t3 - t2}
-    return total / n, float(grad_norm if grad_norm is not None else 0.0), times
+    return total / n, grad_norm, times, not ok

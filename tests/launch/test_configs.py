@@ -183,3 +183,82 @@ def test_derived_head_width_follows_the_chosen_model() -> None:
     assert load_config(["model=llama3_70b", "model.num_attention_heads=32"]).model.kv == 256
     with pytest.raises(ValueError, match=r"model\.hidden_size=63"):
         load_config(["model.hidden_size=63"])
+
+
+# -- numerics and regularisation -----------------------------------------------------------------
+def test_numerics_defaults_load() -> None:
+    cfg = load_config([])
+    t, m = cfg.train, cfg.model
+    assert (t.precision, t.grad_reduce_in_fp32, t.clip_grad) == ("fp32", True, 0.0)
+    assert (t.initial_loss_scale, t.min_loss_scale, t.loss_scale_window) == (2.0 ** 32, 1.0, 1000)
+    assert (t.check_for_nan_in_grad, t.large_grad_factor, t.large_grad_window) == (True, 0.0, 20)
+    assert (m.hidden_dropout, m.attention_dropout) == (0.0, 0.0)
+
+
+def test_numerics_good_values_load() -> None:
+    bf16 = load_config(["train.precision=bf16", "train.grad_reduce_in_fp32=false"]).train
+    assert (bf16.precision, bf16.grad_reduce_in_fp32) == ("bf16", False)
+    edge = load_config(["train.precision=fp16", "train.initial_loss_scale=65536",
+                        "train.min_loss_scale=65536", "train.loss_scale_window=1",
+                        "train.large_grad_factor=1.5", "train.large_grad_window=1"]).train
+    assert (edge.min_loss_scale, edge.large_grad_factor, edge.large_grad_window) == (
+        65536.0, 1.5, 1)
+    cfg = load_config(["train.precision=fp16", "model.hidden_dropout=0.1",
+                       "model.attention_dropout=0.999", "train.clip_grad=1.0",
+                       "train.check_for_nan_in_grad=false"])
+    assert (cfg.model.hidden_dropout, cfg.model.attention_dropout) == (0.1, 0.999)
+    assert (cfg.train.clip_grad, cfg.train.check_for_nan_in_grad) == (1.0, False)
+
+
+@pytest.mark.parametrize(("overrides", "key"), [
+    (["train.precision=fp8"], "train.precision"),
+    (["train.precision=FP16"], "train.precision"),
+    (["train.precision=fp16", "train.grad_reduce_in_fp32=false"], "train.grad_reduce_in_fp32"),
+    (["train.initial_loss_scale=0"], "train.initial_loss_scale"),
+    (["train.initial_loss_scale=inf"], "train.initial_loss_scale"),
+    (["train.min_loss_scale=-1"], "train.min_loss_scale"),
+    (["train.initial_loss_scale=1024", "train.min_loss_scale=2048"], "train.min_loss_scale"),
+    (["train.loss_scale_window=0"], "train.loss_scale_window"),
+    (["train.loss_scale_window=1.5"], "train.loss_scale_window"),
+    (["train.large_grad_factor=0.5"], "train.large_grad_factor"),
+    (["train.large_grad_factor=1"], "train.large_grad_factor"),
+    (["train.large_grad_factor=-2"], "train.large_grad_factor"),
+    (["train.large_grad_window=0"], "train.large_grad_window"),
+    (["train.clip_grad=-0.5"], "train.clip_grad"),
+    (["train.clip_grad=nan"], "train.clip_grad"),
+    (["train.check_for_nan_in_grad=maybe"], "train.check_for_nan_in_grad"),
+    (["model.hidden_dropout=1.0"], "model.hidden_dropout"),
+    (["model.hidden_dropout=-0.1"], "model.hidden_dropout"),
+    (["model.attention_dropout=1.5"], "model.attention_dropout"),
+])
+def test_numerics_bad_values_name_the_key(overrides: list[str], key: str) -> None:
+    with pytest.raises(ValueError, match=rf"^{key}\b"):
+        load_config(overrides)
+
+
+@pytest.mark.parametrize(("overrides", "match"), [
+    (["model.kv_channels=7"], r"^model\.kv_channels=7: RoPE needs an even head dimension"),
+    (["model.hidden_size=72", "model.num_attention_heads=8"],
+     r"^model\.hidden_size=72: RoPE needs an even head dimension \(72/8 heads=9\)"),
+])
+def test_rope_needs_an_even_head_dimension(overrides: list[str], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        load_config(overrides)
+    learned = load_config([*overrides, "model.position_embedding=learned_absolute"])
+    assert learned.model.kv % 2 == 1
+    # an explicit even kv_channels overrides an odd hidden/heads under RoPE
+    assert load_config(["model.hidden_size=72", "model.kv_channels=8"]).model.kv == 8
+
+
+def test_bad_numerics_fail_the_cli_before_anything_runs(tmp_path: Path) -> None:
+    """nutp-train turns the schema's ValueError into exit 2 naming the key, before any spawn."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "never"
+    r = subprocess.run([sys.executable, "-m", "nemo_nutp.train", f"output.dir={out}",
+                        "train.precision=fp8"],
+                       capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert "train.precision='fp8'" in r.stdout + r.stderr, (r.stdout, r.stderr)
+    assert not out.exists()

@@ -1,13 +1,21 @@
-"""Contract 1-3 of NUTP.md: same model everywhere, exact global-batch gradient, equivalence with
-a single-process TP1 reference — for NUTP layouts, a uniform layout (also against plain
-megatron-core DDP) and negative controls that must fail.
+"""Contract 1-3 of NUTP.md against an *independent* reference: stock megatron-core (its own
+GPTModel, local layer spec, DDP, optimizer and grad norm) in one process at TP1 — see
+``reference.py``. Per step: loss and grad norm; at step 0 every synchronised gradient tensor
+(before the optimizer); after 5 steps every parameter. Replicas must be bitwise identical after
+every step and every rank must report the same grad-norm bits.
 
-Tolerances: per-step loss relative error <= 1e-5 (measured: <= 6e-8); final parameters: the
-whole model's norm-wise relative error <= 1e-5 and every tensor's <= 5e-5 (a looser per-tensor
-bound, because Adam amplifies fp32 summation-order noise in near-zero gradient elements — its
-update is ~lr * g/|g| — so a small tensor such as an fc2 weight can reach ~1e-5 after 5 steps
-and single elements ~2e-4). With SGD every *element* is within 1e-5 (asserted: measured 3e-7),
-which shows the synchronised gradients themselves are exact up to fp32 summation order.
+Tolerances (fp32): per-step loss and grad norm relative error <= 1e-5; step-0 gradients <= 1e-5
+per tensor (norm-wise); final parameters: whole model <= 1e-5 norm-wise and every tensor <= 5e-5
+(Adam amplifies fp32 summation-order noise in near-zero gradient elements — its update is
+~lr * g/|g| — so a small tensor can reach ~1e-5 after 5 steps; with SGD every tensor is within
+1e-5). bf16: ``BF16_TOL`` relative on losses, grad norms, step-0 gradients and the whole model's
+parameters (measured values in the README): bf16 matmuls over other shard groupings round
+differently. Not per parameter tensor: zero-initialised biases have near-zero gradients whose
+sign bf16 rounding can flip, and Adam turns a flipped sign into a full +-lr step (measured up to
+~0.16 relative on a qkv bias after 5 steps, while the model as a whole is within ~2e-3).
+
+Clipping (``clip_grad`` = 0.05, below every step's grad norm, so every step clips) is on in more
+than half of the layouts. The negative controls must fail by far more than the tolerance.
 """
 
 from __future__ import annotations
@@ -20,77 +28,139 @@ import pytest
 
 from tests._dist import spawn
 
-from .parity import TENSOR_TOL, TOL, Case
+from .parity import BF16_TOL, TENSOR_TOL, TOL, Case, run_references
 
+CLIP = 0.05
+FP16_TOL = 5e-2  # fp16 losses over 8 steps with skips (measured 2.2e-2, see below)
 GQA_SWIGLU = dict(add_bias=True)  # tiny defaults: 8 heads / 4 query groups, SwiGLU, vocab 101
 SP_TIED = dict(add_bias=True, tie_embeddings=True, normalization="LayerNorm", gated_mlp=False)
+LEARNED = dict(position_embedding="learned_absolute", gated_mlp=False)
+
+
+def _clip(name: str, replicas: tuple[int, ...], **kw: Any) -> Case:
+    return Case(name, replicas, clip_grad=CLIP, **kw)
+
 
 SEVEN = [
-    Case("tp4_tp3_gqa_swiglu_multibucket", (4, 3), GQA_SWIGLU, bucket_size=3000),
-    Case("tp4_tp3_sp_tied_layernorm_gelu_base", (4, 3), SP_TIED, sequence_parallel=True,
-         sync_layout="base"),
-    Case("tp3_tp2_tp2_tied", (3, 2, 2), dict(tie_embeddings=True), global_batch=7),
-    Case("tp4_tp3_sgd", (4, 3), GQA_SWIGLU, optimizer="sgd", lr=0.1),
+    _clip("tp4_tp3_clip", (4, 3), model=GQA_SWIGLU, bucket_size=3000),
+    _clip("tp4_tp3_sp_clip", (4, 3), model=GQA_SWIGLU, sequence_parallel=True),
+    _clip("tp3_tp2_tp2_clip_tied", (3, 2, 2), model=dict(tie_embeddings=True), global_batch=7),
+    _clip("tp3_tp2_tp2_sp_clip", (3, 2, 2), model=LEARNED, sequence_parallel=True,
+          global_batch=7),
+    Case("tp4_tp3_sgd_sp_tied_layernorm_base", (4, 3), SP_TIED, sequence_parallel=True,
+         sync_layout="base", optimizer="sgd", lr=0.1),
+    Case("tp3_tp2_tp2_sgd_tied", (3, 2, 2), dict(tie_embeddings=True), optimizer="sgd", lr=0.1,
+         global_batch=7),
+    _clip("tp4_tp3_bf16_clip", (4, 3), model=GQA_SWIGLU, precision="bf16"),
+    _clip("tp3_tp2_tp2_bf16_sp", (3, 2, 2), sequence_parallel=True, precision="bf16",
+          global_batch=7),
+    Case("tp4_tp3_fp16", (4, 3), GQA_SWIGLU, precision="fp16", initial_loss_scale=2.0 ** 20,
+         steps=8),
     Case("control_flat_offsets", (4, 3), GQA_SWIGLU, control="flat_offsets"),
     Case("control_equal_weights", (4, 3), GQA_SWIGLU, control="equal_weights"),
+    _clip("control_norm_per_replica", (4, 3), model=GQA_SWIGLU, control="norm_per_replica",
+          optimizer="sgd", lr=0.1),
+    _clip("control_norm_replica0", (4, 3), model=GQA_SWIGLU, control="norm_replica0",
+          optimizer="sgd", lr=0.1),
 ]
-THREE = [Case("tp2_tp1_gelu_sp", (2, 1), dict(gated_mlp=False), sequence_parallel=True,
-              global_batch=5)]
-FOUR = [Case("uniform_tp2_dp2", (2, 2), GQA_SWIGLU, vs_megatron_ddp=True)]
+THREE = [
+    _clip("tp2_tp1_clip", (2, 1), model=dict(gated_mlp=False), global_batch=5),
+    _clip("tp2_tp1_sp_clip", (2, 1), model=dict(gated_mlp=False), sequence_parallel=True,
+          global_batch=5),
+    _clip("tp2_tp1_bf16_clip", (2, 1), model=GQA_SWIGLU, precision="bf16", global_batch=5),
+]
+FOUR = [
+    Case("uniform_tp2_dp2", (2, 2), GQA_SWIGLU, vs_megatron_ddp=True),
+    _clip("uniform_tp2_dp2_clip", (2, 2), model=GQA_SWIGLU),
+    _clip("uniform_tp2_dp2_sp_clip", (2, 2), model=GQA_SWIGLU, sequence_parallel=True),
+    _clip("uniform_tp2_dp2_bf16_clip", (2, 2), model=GQA_SWIGLU, precision="bf16"),
+]
 
 
-def _run(cases: list[Case], world: int, tmp_path: Path) -> dict[str, dict[str, Any]]:
+def run(cases: list[Case], world: int, tmp_path: Path) -> dict[str, dict[str, Any]]:
     from .parity import worker
 
+    run_references(cases, tmp_path)
     spawn(worker, world, (cases,), tmp_path)
     res = {c.name: json.loads((tmp_path / f"{c.name}.json").read_text()) for c in cases}
     for name, r in res.items():  # shown with -s / on failure
         print(f"{name}: shares={r['shares']} loss_rel={max(r['loss_rel']):.2e} "
+              f"norm_rel={max(r['norm_rel']):.2e} grad_rel={r['grad_rel_max']:.2e} "
               f"model_rel={r['model_rel']:.2e} param_rel={r['param_rel']:.2e} "
-              f"param_rel_max={r['param_rel_max']:.2e} "
-              f"replicas_equal={r['replicas_equal']}")
+              f"param_rel_max={r['param_rel_max']:.2e} replicas_equal={r['replicas_equal']} "
+              f"norms_bitwise={r['norms_bitwise']} skipped={r['skipped']}")
     return res
 
 
-def _check_parity(r: dict[str, Any]) -> None:
+def check_parity(r: dict[str, Any], *, clip: float = 0.0, tol: float = TOL,
+                 tensor_tol: float = TENSOR_TOL) -> None:
     assert r["replicas_equal"], "replicas' assembled parameters differ"
-    assert max(r["loss_rel"]) <= TOL, r["loss_rel"]
-    assert r["model_rel"] <= TOL, r["model_rel"]
-    assert r["param_rel"] <= TENSOR_TOL, r["param_rel"]
+    assert r["grads_replicas_equal"], "replicas' synchronised gradients differ"
+    assert r["norms_bitwise"], "ranks reported different grad-norm bits"
+    assert r["skipped"] == r["ref_skipped"], (r["skipped"], r["ref_skipped"])
+    assert max(r["loss_rel"]) <= tol, r["loss_rel"]
+    assert max(r["norm_rel"]) <= tol, r["norm_rel"]
+    assert r["grad_rel_max"] <= tol, r["grad_rel"]
+    assert r["model_rel"] <= tol, r["model_rel"]
+    if tensor_tol:  # bf16: not per tensor (see the module docstring)
+        assert r["param_rel"] <= tensor_tol, r["param_rel"]
     assert r["global_tp_group_untouched"], "megatron's global parallel_state was initialised"
+    if clip:  # the threshold is below every step's norm: every step clipped
+        assert min(x for x in r["ref_norms"] if x == x) > clip, r["ref_norms"]
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(1200)
+def test_parity_seven_ranks(tmp_path: Path) -> None:
+    res = run(SEVEN, 7, tmp_path)
+    for c in SEVEN:
+        r = res[c.name]
+        if c.control:
+            continue
+        if c.precision == "fp32":
+            check_parity(r, clip=c.clip_grad,
+                         tensor_tol=TOL if c.optimizer == "sgd" else TENSOR_TOL)
+        elif c.precision == "bf16":
+            check_parity(r, clip=c.clip_grad, tol=BF16_TOL, tensor_tol=0.0)
+    assert res["tp4_tp3_clip"]["shares"] == [5, 3]  # unequal shares
+    # fp16 loss scaling: overflowing steps are skipped, as megatron's scaler does. The scale
+    # 2^20 overflows for sure (the first steps are skipped on both sides); where the scale
+    # settles is borderline, and whether a later step overflows may differ between layouts
+    # (fp16 partial sums round differently), so the later pattern is not compared.
+    fp16 = res["tp4_tp3_fp16"]
+    assert fp16["replicas_equal"] and fp16["norms_bitwise"]
+    assert fp16["skipped"][:2] == fp16["ref_skipped"][:2] == [True, True], fp16["skipped"]
+    assert not all(fp16["skipped"]), fp16["skipped"]
+    assert max(fp16["loss_rel"]) <= FP16_TOL, fp16["loss_rel"]
+    # Negative controls: the harness must catch the public reference's pitfalls and wrong norms.
+    far = 100 * TOL
+    assert res["control_flat_offsets"]["param_rel"] > far
+    equal = res["control_equal_weights"]
+    assert max(equal["loss_rel"]) > far or equal["param_rel"] > far
+    for name in ("control_norm_per_replica", "control_norm_replica0"):
+        r = res[name]
+        assert max(r["norm_rel"]) > far and r["param_rel"] > far, (name, r["param_rel"])
 
 
 @pytest.mark.dist
 @pytest.mark.timeout(900)
-def test_parity_seven_ranks(tmp_path: Path) -> None:
-    res = _run(SEVEN, 7, tmp_path)
-    for name in ("tp4_tp3_gqa_swiglu_multibucket", "tp4_tp3_sp_tied_layernorm_gelu_base",
-                 "tp3_tp2_tp2_tied", "tp4_tp3_sgd"):
-        _check_parity(res[name])
-    assert res["tp4_tp3_gqa_swiglu_multibucket"]["shares"] == [5, 3]  # unequal shares
-    assert res["tp4_tp3_sgd"]["param_rel_max"] <= TOL  # element-exact gradients
-    assert res["tp4_tp3_sgd"]["param_rel"] <= TOL
-    # Negative controls: the harness must catch the public reference's pitfalls.
-    flat = res["control_flat_offsets"]
-    assert flat["param_rel"] > 100 * TOL, flat["param_rel"]
-    equal = res["control_equal_weights"]
-    assert max(equal["loss_rel"]) > 100 * TOL or equal["param_rel"] > 100 * TOL
+def test_parity_tp2_tp1(tmp_path: Path) -> None:
+    res = run(THREE, 3, tmp_path)
+    for c in THREE:
+        tol = BF16_TOL if c.precision == "bf16" else TOL
+        check_parity(res[c.name], clip=c.clip_grad, tol=tol,
+                     tensor_tol=0.0 if c.precision == "bf16" else TENSOR_TOL)
+    assert res["tp2_tp1_clip"]["shares"][0] != res["tp2_tp1_clip"]["shares"][1]
 
 
 @pytest.mark.dist
-@pytest.mark.timeout(600)
-def test_parity_tp2_tp1_sequence_parallel(tmp_path: Path) -> None:
-    res = _run(THREE, 3, tmp_path)
-    _check_parity(res["tp2_tp1_gelu_sp"])
-    assert res["tp2_tp1_gelu_sp"]["shares"][0] != res["tp2_tp1_gelu_sp"]["shares"][1]
-
-
-@pytest.mark.dist
-@pytest.mark.timeout(600)
-def test_uniform_layout_is_megatron_ddp(tmp_path: Path) -> None:
-    res = _run(FOUR, 4, tmp_path)["uniform_tp2_dp2"]
-    _check_parity(res)
-    assert res["megatron_losses"] == res["losses"]
-    assert res["megatron_bitwise"], res["megatron_maxdiff"]
-
-
+@pytest.mark.timeout(900)
+def test_parity_uniform_and_megatron_ddp(tmp_path: Path) -> None:
+    res = run(FOUR, 4, tmp_path)
+    for c in FOUR:
+        tol = BF16_TOL if c.precision == "bf16" else TOL
+        check_parity(res[c.name], clip=c.clip_grad, tol=tol,
+                     tensor_tol=0.0 if c.precision == "bf16" else TENSOR_TOL)
+    r = res["uniform_tp2_dp2"]
+    assert r["megatron_losses"] == r["losses"]
+    assert r["megatron_bitwise"], r["megatron_maxdiff"]
