@@ -124,9 +124,10 @@ class TrainConfig:
     check_for_nan_in_grad: bool = True
     """Stop with an error naming the parameters when the global gradient has NaN/Inf (fp16
     overflow is handled by the loss scaler instead)."""
-    large_grad_factor: float = 0.0
+    large_grad_factor: float = 10.0
     """Stop with an error when the grad norm exceeds this factor times the largest of the previous
-    ``large_grad_window`` steps (megatron's large-gradient check; 0 disables)."""
+    ``large_grad_window`` steps (megatron's large-gradient check, its threshold 10; active once
+    that many steps are seen; 0 disables)."""
     large_grad_window: int = 20
     """Steps of grad-norm history the large-gradient check compares against."""
     data_path: str | None = None

@@ -18,6 +18,7 @@ import warnings
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 
 
 def _launcher_env() -> tuple[int, int, int] | None:
@@ -62,8 +63,11 @@ def _spawned(rank: int, world: int, cfg: Any, plan: Any, port: int) -> None:
 
 
 def preflight(cfg: Any) -> None:
-    """Checks that need files, done before any process or group exists: the data path opens
-    and fits the vocabulary; a checkpoint to resume from matches the model."""
+    """Checks done before any process or group exists: what the runtime cannot train yet; the
+    data path opens and fits the vocabulary; a checkpoint to resume from matches the model."""
+    if cfg.parallel.pp != 1:
+        raise ValueError(f"parallel.pp={cfg.parallel.pp}: the NUTP training runtime supports "
+                         "pp=1 for now (nutp plan / nutp sbatch plan any pp)")
     if cfg.train.data_path:
         from ..data.indexed import IndexedTokenSource
 
@@ -90,7 +94,6 @@ def main(argv: list[str] | None = None) -> int:
     from ..config import plan_request
     from ..config.recipes import load_job
     from ..layout import build_plan
-    from . import elastic
 
     env = _launcher_env()
     try:
@@ -99,15 +102,19 @@ def main(argv: list[str] | None = None) -> int:
         slot = -1
         if under_recovery:  # one worker per GPU slot; each attempt re-plans (launch/elastic.py)
             assert env is not None
+            from . import elastic
+
             elastic.check_world(cfg, env[1])
             slot = elastic.gpu_slot(dict(os.environ), env[1], env[2], cfg.cluster.gpus_per_node)
         plan = build_plan(plan_request(cfg, world_size=None if env is None or under_recovery
                                        else env[1]))
         preflight(cfg)
-    except ValueError as e:
-        console.print(f"[red]error:[/] {e}")
+    except ValueError as e:  # one line, whatever the width; the message is not markup
+        console.print(f"[red]error:[/] {escape(str(e))}", soft_wrap=True)
         return 2
     if env is not None and under_recovery:
+        from . import elastic
+
         attempt = elastic.attempt_number(dict(os.environ))
         return elastic.run_worker(
             cfg, elastic.LauncherEnv(env[0], env[1], env[2], attempt, slot), console)

@@ -191,7 +191,7 @@ def test_numerics_defaults_load() -> None:
     t, m = cfg.train, cfg.model
     assert (t.precision, t.grad_reduce_in_fp32, t.clip_grad) == ("fp32", True, 0.0)
     assert (t.initial_loss_scale, t.min_loss_scale, t.loss_scale_window) == (2.0 ** 32, 1.0, 1000)
-    assert (t.check_for_nan_in_grad, t.large_grad_factor, t.large_grad_window) == (True, 0.0, 20)
+    assert (t.check_for_nan_in_grad, t.large_grad_factor, t.large_grad_window) == (True, 10.0, 20)
     assert (m.hidden_dropout, m.attention_dropout) == (0.0, 0.0)
 
 
