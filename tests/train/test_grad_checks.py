@@ -25,7 +25,7 @@ def test_large_grad_only_after_a_full_window() -> None:
     checks.check(50.0, step=1, names=list)  # history not full yet: no verdict
     checks.check(2.0, step=2, names=list)
     checks.check(400.0, step=3, names=list)  # 400 <= 10 x 50
-    with pytest.raises(FloatingPointError, match="large_grad_factor=10.0"):
+    with pytest.raises(FloatingPointError, match=r"large_grad_factor=10\.0"):
         checks.check(4001.0, step=4, names=list)  # > 10 x max(50, 2, 400)
 
 
