@@ -1,4 +1,4 @@
-# nemo_nutp on the NGC PyTorch container (CUDA torch, NCCL, Transformer Engine already inside).
+# nemo_nutp on the NGC PyTorch container (Python 3.12, CUDA torch, NCCL, Transformer Engine inside).
 #   docker build -t nemo_nutp:dev .                       # default tag below
 #   docker build --build-arg PYTORCH_TAG=25.01-py3 --build-arg EXTRAS=dev -t nemo_nutp:dev .
 # For Slurm + pyxis: `enroot import dockerd://nemo_nutp:dev` (or push to a registry) and pass
@@ -21,8 +21,12 @@ COPY . /opt/nemo_nutp
 # does not touch requirements that are already satisfied (setup.py asks torch>=2.4, and pip accepts
 # the image's pre-release version string), and the constraints file below turns "some dependency
 # wants a different torch / megatron-core" into a resolver error instead of a silent reinstall.
-# megatron-core is pinned the same way when the image ships it; otherwise pip installs it from PyPI
-# (setup.py's range). Everything else (hydra-core, omegaconf, rich, ...) is pure Python.
+# megatron-core is pinned the same way when the image ships it (the check above made sure it is the
+# tested version); otherwise pip installs the tested one from PyPI (setup.py pins it per Python).
+# Everything else (hydra-core, omegaconf, rich, ...) is pure Python.
+# Fail early, with a clear message, on a base image whose Python or megatron-core is not tested.
+RUN python nemo_nutp/compat/tested.py
+
 RUN pip list --format=freeze \
       | grep -iE '^(torch|megatron[-_]core|nvidia[-_]modelopt|transformer[-_]engine)==' \
       > /tmp/image-pins.txt || true; \

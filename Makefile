@@ -1,12 +1,22 @@
 # Two commands for a newcomer:  `make demo` (main job)  and  `make test` (the suite).
 # Both create .venv on first use. torch is pinned first so nothing pulls a CUDA build.
+# `make test` also tests megatron-core 0.19 on Python 3.12 in .venv312 (tested matrix:
+# nemo_nutp/compat/tested.py); torch 2.13.0 for 3.12 is the PyPI CUDA build (~3 GB, runs on CPU).
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH ?= torch==2.13.0
+# python3.12 on PATH, else pyenv's (its shim answers "command not found" unless selected).
+PY312 ?= $(shell python3.12 -c "" >/dev/null 2>&1 && command -v python3.12 || \
+	ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.12*/bin/python3.12 2>/dev/null | tail -n 1)
+VENV312 ?= .venv312
+STAMP312 := $(VENV312)/.installed
+# On megatron-core 0.19: parity, checkpoint round trips, nutp-train, config and image checks.
+TESTS_312 ?= tests/runtime tests/checkpoint/test_roundtrip.py tests/train \
+	tests/launch/test_configs.py tests/launch/test_docker.py
 
-.PHONY: demo test lint venv bench sim clean
+.PHONY: demo test test-311 test-312 lint venv bench sim clean
 
 $(STAMP): setup.py
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -14,6 +24,16 @@ $(STAMP): setup.py
 	$(BIN)/pip install -q "$(TORCH)"
 	$(BIN)/pip install -q -e ".[dev]"
 	touch $(STAMP)
+
+$(STAMP312): setup.py
+	@test -n "$(PY312)" || { echo "make test: no Python 3.12 found (python3.12 on PATH or \
+	$${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.12*): the megatron-core 0.19 half of the suite \
+	needs it; set PY312=/path/to/python3.12" >&2; exit 1; }
+	test -d $(VENV312) || $(PY312) -m venv $(VENV312)
+	$(VENV312)/bin/pip install -q --upgrade pip
+	$(VENV312)/bin/pip install -q "$(TORCH)"
+	$(VENV312)/bin/pip install -q -e ".[test]"
+	touch $(STAMP312)
 
 venv: $(STAMP)
 
@@ -27,8 +47,13 @@ lint: $(STAMP)
 	$(BIN)/ruff check nemo_nutp tests benchmarks
 	$(BIN)/mypy nemo_nutp
 
-test: lint
+test: lint test-311 test-312
+
+test-311: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+test-312: $(STAMP312)
+	$(VENV312)/bin/python -m pytest -q $(TESTS_312)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/plan_scale.py
@@ -41,4 +66,4 @@ sim: $(STAMP)
 	$(BIN)/python benchmarks/sim_scale.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VENV312) runs .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -9,13 +9,15 @@ setup(
                 "reduced TP when GPUs fail, with exact gradient parity.",
     long_description=open("README.md").read(),
     long_description_content_type="text/markdown",
-    python_requires=">=3.10",
+    python_requires=">=3.11,<3.13",
     packages=find_packages(include=["nemo_nutp", "nemo_nutp.*"]),
     install_requires=[
         # Any torch >= 2.4 works; CI installs the local CPU wheel (torch==2.13.0) first so this
         # range never pulls a CUDA build. On GPU clusters the container's torch satisfies it.
         "torch>=2.4",
-        "megatron-core>=0.16.1,<0.20",
+        # Exactly what CI tests (nemo_nutp/compat/tested.py): 0.17+ need Python >= 3.12.
+        "megatron-core==0.16.1; python_version < '3.12'",
+        "megatron-core==0.19.2; python_version >= '3.12'",
         "hydra-core>=1.3,<1.4",
         "omegaconf>=2.3,<2.4",
         "rich>=13",

@@ -99,6 +99,20 @@ def _factory(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+class _CpuStream:
+    """The one (synchronous) CPU "stream": waits are no-ops. megatron-core 0.19's bucket groups
+    ask for ``torch.cuda.current_stream()`` on every grad sync."""
+
+    def wait_event(self, event: Any) -> None:
+        return None
+
+    def wait_stream(self, stream: Any) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+
 class _CudaProxy(types.SimpleNamespace):
     """``torch.cuda`` as megatron sees it on CPU; unknown names fall through to ``torch.cuda``."""
 
@@ -113,6 +127,14 @@ class _CudaProxy(types.SimpleNamespace):
     @staticmethod
     def empty_cache() -> None:
         return None
+
+    @staticmethod
+    def current_stream(device: Any = None) -> _CpuStream:
+        return _CpuStream()
+
+    @staticmethod
+    def stream(stream: Any) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
 
     @staticmethod
     def get_rng_state(device: Any = "cuda") -> torch.Tensor:

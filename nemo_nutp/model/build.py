@@ -23,6 +23,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import ModuleSpec, TransformerConfig
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
+from ..compat.megatron import nutp_mlp_submodule
 from ..layout import PARAM_KINDS, Plan
 from ..layout.specs import ModelDims
 from ..layout.units import space_bounds
@@ -112,8 +113,7 @@ def _with_nutp_modules(base: ModuleSpec, dims: ModelDims, degree: int, tp_rank: 
     f0, f1 = unit_range(dims, "fc1_weight", degree, tp_rank, balance)
     sub.self_attention.module = NUTPSelfAttention
     sub.self_attention.params = {**sub.self_attention.params, "nutp_local_groups": g1 - g0}
-    sub.mlp.module = NUTPMLP
-    sub.mlp.params = {**sub.mlp.params, "nutp_local_ffn": f1 - f0, "tp_group": tp_group}
+    sub.mlp = nutp_mlp_submodule(sub.mlp, cls=NUTPMLP, local_ffn=f1 - f0, tp_group=tp_group)
     return spec
 
 

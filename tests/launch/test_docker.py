@@ -85,3 +85,34 @@ def test_does_not_pip_install_torch_or_megatron_core() -> None:
 def test_dockerignore_keeps_venv_and_git_out() -> None:
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert {".git", ".venv", "runs"} <= set(ignored)
+
+
+def test_image_check_runs_before_any_install() -> None:
+    runs = [rest for op, rest in _instructions() if op == "RUN"]
+    check = next(i for i, r in enumerate(runs) if "nemo_nutp/compat/tested.py" in r)
+    first_install = next(i for i, r in enumerate(runs) if "pip install" in r)
+    assert check < first_install
+
+
+def test_setup_pins_exactly_the_tested_matrix() -> None:
+    from nemo_nutp.compat.tested import TESTED
+
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    reqs = next(ast.literal_eval(n.value) for n in ast.walk(tree)
+                if isinstance(n, ast.keyword) and n.arg == "install_requires")
+    pins = sorted(r for r in reqs if r.startswith("megatron-core"))
+    assert pins == sorted([
+        f"megatron-core=={TESTED[(3, 11)]['megatron-core']}; python_version < '3.12'",
+        f"megatron-core=={TESTED[(3, 12)]['megatron-core']}; python_version >= '3.12'"])
+
+
+def test_image_problem_messages() -> None:
+    from nemo_nutp.compat.tested import image_problem
+
+    assert image_problem((3, 12), None) is None
+    assert image_problem((3, 12), "0.19.2") is None
+    assert image_problem((3, 11), "0.16.1") is None
+    msg = image_problem((3, 12), "0.15.0")
+    assert msg is not None and "0.15.0" in msg and "0.19.2" in msg
+    msg = image_problem((3, 10), None)
+    assert msg is not None and "Python 3.10" in msg

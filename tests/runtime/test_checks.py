@@ -59,6 +59,42 @@ def _poison_before_reduction(session, name: str) -> None:  # type: ignore[no-unt
     eng._post = _post
 
 
+def _megatron_step(s, step: int) -> float:  # type: ignore[no-untyped-def]
+    """One step driven the way Megatron-Bridge's train_step does: megatron's optimizer.step()."""
+    import contextlib
+
+    s.model.zero_grad_buffer()
+    s.optimizer.zero_grad()
+    batches = s.batches(step)
+    for i, mb in enumerate(batches):
+        with s.model.no_sync() if i < len(batches) - 1 else contextlib.nullcontext():
+            loss = s.model(mb.tokens, mb.position_ids, s.mask, labels=mb.labels).float().mean()
+            (loss / len(batches)).backward()
+    s.model.finish_grad_sync()
+    ok, norm, _ = s.optimizer.step()
+    assert ok
+    return float(norm)
+
+
+def _bridge_optimizer_matches() -> str:
+    """``integrations.bridge.exact_grad_norm``: megatron's own step() with the NUTP norm clips
+    exactly as the NUTP step does (same norm, bitwise equal parameters)."""
+    import torch
+
+    from nemo_nutp.integrations.bridge import exact_grad_norm
+
+    ours, theirs = _session(clip=0.05), _session(clip=0.05)
+    exact_grad_norm(theirs.optimizer, theirs.model)
+    for step in range(2):
+        a, b = ours.step(step).grad_norm, _megatron_step(theirs, step)
+        if a != b:
+            return f"norm {a!r} != {b!r} at step {step}"
+    for (n, p), (_, q) in zip(ours.gpt.named_parameters(), theirs.gpt.named_parameters()):
+        if not torch.equal(p, q):
+            return f"{n} differs"
+    return "ok"
+
+
 def _body(outdir: str) -> None:
     import torch.distributed as dist
 
@@ -70,6 +106,7 @@ def _body(outdir: str) -> None:
     s2 = _session()  # first batch: megatron learns hook counts; the silent param is named
     _skip_hook(s2, "output_layer.weight")
     out["first_batch"] = _error(lambda: s2.step(0))
+    out["bridge_optimizer"] = _bridge_optimizer_matches()
     s3 = _session()
     s3.step(0)
     _skip_hook(s3, "decoder.layers.0.mlp.linear_fc1.weight")
@@ -97,5 +134,6 @@ def test_nan_and_silent_params_are_errors(tmp_path: Path) -> None:
         assert "check_for_nan_in_grad" in r["nan"]
         assert r["first_batch"].startswith("RuntimeError"), r
         assert "output_layer.weight" in r["first_batch"], r
+        assert r["bridge_optimizer"] == "ok", r
         assert r["later_step"].startswith("RuntimeError"), r
         assert "decoder.layers.0.mlp.linear_fc1.weight" in r["later_step"], r

@@ -109,19 +109,23 @@ def check_parity(r: dict[str, Any], *, clip: float = 0.0, tol: float = TOL,
         assert min(x for x in r["ref_norms"] if x == x) > clip, r["ref_norms"]
 
 
+def check_cases(res: dict[str, dict[str, Any]], cases: list[Case]) -> None:
+    """``check_parity`` at each case's precision (controls and fp16 are asserted apart)."""
+    for c in cases:
+        if c.control or c.precision == "fp16":
+            continue
+        if c.precision == "bf16":
+            check_parity(res[c.name], clip=c.clip_grad, tol=BF16_TOL, tensor_tol=0.0)
+        else:
+            check_parity(res[c.name], clip=c.clip_grad,
+                         tensor_tol=TOL if c.optimizer == "sgd" else TENSOR_TOL)
+
+
 @pytest.mark.dist
 @pytest.mark.timeout(1200)
 def test_parity_seven_ranks(tmp_path: Path) -> None:
     res = run(SEVEN, 7, tmp_path)
-    for c in SEVEN:
-        r = res[c.name]
-        if c.control:
-            continue
-        if c.precision == "fp32":
-            check_parity(r, clip=c.clip_grad,
-                         tensor_tol=TOL if c.optimizer == "sgd" else TENSOR_TOL)
-        elif c.precision == "bf16":
-            check_parity(r, clip=c.clip_grad, tol=BF16_TOL, tensor_tol=0.0)
+    check_cases(res, SEVEN)
     assert res["tp4_tp3_clip"]["shares"] == [5, 3]  # unequal shares
     # fp16 loss scaling: overflowing steps are skipped, as megatron's scaler does. The scale
     # 2^20 overflows for sure (the first steps are skipped on both sides); where the scale
@@ -146,10 +150,7 @@ def test_parity_seven_ranks(tmp_path: Path) -> None:
 @pytest.mark.timeout(900)
 def test_parity_tp2_tp1(tmp_path: Path) -> None:
     res = run(THREE, 3, tmp_path)
-    for c in THREE:
-        tol = BF16_TOL if c.precision == "bf16" else TOL
-        check_parity(res[c.name], clip=c.clip_grad, tol=tol,
-                     tensor_tol=0.0 if c.precision == "bf16" else TENSOR_TOL)
+    check_cases(res, THREE)
     assert res["tp2_tp1_clip"]["shares"][0] != res["tp2_tp1_clip"]["shares"][1]
 
 
@@ -157,10 +158,7 @@ def test_parity_tp2_tp1(tmp_path: Path) -> None:
 @pytest.mark.timeout(900)
 def test_parity_uniform_and_megatron_ddp(tmp_path: Path) -> None:
     res = run(FOUR, 4, tmp_path)
-    for c in FOUR:
-        tol = BF16_TOL if c.precision == "bf16" else TOL
-        check_parity(res[c.name], clip=c.clip_grad, tol=tol,
-                     tensor_tol=0.0 if c.precision == "bf16" else TENSOR_TOL)
+    check_cases(res, FOUR)
     r = res["uniform_tp2_dp2"]
     assert r["megatron_losses"] == r["losses"]
     assert r["megatron_bitwise"], r["megatron_maxdiff"]

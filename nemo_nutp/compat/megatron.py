@@ -1,0 +1,39 @@
+"""Differences between the megatron-core versions this project supports (0.16.1 and 0.19.x).
+
+Every difference lives here, feature-detected (what the object *is*), not version-compared;
+each with one line naming what changed. Importing this module touches no process group.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from megatron.core.transformer import ModuleSpec
+
+
+def nutp_mlp_submodule(mlp: Any, *, cls: type, local_ffn: int, tp_group: Any) -> Any:
+    """A GPT layer spec's ``mlp`` entry, rebuilt to construct ``cls`` (NUTPMLP) over
+    ``local_ffn`` FFN columns.
+
+    * 0.16: a ``ModuleSpec(module=MLP, submodules=..., params=...)``; ``TransformerLayer`` passes
+      a TP group only to the exact ``MLP`` class, so the spec carries ``tp_group``.
+    * 0.19: a ``functools.partial(MLP.as_mlp_submodule, submodules=...)`` that
+      ``TransformerLayer`` calls with ``config``, ``pg_collection``, ``is_mtp_layer``, ``name``;
+      the TP group then comes from the (explicit) ``pg_collection``.
+    """
+    if isinstance(mlp, ModuleSpec):
+        return ModuleSpec(module=cls, submodules=mlp.submodules,
+                          params={**mlp.params, "nutp_local_ffn": local_ffn,
+                                  "tp_group": tp_group})
+    if isinstance(mlp, functools.partial) and "submodules" in mlp.keywords:
+        submodules = mlp.keywords["submodules"]
+
+        def build(*, config: Any, pg_collection: Any, is_mtp_layer: bool = False,
+                  name: str | None = None, **kwargs: Any) -> Any:
+            del is_mtp_layer
+            return cls(config, submodules, nutp_local_ffn=local_ffn, tp_group=pg_collection.tp,
+                       **({"name": name} if name is not None else {}), **kwargs)
+
+        return build
+    raise TypeError(f"unsupported megatron-core MLP spec {type(mlp).__name__}: {mlp!r}")

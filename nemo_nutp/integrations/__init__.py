@@ -1,0 +1,1 @@
+"""Integrations with the rest of the NeMo / megatron-core ecosystem (GPU images)."""
