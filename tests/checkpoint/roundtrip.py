@@ -40,10 +40,13 @@ def make_plan(replicas: tuple[int, ...]) -> Any:
 
 
 def _session(job: Job) -> Any:
-    from nemo_nutp.train.session import build_session
+    from nemo_nutp.train.session import Precision, build_session
+    from nemo_nutp.train.step import StepOptions
 
     plan = make_plan(job.replicas)
-    return build_session(plan, plan.request.model, lr=1e-3, seed=1234, micro_batch_size=2)
+    return build_session(plan, plan.request.model, lr=1e-3, seed=1234, micro_batch_size=2,
+                         precision=Precision(job.extra.get("precision", "fp32")),
+                         opts=StepOptions(clip_grad=job.extra.get("clip_grad", 0.0)))
 
 
 def run_job(job: Job, outdir: str, index: str) -> None:

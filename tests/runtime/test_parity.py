@@ -69,6 +69,7 @@ THREE = [
           global_batch=5),
     _clip("tp2_tp1_bf16_clip", (2, 1), model=GQA_SWIGLU, precision="bf16", global_batch=5),
 ]
+FIVE = [_clip("tp3_tp2_clip", (3, 2), model=GQA_SWIGLU, global_batch=7)]
 FOUR = [
     Case("uniform_tp2_dp2", (2, 2), GQA_SWIGLU, vs_megatron_ddp=True),
     _clip("uniform_tp2_dp2_clip", (2, 2), model=GQA_SWIGLU),
@@ -152,6 +153,14 @@ def test_parity_tp2_tp1(tmp_path: Path) -> None:
     res = run(THREE, 3, tmp_path)
     check_cases(res, THREE)
     assert res["tp2_tp1_clip"]["shares"][0] != res["tp2_tp1_clip"]["shares"][1]
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(900)
+def test_parity_tp3_tp2(tmp_path: Path) -> None:
+    res = run(FIVE, 5, tmp_path)
+    check_cases(res, FIVE)
+    assert res["tp3_tp2_clip"]["shares"] == [4, 3]
 
 
 @pytest.mark.dist
