@@ -35,5 +35,13 @@ def nutp_mlp_submodule(mlp: Any, *, cls: type, local_ffn: int, tp_group: Any) ->
             return cls(config, submodules, nutp_local_ffn=local_ffn, tp_group=pg_collection.tp,
                        **({"name": name} if name is not None else {}), **kwargs)
 
+        build.nutp_cls, build.nutp_local_ffn = cls, local_ffn  # type: ignore[attr-defined]
         return build
     raise TypeError(f"unsupported megatron-core MLP spec {type(mlp).__name__}: {mlp!r}")
+
+
+def nutp_mlp_of(mlp: Any) -> tuple[type, int]:
+    """(class, local FFN columns) of an ``mlp`` entry made by ``nutp_mlp_submodule``."""
+    if isinstance(mlp, ModuleSpec):
+        return mlp.module, int(mlp.params["nutp_local_ffn"])
+    return mlp.nutp_cls, int(mlp.nutp_local_ffn)

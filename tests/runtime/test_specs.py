@@ -7,6 +7,7 @@ import importlib.util
 import pytest
 import torch
 
+from nemo_nutp.compat.megatron import nutp_mlp_of
 from nemo_nutp.layout import ModelDims
 from nemo_nutp.model import LAYER_SPECS, NUTPMLP, NUTPSelfAttention
 
@@ -16,7 +17,8 @@ def test_local_spec_swaps_in_nutp_modules_with_rank_units() -> None:
     spec = LAYER_SPECS["nutp_local"](dims, degree=3, tp_rank=2)
     sa, mlp = spec.submodules.self_attention, spec.submodules.mlp
     assert sa.module is NUTPSelfAttention and sa.params["nutp_local_groups"] == 2
-    assert mlp.module is NUTPMLP and 1 <= mlp.params["nutp_local_ffn"] < 32  # work-balanced
+    cls, local_ffn = nutp_mlp_of(mlp)  # a ModuleSpec (0.16) or a builder (0.19)
+    assert cls is NUTPMLP and 1 <= local_ffn < 32  # work-balanced
 
 
 @pytest.mark.gpu
