@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -13,20 +11,16 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
+from ..layout.serialize import atomic_path
+
 STYLE = {"drop": "C3", "drop+spares": "C1", "uniform-reduce": "C4", "nutp": "C0",
          "nutp+boost": "C2", "stop-wait": "C7"}
 
 
 def _save(fig: Figure, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
-    os.close(fd)
     try:
-        fig.savefig(tmp, dpi=120, bbox_inches="tight")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        with atomic_path(path, suffix=".png") as tmp:
+            fig.savefig(tmp, dpi=120, bbox_inches="tight")
     finally:
         plt.close(fig)
     return path

@@ -21,16 +21,15 @@ Not guaranteed: that ``nutp-train`` in the image plans the same way; run the sam
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import shlex
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..config.recipes import searchpath_override
 from ..layout.plan import Plan
+from ..layout.serialize import atomic_path
 
 LAUNCHERS = ("srun", "torchrun", "ft_launcher")
 _TIME = re.compile(r"^(\d+-)?\d{1,2}(:\d{2}){0,2}$|^\d+$")
@@ -368,17 +367,8 @@ def render_sbatch(plan: Plan, opts: SbatchOptions, *, overrides: list[str],
 
 def write_text_atomic(text: str, path: str | Path, *, mode: int = 0o755) -> None:
     """Write to a temporary file in the same directory, then rename over ``path``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_path(path, mode=mode) as tmp:
+        tmp.write_text(text)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -12,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..goodput.accounting import CAUSES, GoodputLedger
+from ..layout.serialize import atomic_path
 
 _LABELS = {"useful": "useful work", "sync": "exposed sync (reshard + reduce) + optimizer",
            "slack": "slack: waiting for slower replicas", "failed": "failed GPUs idle",
@@ -65,10 +64,9 @@ def plot_training(rows: list[dict[str, Any]], path: Path, *,
     if restarts:
         a.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".png", dir=path.parent)
-    os.close(fd)
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
+    try:
+        with atomic_path(path, suffix=".png") as tmp:
+            fig.savefig(tmp, dpi=110)
+    finally:
+        plt.close(fig)
     return path

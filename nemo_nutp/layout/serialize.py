@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -57,15 +59,32 @@ def plan_to_dict(plan: Plan, *, with_sync_groups: bool = True) -> dict[str, Any]
     }
 
 
-def write_json_atomic(data: Any, path: str | Path) -> None:
-    """Write JSON to a temporary file in the same directory, then rename over ``path``."""
+@contextlib.contextmanager
+def atomic_path(path: str | Path, *, mode: int | None = None, suffix: str = "") -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; on success it is renamed over ``path`` (never a
+    half-written file), on error removed. The file gets ``mode``, by default what a plain
+    ``open`` would give (0666 minus the umask: 0644 usually), not ``mkstemp``'s 0600."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix, dir=path.parent)
+    os.close(fd)
+    tmp = Path(name)
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1)
+        yield tmp
+        os.chmod(tmp, _default_mode() if mode is None else mode)
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
+
+
+def _default_mode() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def write_json_atomic(data: Any, path: str | Path) -> None:
+    """Write JSON atomically (``atomic_path``)."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(data, indent=1))

@@ -79,12 +79,20 @@ class HealthReport:
     def from_file(cls, path: str | Path) -> HealthReport:
         """Load ``{"failed_gpus": [...]}`` from a YAML or JSON file."""
         text = Path(path).read_text()
-        if str(path).endswith(".json"):
-            data = json.loads(text)
-        else:
-            import yaml
+        try:
+            if str(path).endswith(".json"):
+                data = json.loads(text)
+            else:
+                import yaml
 
-            data = yaml.safe_load(text)
+                data = yaml.safe_load(text)
+        except ValueError as e:  # json.JSONDecodeError
+            raise _bad("health", str(path), f"malformed JSON: {e}") from None
+        except Exception as e:  # yaml.YAMLError: problem + where
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            why = getattr(e, "problem", None) or type(e).__name__
+            raise _bad("health", str(path), f"malformed YAML: {why}{where}") from None
         if not isinstance(data, dict) or set(data) - {"failed_gpus"}:
             raise _bad("health", str(path), "file must hold a mapping with only 'failed_gpus'")
         return cls(tuple(data.get("failed_gpus") or ()))
@@ -94,14 +102,17 @@ class HealthReport:
         """Parse ``"3,17,40-43"`` (ids and inclusive ranges)."""
         ids: list[int] = []
         for part in filter(None, (p.strip() for p in text.split(","))):
+            a, sep, b = part.partition("-")
             try:
-                if "-" in part:
-                    lo, hi = (int(x) for x in part.split("-", 1))
-                    ids.extend(range(lo, hi + 1))
-                else:
-                    ids.append(int(part))
+                lo, hi = int(a), (int(b) if sep else None)
             except ValueError:
                 raise _bad("health.failed_gpus", part, "expected an id or a range a-b") from None
+            if hi is None:
+                ids.append(lo)
+            elif lo > hi:
+                raise _bad("health.failed_gpus", part, f"reversed range (did you mean {hi}-{lo}?)")
+            else:
+                ids.extend(range(lo, hi + 1))
         return cls(tuple(ids))
 
 
