@@ -333,8 +333,38 @@ def load_config(overrides: list[str] | None = None, *, config_name: str = "confi
         raise ValueError(f"{key}: {str(e).splitlines()[0]}") from None
     except Exception as e:  # hydra's own override/config errors
         if type(e).__module__.startswith("hydra"):
-            raise ValueError(f"config: {e}") from None
+            raise ValueError(_hydra_message(str(e))) from None
         raise
+
+
+def _hydra_message(text: str) -> str:
+    """One line for a Hydra error. Hydra suggests ``+key=value`` for an unknown key, which the
+    schema then rejects anyway: say the key is unknown and name the closest schema keys."""
+    import difflib
+    import re
+
+    m = re.match(r"Could not override '([^']+)'", text)
+    if m is None:
+        return "config: " + " ".join(text.split())
+    key = m.group(1)
+    close = difflib.get_close_matches(key, schema_keys(), n=3, cutoff=0.6)
+    hint = f"; did you mean {' or '.join(close)}?" if close else ""
+    return f"{key}: unknown key (not in nemo_nutp/config/schema.py){hint}"
+
+
+def schema_keys() -> list[str]:
+    """Every dotted key of the schema (``train.steps``, ``recovery.fault.kind``, ...)."""
+    out: list[str] = []
+
+    def walk(node: Any, prefix: str) -> None:
+        for k, v in node.items():
+            if isinstance(v, dict):
+                walk(v, f"{prefix}{k}.")
+            else:
+                out.append(f"{prefix}{k}")
+
+    walk(OmegaConf.to_container(OmegaConf.structured(JobConfig)), "")
+    return out
 
 
 def validate_yaml_file(path: Path) -> JobConfig:

@@ -75,3 +75,13 @@ def test_failed_write_leaves_nothing(tmp_path: Path) -> None:
         tmp.write_text("half")
         raise RuntimeError("crash while writing")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_unknown_key_names_the_closest_schema_keys() -> None:
+    from nemo_nutp.config import load_config
+
+    with pytest.raises(ValueError) as e:
+        load_config(["train.stepz=3"])
+    msg = str(e.value)
+    assert msg.startswith("train.stepz: unknown key") and "train.steps" in msg, msg
+    assert "+train" not in msg and "\n" not in msg  # Hydra's hint would fail in the schema
