@@ -58,7 +58,7 @@ def unit_range(dims: ModelDims, kind: str, degree: int, tp_rank: int, balance: s
     return int(b[tp_rank]), int(b[tp_rank + 1])
 
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def transformer_config(model: Any, *, degree: int, sequence_parallel: bool = False,
@@ -80,7 +80,7 @@ def transformer_config(model: Any, *, degree: int, sequence_parallel: bool = Fal
         hidden_dropout=float(getattr(model, "hidden_dropout", 0.0)),
         attention_dropout=float(getattr(model, "attention_dropout", 0.0)),
         use_cpu_initialization=True, perform_initialization=False,
-        params_dtype=_DTYPES[precision], bf16=precision == "bf16", fp16=precision == "fp16",
+        params_dtype=DTYPES[precision], bf16=precision == "bf16", fp16=precision == "fp16",
         bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
         cross_entropy_loss_fusion=False,

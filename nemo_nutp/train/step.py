@@ -29,8 +29,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
 from ..data import MicroBatch
-
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from ..model.build import DTYPES
 
 
 @dataclass(frozen=True)
@@ -95,7 +94,7 @@ def build_optimizer(model: Any, pgs: Any, *, lr: float, optimizer: str = "adam",
     fp32 master weights (fp16: dynamic loss scaler)."""
     cfg = OptimizerConfig(optimizer=optimizer, lr=lr, weight_decay=weight_decay,
                           clip_grad=clip_grad, adam_eps=adam_eps,
-                          params_dtype=PRECISIONS[precision], bf16=precision == "bf16",
+                          params_dtype=DTYPES[precision], bf16=precision == "bf16",
                           fp16=precision == "fp16", initial_loss_scale=initial_loss_scale,
                           min_loss_scale=min_loss_scale, loss_scale_window=loss_scale_window,
                           use_distributed_optimizer=False)

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from nemo_nutp.model.init import normalize_name
+
 TOL = 1e-5
 TENSOR_TOL = 5e-5  # per tensor under Adam: see tests/runtime/test_parity.py
 BF16_TOL = 2e-2  # bf16 vs stock single-process bf16, 5 steps: see test_parity.py (measured)
@@ -112,19 +114,13 @@ def _apply_control(session: Any, control: str | None) -> None:
         assert control is None, control
 
 
-def _strip(name: str) -> str:
-    while name.startswith("module."):
-        name = name[len("module."):]
-    return name
-
-
 def _shards(model: torch.nn.Module, *, grads: bool = False
             ) -> dict[str, tuple[str | None, Any, torch.Tensor]]:
     """name -> (kind, units, local param or main_grad copy) of this rank."""
     out = {}
     for name, p in model.named_parameters():
         t = p.main_grad if grads else p  # type: ignore[attr-defined]
-        out[_strip(name)] = (getattr(p, "nutp_kind", None), getattr(p, "nutp_units", None),
+        out[normalize_name(name)] = (getattr(p, "nutp_kind", None), getattr(p, "nutp_units", None),
                              t.detach().float().clone().view(p.shape))
     return out
 

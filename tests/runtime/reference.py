@@ -17,12 +17,16 @@ from typing import Any
 
 import torch
 
+from nemo_nutp.model.init import normalize_name
+
+_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
 
 def _config(case: Any, dims: Any) -> Any:
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
-    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(case.precision, torch.float32)
+    half = _DTYPE[case.precision]
     return TransformerConfig(
         num_layers=dims.num_layers, hidden_size=dims.hidden_size,
         num_attention_heads=dims.num_attention_heads, num_query_groups=dims.num_query_groups,
@@ -34,12 +38,6 @@ def _config(case: Any, dims: Any) -> Any:
         bf16=case.precision == "bf16", fp16=case.precision == "fp16",
         bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False)
-
-
-def _strip(name: str) -> str:
-    while name.startswith("module."):
-        name = name[len("module."):]
-    return name
 
 
 def _build(case: Any, dims: Any) -> tuple[Any, Any, Any]:
@@ -66,7 +64,7 @@ def _build(case: Any, dims: Any) -> tuple[Any, Any, Any]:
         model = Float16Module(config, model)
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
         grad_reduce_in_fp32=True), model)
-    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(case.precision, torch.float32)
+    half = _DTYPE[case.precision]
     opt = get_megatron_optimizer(OptimizerConfig(
         optimizer=case.optimizer, lr=case.lr, clip_grad=case.clip_grad, weight_decay=0.0,
         adam_eps=1e-8, params_dtype=half,
@@ -101,7 +99,7 @@ def run_reference(case: Any) -> dict[str, Any]:
             total += float(loss.detach())
         ddp.finish_grad_sync()
         if step == 0:
-            out["grads"] = {_strip(k): p.main_grad.detach().float().clone()
+            out["grads"] = {normalize_name(k): p.main_grad.detach().float().clone()
                             for k, p in ddp.named_parameters()}
         ok, norm, _ = opt.step()
         if ok and not norm:  # clipping off: megatron did not compute it; grads still in place
@@ -109,7 +107,8 @@ def run_reference(case: Any) -> dict[str, Any]:
         out["losses"].append(total / n)
         out["grad_norms"].append(float(norm) if ok else float("nan"))
         out["skipped"].append(not ok)
-    out["params"] = {_strip(k): p.detach().float().clone() for k, p in ddp.named_parameters()}
+    out["params"] = {normalize_name(k): p.detach().float().clone()
+                     for k, p in ddp.named_parameters()}
     return out
 
 
