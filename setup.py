@@ -30,14 +30,14 @@ setup(
         "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100"],
         "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "ruff>=0.6",
                 "mypy>=1.10", "nvidia-resiliency-ext>=0.4"],
-        # ft_launcher and its rank monitor (recovery under a launcher, launch/elastic.py).
+        # ft_launcher and its rank monitor (recovery under a launcher, recovery/elastic.py).
         "resilience": ["nvidia-resiliency-ext>=0.4"],
         "tensorboard": ["tensorboard>=2.15"],
     },
     entry_points={
         "console_scripts": [
-            "nutp=nemo_nutp.launch.cli:main",
-            "nutp-train=nemo_nutp.launch.train:main",
+            "nutp=nemo_nutp.launch.nutp_cli:main",
+            "nutp-train=nemo_nutp.launch.nutp_train:main",
         ],
     },
 )

@@ -251,7 +251,7 @@ _RECOVERY_DOC = """\
 # Recovery (recovery.enabled=true): one worker per GPU slot of the whole cluster, numbered
 # node-major (Slurm node id x GPUs per node + local GPU). Each attempt the workers agree on the
 # failed GPUs (health report, device probes, who ended the previous attempt), re-plan, and the
-# plan's ranks train while the other slots wait (nemo_nutp/launch/elastic.py). Slurm node id k
+# plan's ranks train while the other slots wait (nemo_nutp/recovery/elastic.py). Slurm node id k
 # is taken to be cluster node k: pin hosts with --nodelist when GPU ids must match nodes.
 """
 

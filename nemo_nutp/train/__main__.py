@@ -2,6 +2,6 @@
 
 import sys
 
-from ..launch.train import main
+from ..launch.nutp_train import main
 
 sys.exit(main())

@@ -178,7 +178,7 @@ def _restarts() -> list[dict[str, Any]]:
     import os
 
     from ..checkpoint.events import read_events
-    from ..launch.watch import summary
+    from ..recovery.watch import summary
 
     path = os.environ.get("NUTP_EVENTS")
     return summary(read_events(path)) if path else []

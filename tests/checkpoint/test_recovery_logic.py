@@ -12,7 +12,8 @@ from rich.console import Console
 
 from nemo_nutp.checkpoint.events import read_events
 from nemo_nutp.config import load_config, plan_request
-from nemo_nutp.launch.recovery import (
+from nemo_nutp.layout import build_plan
+from nemo_nutp.recovery.decisions import (
     Activity,
     Progress,
     blame_exits,
@@ -25,10 +26,9 @@ from nemo_nutp.launch.recovery import (
     scale_up_blocker,
     scale_up_due,
 )
-from nemo_nutp.launch.watch import HealthWatch as _HealthWatch
-from nemo_nutp.launch.watch import ScaleUp
-from nemo_nutp.launch.watch import summary as _summary
-from nemo_nutp.layout import build_plan
+from nemo_nutp.recovery.watch import HealthWatch as _HealthWatch
+from nemo_nutp.recovery.watch import ScaleUp
+from nemo_nutp.recovery.watch import summary as _summary
 
 
 def test_signal_killed_rank_is_blamed_not_its_peers() -> None:

@@ -1,4 +1,4 @@
-"""Recovery under an external launcher (``launch/elastic.py``).
+"""Recovery under an external launcher (``recovery/elastic.py``).
 
 Pure decisions are tested on files in a temporary directory (no processes). The end-to-end
 test runs ``torchrun --max-restarts`` on CPU with one worker per GPU slot of the default cluster
@@ -23,9 +23,9 @@ from typing import Any
 import pytest
 
 from nemo_nutp.config import load_config, plan_request
-from nemo_nutp.launch import elastic
-from nemo_nutp.launch.recovery import Failure
 from nemo_nutp.layout import build_plan
+from nemo_nutp.recovery import elastic
+from nemo_nutp.recovery.decisions import Failure
 
 TOL = 1e-5
 COMMON = ("train.steps=6", "train.seed=7", "train.global_batch_size=12",
@@ -132,7 +132,7 @@ def test_exit_record_written_when_terminated_inside_a_blocking_call(tmp_path: Pa
         from datetime import timedelta
         from pathlib import Path
         import torch.distributed as dist
-        from nemo_nutp.launch.elastic import ExitRecorder
+        from nemo_nutp.recovery.elastic import ExitRecorder
         rec = ExitRecorder(Path({str(tmp_path)!r}), 3)
         rec.install()
         store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=60))
@@ -262,7 +262,7 @@ def test_sbatch_srun_loop_recovers(tmp_path: Path, reference: list[float]) -> No
     for f in bindir.iterdir():
         f.chmod(0o755)
     script = tmp_path / "job.sbatch"
-    r = subprocess.run([sys.executable, "-m", "nemo_nutp.launch.cli", "sbatch",
+    r = subprocess.run([sys.executable, "-m", "nemo_nutp.launch.nutp_cli", "sbatch",
                         f"output.dir={out}", *COMMON, "checkpoint.interval=2",
                         "recovery.enabled=true", "--image", "img", "--out", str(script),
                         "--master-port", str(free_port())],
@@ -395,7 +395,7 @@ CONTROL_CHILD = textwrap.dedent("""
     from datetime import timedelta
     from pathlib import Path
     import torch.distributed as dist
-    from nemo_nutp.launch import elastic
+    from nemo_nutp.recovery import elastic
     rec = elastic.ExitRecorder(Path(sys.argv[1]), 4)
     rec.install()
     store = dist.TCPStore("127.0.0.1", int(sys.argv[2]), 2, False,

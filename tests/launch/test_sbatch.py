@@ -17,7 +17,7 @@ import pytest
 from nemo_nutp.config import load_config, plan_request
 from nemo_nutp.config.recipes import RECIPES_DIR, load_job, split_recipe
 from nemo_nutp.config.schema import CONFIG_DIR
-from nemo_nutp.launch.cli import main
+from nemo_nutp.launch.nutp_cli import main
 from nemo_nutp.launch.slurm import SbatchOptions, node_table, render_sbatch
 from nemo_nutp.layout import build_plan
 

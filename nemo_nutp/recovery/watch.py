@@ -18,7 +18,7 @@ from typing import Any
 
 from ..checkpoint.events import log_event
 from ..layout.serialize import write_json_atomic
-from .recovery import (
+from .decisions import (
     Activity,
     Progress,
     is_comm_wait,

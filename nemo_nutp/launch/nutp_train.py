@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import warnings
 from typing import Any
 
 from rich.console import Console
@@ -28,38 +27,6 @@ def _launcher_env() -> tuple[int, int, int] | None:
     if "SLURM_PROCID" in env and "MASTER_ADDR" in env:
         return int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0))
     return None
-
-
-def _run_rank(rank: int, world: int, local_rank: int, cfg: Any, plan: Any,
-              port: int | None) -> None:
-    import torch
-    import torch.distributed as dist
-
-    warnings.filterwarnings("ignore")
-    if port is not None:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    device = None
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-        backend = "nccl"
-    else:
-        from ..compat.cpu import apply_cpu_patches
-
-        apply_cpu_patches()
-        torch.set_num_threads(1)
-        backend = "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=world)
-    try:
-        from ..train.loop import train_rank
-
-        train_rank(cfg, plan, device=device)
-    finally:
-        dist.destroy_process_group()
-
-
-def _spawned(rank: int, world: int, cfg: Any, plan: Any, port: int) -> None:
-    _run_rank(rank, world, rank, cfg, plan, port)
 
 
 def preflight(cfg: Any) -> None:
@@ -100,9 +67,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_job(args.overrides, config_name=args.config_name)
         under_recovery = env is not None and cfg.recovery.enabled
         slot = -1
-        if under_recovery:  # one worker per GPU slot; each attempt re-plans (launch/elastic.py)
+        if under_recovery:  # one worker per GPU slot; each attempt re-plans (recovery/elastic.py)
             assert env is not None
-            from . import elastic
+            from ..recovery import elastic
 
             elastic.check_world(cfg, env[1])
             slot = elastic.gpu_slot(dict(os.environ), env[1], env[2], cfg.cluster.gpus_per_node)
@@ -113,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"[red]error:[/] {escape(str(e))}", soft_wrap=True)
         return 2
     if env is not None and under_recovery:
-        from . import elastic
+        from ..recovery import elastic
 
         attempt = elastic.attempt_number(dict(os.environ))
         return elastic.run_worker(
@@ -123,17 +90,20 @@ def main(argv: list[str] | None = None) -> int:
 
         console.print(replicas_table(plan))
     if env is not None:
-        _run_rank(env[0], env[1], env[2], cfg, plan, None)
+        from ..train.worker import run_rank
+
+        run_rank(env[0], env[1], env[2], cfg, plan, None)
         return 0
-    if cfg.recovery.enabled:  # restart at reduced TP on failure (see launch/supervisor.py)
-        from .supervisor import supervise
+    if cfg.recovery.enabled:  # restart at reduced TP on failure (see recovery/supervisor.py)
+        from ..recovery.supervisor import supervise
 
         return supervise(cfg, console)
     import torch.multiprocessing as mp
 
     from ..launch.ports import free_port
+    from ..train.worker import spawned
 
-    mp.spawn(_spawned, args=(plan.world_size, cfg, plan, free_port()), nprocs=plan.world_size)
+    mp.spawn(spawned, args=(plan.world_size, cfg, plan, free_port()), nprocs=plan.world_size)
     return 0
 
 

@@ -37,7 +37,7 @@ a rank that loops forever inside a save is not found; lost steps after a planned
 be > 0 when a step is shorter than the supervisor's reaction to a finished save.
 
 On GPU clusters the same decisions apply per restart of ``torchrun``/``srun`` (or
-nvidia-resiliency-ext's ``ft_launcher``); that wiring is in ``launch/elastic.py``.
+nvidia-resiliency-ext's ``ft_launcher``); that wiring is in ``recovery/elastic.py``.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from typing import Any
 
 from ..checkpoint.events import log_event, read_events
 from . import watch
-from .recovery import (
+from .decisions import (
     Failure,
     blame_exits,
     blame_hang,
@@ -64,7 +64,7 @@ from .recovery import (
 
 POLL_S = 0.05  # exit codes (and, while a planned restart waits, the newest checkpoint)
 HANG_POLL_S = 0.5  # heartbeats and stack watcher reports
-PRELOAD = ("nemo_nutp.launch.supervisor", "nemo_nutp.launch.train", "nemo_nutp.train.loop",
+PRELOAD = ("nemo_nutp.recovery.supervisor", "nemo_nutp.train.worker", "nemo_nutp.train.loop",
            "nemo_nutp.train.session", "nemo_nutp.checkpoint.hooks",
            "megatron.core.dist_checkpointing")
 """Imported once by the fork server the ranks start from."""
@@ -88,9 +88,9 @@ def _rank_main(rank: int, world: int, cfg: Any, plan: Any, port: int,
     os.setpgrp()  # own process group: the supervisor can stop the rank with its helpers
     os.environ.update(env)
     watch.start_stack_watcher(Path(env["NUTP_HEARTBEAT_DIR"]) / f"rank{rank}.stack")
-    from .train import _run_rank
+    from ..train.worker import run_rank
 
-    _run_rank(rank, world, rank, cfg, plan, port)
+    run_rank(rank, world, rank, cfg, plan, port)
 
 
 def _stop(procs: list[Any]) -> None:
@@ -108,7 +108,7 @@ def _stop(procs: list[Any]) -> None:
 
 def _run_world(cfg: Any, job: Any, plan: Any, failed: frozenset[int], attempt: int, rdir: Path,
                console: Any) -> Attempt:
-    from .ports import free_port
+    from ..launch.ports import free_port
 
     hb = rdir / f"heartbeats.{attempt}"
     hb.mkdir(parents=True, exist_ok=True)
@@ -197,8 +197,8 @@ def _record_failure(job: Any, res: Attempt, failed: frozenset[int], rdir: Path, 
 def supervise(cfg: Any, console: Any) -> int:
     """Run the job to completion through failures and planned restarts. Returns an exit code."""
     from ..config import plan_request
+    from ..launch.plan_report import replicas_table
     from ..layout import build_plan
-    from .plan_report import replicas_table
 
     rdir = Path(cfg.output.dir) / "recovery"
     rdir.mkdir(parents=True, exist_ok=True)

@@ -32,7 +32,7 @@ them). The launcher restarts the whole worker group when one worker dies (torchr
    first).
 
 Events (``recovery/events.jsonl``) and the per-restart summary (``recovery/summary.json``) have
-the same form as under the CPU supervisor (``launch/supervisor.py``).
+the same form as under the CPU supervisor (``recovery/supervisor.py``).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from typing import Any
 from ..checkpoint.events import log_event, read_events
 from ..layout.serialize import write_json_atomic
 from . import watch
-from .recovery import Failure, blame_hang, job_for, lost_steps, next_failed
+from .decisions import Failure, blame_hang, job_for, lost_steps, next_failed
 
 EXIT_HANG = 75  # worker exit code after the watchdog found a hang (EX_TEMPFAIL)
 EXIT_SCALE_UP = 76  # worker exit code for a planned restart: GPUs reported back
@@ -497,7 +497,7 @@ def run_worker(cfg: Any, env: LauncherEnv, console: Any) -> int:
         os.environ.update(NUTP_ATTEMPT=str(env.attempt), NUTP_HEARTBEAT_DIR=str(hb_dir),
                           NUTP_EVENTS=str(rdir / "events.jsonl"))
         if prank == 0:
-            from .plan_report import replicas_table
+            from ..launch.plan_report import replicas_table
 
             console.print(replicas_table(plan))
         start_ft_heartbeats()
