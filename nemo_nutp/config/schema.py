@@ -89,6 +89,27 @@ class NutpConfig:
     """'nutp' (reduced degree), 'drop' (status quo) or 'uniform-reduce' (public reference)."""
     replicas: list[int] | None = None
     """Explicit TP degree per replica, e.g. [4, 3]; overrides the plan derived from failures."""
+    rebalance: bool = False
+    """Re-solve micro-batch shares between steps from measured per-replica compute time
+    (``train/rebalance.py``); the weights follow, so the math is unchanged."""
+    rebalance_smoothing: float = 0.5
+    """Weight of the newest step in the moving average of seconds per micro-batch, in (0, 1]."""
+    rebalance_hysteresis: float = 0.05
+    """Change shares only when the predicted step compute time drops by this fraction."""
+    rebalance_max_shift: int = 2
+    """Micro-batches moved between replicas per step at most."""
+    rebalance_warmup: int = 1
+    """Steps measured before the first change (the first step pays start-up costs)."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.rebalance_smoothing <= 1.0:
+            raise _bad("nutp.rebalance_smoothing", self.rebalance_smoothing, "must be in (0, 1]")
+        if not 0.0 <= self.rebalance_hysteresis < 1.0:
+            raise _bad("nutp.rebalance_hysteresis", self.rebalance_hysteresis,
+                       "must be in [0, 1)")
+        _positive("nutp.rebalance_max_shift", self.rebalance_max_shift)
+        if isinstance(self.rebalance_warmup, bool) or self.rebalance_warmup < 0:
+            raise _bad("nutp.rebalance_warmup", self.rebalance_warmup, "must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -204,15 +225,21 @@ class FaultConfig:
     """Fault injection for tests and demos (env ``NUTP_FAULT=kind:rank:step`` overrides)."""
 
     kind: str | None = None
-    """None, 'kill' (SIGKILL), 'hang' (sleep forever) or 'save_crash' (die inside a save)."""
+    """None, 'kill' (SIGKILL), 'hang' (sleep forever), 'save_crash' (die inside a save) or
+    'slow' (compute ``factor`` x slower from ``step`` on: a straggler)."""
     rank: int = 0
     """Global rank that fails."""
     step: int = 0
     """Step (0-based) at whose start the fault fires (first attempt only)."""
+    factor: float = 3.0
+    """kind 'slow': wall-time multiplier of the rank's forward/backward (>= 1)."""
 
     def __post_init__(self) -> None:
-        if self.kind not in (None, "kill", "hang", "save_crash"):
-            raise _bad("recovery.fault.kind", self.kind, "must be null, kill, hang or save_crash")
+        if self.kind not in (None, "kill", "hang", "save_crash", "slow"):
+            raise _bad("recovery.fault.kind", self.kind,
+                       "must be null, kill, hang, save_crash or slow")
+        if not 1.0 <= self.factor < 1e6:
+            raise _bad("recovery.fault.factor", self.factor, "must be >= 1")
 
 
 @dataclass(frozen=True)

@@ -109,6 +109,9 @@ def train_rank(cfg: JobConfig, plan: Plan, *, device: torch.device | None = None
                            failed_gpus=len(plan.request.health.failed_gpus),
                            idle_gpus=plan.idle_healthy_gpus)
     hooks = CheckpointHooks(cfg, session)
+    from ..train.rebalance import LiveBalance
+
+    live = LiveBalance(cfg, session, fault=hooks.fault, rank=dist.get_rank())  # nutp.rebalance
     start = hooks.resume(ledger)
     out = _Outputs(cfg, plan, start_step=start) if rank0 else None
     tokens = t.global_batch_size * cfg.model.seq_length
@@ -120,10 +123,12 @@ def train_rank(cfg: JobConfig, plan: Plan, *, device: torch.device | None = None
     try:
         for step in range(start, t.steps):
             hooks.before_step(step)
+            live.before_step(step)
             t0 = time.perf_counter()
             res = session.step(step)
             rows = _gather_times(session, res.times, time.perf_counter() - t0)
             step_s, reps = _replica_times(rows, len(plan.replicas))
+            shares = live.after_step(step, reps)  # this step's shares; may change the next's
             goodput = ledger.add_step(step_s, reps)
             if out is not None and progress is not None:
                 row = {"step": step, "loss": res.loss,
@@ -132,7 +137,7 @@ def train_rank(cfg: JobConfig, plan: Plan, *, device: torch.device | None = None
                        "loss_scale": float(session.optimizer.get_loss_scale()),
                        "tokens": tokens, "step_time_s": step_s, "tokens_per_s": tokens / step_s,
                        "goodput": goodput,
-                       "microbatches": [r.microbatches for r in plan.replicas],
+                       "microbatches": shares,
                        "replica_tp": [list(r.tp) for r in plan.replicas],
                        "reshard_bytes_rank0": session.model.nutp_engine.sent_bytes}
                 out.write(row)

@@ -25,8 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+from megatron.core.optimizer import OptimizerConfig, clip_grads, get_megatron_optimizer
 
 from ..data import MicroBatch
 from ..model.build import DTYPES
@@ -49,6 +48,7 @@ class StepOptions:
     check_for_nan_in_grad: bool = True
     large_grad_factor: float = 0.0
     large_grad_window: int = 20
+    slow_factor: float = 1.0  # injected straggler (checkpoint/faults.py kind slow): compute x f
 
 
 def step_options(train: Any) -> StepOptions:
@@ -146,8 +146,10 @@ def optimizer_step(model: Any, optimizer: Any, opts: StepOptions, checks: GradCh
         for inner in _inner(optimizer):
             params = inner.get_parameters()
             if params:
-                clip_grad_by_total_norm_fp32(params, max_norm=opts.clip_grad,
-                                             total_norm=grad_norm)
+                # Looked up at call time: compat.cpu replaces the module attribute, and this
+                # module may be imported before the patches (train/worker.py's package import).
+                clip_grads.clip_grad_by_total_norm_fp32(params, max_norm=opts.clip_grad,
+                                                        total_norm=grad_norm)
     optimizer.step_with_ready_grads()
     return True, grad_norm
 
@@ -172,6 +174,7 @@ def train_step(model: Any, optimizer: Any, batches: list[MicroBatch], mask: torc
     device = next(model.parameters()).device
     for i, mb in enumerate(batches):
         ctx = model.no_sync() if i < n - 1 else contextlib.nullcontext()
+        t_mb = time.perf_counter()
         with ctx:
             loss = model(mb.tokens.to(device), mb.position_ids.to(device),
                          None if mask is None else mask.to(device),
@@ -179,6 +182,8 @@ def train_step(model: Any, optimizer: Any, batches: list[MicroBatch], mask: torc
             scaled = loss / n
             (scaled * scale if scale != 1.0 else scaled).backward()
         total += float(loss.detach())
+        if opts.slow_factor > 1.0:  # real wall time, proportional to this rank's work
+            time.sleep((opts.slow_factor - 1.0) * (time.perf_counter() - t_mb))
     t1 = time.perf_counter()
     model.finish_grad_sync()
     if after_sync is not None:
