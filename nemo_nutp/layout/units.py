@@ -21,6 +21,10 @@ Contract:
   gated and GQA layouts alike; pairing by local flat offset is not.
 * ``local_layout(kind, dims, units)`` returns, for each element of the rank's *local* tensor in
   megatron's memory order, its global flat index (gated fc1: all gate rows, then all up rows).
+* ``unit_view_shape(kind, dims, n_local)`` is the O(1) form of both: the local tensor viewed as
+  ``(H, n_local, W)`` and transposed to ``(n_local, H, W)`` holds unit ``u``'s elements at
+  ``[u]`` in canonical order (row blocks, column blocks and gate/up halves alike), so moving
+  units ``[lo, hi)`` is a strided view, never an index array.
 """
 
 from __future__ import annotations
@@ -130,6 +134,18 @@ def local_shape(kind: str, dims: ModelDims, n_local: int) -> tuple[int, ...]:
     out = list(shape)
     out[axis] = n_local * per_unit * (2 if half else 1)
     return tuple(out)
+
+
+def unit_view_shape(kind: str, dims: ModelDims, n_local: int) -> tuple[int, int, int]:
+    """``(H, n_local, W)``: viewing a rank's local tensor (``n_local`` consecutive units) with
+    this shape, ``view.transpose(0, 1)[u]`` is local unit ``u`` with its ``H * W`` elements in
+    canonical order. Row splits: ``H`` = 1, or 2 for the gate/up halves of gated fc1; column
+    splits: ``H`` = rows, ``W`` = the unit's columns."""
+    shape, per_unit, half = _geometry(kind, dims)
+    cols = shape[1] if len(shape) == 2 else 1
+    if PARAM_KINDS[kind].axis == 0:
+        return (2 if half else 1), n_local, per_unit * cols
+    return shape[0], n_local, per_unit
 
 
 def global_index(kind: str, dims: ModelDims, units: np.ndarray) -> np.ndarray:

@@ -8,10 +8,15 @@ megatron bucket group is given the ``NUTPBucketGroup`` behaviour (a subclass of 
 rank's ``GradSyncEngine`` from the backward hooks, and whose ``finish_grad_sync`` completes it.
 The bucket-group instances are built inside megatron's ``__init__`` (a nested function we cannot
 override), hence the ``__class__`` swap right after construction.
+
+Bucket size: ``ddp_config.bucket_size`` elements (default ``DEFAULT_BUCKET_SIZE``, fixed; not
+megatron's default, which grows with the DP group — here the whole stage) sizes both megatron's
+readiness buckets and the engine's per-group buckets.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -19,7 +24,7 @@ from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketG
 
 from ..layout import Plan
 from ..parallel.groups import NUTPGroups
-from .engine import GradSyncEngine
+from .engine import DEFAULT_BUCKET_SIZE, GradSyncEngine
 
 
 class NUTPBucketGroup(_ParamAndGradBucketGroup):
@@ -58,13 +63,18 @@ class NUTPDistributedDataParallel(DistributedDataParallel):
                              "not supported with NUTP yet")
         if ddp_config.num_distributed_optimizer_instances != 1:
             raise ValueError("ddp.num_distributed_optimizer_instances must be 1 with NUTP")
+        if ddp_config.bucket_size is None:  # megatron's default grows with the DP group
+            ddp_config = dataclasses.replace(ddp_config, bucket_size=DEFAULT_BUCKET_SIZE)
+        elif ddp_config.bucket_size < 1:
+            raise ValueError(f"sync.bucket_size={ddp_config.bucket_size}: must be >= 1")
         super().__init__(config, ddp_config, module, pg_collection=groups.pgs)
         if self.expert_parallel_bucket_groups:
             raise ValueError("expert parallel parameters are not supported with NUTP yet")
         if not ddp_config.overlap_grad_reduce:
             raise ValueError("ddp.overlap_grad_reduce must be True with NUTP (backward hooks "
                              "drive the canonical launch order)")
-        self.nutp_engine = GradSyncEngine(plan, groups, list(module.named_parameters()))
+        self.nutp_engine = GradSyncEngine(plan, groups, list(module.named_parameters()),
+                                          bucket_size=ddp_config.bucket_size)
         for bucket_group in self.bucket_groups:
             bucket_group.__class__ = NUTPBucketGroup
             bucket_group.nutp_engine = self.nutp_engine

@@ -6,58 +6,80 @@ order, i.e. roughly backward order):
 1. scale the accumulated gradient by the replica's weight ``w_r = samples_r / samples`` (so the
    sum over replicas is the exact global-batch gradient, never an average of averages);
 2. sharded parameters: send the units this rank holds but does not own to their sync owner
-   (reshard, async p2p), then all-reduce each owned shard's *sync buffer* — units ascending by
-   global index, each unit's elements in canonical order — among the shard's owners (one per
-   replica), so the same element is paired in every replica;
+   (reshard, async p2p); each owned shard's *sync buffer* — units ascending by global index,
+   each unit's elements in canonical order, so the same element is paired in every replica —
+   is a piece of a *bucket* of the shard's sync group (owners, one per replica): pieces going to
+   the same group are packed into buckets of about ``bucket_size`` elements, and each bucket is
+   one all-reduce, launched from the backward hooks as soon as its pieces are in;
 3. reshard back: owners return reduced units to their holders; every rank writes the reduced
    values into its own gradient at the unit's local positions;
-4. replicated parameters (norms, row-parallel biases): without sequence parallelism every TP rank
-   holds the replica's full gradient: the TP-rank-0 "leaders" all-reduce it and broadcast it in
-   their TP group (for uniform layouts this is megatron's DP all-reduce); under sequence
-   parallelism SP ranks hold partial sums (scaled by w_r), TP1 replicas full copies (w_r / t_r),
-   and all ranks of the stage all-reduce them in one collective.
+4. replicated parameters (norms, row-parallel biases), packed into buckets the same way: without
+   sequence parallelism every TP rank holds the replica's full gradient: the TP-rank-0 "leaders"
+   all-reduce them — in the buckets of the leaders' group, which owns shard 0 of every space —
+   and share the result with their TP group inside the grad-norm all-reduce below (for uniform
+   layouts this is megatron's DP all-reduce); under sequence parallelism SP ranks hold partial
+   sums (scaled by w_r), TP1 replicas full copies (w_r / t_r), and all ranks of the stage
+   all-reduce them.
+
+Buckets (``descriptors.plan_buckets``): pieces of sync shards with the same owners share buckets
+whatever their unit space, so a rank launches about (groups it owns shards in) + (its elements /
+``bucket_size``) all-reduces per step, plus the one TP-group all-reduce.
+
+Units move as strided views of the gradient (``layout.units.unit_view_shape``): the engine holds
+O(kinds + shards + parameters) descriptors (``descriptors.py``), never per-element indices.
 
 Grad norm (the single-process value, the same bits on every rank of the stage): every element
 of the reduced gradient is counted exactly once, *on the sync layout*. The owner of sync shard
-``k`` of a parameter squares-and-sums its reduced shard buffer (identical bits in every replica,
-since all owners received the same all-reduce result); TP rank 0 does the same for each
-replicated parameter. Each value goes into its own slot of a small per-TP-group vector; one
-all-reduce over the TP group fills every slot from its single contributor (adding zeros is
-exact), and the same vector summed in the same order gives the same total on every rank of every
-replica. ``grad_sumsq`` holds it after ``finish``; ``nonfinite_params()`` names the parameters
-whose slot is NaN/Inf.
+``k`` of a parameter squares-and-sums its reduced piece (identical bits in every replica, since
+all owners received the same all-reduce result); TP rank 0 does the same for each replicated
+parameter. Each value goes into its own slot of a small per-TP-group vector (followed, without
+sequence parallelism, by the leader's reduced replicated gradients in fp64); one all-reduce over
+the TP group fills every slot from its single contributor (adding zeros is exact), and the same
+vector summed in the same order gives the same total on every rank of every replica.
+``grad_sumsq`` holds it after ``finish``; ``nonfinite_params()`` names the parameters whose slot
+is NaN/Inf.
 
-Ordering contract: collectives on any group are *launched* in canonical order on every member
-(a shard's all-reduce waits for its received pieces), so members whose megatron buckets differ
-(uneven shards give different bucket boundaries) still pair the same operations. Nothing blocks
-inside backward hooks: hooks only post async p2p and launch the collectives that are ready.
+Ordering contract: buckets are launched in one canonical order (``descriptors.plan_buckets``: a
+restriction of one global order), a bucket only after its received pieces are in, so members
+whose megatron buckets differ still pair the same operations. Nothing blocks inside backward
+hooks: hooks only post async p2p and launch the buckets that are ready. The TP-group all-reduce
+and the reshard-back p2p run in ``finish`` (after backward: the TP group also carries backward's
+own collectives, and per-pair p2p must keep one order in both directions).
 """
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..layout import PARAM_KINDS, Plan, reshard_plan
-from ..layout.sync import owned_shards
-from ..layout.units import local_unit_positions, unit_numel
+from ..layout import PARAM_KINDS, SPACES, Plan
 from ..parallel.groups import NUTPGroups
+from .descriptors import (
+    BucketSpec,
+    Piece,
+    Transfer,
+    plan_buckets,
+    rank_bucket_items,
+    rank_sync,
+    sync_key,
+)
+
+DEFAULT_BUCKET_SIZE = 40_000_000
+"""Elements per bucket when none is given: megatron's floor, fixed (it never grows with the
+world, so the number of chances to overlap does not shrink at scale)."""
 
 
 @dataclass
-class _Shard:
-    k: int
-    lo: int  # shard units [lo, hi)
-    hi: int
+class _Bucket:
+    spec: BucketSpec
     group: dist.ProcessGroup
-    recvs: list[tuple[int, int, int]]  # (src global rank, unit lo, unit hi)
     buf: torch.Tensor | None = None
     recv_work: list[Any] = field(default_factory=list)
-    reduce_work: Any = None
+    work: Any = None
 
 
 @dataclass
@@ -66,23 +88,38 @@ class _Param:
     param: torch.nn.Parameter
     kind: str | None
     units: tuple[int, int] | None
+    view: tuple[int, int, int] | None = None  # (H, n_local, W), see unit_view_shape
     numel_unit: int = 0
-    pos: torch.Tensor | None = None  # (n_local, unit_numel) local flat positions
-    sends: list[tuple[int, int, int]] = field(default_factory=list)  # (dst global, lo, hi)
-    shards: list[_Shard] = field(default_factory=list)
+    sends: tuple[Transfer, ...] = ()  # (dst global, lo, hi)
+    pieces: list[tuple[_Bucket, Piece, tuple[Transfer, ...]]] = field(default_factory=list)
     partial: bool = False  # replicated param holding a per-rank partial sum (sequence parallel)
     slot: int = 0  # first slot of this param in the grad-norm vector
     n_slots: int = 1  # sync shards (sharded) or 1 (replicated)
     send_work: list[Any] = field(default_factory=list)
     back_recv: list[tuple[Any, torch.Tensor, int, int]] = field(default_factory=list)
-    reduce_work: Any = None
+    pos_override: torch.Tensor | None = None  # explicit index map (negative-control tests)
+
+    @property
+    def pos(self) -> torch.Tensor | None:
+        """(n_local, unit_numel) local flat position of each local unit's canonical elements
+        (built on demand from the view; O(elements), for tests only). Setting it makes the
+        engine pair by these positions instead of the views."""
+        if self.pos_override is not None or self.view is None:
+            return self.pos_override
+        h, n, w = self.view
+        return torch.arange(h * n * w).view(h, n, w).transpose(0, 1).reshape(n, h * w)
+
+    @pos.setter
+    def pos(self, value: torch.Tensor | None) -> None:
+        self.pos_override = value
 
 
 class GradSyncEngine:
     """Owns the per-step sync state of one rank; driven by the NUTP bucket groups."""
 
     def __init__(self, plan: Plan, groups: NUTPGroups,
-                 named_params: list[tuple[str, torch.nn.Parameter]]) -> None:
+                 named_params: list[tuple[str, torch.nn.Parameter]], *,
+                 bucket_size: int | None = None) -> None:
         self.plan, self.groups, self.ctx = plan, groups, groups.ctx
         self.dims = plan.request.model
         ctx = self.ctx
@@ -92,6 +129,8 @@ class GradSyncEngine:
         # with sequence parallelism somewhere, all ranks of the stage all-reduce (SP ranks hold
         # partial sums); otherwise TP-rank-0 leaders all-reduce and broadcast in their TP group.
         self.stage_mode = plan.request.parallel.sequence_parallel
+        self.bucket_size = DEFAULT_BUCKET_SIZE if bucket_size is None else bucket_size
+        self.sync = rank_sync(plan, ctx.rank)
         self.order: list[_Param] = [self._describe(n, p) for n, p in reversed(named_params)
                                     if p.requires_grad]
         self.index = {id(e.param): i for i, e in enumerate(self.order)}
@@ -99,6 +138,11 @@ class GradSyncEngine:
         for e in self.order:
             e.slot, slot = slot, slot + e.n_slots
         self.n_slots = slot
+        self.buckets = self._buckets()
+        # Replicated gradients the leader shares with its TP group (no sequence parallelism):
+        # they ride in the grad-norm all-reduce, the others adding zeros (exact).
+        self.shared = ([e for e in self.order if e.kind is None]
+                       if not self.stage_mode and self.ctx.degree > 1 else [])
         self.grad_sumsq = float("nan")  # of the last finished step (see module docstring)
         self.sumsq_slots: torch.Tensor | None = None
         self.reset()
@@ -111,33 +155,57 @@ class GradSyncEngine:
                    partial=bool(getattr(p, "sequence_parallel", False)))
         if kind is None:
             return e
-        ctx, plan = self.ctx, self.plan
-        space = PARAM_KINDS[kind].space
-        lay = plan.sync[(ctx.stage, space)]
-        b = lay.bounds[ctx.degree]
-        assert units == (int(b[ctx.tp_rank]), int(b[ctx.tp_rank + 1])), (name, units)
-        e.numel_unit = unit_numel(kind, self.dims)
-        e.pos = torch.from_numpy(local_unit_positions(kind, self.dims, units[1] - units[0])).to(
-            p.device)
-        e.n_slots = len(lay.shards) - 1
-        rp = reshard_plan(lay, ctx.degree)
-        e.sends = [(self.ranks[d], lo, hi) for d, lo, hi in rp.sends(ctx.tp_rank)]
-        recvs = [(self.ranks[s], lo, hi) for s, lo, hi in rp.recvs(ctx.tp_rank)]
-        owners = plan.sync_owner_ranks(ctx.stage, space)
-        for k in owned_shards(lay, ctx.degree, ctx.tp_rank):
-            lo, hi = int(lay.shards[k]), int(lay.shards[k + 1])
-            key = (ctx.stage, space, tuple(int(r) for r in owners[:, k]))
-            e.shards.append(_Shard(k=int(k), lo=lo, hi=hi, group=self.groups.sync[key],
-                                   recvs=[r for r in recvs if lo <= r[1] < hi]))
+        view = self.sync.kinds[kind]
+        space = self.sync.spaces[PARAM_KINDS[kind].space]
+        assert units == view.units, (name, units, view.units)
+        assert p.numel() == view.shape[0] * view.shape[1] * view.shape[2], (name, p.shape)
+        e.view, e.numel_unit = view.shape, view.unit_numel
+        e.n_slots = space.num_shards
+        e.sends = space.sends
         return e
+
+    def _replicated_key(self) -> Hashable | None:
+        """Where this rank reduces replicated gradients: the whole stage (sequence parallel),
+        the leaders' group — the owners of shard 0 of every space, so those pieces share their
+        buckets — or nowhere (a non-leader; its TP group's leader shares the result)."""
+        stage = self.ctx.stage
+        if self.stage_mode:
+            return ("stage", stage)
+        if self.leaders is None:
+            return None
+        return sync_key(stage, tuple(rep.ranks[stage][0] for rep in self.plan.replicas))
+
+    def _group(self, key: Hashable) -> dist.ProcessGroup:
+        if key == ("stage", self.ctx.stage):
+            return self.groups.stage
+        assert isinstance(key, tuple) and len(key) == 2, key
+        for space in SPACES:  # identical groups exist per space: all members take the first
+            g = self.groups.sync.get((key[0], space, key[1]))
+            if g is not None:
+                return g
+        assert self.leaders is not None and key == self._replicated_key(), key
+        return self.leaders
+
+    def _buckets(self) -> list[_Bucket]:
+        items = rank_bucket_items(self.sync, [(e.kind, e.param.numel()) for e in self.order],
+                                  self._replicated_key())
+        recvs = {(s.space, sh.k): sh.recvs for s in self.sync.spaces.values() for sh in s.owned}
+        out = []
+        for spec in plan_buckets(items, self.bucket_size):
+            b = _Bucket(spec, self._group(spec.key))
+            for pc in spec.pieces:
+                e = self.order[pc.param]
+                got = () if pc.k < 0 else recvs[(PARAM_KINDS[e.kind].space, pc.k)]  # type: ignore
+                e.pieces.append((b, pc, got))
+            out.append(b)
+        return out
 
     # ---------------------------------------------------------------- per step
     def reset(self) -> None:
         self.sent_bytes = 0  # reshard bytes this rank sent this step (there and back)
-        self.ready = np.zeros(len(self.order), dtype=bool)
-        self.posted = 0  # params whose p2p / replicated collectives are posted
-        self.launched = 0  # shard all-reduces launched, counted over the flattened queue
-        self.queue: list[tuple[_Param, _Shard | None]] = []
+        self.posted = 0  # params whose p2p / bucket pieces are posted (canonical prefix)
+        self.launched = 0  # position in buckets (the launch order)
+        self.ready = [False] * len(self.order)
         self.done = False
 
     def mark_ready(self, params: Any) -> None:
@@ -149,54 +217,76 @@ class GradSyncEngine:
             self.posted += 1
         self._launch(block=False)
 
-    def _local(self, e: _Param, lo: int, hi: int) -> torch.Tensor:
-        assert e.units is not None and e.pos is not None
-        return e.pos[lo - e.units[0]:hi - e.units[0]].reshape(-1)
+    def _units(self, e: _Param, lo: int, hi: int) -> torch.Tensor:
+        """(hi - lo, H, W) strided view of units [lo, hi) of the gradient, canonical order."""
+        assert e.units is not None and e.view is not None
+        h, n, w = e.view
+        a = e.units[0]
+        return e.param.main_grad.view(h, n, w).transpose(0, 1)[lo - a:hi - a]  # type: ignore
+
+    def _read(self, e: _Param, lo: int, hi: int, out: torch.Tensor) -> None:
+        """Copy units [lo, hi) of the gradient into the 1-D ``out`` (canonical order)."""
+        if e.pos_override is not None:
+            a = e.units[0]  # type: ignore[index]
+            idx = e.pos_override[lo - a:hi - a].reshape(-1)
+            out.copy_(e.param.main_grad.view(-1)[idx])  # type: ignore[attr-defined]
+        else:
+            out.view(hi - lo, e.view[0], e.view[2]).copy_(self._units(e, lo, hi))  # type: ignore
+
+    def _write(self, e: _Param, lo: int, hi: int, src: torch.Tensor) -> None:
+        """Write the 1-D canonical-order ``src`` into units [lo, hi) of the gradient."""
+        if e.pos_override is not None:
+            a = e.units[0]  # type: ignore[index]
+            idx = e.pos_override[lo - a:hi - a].reshape(-1)
+            e.param.main_grad.view(-1)[idx] = src  # type: ignore[attr-defined]
+        else:
+            self._units(e, lo, hi).copy_(src.view(hi - lo, e.view[0], e.view[2]))  # type: ignore
+
+    @staticmethod
+    def _buffer(b: _Bucket, like: torch.Tensor) -> torch.Tensor:
+        if b.buf is None:
+            b.buf = torch.empty(b.spec.numel, dtype=like.dtype, device=like.device)
+        return b.buf
 
     def _post(self, e: _Param) -> None:
         grad = e.param.main_grad  # type: ignore[attr-defined]
-        flat = grad.view(-1)
         w = self.ctx.weight
         if e.kind is None:
             if self.stage_mode:  # partial sums (SP) add up over TP; full copies count t times
                 grad.mul_(w if e.partial else w / self.ctx.degree)
-                self.queue.append((e, None))
             elif self.leaders is not None:
                 grad.mul_(w)
-                self.queue.append((e, None))
+            else:
+                return  # the leader's result arrives by broadcast in finish
+            for b, pc, _ in e.pieces:
+                self._buffer(b, grad)[pc.offset:pc.offset + pc.numel].copy_(grad.view(-1))
             return
         grad.mul_(w)
+        u = e.numel_unit
         for dst, lo, hi in e.sends:
-            piece = flat[self._local(e, lo, hi)]
+            piece = torch.empty((hi - lo) * u, dtype=grad.dtype, device=grad.device)
+            self._read(e, lo, hi, piece)
             e.send_work.append((dist.isend(piece, dst), piece))
             self.sent_bytes += piece.numel() * piece.element_size()
-        for sh in e.shards:
-            sh.buf = torch.empty((sh.hi - sh.lo) * e.numel_unit, dtype=grad.dtype,
-                                 device=grad.device)
-            for src, lo, hi in sh.recvs:
-                view = sh.buf[(lo - sh.lo) * e.numel_unit:(hi - sh.lo) * e.numel_unit]
-                sh.recv_work.append(dist.irecv(view, src))
-            mine_lo, mine_hi = max(sh.lo, e.units[0]), min(sh.hi, e.units[1])  # type: ignore
-            if mine_hi > mine_lo:
-                off = (mine_lo - sh.lo) * e.numel_unit
-                sh.buf[off:off + (mine_hi - mine_lo) * e.numel_unit] = flat[
-                    self._local(e, mine_lo, mine_hi)]
-            self.queue.append((e, sh))
+        for b, pc, recvs in e.pieces:
+            seg = self._buffer(b, grad)[pc.offset:pc.offset + pc.numel]
+            for src, lo, hi in recvs:
+                b.recv_work.append(dist.irecv(seg[(lo - pc.lo) * u:(hi - pc.lo) * u], src))
+            lo, hi = max(pc.lo, e.units[0]), min(pc.hi, e.units[1])  # type: ignore[index]
+            if hi > lo:
+                self._read(e, lo, hi, seg[(lo - pc.lo) * u:(hi - pc.lo) * u])
 
     def _launch(self, *, block: bool) -> None:
-        """Launch queued all-reduces strictly in order; stop at one whose pieces are missing."""
-        while self.launched < len(self.queue):
-            e, sh = self.queue[self.launched]
-            if sh is None:
-                group = self.groups.stage if self.stage_mode else self.leaders
-                e.reduce_work = dist.all_reduce(e.param.main_grad, group=group,  # type: ignore
-                                                async_op=True)
-            else:
-                if not block and not all(w.is_completed() for w in sh.recv_work):
-                    return
-                for w in sh.recv_work:
-                    w.wait()
-                sh.reduce_work = dist.all_reduce(sh.buf, group=sh.group, async_op=True)
+        """Launch buckets strictly in order; stop at one not complete or with pieces missing."""
+        while self.launched < len(self.buckets):
+            b = self.buckets[self.launched]
+            if b.spec.ready_at >= self.posted:
+                return
+            if not block and not all(w.is_completed() for w in b.recv_work):
+                return
+            for w in b.recv_work:
+                w.wait()
+            b.work = dist.all_reduce(b.buf, group=b.group, async_op=True)
             self.launched += 1
 
     def name_of(self, param: torch.nn.Parameter) -> str:
@@ -211,7 +301,7 @@ class GradSyncEngine:
         or, with ``strict`` (end of backward), an error naming the parameters never marked."""
         if self.done:
             return
-        if not self.ready.all():
+        if not all(self.ready):
             if strict:
                 missing = self.not_ready()
                 raise RuntimeError(
@@ -221,48 +311,73 @@ class GradSyncEngine:
             return
         self._launch(block=True)
         device = self.order[0].param.device if self.order else torch.device("cpu")
-        sumsq = torch.zeros(self.n_slots, dtype=torch.float64, device=device)
-        backs: list[Any] = []
-        for e in self.order:
-            if e.kind is None:
-                self._finish_replicated(e)
-                if self.ctx.tp_rank == 0:
-                    sumsq[e.slot] = _sumsq(e.param.main_grad)  # type: ignore[attr-defined]
-                continue
-            flat = e.param.main_grad.view(-1)  # type: ignore[attr-defined]
-            for work, _piece in e.send_work:
-                work.wait()
-            for dst, lo, hi in e.sends:  # our units come back reduced from their owner
-                piece = torch.empty((hi - lo) * e.numel_unit, dtype=flat.dtype,
-                                    device=flat.device)
-                e.back_recv.append((dist.irecv(piece, dst), piece, lo, hi))
-            for sh in e.shards:
-                sh.reduce_work.wait()
-                sumsq[e.slot + sh.k] = _sumsq(sh.buf)  # type: ignore[arg-type]
-                mine_lo, mine_hi = max(sh.lo, e.units[0]), min(sh.hi, e.units[1])  # type: ignore
-                if mine_hi > mine_lo:
-                    off = (mine_lo - sh.lo) * e.numel_unit
-                    flat[self._local(e, mine_lo, mine_hi)] = sh.buf[  # type: ignore[index]
-                        off:off + (mine_hi - mine_lo) * e.numel_unit]
-                for src, lo, hi in sh.recvs:
-                    off = (lo - sh.lo) * e.numel_unit
-                    view = sh.buf[off:off + (hi - lo) * e.numel_unit]  # type: ignore[index]
-                    backs.append((dist.isend(view.contiguous(), src), None))
-                    self.sent_bytes += view.numel() * view.element_size()
-        for e in self.order:
-            for work, piece, lo, hi in e.back_recv:
-                work.wait()
-                e.param.main_grad.view(-1)[self._local(e, lo, hi)] = piece  # type: ignore
-        for work, _ in backs:
-            work.wait()
+        shared = sum(e.param.numel() for e in self.shared)
+        tp_buf = torch.zeros(self.n_slots + shared, dtype=torch.float64, device=device)
+        sumsq = tp_buf[:self.n_slots]
+        self._finish_replicated(sumsq)
+        self._finish_sharded(sumsq)
+        if self.ctx.tp_rank == 0 and shared:
+            tp_buf[self.n_slots:].copy_(torch.cat(
+                [e.param.main_grad.reshape(-1) for e in self.shared]))  # type: ignore
         # One contributor per slot in every TP group: the sum is exact, the total the same bits
         # in every replica. (With pipeline stages this becomes the replica's model-parallel
         # group.)
-        dist.all_reduce(sumsq, group=self.groups.tp)
+        dist.all_reduce(tp_buf, group=self.groups.tp)
+        off = self.n_slots
+        for e in self.shared:  # fp32/bf16 -> fp64 -> back is exact
+            grad = e.param.main_grad  # type: ignore[attr-defined]
+            grad.view(-1).copy_(tp_buf[off:off + grad.numel()])
+            off += grad.numel()
         self.sumsq_slots = sumsq
         self.grad_sumsq = float(sumsq.sum())
         self._clear()
         self.done = True
+
+    def _finish_replicated(self, sumsq: torch.Tensor) -> None:
+        """Replicated gradients this rank reduced: back from their buckets; norm at TP rank 0."""
+        for e in self.order:
+            if e.kind is not None:
+                continue
+            grad = e.param.main_grad  # type: ignore[attr-defined]
+            for b, pc, _ in e.pieces:
+                if b.work is not None:
+                    b.work.wait()
+                    b.work = None
+                grad.view(-1).copy_(b.buf[pc.offset:pc.offset + pc.numel])  # type: ignore
+                if self.ctx.tp_rank == 0:
+                    sumsq[e.slot] = _sumsq(grad)
+
+    def _finish_sharded(self, sumsq: torch.Tensor) -> None:
+        backs: list[Any] = []
+        for e in self.order:
+            if e.kind is None:
+                continue
+            grad = e.param.main_grad  # type: ignore[attr-defined]
+            u = e.numel_unit
+            for work, _piece in e.send_work:
+                work.wait()
+            for dst, lo, hi in e.sends:  # our units come back reduced from their owner
+                piece = torch.empty((hi - lo) * u, dtype=grad.dtype, device=grad.device)
+                e.back_recv.append((dist.irecv(piece, dst), piece, lo, hi))
+            for b, pc, recvs in e.pieces:
+                if b.work is not None:
+                    b.work.wait()
+                    b.work = None
+                seg = b.buf[pc.offset:pc.offset + pc.numel]  # type: ignore[index]
+                sumsq[e.slot + pc.k] = _sumsq(seg)
+                lo, hi = max(pc.lo, e.units[0]), min(pc.hi, e.units[1])  # type: ignore[index]
+                if hi > lo:
+                    self._write(e, lo, hi, seg[(lo - pc.lo) * u:(hi - pc.lo) * u])
+                for src, lo, hi in recvs:
+                    view = seg[(lo - pc.lo) * u:(hi - pc.lo) * u]
+                    backs.append(dist.isend(view, src))
+                    self.sent_bytes += view.numel() * view.element_size()
+        for e in self.order:
+            for work, piece, lo, hi in e.back_recv:
+                work.wait()
+                self._write(e, lo, hi, piece)
+        for work in backs:
+            work.wait()
 
     def nonfinite_params(self) -> list[str]:
         """Parameters whose reduced gradient holds NaN/Inf (the same list on every rank)."""
@@ -271,21 +386,13 @@ class GradSyncEngine:
         bad = ~torch.isfinite(self.sumsq_slots.cpu())
         return [e.name for e in self.order if bool(bad[e.slot:e.slot + e.n_slots].any())]
 
-    def _finish_replicated(self, e: _Param) -> None:
-        if e.reduce_work is not None:
-            e.reduce_work.wait()
-        if not self.stage_mode and self.ctx.degree > 1:  # leaders hold the result: share it
-            dist.broadcast(e.param.main_grad, src=self.ranks[0],  # type: ignore[attr-defined]
-                           group=self.groups.tp)
-
     def _clear(self) -> None:
         for e in self.order:
             e.send_work.clear()
             e.back_recv.clear()
-            e.reduce_work = None
-            for sh in e.shards:
-                sh.buf, sh.reduce_work = None, None
-                sh.recv_work.clear()
+        for b in self.buckets:
+            b.buf, b.work = None, None
+            b.recv_work.clear()
 
 
 def _sumsq(t: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ from nemo_nutp.layout.units import (
     rank_work,
     space_bounds,
     unit_numel,
+    unit_view_shape,
 )
 
 from .strategies import model_dims
@@ -51,6 +52,26 @@ def test_local_layouts_partition_the_global_tensor(dims: ModelDims, data: st.Dat
             assert canon.shape == (len(units), unit_numel(kind, dims))
             assert np.array_equal(lay[pos], canon), kind
             assert np.all(np.diff(canon, axis=1) > 0)  # canonical = ascending global index
+
+
+@settings(max_examples=150, deadline=None)
+@given(dims=model_dims(), data=st.data())
+def test_unit_views_give_canonical_order(dims: ModelDims, data: st.DataObject) -> None:
+    """The O(1) strided view (what the sync engine moves) selects, for any unit range of any
+    rank, exactly the global elements ``global_index`` names, in its canonical order."""
+    for kind, pk in PARAM_KINDS.items():
+        n = num_units(dims, pk.space)
+        t = data.draw(st.integers(1, n), label=kind)
+        b = assignment(n, t)
+        j = data.draw(st.integers(0, t - 1), label=f"{kind} rank")
+        units = np.arange(b[j], b[j + 1])
+        h, n_local, w = unit_view_shape(kind, dims, len(units))
+        lay = local_layout(kind, dims, units)  # global index of each local element
+        assert h * n_local * w == lay.size, kind
+        lo = data.draw(st.integers(0, len(units) - 1), label=f"{kind} lo")
+        hi = data.draw(st.integers(lo + 1, len(units)), label=f"{kind} hi")
+        got = lay.reshape(h, n_local, w).transpose(1, 0, 2)[lo:hi].reshape(hi - lo, -1)
+        assert np.array_equal(got, global_index(kind, dims, units[lo:hi])), kind
 
 
 def test_layouts_match_megatron_memory_order() -> None:
