@@ -1,10 +1,9 @@
 """nemo_nutp: non-uniform tensor parallelism for Megatron-Core."""
 
-import warnings
+from .compat.quiet import filter_notes
 
-# nvidia-resiliency-ext (ft_launcher) depends on the deprecated ``pynvml`` shim package, which
-# warns on every ``import torch``; the NVML bindings it redirects to are the supported ones.
-warnings.filterwarnings("ignore", message="The pynvml package is deprecated",
-                        category=FutureWarning)
+# megatron-core's notes that Transformer Engine / Apex are absent, and nvidia-resiliency-ext's
+# deprecated ``pynvml`` shim (warns on every ``import torch``): nothing a user can act on.
+filter_notes()
 
 __version__ = "0.1.0"

@@ -6,6 +6,7 @@ same samples."""
 from __future__ import annotations
 
 import os
+import sys
 
 import numpy as np
 import torch
@@ -13,20 +14,40 @@ import torch
 from .synthetic import MicroBatch
 
 
+def _read_tokens(path_prefix: str) -> np.ndarray:
+    """All tokens of the dataset. A malformed or truncated file is a ``ValueError`` naming it.
+
+    megatron's reader fails on bad files with messages that name no file (a truncated ``.bin``:
+    "buffer is smaller than requested size"), and a half-built ``IndexedDataset`` then raises in
+    its ``__del__`` ("Exception ignored in ..."): it is released here, with that report muted,
+    before our error propagates (no reference to it survives the ``except`` block)."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    problem = None
+    hook = sys.unraisablehook
+    sys.unraisablehook = lambda _: None
+    try:
+        try:
+            ds = IndexedDataset(path_prefix)
+            tokens = np.concatenate([np.asarray(ds[i]) for i in range(len(ds))])
+            del ds
+        except Exception as e:  # megatron asserts on malformed index files
+            problem = " ".join(str(e).split()) or type(e).__name__
+    finally:
+        sys.unraisablehook = hook
+    if problem is not None:
+        raise ValueError(f"train.data_path={path_prefix!r}: cannot read indexed dataset "
+                         f"{path_prefix}.idx/.bin (malformed or truncated: {problem})")
+    return tokens.astype(np.int64)
+
+
 class IndexedTokenSource:
     def __init__(self, path_prefix: str, *, vocab_size: int, seq_length: int) -> None:
-        from megatron.core.datasets.indexed_dataset import IndexedDataset
-
         missing = [f"{path_prefix}{ext}" for ext in (".bin", ".idx")
                    if not os.path.isfile(f"{path_prefix}{ext}")]
         if missing:
             raise ValueError(f"train.data_path={path_prefix!r}: missing {', '.join(missing)}")
-        try:
-            ds = IndexedDataset(path_prefix)
-        except Exception as e:  # megatron asserts on malformed index files
-            raise ValueError(f"train.data_path={path_prefix!r}: cannot open indexed dataset "
-                             f"({e})") from None
-        self.tokens = np.concatenate([np.asarray(ds[i]) for i in range(len(ds))]).astype(np.int64)
+        self.tokens = _read_tokens(path_prefix)
         if self.tokens.size < seq_length + 2:
             raise ValueError(f"train.data_path={path_prefix!r}: only {self.tokens.size} tokens")
         if int(self.tokens.max()) >= vocab_size:

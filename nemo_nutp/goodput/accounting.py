@@ -11,12 +11,17 @@ Per step of wall time ``T`` on a cluster of ``N`` GPUs, ``N * T`` GPU-seconds sp
 * ``checkpoint`` and ``restart`` — time spent saving or restarting (charged to all GPUs).
 
 By construction the parts add up to the total; ``GoodputLedger.check()`` verifies it (a test
-does too). Pure Python: no torch.
+does too). Goodput is ``useful / total``. A resumed run continues the saved ledger
+(``snapshot``/``restore``): the earlier runs' GPU-seconds are carried as they were, measured on
+their own cluster size, and this run adds its own cluster size x its wall time, so the parts add
+up after a resume on any cluster. Pure Python: no torch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 CAUSES = ("useful", "sync", "slack", "failed", "idle", "checkpoint", "restart")
 
@@ -28,7 +33,9 @@ class GoodputLedger:
     idle_gpus: int
     totals: dict[str, float] = field(default_factory=lambda: {c: 0.0 for c in CAUSES})
     per_step: list[dict[str, float]] = field(default_factory=list)
-    wall_s: float = 0.0
+    wall_s: float = 0.0  # this run's accounted wall time
+    carried_gpu_s: float = 0.0  # allocated GPU-seconds of earlier runs (restored)
+    carried_wall_s: float = 0.0
 
     def add_step(self, step_s: float, replicas: list[tuple[int, float, float, float]]) -> float:
         """Account one step. ``replicas``: (degree, compute_s, sync_s, optimizer_s) each, the
@@ -61,7 +68,25 @@ class GoodputLedger:
 
     @property
     def total(self) -> float:
-        return self.cluster_gpus * self.wall_s
+        return self.carried_gpu_s + self.cluster_gpus * self.wall_s
+
+    @property
+    def run_wall_s(self) -> float:
+        """Wall time accounted over this run and the earlier ones it continues."""
+        return self.carried_wall_s + self.wall_s
+
+    def snapshot(self) -> dict[str, Any]:
+        """What a checkpoint keeps so that a resumed run continues this ledger."""
+        return {"totals": dict(self.totals), "total_gpu_s": self.total,
+                "wall_s": self.run_wall_s}
+
+    def restore(self, saved: Mapping[str, Any]) -> None:
+        """Continue a saved ledger (``snapshot``; older checkpoints lack ``total_gpu_s``: their
+        parts add up to it). Steps and pauses of this run are added on top."""
+        self.totals = {c: float(saved["totals"].get(c, 0.0)) for c in CAUSES}
+        self.carried_gpu_s = float(saved.get("total_gpu_s", sum(self.totals.values())))
+        self.carried_wall_s = float(saved["wall_s"])
+        self.wall_s = 0.0
 
     @property
     def goodput(self) -> float:
@@ -75,5 +100,5 @@ class GoodputLedger:
 
     def as_dict(self) -> dict[str, float]:
         out = {f"{c}_gpu_s": v for c, v in self.totals.items()}
-        out.update(total_gpu_s=self.total, wall_s=self.wall_s, goodput=self.goodput)
+        out.update(total_gpu_s=self.total, wall_s=self.run_wall_s, goodput=self.goodput)
         return out

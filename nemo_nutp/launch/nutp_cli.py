@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 
-from rich.console import Console
+from .console import make_console, print_error
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -16,7 +16,7 @@ def _plan(args: argparse.Namespace) -> int:
     from ..layout.serialize import plan_to_dict, write_json_atomic
     from .plan_report import print_plan
 
-    console = Console()
+    console = make_console()
     try:
         cfg = load_job(args.overrides, config_name=args.config_name, recipe=args.recipe)
         req = plan_request(cfg)
@@ -28,7 +28,7 @@ def _plan(args: argparse.Namespace) -> int:
         plan = build_plan(req)
         elapsed = time.perf_counter() - t0
     except ValueError as e:
-        console.print(f"[red]error:[/] {e}")
+        print_error(str(e))
         return 2
     comparison = print_plan(plan, console)
     console.print(f"planned in {elapsed * 1e3:.1f} ms; reshard {plan.reshard_bytes() / 1e6:.2f}"
@@ -42,6 +42,9 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ..compat.quiet import quiet_optional_kernel_notes
+
+    quiet_optional_kernel_notes()
     parser = argparse.ArgumentParser(prog="nutp", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="plan replicas, ranks, groups and shares for a cluster")

@@ -12,12 +12,12 @@ The configuration is validated and the plan built *before* any process group exi
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from typing import Any
 
-from rich.console import Console
-from rich.markup import escape
+from .console import make_console, print_error
 
 
 def _launcher_env() -> tuple[int, int, int] | None:
@@ -40,14 +40,13 @@ def preflight(cfg: Any) -> None:
 
         IndexedTokenSource(cfg.train.data_path, vocab_size=cfg.model.vocab_size,
                            seq_length=cfg.model.seq_length)
-    root = cfg.checkpoint_dir
-    if root is not None and cfg.checkpoint.resume:
-        from ..checkpoint.store import check_compatible, find_latest, read_marker
+    from ..checkpoint.hooks import resume_candidates
+    from ..checkpoint.store import check_compatible, read_marker
 
-        latest = find_latest(root)
-        marker = read_marker(latest) if latest is not None else None
-        if latest is not None and marker is not None:
-            check_compatible(marker, cfg.model, latest)
+    found = resume_candidates(cfg)  # a given path with nothing loadable: ValueError naming it
+    marker = read_marker(found[0]) if found else None
+    if marker is not None:
+        check_compatible(marker, cfg.model, found[0])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,7 +56,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="Hydra overrides, e.g. nutp.replicas=[4,3] or recipe=llama3_8b_h100")
     ap.add_argument("--config-name", default="config", help="primary config in configs/")
     args = ap.parse_args(argv)
-    console = Console()
+    from ..compat.quiet import quiet_optional_kernel_notes
+
+    quiet_optional_kernel_notes()
+    console = make_console()
     from ..config import plan_request
     from ..config.recipes import load_job
     from ..layout import build_plan
@@ -76,10 +78,32 @@ def main(argv: list[str] | None = None) -> int:
         plan = build_plan(plan_request(cfg, world_size=None if env is None or under_recovery
                                        else env[1]))
         preflight(cfg)
+        lock = _lock_for(cfg, env)
     except ValueError as e:  # one line, whatever the width; the message is not markup
-        console.print(f"[red]error:[/] {escape(str(e))}", soft_wrap=True)
+        print_error(str(e))
         return 2
-    if env is not None and under_recovery:
+    try:
+        return _run(cfg, plan, env, slot, console)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _lock_for(cfg: Any, env: tuple[int, int, int] | None) -> Any:
+    """The output directory's lock, taken by the process that owns the run's outputs: the
+    local launcher, or rank 0 (worker slot 0 under recovery) of an external launcher."""
+    if env is not None and env[0] != 0:
+        return None
+    from .output_lock import OutputLock
+
+    return OutputLock(cfg.output.dir).acquire()
+
+
+def _run(cfg: Any, plan: Any, env: tuple[int, int, int] | None, slot: int,
+         console: Any) -> int:
+    under_recovery = env is not None and cfg.recovery.enabled
+    if under_recovery:
+        assert env is not None
         from ..recovery import elastic
 
         attempt = elastic.attempt_number(dict(os.environ))
@@ -98,12 +122,32 @@ def main(argv: list[str] | None = None) -> int:
         from ..recovery.supervisor import supervise
 
         return supervise(cfg, console)
+    return _spawn_local(cfg, plan)
+
+
+def _spawn_local(cfg: Any, plan: Any) -> int:
+    """The plan's world as local processes; a rank's error is one line (``train/worker.py``)."""
+    import time
+
     import torch.multiprocessing as mp
 
     from ..launch.ports import free_port
-    from ..train.worker import spawned
+    from ..train.worker import PARENT_REPORTS, first_error, spawned
 
-    mp.spawn(spawned, args=(plan.world_size, cfg, plan, free_port()), nprocs=plan.world_size)
+    os.environ[PARENT_REPORTS] = "1"
+    # torch logs one "Terminating process ... via signal SIGTERM" per surviving rank when one
+    # fails: noise around the one line that says why
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
+    since = time.time()
+    try:
+        mp.spawn(spawned, args=(plan.world_size, cfg, plan, free_port()), nprocs=plan.world_size)
+    except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:
+        rec = first_error(cfg.output.dir, since)
+        if rec is None:
+            print_error(f"rank {e.error_index} failed: {' '.join(str(e).split())[:300]}")
+            return 1
+        print_error(f"rank {rec['rank']}: {rec['message']} (details: {rec['log']})")
+        return int(rec["code"])
     return 0
 
 

@@ -10,24 +10,29 @@ from rich.table import Table
 
 from ..layout import POLICIES, Plan, PlanRequest, build_plan, reshard_plan
 from ..layout.units import SPACES
+from .console import make_console
 
 
 def replicas_table(plan: Plan) -> Table:
     """One row per distinct (degrees, micro-batches) pattern; thousands of replicas stay short."""
     t = Table(title=f"Plan ({plan.request.policy}): {plan.world_size} ranks, "
                     f"{len(plan.replicas)} replicas")
+    stragglers = any(r.straggler for r in plan.replicas)
     for col in ("replicas", "TP per stage", "healthy GPUs", "speed", "micro-batches", "weight",
-                "first ranks"):
+                "first ranks") + (("slow GPU: choice (speed keep / exclude)",) if stragglers
+                                  else ()):
         t.add_column(col, justify="right")
     groups: dict[tuple, list] = {}
     for r in plan.replicas:
-        groups.setdefault((r.tp, r.healthy, r.microbatches), []).append(r)
-    for (tp, healthy, mb), reps in groups.items():
+        groups.setdefault((r.tp, r.healthy, r.microbatches, r.straggler, r.speed_keep,
+                           r.speed_exclude), []).append(r)
+    for (tp, healthy, mb, choice, keep, excl), reps in groups.items():
         first = reps[0].ranks[0]
         ranks = f"{first[0]}..{first[-1]}" if len(first) > 1 else str(first[0])
+        extra = (f"{choice} ({keep:.3f} / {excl:.3f})" if choice else "-",) if stragglers else ()
         t.add_row(str(len(reps)), "/".join(map(str, tp)), "/".join(map(str, healthy)),
                   f"{reps[0].speed:.3f}", str(mb), f"{reps[0].weight:.4f}",
-                  ranks + (" ..." if len(reps) > 1 else ""))
+                  ranks + (" ..." if len(reps) > 1 else ""), *extra)
     return t
 
 
@@ -71,7 +76,7 @@ def compare_policies(req: PlanRequest) -> tuple[Table, dict[str, dict]]:
 
 
 def print_plan(plan: Plan, console: Console | None = None) -> dict[str, dict]:
-    console = console or Console()
+    console = console or make_console()
     c = plan.request.cluster
     console.print(f"[bold]{c.name}[/]: {c.num_gpus} GPUs, domains of {c.domain_size}, "
                   f"{len(plan.request.health.failed_gpus)} failed; model "

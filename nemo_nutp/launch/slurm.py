@@ -372,13 +372,12 @@ def write_text_atomic(text: str, path: str | Path, *, mode: int = 0o755) -> None
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
     from ..config import plan_request
     from ..config.recipes import load_job, split_recipe
     from ..layout import build_plan
+    from .console import make_console
 
-    console = Console()
+    console = make_console()
     try:
         recipe, overrides = split_recipe(args.overrides, args.recipe)
         cfg = load_job(overrides, config_name=args.config_name, recipe=recipe)

@@ -11,6 +11,7 @@ from rich.table import Table
 
 from ..goodput.accounting import CAUSES, GoodputLedger
 from ..layout.serialize import atomic_path
+from .console import make_console
 
 _LABELS = {"useful": "useful work", "sync": "exposed sync (reshard + reduce) + optimizer",
            "slack": "slack: waiting for slower replicas", "failed": "failed GPUs idle",
@@ -27,8 +28,11 @@ def print_goodput(ledger: GoodputLedger, console: Console | None = None, *,
         caption = (f"{len(restarts)} restart(s): {lost} step(s) recomputed, "
                    f"{sum(secs):.1f} s from failure to resumed training"
                    " (charged to restart time)")
-    t = Table(title=f"Goodput report: {ledger.cluster_gpus} GPUs x {ledger.wall_s:.1f} s",
-              caption=caption)
+    title = (f"Goodput report: {ledger.cluster_gpus} GPUs x {ledger.wall_s:.1f} s"
+             if not ledger.carried_gpu_s else
+             f"Goodput report: {ledger.carried_gpu_s:.1f} GPU-s before the resume + "
+             f"{ledger.cluster_gpus} GPUs x {ledger.wall_s:.1f} s")
+    t = Table(title=title, caption=caption)
     t.add_column("where the GPU-time went")
     t.add_column("GPU-s", justify="right")
     t.add_column("share", justify="right")
@@ -36,7 +40,8 @@ def print_goodput(ledger: GoodputLedger, console: Console | None = None, *,
         v = ledger.totals[c]
         t.add_row(_LABELS[c], f"{v:.2f}", f"{v / ledger.total:.1%}" if ledger.total else "-")
     t.add_row("[bold]total", f"{ledger.total:.2f}", "100.0%")
-    (console or Console()).print(t)
+    t.add_row("[bold]goodput[/] (useful share)", "", f"[bold]{ledger.goodput:.1%}")
+    (console or make_console()).print(t)
 
 
 def plot_training(rows: list[dict[str, Any]], path: Path, *,
@@ -52,9 +57,14 @@ def plot_training(rows: list[dict[str, Any]], path: Path, *,
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
     a.plot(steps, [r["loss"] for r in rows], marker=".")
     a.set(xlabel="step", ylabel="loss", title="training loss (global batch)")
-    b.plot(steps, [100 * r["goodput"] for r in rows], marker=".", color="tab:green")
+    b.plot(steps, [100 * r["goodput"] for r in rows], marker=".", color="tab:green",
+           label="run so far (= bar, report, goodput.json)")
+    if all("step_goodput" in r for r in rows):
+        b.plot(steps, [100 * r["step_goodput"] for r in rows], color="tab:green", alpha=0.35,
+               lw=1, label="each step alone (no pauses)")
     b.set(xlabel="step", ylabel="goodput %", title="goodput (useful / allocated GPU-time)",
           ylim=(0, 100))
+    b.legend(loc="lower right", fontsize=8)
     for ax in (a, b):
         ax.grid(alpha=0.3)
         for k, r in enumerate(restarts):

@@ -66,7 +66,9 @@ def is_comm_wait(filename: str, line: str) -> bool:
 
 def blame_hang(progress: Mapping[int, Progress | None], *, now: float, timeout_s: float,
                started_at: float, startup_timeout_s: float,
-               activity: Mapping[int, Activity | None] | None = None) -> Failure | None:
+               activity: Mapping[int, Activity | None] | None = None,
+               collectives: Mapping[int, Mapping[str, int] | None] | None = None,
+               ) -> Failure | None:
     """A hang: no sign of progress for ``timeout_s`` (or no heartbeat at all within
     ``startup_timeout_s`` and no rank activity for ``timeout_s``). Signs of progress are step
     heartbeats and, between steps (the newest heartbeat is a 'done': checkpoint saves and the
@@ -74,7 +76,12 @@ def blame_hang(progress: Mapping[int, Progress | None], *, now: float, timeout_s
     step only heartbeats count, so a rank that spins without finishing its step is still found.
 
     Peers of a hung rank block in its next collective, so every rank looks stale and usually
-    all report the same step. With ``activity``, the ranks *not* blocked on communication (or
+    all report the same step. With ``collectives`` (per rank: how many collectives it entered
+    on each process group) the ranks others wait for and that wait for nobody are blamed
+    (``hang_roots``): this needs no timing and no guess of where a rank waits (a victim whose
+    main thread waits on a helper thread blocked in a collective, or a victim blocked on another
+    victim, is not a root). Else, with
+    ``activity``, the ranks *not* blocked on communication (or
     whose watcher fell silent for ``timeout_s``) are blamed when some but not all are. Otherwise
     the hung rank is the one that progressed least; if all progressed equally nobody is blamed
     (restart the same layout)."""
@@ -95,6 +102,11 @@ def blame_hang(progress: Mapping[int, Progress | None], *, now: float, timeout_s
     if silent and now - started_at > startup_timeout_s:
         return Failure(silent, "never sent a heartbeat")
     least = min(p.rank_key for p in beats)
+    if collectives:
+        late = hang_roots(collectives)
+        if 0 < len(late) < len(progress):
+            return Failure(late, f"hung: no progress for {timeout_s:.0f} s at step {least[0]}, "
+                           "behind its peers in their collectives")
     if activity is not None:
         stuck = tuple(sorted(r for r in progress if r not in acts or not acts[r].waiting
                              or now - acts[r].t > timeout_s))
@@ -105,6 +117,36 @@ def blame_hang(progress: Mapping[int, Progress | None], *, now: float, timeout_s
     if len(behind) == len(progress):
         return Failure((), f"all ranks stalled for {timeout_s:.0f} s at step {least[0]}")
     return Failure(behind, f"hung: no progress for {timeout_s:.0f} s at step {least[0]}")
+
+
+def waits_for(collectives: Mapping[int, Mapping[str, int] | None]) -> dict[int, set[int]]:
+    """Who waits for whom, from the collectives each rank entered per process group.
+
+    ``collectives[r]`` maps a group key ``"<name>:<r0>,<r1>,..."`` (the group's name, the same on
+    every member, and its member ranks) to the number of collectives rank ``r`` entered on it;
+    ``None`` for a rank that reported nothing (never judged). Members call a group's collectives
+    in the same order, so a member that entered more collectives on a group than another one
+    is in (or past, if asynchronous) a collective that cannot finish without that other member:
+    it waits for it. A member absent from another member's counts entered none on that group.
+    Collectives some code path does not count are missed by every member alike, so they add no
+    edge."""
+    edges: dict[int, set[int]] = {r: set() for r, c in collectives.items() if c is not None}
+    keys = {k for c in collectives.values() if c for k in c}
+    for key in keys:
+        members = [int(m) for m in key.rsplit(":", 1)[1].split(",") if m]
+        counts = {m: c.get(key, 0) for m in members if (c := collectives.get(m)) is not None}
+        for r, n in counts.items():
+            edges[r].update(m for m, k in counts.items() if k < n)
+    return edges
+
+
+def hang_roots(collectives: Mapping[int, Mapping[str, int] | None]) -> tuple[int, ...]:
+    """Ranks some rank waits for and that wait for nobody (``waits_for``): where a hang
+    starts. Victims that wait for a victim (a chain through several groups) are not roots.
+    Empty when no rank waits (all in one collective) or the waits form a cycle."""
+    edges = waits_for(collectives)
+    waited = set().union(*edges.values()) if edges else set()
+    return tuple(sorted(r for r in waited if not edges.get(r)))
 
 
 def next_failed(current: frozenset[int], blamed_gpus: tuple[int, ...],
@@ -146,7 +188,7 @@ def scale_up_blocker(cfg: Any) -> str | None:
     """Why the job cannot restart for returned GPUs without losing steps (None: it can)."""
     if cfg.checkpoint_dir is None or cfg.checkpoint.interval <= 0:
         return "checkpointing is off"
-    if not cfg.checkpoint.resume:
+    if cfg.checkpoint.resume == "never":
         return "checkpoint.resume is false"
     return None
 

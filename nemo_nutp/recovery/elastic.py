@@ -329,7 +329,8 @@ def start_watchdog(cfg: Any, job: Any, plan: Any, failed: frozenset[int], rdir: 
             failure = blame_hang(watch.read_progress(hb_dir, world), now=now,
                                  timeout_s=rec.heartbeat_timeout_s, started_at=started,
                                  startup_timeout_s=rec.startup_timeout_s,
-                                 activity=watch.read_activity(hb_dir, world))
+                                 activity=watch.read_activity(hb_dir, world),
+                                 collectives=watch.read_collectives(hb_dir, world))
             if failure is not None:
                 where = {str(r): watch.read_where(hb_dir, r) for r in failure.ranks}
                 write_json_atomic({"ranks": list(failure.ranks), "reason": failure.reason,

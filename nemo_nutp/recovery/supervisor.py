@@ -140,7 +140,8 @@ def _run_world(cfg: Any, job: Any, plan: Any, failed: frozenset[int], attempt: i
             failure, cause = blame_hang(
                 watch.read_progress(hb, world), now=now, timeout_s=rec.heartbeat_timeout_s,
                 started_at=started, startup_timeout_s=rec.startup_timeout_s,
-                activity=watch.read_activity(hb, world)), "hang"
+                activity=watch.read_activity(hb, world),
+                collectives=watch.read_collectives(hb, world)), "hang"
         if failure is None:
             scale = health_watch.poll(now)
         if failure is not None or scale is not None:

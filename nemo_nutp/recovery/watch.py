@@ -33,10 +33,80 @@ HEALTH_POLL_S = 1.0  # the health report, for GPUs reported back
 CPU_EPS_S = 0.002  # CPU use between two samples that counts as activity
 
 
+COUNTED = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+           "reduce_scatter_tensor", "broadcast", "reduce", "barrier", "all_to_all",
+           "all_to_all_single", "all_gather_object", "broadcast_object_list", "gather",
+           "scatter", "gather_object", "scatter_object_list", "monitored_barrier",
+           "_all_gather_base", "_reduce_scatter_base")
+"""``torch.distributed`` collectives a rank counts (point-to-point ops are not collectives of
+a group: a pair's sequence would need its own key)."""
+
+
+class CollectiveLog:
+    """Rank side: how many collectives this rank entered per process group, and whether its
+    main thread is inside one now (``depth``). Installed by wrapping ``torch.distributed``'s
+    collectives; every member of a group runs the same code, so calls made through references
+    taken before the wrapping are missed on every member alike (see
+    ``decisions.waits_for``)."""
+
+    def __init__(self) -> None:
+        self.entered: dict[str, int] = {}
+        self.depth = 0
+        self._keys: dict[int, str] = {}
+
+    def key(self, group: Any) -> str:
+        import torch.distributed as dist
+
+        pg = group if group is not None else dist.group.WORLD
+        k = self._keys.get(id(pg))
+        if k is None:
+            ranks = ",".join(map(str, dist.get_process_group_ranks(pg)))
+            k = self._keys[id(pg)] = f"{getattr(pg, 'group_name', '?')}:{ranks}"
+        return k
+
+    def wrap(self, fn: Any) -> Any:
+        import functools
+        import inspect
+
+        try:
+            pos = list(inspect.signature(fn).parameters).index("group")
+        except (ValueError, TypeError):
+            pos = None
+
+        @functools.wraps(fn)
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            group = kwargs.get("group", args[pos] if pos is not None and pos < len(args)
+                               else None)
+            try:
+                k = self.key(group)
+            except Exception:  # not a group this rank can name (not a member): leave it
+                return fn(*args, **kwargs)
+            self.entered[k] = self.entered.get(k, 0) + 1
+            self.depth += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.depth -= 1
+
+        counted.__wrapped_by_nutp__ = True  # type: ignore[attr-defined]
+        return counted
+
+    def install(self) -> None:
+        import torch.distributed as dist
+
+        for name in COUNTED:
+            fn = getattr(dist, name, None)
+            if fn is not None and not getattr(fn, "__wrapped_by_nutp__", False):
+                setattr(dist, name, self.wrap(fn))
+
+
 def start_stack_watcher(path: Path) -> threading.Thread:
-    """Start this rank's stack watcher (a daemon thread writing ``path``; see ``watch_stack``)."""
+    """Start this rank's stack watcher (a daemon thread writing ``path``; see ``watch_stack``)
+    and count its collectives (``CollectiveLog``)."""
+    log = CollectiveLog()
+    log.install()
     t = threading.Thread(target=watch_stack, name="nutp-stack-watch", daemon=True,
-                         args=(path, threading.main_thread()))
+                         args=(path, threading.main_thread(), log))
     t.start()
     return t
 
@@ -59,6 +129,17 @@ def read_activity(hb_dir: Path, world: int) -> dict[int, Activity | None]:
             waiting, changed, t = (hb_dir / f"rank{r}.stack").read_text().split("\n")[0].split()
             out[r] = Activity(waiting == "1", float(changed), float(t))
         except (OSError, ValueError):
+            out[r] = None
+    return out
+
+
+def read_collectives(hb_dir: Path, world: int) -> dict[int, dict[str, int] | None]:
+    """Per rank, collectives entered per group, as its stack watcher last wrote them."""
+    out: dict[int, dict[str, int] | None] = {}
+    for r in range(world):
+        try:
+            out[r] = json.loads((hb_dir / f"rank{r}.stack").read_text().split("\n")[2])
+        except (OSError, ValueError, IndexError):
             out[r] = None
     return out
 
@@ -86,12 +167,12 @@ def cpu_s(main_clock: int) -> float:
     return total
 
 
-def watch_stack(path: Path, main: threading.Thread) -> None:
-    """Rank side, a daemon thread: every ``SAMPLE_S`` write ``waiting changed_t t`` and the
-    innermost frame of the main thread: is it blocked on communication, when did it last show
-    activity (its stack changed, or, outside communication, it or its child processes used
-    CPU), now. Works while the main thread is blocked in C: collectives and sleeps release
-    the GIL."""
+def watch_stack(path: Path, main: threading.Thread, log: CollectiveLog | None = None) -> None:
+    """Rank side, a daemon thread: every ``SAMPLE_S`` write ``waiting changed_t t``, the
+    innermost frame of the main thread and (JSON) the collectives entered per group: is it
+    blocked on communication, when did it last show activity (its stack changed, or, outside
+    communication, it or its child processes used CPU), now. Works while the main thread is
+    blocked in C: collectives and sleeps release the GIL."""
     clock = time.pthread_getcpuclockid(main.ident or 0)
     last: tuple[tuple[str, int], ...] = ()
     changed, cpu = time.time(), cpu_s(clock)
@@ -105,14 +186,16 @@ def watch_stack(path: Path, main: threading.Thread) -> None:
             f = f.f_back
         del frame, f
         now, used = time.time(), cpu_s(clock)
-        waiting = bool(stack) and is_comm_wait(stack[0][0], linecache.getline(*stack[0][:2]))
+        waiting = (log is not None and log.depth > 0) or (
+            bool(stack) and is_comm_wait(stack[0][0], linecache.getline(*stack[0][:2])))
+        counts = json.dumps(dict(log.entered) if log is not None else {})
         # CPU used while waiting for peers (a Work.wait() polls) is not progress
         if tuple(s[:2] for s in stack) != last or (not waiting and used - cpu > CPU_EPS_S):
             last, changed = tuple(s[:2] for s in stack), now
         cpu = used
         where = f"{stack[0][0]}:{stack[0][1]} in {stack[0][2]}" if stack else "-"
         try:
-            tmp.write_text(f"{int(waiting)} {changed} {now}\n{where}\n")
+            tmp.write_text(f"{int(waiting)} {changed} {now}\n{where}\n{counts}\n")
             os.replace(tmp, path)
         except OSError:
             pass
@@ -128,17 +211,10 @@ def read_where(hb_dir: Path, rank: int) -> str:
 
 
 def latest_step(root: str | None) -> int | None:
-    """Step of the newest complete checkpoint (the ``latest`` pointer, marker checked)."""
-    from ..checkpoint.store import read_marker
+    """Step of the newest complete checkpoint (the tracker's, checked on disk)."""
+    from ..checkpoint.store import latest_step as tracked
 
-    if root is None:
-        return None
-    try:
-        name = (Path(root) / "latest").read_text().strip()
-    except OSError:
-        return None
-    marker = read_marker(Path(root) / name) if name else None
-    return None if marker is None else int(marker["step"])
+    return tracked(root)
 
 
 def last_done(hb: Path, world: int) -> int | None:

@@ -2,13 +2,78 @@
 
 Used by every way a rank starts: ``nutp-train``'s local spawn, a launcher (``torchrun``/``srun``)
 and the recovery supervisor's forked ranks.
+
+An error inside a rank ends the rank with exit code 2 (bad input: a ``ValueError``, a corrupt or
+missing checkpoint or data file) or 1 (anything else). Its traceback goes to
+``<output.dir>/logs/rank<r>.log`` and a one-line record to ``<output.dir>/logs/error.rank<r>.json``
+(``{t, rank, code, message}``), which the local launcher prints as one line; under an external
+launcher the rank prints that line itself. The rank leaves with ``os._exit``: no interpreter
+shutdown, so no destructor tracebacks of half-built objects follow the error. ``NUTP_DEBUG=1``
+lets the exception propagate as it is (traceback on the console).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import sys
+import time
+import traceback
 import warnings
+from pathlib import Path
 from typing import Any
+
+PARENT_REPORTS = "NUTP_PARENT_REPORTS"
+"""Set by a launcher that prints its ranks' error records itself (the local spawn)."""
+
+
+def error_code(e: BaseException) -> int:
+    """2 for bad input (config values, data or checkpoint files), 1 for a runtime failure."""
+    from ..checkpoint.store import CheckpointError
+
+    return 2 if isinstance(e, (ValueError, CheckpointError, FileNotFoundError)) else 1
+
+
+def one_line(e: BaseException) -> str:
+    msg = " ".join(str(e).split())
+    return msg if isinstance(e, ValueError) and msg else f"{type(e).__name__}: {msg}"
+
+
+def report_error(out_dir: str | Path, rank: int, e: BaseException) -> int:
+    """Log ``e`` (traceback) and its one-line record under ``out_dir/logs``; return the exit
+    code. Best effort: a log that cannot be written does not hide the error."""
+    code = error_code(e)
+    logs = Path(out_dir) / "logs"
+    line = one_line(e)
+    log = logs / f"rank{rank}.log"
+    try:
+        logs.mkdir(parents=True, exist_ok=True)
+        with open(log, "a") as f:
+            f.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} rank {rank}\n")
+            f.write("".join(traceback.format_exception(e)))
+        tmp = logs / f".error.rank{rank}.json.tmp"
+        tmp.write_text(json.dumps({"t": time.time(), "rank": rank, "code": code,
+                                   "message": line, "log": str(log)}) + "\n")
+        os.replace(tmp, logs / f"error.rank{rank}.json")
+    except OSError:
+        pass
+    if os.environ.get(PARENT_REPORTS) != "1":
+        print(f"error: rank {rank}: {line} (details: {log})", file=sys.stderr, flush=True)
+    return code
+
+
+def first_error(out_dir: str | Path, since: float) -> dict[str, Any] | None:
+    """The earliest error record a rank wrote after ``since`` (the root cause, usually: its
+    peers then fail on the broken connection)."""
+    found = []
+    for f in (Path(out_dir) / "logs").glob("error.rank*.json"):
+        try:
+            rec = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        if rec.get("t", 0) >= since:
+            found.append(rec)
+    return min(found, key=lambda r: r["t"]) if found else None
 
 
 def run_rank(rank: int, world: int, local_rank: int, cfg: Any, plan: Any,
@@ -30,13 +95,18 @@ def run_rank(rank: int, world: int, local_rank: int, cfg: Any, plan: Any,
         apply_cpu_patches()
         torch.set_num_threads(1)
         backend = "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=world)
     try:
+        dist.init_process_group(backend, rank=rank, world_size=world)
         from .loop import train_rank
 
         train_rank(cfg, plan, device=device)
-    finally:
         dist.destroy_process_group()
+    except Exception as e:
+        if os.environ.get("NUTP_DEBUG") == "1":
+            raise
+        code = report_error(cfg.output.dir, rank, e)
+        sys.stdout.flush()
+        os._exit(code)
 
 
 def spawned(rank: int, world: int, cfg: Any, plan: Any, port: int) -> None:

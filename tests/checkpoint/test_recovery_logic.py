@@ -18,6 +18,7 @@ from nemo_nutp.recovery.decisions import (
     Progress,
     blame_exits,
     blame_hang,
+    hang_roots,
     is_comm_wait,
     job_for,
     lost_steps,
@@ -25,6 +26,7 @@ from nemo_nutp.recovery.decisions import (
     returned_gpus,
     scale_up_blocker,
     scale_up_due,
+    waits_for,
 )
 from nemo_nutp.recovery.watch import HealthWatch as _HealthWatch
 from nemo_nutp.recovery.watch import ScaleUp
@@ -102,6 +104,29 @@ def test_hang_with_equal_heartbeats_blames_the_rank_not_blocked_in_a_collective(
     assert f is not None and f.ranks == ()
 
 
+def test_collective_counts_blame_the_root_of_a_chain_not_its_victims() -> None:
+    # TP {0,1} {2,3}, DP {0,2} {1,3}; rank 0 hangs before its TP collective of trial 5: rank 1
+    # blocks in TP, rank 2 in DP with 0, rank 3 in DP with 1 (a victim of a victim).
+    tp01, tp23, dp02, dp13 = "1:0,1", "2:2,3", "3:0,2", "4:1,3"
+    counts = {0: {tp01: 5, dp02: 5}, 1: {tp01: 6, dp13: 5}, 2: {tp23: 6, dp02: 6},
+              3: {tp23: 6, dp13: 6}}
+    assert waits_for(counts) == {0: set(), 1: {0}, 2: {0}, 3: {1}}
+    assert hang_roots(counts) == (0,)
+    beats = {r: Progress("start", 5, 100.0) for r in range(4)}
+    # the activity rule alone would blame 2 and 3 (waiting in threading, not in a collective)
+    acts = {0: Activity(False, 100.0, 105.9), 1: Activity(True, 100.0, 105.9),
+            2: Activity(False, 100.0, 105.9), 3: Activity(False, 100.0, 105.9)}
+    kw: dict[str, Any] = dict(now=106.0, timeout_s=5, started_at=0, startup_timeout_s=50)
+    assert blame_hang(beats, activity=acts, **kw).ranks == (0, 2, 3)  # type: ignore[union-attr]
+    f = blame_hang(beats, activity=acts, collectives=counts, **kw)
+    assert f is not None and f.ranks == (0,) and "behind" in f.reason
+    # a group never entered by a member counts as 0 for it; a silent reporter is not judged
+    assert hang_roots({0: {}, 1: {tp01: 1}, 2: None}) == (0,)
+    # all inside one collective, or a cycle: no root (the activity rule decides)
+    assert hang_roots({r: {tp01: 3} for r in (0, 1)}) == ()
+    assert hang_roots({0: {tp01: 2, "9:0,1": 1}, 1: {tp01: 1, "9:0,1": 2}}) == ()
+
+
 def test_recent_activity_is_progress_so_a_long_save_is_not_a_hang() -> None:
     beats = {r: Progress("done", 3, 100.0) for r in range(3)}
     busy = {0: Activity(False, 108.0, 108.2), 1: Activity(True, 100.3, 108.1),
@@ -165,10 +190,12 @@ def test_summary_has_one_entry_per_restart_planned_ones_included() -> None:
 
 
 def _fake_checkpoint(root: Path, step: int) -> None:
-    d = root / f"step_{step:08d}"
+    d = root / f"iter_{step:07d}"
     d.mkdir(parents=True)
-    (d / "COMPLETE").write_text(json.dumps({"step": step}))
-    (root / "latest").write_text(d.name + "\n")
+    for name in ("metadata.json", ".metadata"):  # what makes a megatron checkpoint complete
+        (d / name).write_text("{}")
+    (d / "nutp_checkpoint.json").write_text(json.dumps({"step": step}))
+    (root / "latest_checkpointed_iteration.txt").write_text(f"{step}\n")
 
 
 def test_health_watch_restarts_only_after_a_newer_checkpoint(tmp_path: Path) -> None:
