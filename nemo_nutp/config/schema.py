@@ -66,19 +66,26 @@ class FailuresConfig:
 
     failed_gpus: list[int] = field(default_factory=list)
     """Global GPU ids known to be failed."""
+    slow_gpus: dict[int, float] | None = None
+    """Stragglers: ``{gpu_id: relative_speed}``, speed in (0, 1] (the planner keeps or excludes
+    each, whichever it predicts faster); None = none."""
     report: str | None = None
-    """Path of a health report (YAML/JSON with ``failed_gpus``); merged with the list."""
+    """Path of a health report (YAML/JSON with ``failed_gpus``, ``slow_gpus``); merged with the
+    lists (the report's speed wins for a GPU in both)."""
 
     def health(self) -> HealthReport:
         ids = list(self.failed_gpus)
+        slow = {int(k): v for k, v in (self.slow_gpus or {}).items()}
         if self.report:
             path = Path(self.report)
             if not path.exists() and (CONFIG_DIR / path).exists():
                 path = CONFIG_DIR / path
             if not path.exists():
                 raise _bad("failures.report", self.report, "file not found")
-            ids += list(HealthReport.from_file(path).failed_gpus)
-        return HealthReport(tuple(ids))
+            rep = HealthReport.from_file(path)
+            ids += list(rep.failed_gpus)
+            slow.update(rep.slow_gpus)
+        return HealthReport(tuple(ids), tuple(slow.items()))
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,11 @@ Guarantees (property-tested in ``tests/layout``):
   rank order is stage-major, then replicas (healthy first, degraded ones contiguous), then TP;
 * micro-batch shares are positive integers summing to ``parallel.global_batch`` and minimise the
   step makespan ``max(share / speed)``; weights are ``share / global_batch``;
+* per-GPU speed (``health.slow_gpus``): a replica stage runs at its slowest used GPU, so its time
+  is its largest rank work / that speed; a stage uses its fastest healthy GPUs, and under ``nutp``
+  each stage holding a straggler either keeps it (more GPUs, a slower replica: fewer
+  micro-batches) or excludes it (a lower degree), whichever the cost model predicts faster;
+  ``Replica.straggler`` records the choice and ``speed_keep`` / ``speed_exclude`` both predictions;
 * policies: ``nutp`` keeps every replica at the degree its healthy GPUs allow; ``drop`` drops any
   replica with a failed GPU; ``uniform-reduce`` pads every degraded replica down to one common
   degree (the public reference's behaviour).
@@ -49,6 +54,9 @@ class Replica:
     speed: float  # relative to a healthy replica (compute model)
     microbatches: int
     weight: float  # share of the global batch: microbatches / global_batch
+    straggler: str = ""  # slow GPU in its slices: "keep" it or "exclude" it ("" if none)
+    speed_keep: float = 0.0  # predicted speed keeping every slow GPU (when straggler != "")
+    speed_exclude: float = 0.0  # ... excluding every slow GPU (0: the stage could not run)
 
 
 @dataclass(frozen=True)
@@ -265,10 +273,56 @@ class _Speed:
             self._cache[key] = float(work.max())
         return self._cache[key]
 
-    def __call__(self, degrees: tuple[int, ...]) -> float:
+    def __call__(self, degrees: tuple[int, ...], gpu_speed: tuple[float, ...] | None = None
+                 ) -> float:
+        """Replica speed; ``gpu_speed``: per stage, the slowest used GPU's relative speed."""
         if min(degrees) <= 0:
             return 0.0
-        return self.full / max(self.time(s, t) for s, t in enumerate(degrees))
+        v = gpu_speed or (1.0,) * len(degrees)
+        return self.full / max(self.time(s, t) / v[s] for s, t in enumerate(degrees))
+
+
+def _fastest(failed: np.ndarray, gspeed: np.ndarray, start: int, tb: int, d: int) -> np.ndarray:
+    """The ``d`` fastest healthy GPUs of a slice (ties: lower id), in id order."""
+    ids = np.nonzero(~failed[start:start + tb])[0] + start
+    order = sorted(ids.tolist(), key=lambda g: (-gspeed[g], g))
+    return np.asarray(sorted(order[:d]), dtype=np.int64)
+
+
+def _straggler_degrees(req: PlanRequest, speed: _Speed, starts: np.ndarray, failed: np.ndarray,
+                       gspeed: np.ndarray, sl: np.ndarray, deg: np.ndarray
+                       ) -> dict[int, tuple[str, float, float]]:
+    """Under ``nutp``, per stage with a slow healthy GPU: the degree (on its fastest GPUs) with
+    the smallest predicted stage time (ties: more GPUs); updates ``deg`` in place. Returns per
+    replica row (choice, speed keeping every slow GPU, speed excluding every slow GPU)."""
+    tb = req.parallel.tp_base
+    best = _best_degree_table(_valid_degrees(req))
+    out: dict[int, tuple[str, float, float]] = {}
+    for i in range(deg.shape[0]):
+        if (deg[i] == 0).any():
+            continue
+        keep_t, excl_t, touched, excluded = [], [], False, False
+        for s in range(deg.shape[1]):
+            start = int(starts[sl[i, s]])
+            v = np.sort(gspeed[start:start + tb][~failed[start:start + tb]])[::-1]
+            h, n_slow = len(v), int((v < 1.0).sum())
+            t0 = speed.time(s, int(deg[i, s])) / v[int(deg[i, s]) - 1]
+            if n_slow == 0:
+                keep_t.append(t0)
+                excl_t.append(t0)
+                continue
+            touched = True
+            d_ex = int(best[h - n_slow])
+            keep_t.append(speed.time(s, int(best[h])) / v[int(best[h]) - 1])
+            excl_t.append(speed.time(s, d_ex) if d_ex else np.inf)
+            cands = {int(best[h - k]) for k in range(n_slow + 1)} - {0}
+            d = min(cands, key=lambda x: (speed.time(s, x) / v[x - 1], -x))
+            excluded |= d < h
+            deg[i, s] = d
+        if touched:
+            out[i] = ("exclude" if excluded else "keep", speed.full / max(keep_t),
+                      speed.full / max(excl_t))
+    return out
 
 
 def _degrees(req: PlanRequest, healthy: np.ndarray) -> np.ndarray:
@@ -316,11 +370,15 @@ def build_plan(req: PlanRequest) -> Plan:
         n_full = n_use
         sl = order[: n_use * p.pp].reshape(n_use, p.pp)
         deg = _degrees(req, healthy[sl])
-    return _assemble(req, starts, healthy, failed, sl, deg, n_full)
+    gspeed = np.asarray(req.health.gpu_speed(req.cluster.num_gpus), dtype=np.float64)
+    choice = (_straggler_degrees(req, _Speed(req), starts, failed, gspeed, sl, deg)
+              if req.policy == "nutp" and req.replicas is None and req.health.slow_gpus else {})
+    return _assemble(req, starts, healthy, failed, sl, deg, n_full, gspeed, choice)
 
 
 def _assemble(req: PlanRequest, starts: np.ndarray, healthy: np.ndarray, failed: np.ndarray,
-              sl: np.ndarray, deg: np.ndarray, n_full: int) -> Plan:
+              sl: np.ndarray, deg: np.ndarray, n_full: int, gspeed: np.ndarray,
+              choice: dict[int, tuple[str, float, float]]) -> Plan:
     p = req.parallel
     speed = _Speed(req)
     live = np.nonzero((deg > 0).all(axis=1))[0]
@@ -329,17 +387,18 @@ def _assemble(req: PlanRequest, starts: np.ndarray, healthy: np.ndarray, failed:
                    "no replica can run at parallel.min_tp or above")
     # Healthy replicas first, then degraded ones grouped by degree (contiguous ranks).
     live = live[np.lexsort((live, *[-deg[live, s] for s in reversed(range(p.pp))]))]
-    speeds = np.array([speed(tuple(int(x) for x in deg[i])) for i in live])
+    gpus: dict[tuple[int, int], tuple[int, ...]] = {}
+    for i in live:
+        for s in range(p.pp):
+            ok = _fastest(failed, gspeed, int(starts[sl[i, s]]), p.tp_base, int(deg[i, s]))
+            gpus[(int(i), s)] = tuple(int(g) for g in ok)
+    speeds = np.array([speed(tuple(int(x) for x in deg[i]),
+                             tuple(float(gspeed[list(gpus[(int(i), s)])].min())
+                                   for s in range(p.pp))) for i in live])
     keep = _bench_slow(speeds, req.global_batch)
     deg[live[~keep]] = 0
     live, speeds = live[keep], speeds[keep]
     shares = apportion(speeds, req.global_batch)
-    gpus: dict[tuple[int, int], tuple[int, ...]] = {}
-    for i in live:
-        for s in range(p.pp):
-            start = int(starts[sl[i, s]])
-            ok = np.nonzero(~failed[start:start + p.tp_base])[0][: deg[i, s]] + start
-            gpus[(int(i), s)] = tuple(int(g) for g in ok)
     ranks: dict[tuple[int, int], tuple[int, ...]] = {}
     rank_to_gpu: list[int] = []
     for s in range(p.pp):
@@ -357,7 +416,10 @@ def _assemble(req: PlanRequest, starts: np.ndarray, healthy: np.ndarray, failed:
                 ranks=tuple(ranks[(int(i), s)] for s in range(p.pp)),
                 healthy=tuple(int(healthy[sl[i, s]]) for s in range(p.pp)),
                 speed=float(speeds[k]), microbatches=int(shares[k]),
-                weight=float(shares[k]) / req.global_batch)
+                weight=float(shares[k]) / req.global_batch,
+                straggler=choice.get(int(i), ("", 0.0, 0.0))[0],
+                speed_keep=float(choice.get(int(i), ("", 0.0, 0.0))[1]),
+                speed_exclude=float(choice.get(int(i), ("", 0.0, 0.0))[2]))
         for k, i in enumerate(live))
     sync = {(s, space): make_sync_layout(
         num_units(req.model, space), sorted({r.tp[s] for r in replicas}), p.sync_layout,

@@ -60,12 +60,30 @@ class HealthReport:
 
     failed_gpus: tuple[int, ...] = ()
     """Global ids of failed GPUs."""
+    slow_gpus: tuple[tuple[int, float], ...] = ()
+    """Stragglers: (GPU id, relative speed in (0, 1]) pairs, sorted by id; a mapping
+    ``{gpu_id: speed}`` is accepted. A GPU that is also failed counts as failed."""
 
     def __post_init__(self) -> None:
         for g in self.failed_gpus:
             if isinstance(g, bool) or not isinstance(g, int) or g < 0:
                 raise _bad("health.failed_gpus", g, "GPU ids must be non-negative integers")
         object.__setattr__(self, "failed_gpus", tuple(sorted(set(self.failed_gpus))))
+        pairs = dict(self.slow_gpus)  # a mapping or (id, speed) pairs
+        for g, v in pairs.items():
+            if isinstance(g, bool) or not isinstance(g, int) or g < 0:
+                raise _bad("health.slow_gpus", g, "GPU ids must be non-negative integers")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 < v <= 1.0:
+                raise _bad(f"health.slow_gpus[{g}]", v, "relative speed must be in (0, 1]")
+        object.__setattr__(self, "slow_gpus",
+                           tuple(sorted((g, float(v)) for g, v in pairs.items())))
+
+    def gpu_speed(self, num_gpus: int) -> list[float]:
+        """Relative speed of every GPU (1.0 unless reported slow)."""
+        out = [1.0] * num_gpus
+        for g, v in self.slow_gpus:
+            out[g] = v
+        return out
 
     def check_against(self, cluster: ClusterSpec) -> None:
         bad = [g for g in self.failed_gpus if g >= cluster.num_gpus]
@@ -74,6 +92,10 @@ class HealthReport:
                 "health.failed_gpus", bad[0],
                 f"GPU id out of range for cluster.num_gpus={cluster.num_gpus}",
             )
+        bad = [g for g, _ in self.slow_gpus if g >= cluster.num_gpus]
+        if bad:
+            raise _bad("health.slow_gpus", bad[0],
+                       f"GPU id out of range for cluster.num_gpus={cluster.num_gpus}")
 
     @classmethod
     def from_file(cls, path: str | Path) -> HealthReport:
@@ -93,9 +115,17 @@ class HealthReport:
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
             why = getattr(e, "problem", None) or type(e).__name__
             raise _bad("health", str(path), f"malformed YAML: {why}{where}") from None
-        if not isinstance(data, dict) or set(data) - {"failed_gpus"}:
-            raise _bad("health", str(path), "file must hold a mapping with only 'failed_gpus'")
-        return cls(tuple(data.get("failed_gpus") or ()))
+        if not isinstance(data, dict) or set(data) - {"failed_gpus", "slow_gpus"}:
+            raise _bad("health", str(path),
+                       "file must hold a mapping with only 'failed_gpus' and 'slow_gpus'")
+        slow = data.get("slow_gpus") or {}
+        if not isinstance(slow, dict):
+            raise _bad("health.slow_gpus", slow, "must be a mapping {gpu_id: relative_speed}")
+        try:  # JSON keys are strings
+            slow = {int(k): v for k, v in slow.items()}
+        except (TypeError, ValueError):
+            raise _bad("health.slow_gpus", list(slow), "GPU ids must be integers") from None
+        return cls(tuple(data.get("failed_gpus") or ()), tuple(slow.items()))
 
     @classmethod
     def from_cli(cls, text: str) -> HealthReport:

@@ -7,6 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from nemo_nutp.layout import (
     ClusterSpec,
@@ -175,3 +176,78 @@ def _parallel(**kw: object) -> PlanRequest:
 def test_validation_names_field(make, field: str) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
         make()
+
+
+# ---------------------------------------------------------------- stragglers (issue #15)
+@pytest.mark.parametrize("v", [0.3, 0.6, 0.74, 0.76, 0.9, 0.99])
+def test_slow_gpu_keep_or_exclude(v: float) -> None:
+    """One slow GPU (speed v) in a TP4 slice: keeping it runs the replica at v x a healthy one;
+    excluding it runs it like a replica with that GPU failed (planned here with the GPU in
+    ``failed_gpus``). The planner takes the faster and reports both predictions."""
+    base = PlanRequest(cluster=ClusterSpec(16, 8), parallel=ParallelSpec(tp_base=4),
+                       global_batch=64)
+    healthy = build_plan(base)
+    failed = build_plan(dataclasses.replace(base, health=HealthReport((1,))))
+    s_keep = healthy.replicas[0].speed * v
+    s_excl = min(r.speed for r in failed.replicas)
+    plan = build_plan(dataclasses.replace(base, health=HealthReport((), {1: v})))
+    _check_plan(plan)
+    (rep,) = [r for r in plan.replicas if r.straggler]
+    assert rep.speed_keep == pytest.approx(s_keep, rel=1e-12)
+    assert rep.speed_exclude == pytest.approx(s_excl, rel=1e-12)
+    assert rep.straggler == ("keep" if s_keep >= s_excl else "exclude")
+    assert rep.speed == pytest.approx(max(s_keep, s_excl), rel=1e-12)
+    assert (1 in plan.rank_to_gpu) == (rep.straggler == "keep")
+    # Shares follow speed: the optimal apportionment of the batch over the replica speeds.
+    speeds = np.array([r.speed for r in plan.replicas])
+    assert [r.microbatches for r in plan.replicas] == apportion(speeds, 64).tolist()
+    assert rep.microbatches < max(r.microbatches for r in plan.replicas) or v > 0.95
+    # Other policies keep the straggler (no choice) but still plan with its speed.
+    drop = build_plan(dataclasses.replace(plan.request, policy="drop"))
+    assert not any(r.straggler for r in drop.replicas)
+    assert min(r.speed for r in drop.replicas) == pytest.approx(s_keep, rel=1e-12)
+
+
+@settings(max_examples=200, deadline=None)
+@given(req=plan_requests(), data=st.data())
+def test_slow_gpus_keep_invariants(req: PlanRequest, data: st.DataObject) -> None:
+    n = req.cluster.num_gpus
+    slow = data.draw(st.dictionaries(st.integers(0, n - 1), st.floats(0.05, 1.0), max_size=4))
+    plan = _plan_or_none(dataclasses.replace(
+        req, health=HealthReport(req.health.failed_gpus, slow)))
+    ref = _plan_or_none(req)
+    if plan is None or ref is None:
+        return
+    _check_plan(plan)
+    speed = HealthReport(req.health.failed_gpus, slow).gpu_speed(n)
+    for r in plan.replicas:
+        slowest = min(min(speed[g] for g in gpus) for gpus in r.gpus)
+        assert r.speed <= 1.0 + 1e-12
+        if req.parallel.pp == 1:  # one stage: never faster than its slowest used GPU
+            assert r.speed <= slowest + 1e-12
+        if r.straggler:
+            assert r.speed >= max(r.speed_keep, r.speed_exclude) - 1e-12
+    # Slow GPUs never make the plan predict more than the same health without them.
+    assert plan.predicted_throughput <= ref.predicted_throughput + 1e-12
+    if req.policy == "nutp":
+        drop = _plan_or_none(dataclasses.replace(plan.request, policy="drop"))
+        if drop is not None:
+            assert plan.predicted_throughput >= drop.predicted_throughput - 1e-12
+
+
+def test_slow_gpus_validated(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    for bad, field in (({1: 0.0}, r"health\.slow_gpus\[1\]"), ({1: 1.5}, r"health\.slow_gpus"),
+                       ({-1: 0.5}, r"health\.slow_gpus"), ({True: 0.5}, r"health\.slow_gpus")):
+        with pytest.raises(ValueError, match=field):
+            HealthReport((), bad)
+    with pytest.raises(ValueError, match=r"health\.slow_gpus"):
+        build_plan(PlanRequest(cluster=ClusterSpec(8, 8), parallel=ParallelSpec(tp_base=4),
+                               health=HealthReport((), {8: 0.5})))
+    path = tmp_path / "health.json"
+    path.write_text('{"failed_gpus": [3], "slow_gpus": {"5": 0.5, "1": 0.25}}')
+    rep = HealthReport.from_file(path)
+    assert rep.failed_gpus == (3,) and rep.slow_gpus == ((1, 0.25), (5, 0.5))
+    assert rep.gpu_speed(6) == [1.0, 0.25, 1.0, 1.0, 1.0, 0.5]
+    path.write_text('{"slow_gpus": [5]}')
+    with pytest.raises(ValueError, match=r"health\.slow_gpus"):
+        HealthReport.from_file(path)
