@@ -1,7 +1,14 @@
-"""Layout-portable, atomic checkpoints (megatron-core ``dist_checkpointing``, global tensors)."""
+"""Layout-portable, atomic checkpoints in megatron-core's format (``dist_checkpointing``)."""
 
-from .sharding import chunk_of, model_sharded_state_dict
-from .store import CheckpointError, find_latest, load_checkpoint, save_checkpoint
+from .sharding import megatron_sharded_state_dict
+from .store import (
+    CheckpointError,
+    find_latest,
+    latest_step,
+    load_checkpoint,
+    load_newest_valid,
+    save_checkpoint,
+)
 
-__all__ = ["CheckpointError", "chunk_of", "find_latest", "load_checkpoint",
-           "model_sharded_state_dict", "save_checkpoint"]
+__all__ = ["CheckpointError", "find_latest", "latest_step", "load_checkpoint",
+           "load_newest_valid", "megatron_sharded_state_dict", "save_checkpoint"]

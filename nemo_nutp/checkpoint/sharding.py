@@ -1,111 +1,190 @@
-"""Layout-free sharded state dicts: every local shard is one chunk of a *global* tensor.
+"""megatron-core's own sharded state dict of a GPT model, for NUTP's uneven shards.
 
-megatron's own ``GPTModel.sharded_state_dict`` assumes uniform TP (equal chunks at
-``tp_rank * size``), which is wrong for NUTP's uneven shards. Here the description comes from the
-NUTP tags instead (``p.nutp_kind``, ``p.nutp_units``): a rank holding units ``[lo, hi)`` of a
-parameter holds exactly one regular chunk of the global (TP1) tensor,
+``megatron_sharded_state_dict(model, dims, ...)`` describes this rank's parameters with *exactly*
+the keys, global shapes and dtypes that megatron-core's ``GPTModel.sharded_state_dict()`` gives the
+equivalent uniform model (so a stock megatron model at any TP loads it with plain
+``dist_checkpointing.load(model.sharded_state_dict(), dir)``, and NUTP loads stock checkpoints):
 
-* row-split kinds (qkv, fc1, embeddings): rows ``[lo * r, hi * r)`` of the global matrix;
-* column-split kinds (attention proj, fc2): columns ``[lo * c, hi * c)``;
-* gated fc1 (megatron keeps ``[gate rows; up rows]`` of the local units): a chunk of the
-  ``(2, F, H)`` view of the global ``(2F, H)`` weight, offset ``(0, lo, 0)``.
+* keys have no prefix (``embedding.word_embeddings.weight``, ``output_layer.weight``,
+  ``decoder.final_layernorm.weight``);
+* transformer layers share one key per parameter with a leading layer axis:
+  ``decoder.layers.<name>`` of global shape ``(num_layers, *shape)``, layer ``i`` at offset ``i``
+  (megatron's ``prepend_axis_num=1``);
+* the layer spec's ``sharded_state_dict_keys_map`` renames keys (megatron's local spec:
+  ``input_layernorm.`` -> ``self_attention.linear_qkv.layer_norm_``, ``pre_mlp_layernorm.`` ->
+  ``mlp.linear_fc1.layer_norm_``; the TE spec's names are already fused);
+* every ``_extra_state`` is a ``ShardedObject`` of shape ``(num_layers,)`` (layers) or ``(1,)``,
+  except ``output_layer._extra_state``, which megatron's ``GPTModel`` drops;
+* gated fc1 keeps megatron's global ``(2F, H)`` = ``[gate rows; up rows]``: a rank holding FFN
+  units ``[lo, hi)`` writes two chunks, gate rows ``[lo, hi)`` and up rows ``[F + lo, F + hi)``
+  (megatron's ``apply_swiglu_sharded_factory`` with uneven offsets).
 
-Chunks are uneven, so the ``ShardedTensor`` has ``axis_fragmentations=None`` (megatron-core's
-"uneven sharding": torch DCP validates coverage and reshards on load). Any layout that describes
-the same global tensors can therefore load any other layout's checkpoint.
+Uneven chunks get ``axis_fragmentations=None`` (megatron-core's uneven sharding: torch DCP
+validates coverage and reshards on load). Who writes: replica 0 (``replica_id`` all zero) writes
+sharded parameters; replicated ones (norms, row-parallel biases, extra state) are written by
+replica 0's TP rank 0. Replicas hold identical data (contract 1), so nothing is lost.
 
-Who writes: replica 0 (``replica_id`` all zero) writes sharded params; replicated params
-(norms, row-parallel biases) are written by replica 0, TP rank 0 only. Replicas hold identical
-data (contract 1), so nothing is lost.
+The dict keys are this rank's parameter names (``decoder.layers.3.input_layernorm.weight``), as
+in megatron, so a loaded dict maps back to parameters by name; ``.data`` of every entry is the
+parameter object itself (megatron's optimizer finds its states by ``id(data)``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import re
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+from megatron.core.dist_checkpointing.mapping import (
+    ShardedObject,
+    ShardedTensor,
+    ShardedTensorFactory,
+)
 
 from ..layout import PARAM_KINDS
 from ..layout.specs import ModelDims
 from ..layout.units import _geometry
 
+LOCAL_SPEC_KEYS_MAP = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+                       "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+"""megatron's ``get_gpt_layer_local_spec`` ``sharded_state_dict_keys_map`` (used when a model's
+layers do not carry their spec)."""
+
+_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)$")
+_DROPPED = ("output_layer._extra_state",)
+
 
 @dataclass(frozen=True)
-class Chunk:
-    """Where a local tensor sits in its global tensor (in the chunk's own view shape)."""
+class Piece:
+    """One chunk of a global tensor held by this rank: local rows ``rows`` (None: all) sit at
+    ``global_offset`` of ``global_shape`` (layer axis included)."""
 
-    global_shape: tuple[int, ...]
+    key: str
+    rows: tuple[int, int] | None
     local_shape: tuple[int, ...]
+    global_shape: tuple[int, ...]
     global_offset: tuple[int, ...]
 
 
-def chunk_of(kind: str | None, dims: ModelDims, units: tuple[int, int] | None,
-             local_shape: tuple[int, ...]) -> Chunk:
-    """The chunk a local parameter of ``kind`` holding ``units`` describes."""
+def keys_map(model: torch.nn.Module) -> dict[str, str]:
+    """The layer spec's ``sharded_state_dict_keys_map`` (megatron applies it per layer)."""
+    layers = getattr(getattr(model, "decoder", None), "layers", None)
+    sub = getattr(layers[0], "submodules_config", None) if layers else None
+    found = getattr(sub, "sharded_state_dict_keys_map", None)
+    return dict(found) if found is not None else dict(LOCAL_SPEC_KEYS_MAP)
+
+
+def megatron_key(name: str, kmap: dict[str, str]) -> tuple[str, int | None]:
+    """(megatron checkpoint key, layer number or None) of a parameter/state name."""
+    m = _LAYER.match(name)
+    if m is None:
+        return name, None
+    rest = m.group(2)
+    for old, new in kmap.items():
+        if rest.startswith(old):
+            rest = new + rest[len(old):]
+            break
+    return f"decoder.layers.{rest}", int(m.group(1))
+
+
+def pieces(name: str, kind: str | None, dims: ModelDims, units: tuple[int, int] | None,
+           local_shape: tuple[int, ...], kmap: dict[str, str]) -> list[Piece]:
+    """The chunks of megatron's global tensor(s) that a local parameter describes.
+
+    A layer's chunk carries the layer axis as a leading local dimension of size 1 (megatron
+    writes ``prepend_axis_num=1`` chunks exactly so; its uneven-sharding writer does not take
+    ``prepend_axis_num``, so the axis is explicit here)."""
+    key, layer = megatron_key(name, kmap)
+    lead: tuple[int, ...] = () if layer is None else (dims.num_layers,)
+    lead_off: tuple[int, ...] = () if layer is None else (layer,)
+    one: tuple[int, ...] = () if layer is None else (1,)
     if kind is None:
-        return Chunk(tuple(local_shape), tuple(local_shape), (0,) * len(local_shape))
-    assert units is not None, kind
+        return [Piece(key, None, one + local_shape, lead + local_shape,
+                      lead_off + (0,) * len(local_shape))]
+    assert units is not None, name
     shape, per_unit, half = _geometry(kind, dims)
     axis = PARAM_KINDS[kind].axis
     lo, hi = units
-    glob, loc = list(shape), list(shape)
+    if half:  # gated fc1: [gate rows lo..hi; up rows F+lo..F+hi] of the global (2F, ...)
+        n = (hi - lo) * per_unit
+        loc = (*one, n, *local_shape[1:])
+        rest = (0,) * (len(shape) - 1)
+        return [Piece(key, (0, n), loc, lead + shape, (*lead_off, lo * per_unit, *rest)),
+                Piece(key, (n, 2 * n), loc, lead + shape,
+                      (*lead_off, half + lo * per_unit, *rest))]
     off = [0] * len(shape)
-    if half:  # gated fc1: view (2F, ...) as (2, F, ...); the split axis moves to 1
-        assert axis == 0, kind
-        glob = [2, shape[0] // 2, *shape[1:]]
-        loc = list(glob)
-        off = [0] * len(glob)
-        axis = 1
-    loc[axis] = (hi - lo) * per_unit
     off[axis] = lo * per_unit
-    return Chunk(tuple(glob), tuple(loc), tuple(off))
+    return [Piece(key, None, one + local_shape, lead + shape, lead_off + tuple(off))]
 
 
-def _replica_id(kind: str | None, replica: int, tp_rank: int) -> tuple[int, int]:
-    return (replica, 0 if kind is not None else tp_rank)
+def _tensor(piece: Piece, key: str, data: torch.Tensor, replica_id: Any) -> ShardedTensor:
+    view = data if piece.rows is None else data[piece.rows[0]:piece.rows[1]]
+    if tuple(view.shape) != piece.local_shape:
+        view = view.view(piece.local_shape)
+    return ShardedTensor(key=key, data=view, dtype=data.dtype,
+                         local_shape=piece.local_shape, global_shape=piece.global_shape,
+                         global_offset=piece.global_offset, axis_fragmentations=None,
+                         replica_id=replica_id)
 
 
-def _factory(key: str, param: torch.Tensor, chunk: Chunk, replica_id: tuple[int, int]
-             ) -> ShardedTensorFactory:
-    """A factory, not a plain ShardedTensor, so that ``.data`` stays the parameter object itself
-    (megatron's optimizer matches its states to model params by ``id(data)``) while the saved
-    chunk is a reshaped view (gated fc1)."""
+def _factory(param: torch.Tensor, parts: list[Piece], replica_id: Any) -> ShardedTensorFactory:
+    """One local tensor -> its chunks (views). A factory, so that ``.data`` stays the parameter
+    itself (megatron's optimizer matches its states to params by ``id(data)``); for gated fc1 it
+    is megatron's swiglu factory with uneven offsets."""
 
-    def build(k: str, t: torch.Tensor, rid: Any, flattened_range: Any = None) -> ShardedTensor:
-        view = t.detach().view(chunk.local_shape)
-        return ShardedTensor(key=k, data=view, dtype=t.dtype, local_shape=chunk.local_shape,
-                             global_shape=chunk.global_shape, global_offset=chunk.global_offset,
-                             axis_fragmentations=None, replica_id=rid)
+    def build(k: str, t: torch.Tensor, rid: Any, flattened_range: Any = None
+              ) -> list[ShardedTensor]:
+        del flattened_range
+        return [_tensor(p, k, t.detach(), rid) for p in parts]
 
-    merge: Callable[[torch.Tensor], torch.Tensor] = lambda t: t.reshape(param.shape)  # noqa: E731
-    return ShardedTensorFactory(key, param, build, merge, replica_id)
+    def merge(ts: list[torch.Tensor]) -> torch.Tensor:
+        flat = [t.reshape(-1, *param.shape[1:]) if param.dim() else t.reshape(()) for t in ts]
+        return torch.cat(flat, 0) if len(flat) > 1 else flat[0]
+
+    return ShardedTensorFactory(parts[0].key, param, build, merge, replica_id)
 
 
-def model_sharded_state_dict(model: torch.nn.Module, dims: ModelDims, *, replica: int,
-                             tp_rank: int, prefix: str = "model.") -> dict[str, Any]:
-    """``{param name: ShardedTensorFactory}`` for every parameter of this rank's model.
+def _extra_object(name: str, obj: Any, dims: ModelDims, kmap: dict[str, str],
+                  replica_id: Any) -> ShardedObject:
+    key, layer = megatron_key(name, kmap)
+    if layer is None:
+        return ShardedObject(key, obj, (1,), (0,), replica_id=replica_id)
+    return ShardedObject(key, obj, (dims.num_layers,), (layer,), replica_id=replica_id)
 
-    Keys are the megatron parameter names (``module.`` stripped), i.e. the same global tensor
-    has the same key in every layout.
-    """
+
+def megatron_sharded_state_dict(model: torch.nn.Module, dims: ModelDims, *, replica: int,
+                                tp_rank: int) -> dict[str, Any]:
+    """``{name: ShardedTensor | ShardedTensorFactory | ShardedObject}`` of this rank's model in
+    megatron-core's GPT format (see the module docstring). ``model``: the unwrapped NUTP GPT
+    whose parameters carry ``nutp_kind``/``nutp_units``."""
+    kmap = keys_map(model)
     out: dict[str, Any] = {}
-    for name, p in model.named_parameters():
-        name = name.removeprefix("module.")
-        kind = getattr(p, "nutp_kind", None)
-        units = getattr(p, "nutp_units", None)
-        chunk = chunk_of(kind, dims, units, tuple(p.shape))
-        out[name] = _factory(prefix + name, p, chunk, _replica_id(kind, replica, tp_rank))
+    for raw, value in model.state_dict(keep_vars=True).items():
+        name = raw.removeprefix("module.")
+        if name.endswith(_DROPPED):
+            continue
+        if name.endswith("_extra_state"):
+            out[name] = _extra_object(name, value, dims, kmap, (0, tp_rank, replica))
+            continue
+        kind = getattr(value, "nutp_kind", None)
+        rid = (0, 0, replica) if kind is not None else (0, tp_rank, replica)
+        parts = pieces(name, kind, dims, getattr(value, "nutp_units", None),
+                       tuple(value.shape), kmap)
+        if len(parts) == 1 and parts[0].local_shape == tuple(value.shape):
+            out[name] = _tensor(parts[0], parts[0].key, value, rid)
+        else:
+            out[name] = _factory(value, parts, rid)
     return out
 
 
-def global_shapes(model: torch.nn.Module, dims: ModelDims) -> dict[str, list[int]]:
-    """Global shape of every parameter (recorded in a checkpoint's marker)."""
-    out = {}
-    for name, p in model.named_parameters():
-        kind = getattr(p, "nutp_kind", None)
-        ch = chunk_of(kind, dims, getattr(p, "nutp_units", None), tuple(p.shape))
-        out[name.removeprefix("module.")] = list(ch.global_shape)
+def expected_global_shapes(model: torch.nn.Module, dims: ModelDims) -> dict[str, list[int]]:
+    """Global shape of every megatron checkpoint key of the model's parameters."""
+    kmap = keys_map(model)
+    out: dict[str, list[int]] = {}
+    for raw, p in model.named_parameters():
+        name = raw.removeprefix("module.")
+        for piece in pieces(name, getattr(p, "nutp_kind", None), dims,
+                            getattr(p, "nutp_units", None), tuple(p.shape), kmap):
+            out[piece.key] = list(piece.global_shape)
     return out

@@ -1,33 +1,35 @@
-"""Atomic, layout-portable checkpoints of a training session (megatron ``dist_checkpointing``).
+"""Atomic, layout-portable checkpoints in megatron-core's own format (``dist_checkpointing``).
 
-Directory layout under a checkpoint root::
+Directory conventions (Megatron-LM / Megatron-Bridge) are in ``megatron_format``: ``iter_NNNNNNN/``
+under a root, ``latest_checkpointed_iteration.txt`` beside them, NUTP's metadata
+(``nutp_checkpoint.json``: step, model dims, plan, per-file sha256) inside, never required.
 
-    step_00000004/            a complete checkpoint (torch_dist shards + common.pt + COMPLETE)
-    step_00000006.tmp-1a2b/   a save in progress, or one that crashed: never loaded
-    latest                    text file naming the newest complete checkpoint (atomic replace)
+What is stored (collective ``dist_checkpointing.save`` of one state dict)::
+
+    model          megatron GPTModel keys/shapes (``sharding``), uneven NUTP shards as chunks
+    optimizer      megatron's optimizer.sharded_state_dict(model) (keys optimizer.state.*)
+    iteration      steps completed (Megatron-LM's key), checkpoint_version 3.0
+    nutp_train     step, extra (JSON-able, e.g. the goodput ledger), rank 0's CPU RNG state
+    nutp_rng_state every rank's CPU/CUDA RNG state (restored only into the same plan)
 
 Guarantees:
-* a save writes into ``step_N.tmp-XXXX``; rank 0 writes ``COMPLETE`` (JSON: step, model dims,
-  plan summary, global shapes, sha256 of every file) only after every rank finished, then
-  renames the directory to ``step_N`` and replaces ``latest``. A crash at any point before the
-  rename leaves the previous checkpoint the newest complete one;
-* ``find_latest`` ignores (with a warning) directories without ``COMPLETE``;
-* ``load_checkpoint`` raises ``CheckpointError`` naming the problem for a missing or corrupt
-  checkpoint (checksum mismatch) and ``ValueError`` naming the field for different model dims;
-* the layout of the saving run does not matter: tensors are stored as global tensors (see
-  ``sharding``), so any plan of the same model loads them, optimizer state included.
+* a save writes into ``iter_N.tmp-XXXX``; every rank hashes the files it wrote (in parallel,
+  ``integrity``); rank 0 writes ``nutp_checkpoint.json`` with the union, then *publishes*: an
+  existing ``iter_N`` is renamed aside, the new one renamed in, the aside removed; then the
+  tracker is replaced. A crash at any point leaves the previous complete copy loadable;
+* ``load_checkpoint`` checks model dims (``ValueError`` naming the field), verifies checksums on
+  all ranks in parallel (``CheckpointError`` naming the file), and loads NUTP's and stock
+  megatron-core checkpoints alike; ``load_optimizer=False`` loads the weights only;
+* any plan of the same model loads any checkpoint (global tensors; optimizer state included).
 
-Collective: ``save_checkpoint`` and ``load_checkpoint`` must be called by every rank.
+Collective: ``save_checkpoint``, ``load_checkpoint``, ``verify_checkpoint`` and
+``load_newest_valid`` must be called by every rank.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
-import os
 import secrets
-import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -35,44 +37,28 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .sharding import global_shapes, model_sharded_state_dict
+from . import integrity
+from .megatron_format import (
+    META,
+    candidates,
+    describe,
+    is_complete,
+    iter_dir,
+    publish,
+    read_meta,
+    read_tracker,
+    restore_asides,
+    write_atomic,
+    write_tracker,
+)
+from .sharding import expected_global_shapes, megatron_sharded_state_dict
 
-MARKER = "COMPLETE"
-FORMAT = "nemo_nutp.checkpoint/1"
+FORMAT = "nemo_nutp.checkpoint/2"
+"""NUTP metadata format: 2 = megatron-core GPT keys in ``iter_N`` directories."""
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete or corrupt."""
-
-
-def step_dir(root: Path, step: int) -> Path:
-    return root / f"step_{step:08d}"
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(4)}")
-    with tmp.open("w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _checksums(directory: Path) -> dict[str, str]:
-    out = {}
-    for p in sorted(directory.rglob("*")):
-        if p.is_file() and p.name != MARKER:
-            out[str(p.relative_to(directory))] = hashlib.sha256(p.read_bytes()).hexdigest()
-    return out
+    """A checkpoint is missing, incomplete, corrupt or not loadable into this model."""
 
 
 def _dims(model_cfg: Any) -> dict[str, Any]:
@@ -87,12 +73,10 @@ def _plan_summary(plan: Any) -> dict[str, Any]:
             "rank_to_gpu": list(plan.rank_to_gpu)}
 
 
-def _state_dict(session: Any, *, is_loading: bool) -> dict[str, Any]:
+def _model_state(session: Any) -> dict[str, Any]:
     ctx = session.groups.ctx
-    model = model_sharded_state_dict(session.gpt, session.model_cfg,
-                                     replica=ctx.replica, tp_rank=ctx.tp_rank)
-    optim = session.optimizer.sharded_state_dict(model, is_loading=is_loading)
-    return {"model": model, "optimizer": optim}
+    return megatron_sharded_state_dict(session.gpt, session.model_cfg, replica=ctx.replica,
+                                       tp_rank=ctx.tp_rank)
 
 
 def _rng_states() -> dict[str, Any]:
@@ -101,11 +85,11 @@ def _rng_states() -> dict[str, Any]:
 
 
 def _rng_object(plan: Any, data: Any) -> Any:
-    """This rank's RNG states as one entry of a per-rank object (megatron's own checkpoints
-    keep ``rng_state`` the same way); only a run with the same plan can load it."""
+    """This rank's RNG states as one entry of a per-rank object; only a run with the same plan
+    loads it. (Not Megatron-LM's ``rng_state``, whose shape is (pp, tp, dp).)"""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    return ShardedObject("rng_state", data, (plan.world_size,), (dist.get_rank(),),
+    return ShardedObject("nutp_rng_state", data, (plan.world_size,), (dist.get_rank(),),
                          replica_id=0)
 
 
@@ -116,13 +100,15 @@ def _broadcast(obj: Any) -> Any:
 
 
 def save_checkpoint(session: Any, root: str | Path, *, step: int,
-                    extra: dict[str, Any] | None = None, fault: Any = None) -> Path:
-    """Save model, optimizer, ``step`` (steps completed = next step to run), RNG (every rank's
-    CPU/CUDA states, plus rank 0's CPU state for other layouts) and ``extra``
-    (JSON-able, taken from rank 0) atomically under ``root``; returns the final directory.
+                    extra: dict[str, Any] | None = None, fault: Any = None,
+                    hashing: str = "parallel") -> Path:
+    """Save model, optimizer, ``step`` (steps completed = next step to run), RNG and ``extra``
+    (JSON-able, taken from rank 0) atomically as ``root/iter_{step:07d}``; returns that path.
 
-    ``fault`` (tests): a callable run by every rank after its shards are written and before
-    the checkpoint is marked complete (a crash there must leave the previous one valid).
+    ``fault`` (tests): run by every rank after its shards are written and before the
+    checkpoint is published (a crash there must leave the previous one valid).
+    ``hashing``: 'parallel' (every rank its own files) or 'rank0' (rank 0 reads every file
+    after a barrier: the former behaviour, kept for ``benchmarks/checkpoint_save.py``).
     """
     from megatron.core import dist_checkpointing
 
@@ -131,121 +117,222 @@ def save_checkpoint(session: Any, root: str | Path, *, step: int,
     results_queue_dies_with_rank()  # no orphaned helper holds the job's output after a crash
     root = Path(root)
     rank0 = dist.get_rank() == 0
-    tmp = root / f"step_{step:08d}.tmp-{_broadcast(secrets.token_hex(4))}"
+    tmp = root / f"iter_{step:07d}.tmp-{_broadcast(secrets.token_hex(4))}"
     if rank0:
         tmp.mkdir(parents=True)
+        restore_asides(root)
     dist.barrier()
-    state = _state_dict(session, is_loading=False)
+    model = _model_state(session)
+    state: dict[str, Any] = {"model": model,
+                             "optimizer": session.optimizer.sharded_state_dict(model)}
     # Identical on every rank (megatron checks the common part for consistency).
-    state["train"] = _broadcast({"step": step, "extra": extra or {},
-                                 "rng": torch.get_rng_state()} if rank0 else None)
-    state["rng"] = _rng_object(session.plan, _rng_states())
+    state.update(_broadcast({"iteration": step, "checkpoint_version": 3.0,
+                             "nutp_train": {"step": step, "extra": extra or {},
+                                            "rng": torch.get_rng_state()}}
+                            if rank0 else None))
+    state["nutp_rng_state"] = _rng_object(session.plan, _rng_states())
     dist_checkpointing.save(state, str(tmp))
     if fault is not None:
         fault()
-    dist.barrier()
-    final = step_dir(root, step)
+    if hashing == "parallel":
+        files = integrity.gather_checksums(tmp)
+    else:
+        dist.barrier()
+        files = integrity.checksums_serial(tmp, skip=(META,)) if rank0 else None
+    final = iter_dir(root, step)
     if rank0:
-        marker = {"format": FORMAT, "step": step, "model": _dims(session.model_cfg),
-                  "plan": _plan_summary(session.plan),
-                  "global_shapes": global_shapes(session.gpt, session.model_cfg),
-                  "files": _checksums(tmp), "rng_per_rank": True}
-        _write_atomic(tmp / MARKER, json.dumps(marker, indent=1))
-        if final.exists():  # an older save of the same step (e.g. before a restart)
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(root)
-        _write_atomic(root / "latest", final.name + "\n")
+        assert files is not None
+        meta = {"format": FORMAT, "step": step, "model": _dims(session.model_cfg),
+                "plan": _plan_summary(session.plan),
+                "global_shapes": expected_global_shapes(session.gpt, session.model_cfg),
+                "files": files, "rng_per_rank": True}
+        write_atomic(tmp / META, json_dumps(meta))
+        publish(tmp, final)
+        write_tracker(root, step)
     dist.barrier()
     return final
 
 
+def json_dumps(obj: Any) -> str:
+    import json
+
+    return json.dumps(obj, indent=1)
+
+
 def read_marker(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads((path / MARKER).read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
+    """NUTP's metadata of a *complete* checkpoint (None otherwise, or if not saved by NUTP)."""
+    path = Path(path)
+    return read_meta(path) if is_complete(path) else None
 
 
 def find_latest(root: str | Path) -> Path | None:
-    """Newest complete checkpoint under ``root`` (None if there is none). Pure filesystem."""
-    root = Path(root)
-    if not root.is_dir():
+    """The checkpoint the loader tries first under ``root`` (the tracker's; see
+    ``megatron_format.candidates``), None if there is none. Pure filesystem, no verification."""
+    found = candidates(Path(root))
+    return found[0] if found else None
+
+
+def latest_step(root: str | Path | None) -> int | None:
+    """Step of the tracker's complete checkpoint (None if none): pure filesystem."""
+    if root is None:
         return None
-    best: tuple[int, Path] | None = None
-    for d in root.iterdir():
-        if not d.is_dir() or not d.name.startswith("step_"):
-            continue
-        marker = read_marker(d)
-        if marker is None or ".tmp-" in d.name:
-            warnings.warn(f"checkpoint {d}: no {MARKER} marker (crashed or partial save); "
-                          "ignored", stacklevel=2)
-            continue
-        if best is None or marker["step"] > best[0]:
-            best = (int(marker["step"]), d)
-    return None if best is None else best[1]
+    step = read_tracker(Path(root))
+    if step is None:
+        return None
+    found = [p for p in candidates(Path(root), warn=False) if _step_of(p) == step]
+    return step if found else None
+
+
+def _step_of(path: Path) -> int | None:
+    from .megatron_format import step_of
+
+    return step_of(path)
 
 
 def check_compatible(marker: dict[str, Any], model_cfg: Any, path: Path) -> None:
-    """Model dims of the checkpoint must equal the job's: ``ValueError`` naming the field."""
-    if marker.get("format") != FORMAT:
+    """Model dims of an NUTP checkpoint must equal the job's: ``ValueError`` naming the field."""
+    if not str(marker.get("format", "")).startswith("nemo_nutp.checkpoint/"):
         raise CheckpointError(f"{path}: format {marker.get('format')!r}, expected {FORMAT!r}")
     mine = _dims(model_cfg)
     for key, value in mine.items():
-        if key in marker["model"] and marker["model"][key] != value:
+        if key in marker.get("model", {}) and marker["model"][key] != value:
             raise ValueError(f"model.{key}={value!r}: checkpoint {path} was saved with "
                              f"model.{key}={marker['model'][key]!r}")
 
 
-def verify_files(marker: dict[str, Any], path: Path) -> None:
-    found = _checksums(path)
-    for name, digest in marker["files"].items():
-        if name not in found:
-            raise CheckpointError(f"checkpoint {path} is corrupt: file {name} is missing")
-        if found[name] != digest:
-            raise CheckpointError(f"checkpoint {path} is corrupt: checksum of {name} differs")
-
-
-def load_checkpoint(session: Any, path: str | Path, *, verify: bool = True) -> dict[str, Any]:
-    """Load a complete checkpoint into ``session`` (any layout). Returns ``{"step", "extra",
-    "marker"}``. Raises before touching the model if the checkpoint is incomplete, corrupt or
-    for a different model."""
+def check_shapes(path: Path, expected: dict[str, list[int]]) -> bool:
+    """Every model key of this job is in the checkpoint with its global shape (any saver,
+    stock megatron-core included); returns whether optimizer state is present."""
     from megatron.core import dist_checkpointing
 
+    meta = dist_checkpointing.load_tensors_metadata(str(path))
+    for key, shape in expected.items():
+        if key not in meta:
+            have = sorted(k for k in meta if not k.startswith("optimizer."))[:6]
+            raise CheckpointError(f"checkpoint {path} has no tensor {key!r} (not this model? "
+                                  f"it holds {have} ...)")
+        if list(meta[key].global_shape) != list(shape):
+            raise CheckpointError(f"checkpoint {path}: {key} has global shape "
+                                  f"{list(meta[key].global_shape)}, this model {shape}")
+    return any(k.startswith("optimizer.state.") for k in meta)
+
+
+def verify_files(marker: dict[str, Any], path: Path) -> None:
+    """One-process check of every checksum (tools, tests)."""
+    bad = integrity.verify_serial(marker["files"], Path(path))
+    if bad:
+        raise CheckpointError(f"checkpoint {path} is corrupt: {'; '.join(bad)}")
+
+
+def verify_checkpoint(path: Path, marker: dict[str, Any] | None) -> str | None:
+    """All ranks check the checksums together (each its share); the problem or None, the same
+    on every rank. Stock megatron checkpoints carry no checksums: completeness only."""
+    if not is_complete(path):
+        return f"checkpoint {path} is incomplete ({describe(path)})"
+    if marker is None or "files" not in marker:
+        return None
+    bad = integrity.verify_parallel(marker["files"], path)
+    return f"checkpoint {path} is corrupt: {'; '.join(bad)}" if bad else None
+
+
+def load_checkpoint(session: Any, path: str | Path, *, verify: bool = True,
+                    load_optimizer: bool = True) -> dict[str, Any]:
+    """Load one checkpoint (NUTP's or stock megatron-core's) into ``session`` (any layout).
+
+    Returns ``{"step", "saved_step", "extra", "marker", "rng", "optimizer", "weights_only"}``.
+    Full load: model, optimizer (when the checkpoint has one) and the saved step.
+    ``load_optimizer=False`` (weights only): the model; the optimizer stays fresh and ``step``
+    is 0. Raises before touching the model if the checkpoint
+    is incomplete, corrupt or of another model."""
     path = Path(path)
-    marker = read_marker(path)
-    if marker is None:
-        raise CheckpointError(f"checkpoint {path}: no {MARKER} marker (incomplete save?)")
-    check_compatible(marker, session.model_cfg, path)
-    problem = None
-    if dist.get_rank() == 0 and verify:
-        try:
-            verify_files(marker, path)
-        except CheckpointError as e:
-            problem = str(e)
-    problem = _broadcast(problem)
-    if problem:
-        raise CheckpointError(problem)
-    state = _state_dict(session, is_loading=True)
-    state["train"] = None
+    marker = read_meta(path)
+    if not is_complete(path):
+        raise CheckpointError(f"checkpoint {path}: not a complete checkpoint ({describe(path)})")
+    if marker is not None:
+        check_compatible(marker, session.model_cfg, path)
+    has_optim = check_shapes(path, expected_global_shapes(session.gpt, session.model_cfg))
+    if verify:
+        problem = verify_checkpoint(path, marker)
+        if problem:
+            raise CheckpointError(problem)
+    info = _load(session, path, marker, load_optimizer=load_optimizer and has_optim)
+    info["weights_only"] = not load_optimizer
+    info["step"] = info["saved_step"] if load_optimizer else 0
+    return info
+
+
+def _load(session: Any, path: Path, marker: dict[str, Any] | None, *,
+          load_optimizer: bool) -> dict[str, Any]:
+    from megatron.core import dist_checkpointing
+
+    model = _model_state(session)
+    state: dict[str, Any] = {"model": model}
+    if load_optimizer:
+        state["optimizer"] = session.optimizer.sharded_state_dict(model, is_loading=True)
     # Per-rank RNG states come back only into the same plan (rank r is the same GPU and role);
-    # any other layout gets rank 0's CPU state on every rank (no per-rank meaning there).
-    same_plan = (marker.get("rng_per_rank", False)  # older checkpoints have no per-rank RNG
+    # another NUTP layout gets the saver's rank 0 CPU state on every rank; stock checkpoints
+    # leave the RNG as it is.
+    same_plan = (marker is not None and marker.get("rng_per_rank", False)
                  and marker.get("plan") == _plan_summary(session.plan))
     if same_plan:
-        state["rng"] = _rng_object(session.plan, None)
+        state["nutp_rng_state"] = _rng_object(session.plan, None)
     loaded = dist_checkpointing.load(state, str(path))
     with torch.no_grad():
         for name, p in session.gpt.named_parameters():
             p.copy_(loaded["model"][name.removeprefix("module.")].view_as(p))
-    session.optimizer.load_state_dict(loaded["optimizer"])
-    train = loaded["train"]
-    if same_plan:
-        rng = loaded["rng"]
-        torch.set_rng_state(rng["cpu"])
-        if rng["cuda"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rng["cuda"])
+    if load_optimizer:
+        session.optimizer.load_state_dict(loaded["optimizer"])
     else:
+        _refresh_master_weights(session.optimizer)
+    train = loaded.get("nutp_train")
+    rng = "unchanged"
+    if same_plan:
+        saved = loaded["nutp_rng_state"]
+        torch.set_rng_state(saved["cpu"])
+        if saved["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(saved["cuda"])
+        rng = "per-rank"
+    elif train is not None:
         torch.set_rng_state(train["rng"])
-    return {"step": int(train["step"]), "extra": train["extra"], "marker": marker,
-            "rng": "per-rank" if same_plan else "rank 0"}
+        rng = "rank 0"
+    step = int(train["step"]) if train is not None else int(loaded.get("iteration", 0))
+    return {"step": step, "saved_step": step, "extra": train["extra"] if train else {},
+            "marker": marker, "rng": rng, "optimizer": load_optimizer}
+
+
+def _refresh_master_weights(optimizer: Any) -> None:
+    """Weights only: megatron's mixed-precision optimizer keeps fp32 master copies of the
+    (just overwritten) half-precision params; copy them over (fp32: nothing to do)."""
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        groups = getattr(inner, "float16_groups", None)
+        masters = getattr(inner, "fp32_from_float16_groups", None)
+        if groups is None or masters is None:
+            continue
+        with torch.no_grad():
+            for g16, g32 in zip(groups, masters, strict=True):
+                for p16, p32 in zip(g16, g32, strict=True):
+                    p32.copy_(p16.float())
+
+
+def load_newest_valid(session: Any, paths: list[Path], *, strict: bool = False,
+                      load_optimizer: bool = True, warn: Any = None) -> dict[str, Any] | None:
+    """Load the first of ``paths`` (the loader's order) that passes verification. A failing
+    one is skipped with a loud warning (``warn(msg)`` on rank 0, and ``warnings.warn``), or
+    with ``strict`` raises ``CheckpointError``. None if none passes (after warnings)."""
+    for k, path in enumerate(paths):
+        marker = read_meta(path)
+        problem = verify_checkpoint(path, marker)
+        if problem is None:
+            info = load_checkpoint(session, path, verify=False, load_optimizer=load_optimizer)
+            info["path"] = path
+            info["skipped"] = [str(p) for p in paths[:k]]
+            return info
+        if strict:
+            raise CheckpointError(f"{problem} (checkpoint.strict=true: no fallback)")
+        msg = (f"WARNING: {problem}; falling back to "
+               f"{paths[k + 1] if k + 1 < len(paths) else 'nothing (no older checkpoint)'}")
+        if dist.get_rank() == 0:
+            warnings.warn(msg, stacklevel=2)
+            if warn is not None:
+                warn(msg)
+    return None

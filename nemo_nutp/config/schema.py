@@ -211,6 +211,9 @@ class OutputConfig:
     """Run directory: metrics.jsonl, plan.json, plots."""
 
 
+RESUME_ALIASES = {"true": "auto", "false": "never"}
+
+
 @dataclass(frozen=True)
 class CheckpointConfig:
     """Layout-portable checkpoints (``nemo_nutp.checkpoint``)."""
@@ -219,12 +222,25 @@ class CheckpointConfig:
     """Checkpoint root; None = ``<output.dir>/checkpoints`` when ``interval`` > 0."""
     interval: int = 0
     """Save every this many steps (0 disables saving)."""
-    resume: bool = True
-    """Start from the newest complete checkpoint under the root, if any."""
+    resume: str = "auto"
+    """'auto' (newest valid checkpoint, if any), 'required' (error if none) or 'never';
+    true/false are aliases of auto/never."""
+    load_dir: str | None = None
+    """Where to resume from: a checkpoint root or one ``iter_N`` directory, NUTP's or stock
+    megatron-core's; None = ``dir``. A given path with nothing loadable is an error."""
+    load_optimizer: bool = True
+    """Load optimizer state and step; false: weights only (fresh optimizer, step 0)."""
+    strict: bool = False
+    """A newest checkpoint that fails verification is an error, not a fallback to an older one."""
 
     def __post_init__(self) -> None:
         if self.interval < 0:
             raise _bad("checkpoint.interval", self.interval, "must be >= 0")
+        mode = RESUME_ALIASES.get(str(self.resume).lower(), str(self.resume).lower())
+        if mode not in ("auto", "required", "never"):
+            raise _bad("checkpoint.resume", self.resume,
+                       "must be auto, required or never (true/false: auto/never)")
+        object.__setattr__(self, "resume", mode)
 
 
 @dataclass(frozen=True)

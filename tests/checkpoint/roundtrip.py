@@ -62,7 +62,7 @@ def run_job(job: Job, outdir: str, index: str) -> None:
         res["reference"] = [s.step(k).loss for k in range(SAVE_AT + AFTER)]
     for src in job.load:
         s = _session(job)  # fresh weights: everything must come from the checkpoint
-        info = load_checkpoint(s, os.path.join(outdir, f"ckpt_{src}", f"step_{SAVE_AT:08d}"))
+        info = load_checkpoint(s, os.path.join(outdir, f"ckpt_{src}", f"iter_{SAVE_AT:07d}"))
         assert info["step"] == SAVE_AT, info["step"]
         # Another plan: every rank gets the saving run's rank 0 CPU state.
         assert info["rng"] == "rank 0", info["rng"]
@@ -78,7 +78,7 @@ def run_job(job: Job, outdir: str, index: str) -> None:
         torch.manual_seed(0)
         # Self round trip in the same session object: load over the trained state.
         info = load_checkpoint(s, os.path.join(outdir, f"ckpt_{job.layout}",
-                                               f"step_{SAVE_AT:08d}"))
+                                               f"iter_{SAVE_AT:07d}"))
         # Same plan: every rank gets its own RNG state back.
         res["self_rng"] = [info["rng"], _all(torch.equal(torch.get_rng_state(), saved_rng))]
         res["self"] = [s.step(k).loss for k in range(SAVE_AT, SAVE_AT + AFTER)]

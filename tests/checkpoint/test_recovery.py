@@ -178,8 +178,8 @@ def test_crash_during_save_resumes_previous_checkpoint(tmp_path: Path,
     (s,) = _check(out, reference)
     assert s["resume_step"] == 2
     ckpts = sorted(p.name for p in (out / "checkpoints").iterdir() if p.is_dir())
-    assert any(".tmp-" in n and n.startswith("step_00000004") for n in ckpts), ckpts
-    assert "step_00000006" in ckpts
+    assert any(".tmp-" in n and n.startswith("iter_0000004") for n in ckpts), ckpts
+    assert "iter_0000006" in ckpts
 
 
 @pytest.mark.dist
@@ -222,8 +222,9 @@ def test_hung_rank_is_blamed_not_its_blocked_peers(tmp_path: Path,
 
 def _newest_checkpoint(root: Path) -> int | None:
     try:
-        name = (root / "latest").read_text().strip()
-        return int(json.loads((root / name / "COMPLETE").read_text())["step"])
+        step = int((root / "latest_checkpointed_iteration.txt").read_text().strip())
+        return int(json.loads((root / f"iter_{step:07d}" / "nutp_checkpoint.json").read_text(
+        ))["step"])
     except (OSError, ValueError):
         return None
 

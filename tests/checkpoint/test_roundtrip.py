@@ -109,13 +109,13 @@ def _check_failures_are_clear(ck: Path) -> None:
     from nemo_nutp.checkpoint.store import check_compatible, find_latest, read_marker, verify_files
 
     latest = find_latest(ck)
-    assert latest is not None and latest.name == "step_00000003"
+    assert latest is not None and latest.name == "iter_0000003"
     marker = read_marker(latest)
     assert marker is not None and marker["step"] == 3
     verify_files(marker, latest)
     # A partial save next to it is ignored with a warning.
-    (ck / "step_00000005.tmp-dead").mkdir()
-    with pytest.warns(UserWarning, match="no COMPLETE marker"):
+    (ck / "iter_0000005.tmp-dead").mkdir()
+    with pytest.warns(UserWarning, match="incomplete"):
         assert find_latest(ck) == latest
     # Model mismatch names the field.
     from nemo_nutp.config import ModelConfig

@@ -1,0 +1,131 @@
+"""Checksums that scale: every rank hashes what it wrote; loads verify in parallel.
+
+* ``hash_own_files(directory, rank)``: sha256 of the files ``rank`` wrote in a torch_dist save
+  (``__{rank}_*.distcp``; rank 0 also the small ``common.pt``, ``metadata.json``, ``.metadata``),
+  on a thread pool (hashlib releases the GIL on large buffers, so files hash concurrently).
+  ``gather_checksums`` collects them on rank 0: rank 0's busy time is its own shards, not the
+  whole checkpoint.
+* ``verify_parallel(files, directory)``: the files are split among the ranks by size
+  (largest first onto the least loaded rank, the same split on every rank), each rank checks its
+  share on a thread pool, and every rank gets the same list of problems.
+* ``checksums_serial`` / ``verify_serial``: one process reads everything (tools, tests, and the
+  benchmark's "before" column).
+
+Collective functions (``gather_checksums``, ``verify_parallel``) must be called by every rank.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import os
+import re
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch.distributed as dist
+
+CHUNK = 8 << 20
+RANK0_FILES = ("common.pt", "metadata.json", ".metadata")
+_SHARD = re.compile(r"__(\d+)_\d+\.distcp$")
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(CHUNK):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _threads(n: int) -> int:
+    return max(1, min(n, os.cpu_count() or 1, 8))
+
+
+def hash_files(directory: Path, names: Iterable[str]) -> dict[str, str]:
+    """``{name: sha256}`` of ``names`` under ``directory``, hashed concurrently."""
+    names = sorted(names)
+    if not names:
+        return {}
+    with ThreadPoolExecutor(_threads(len(names))) as pool:
+        digests = list(pool.map(lambda n: sha256_file(directory / n), names))
+    return dict(zip(names, digests, strict=True))
+
+
+def own_files(directory: Path, rank: int) -> list[str]:
+    """Names of the files ``rank`` wrote in a torch_dist save under ``directory``."""
+    out = []
+    for p in directory.iterdir():
+        m = _SHARD.match(p.name)
+        if (m and int(m.group(1)) == rank) or (rank == 0 and p.name in RANK0_FILES):
+            out.append(p.name)
+    return out
+
+
+def hash_own_files(directory: Path, rank: int) -> dict[str, str]:
+    return hash_files(directory, own_files(directory, rank))
+
+
+def gather_checksums(directory: Path) -> dict[str, str] | None:
+    """Every rank hashes its own files; rank 0 gets the union (others: None). Collective."""
+    mine = hash_own_files(directory, dist.get_rank())
+    world = dist.get_world_size()
+    box: list[dict[str, str] | None] = [None] * world if dist.get_rank() == 0 else []
+    dist.gather_object(mine, box if dist.get_rank() == 0 else None, dst=0)
+    if dist.get_rank() != 0:
+        return None
+    out: dict[str, str] = {}
+    for part in box:
+        out.update(part or {})
+    return dict(sorted(out.items()))
+
+
+def checksums_serial(directory: Path, *, skip: Iterable[str] = ()) -> dict[str, str]:
+    """One reader hashes every file under ``directory`` (recursively), one after another."""
+    skip = set(skip)
+    out = {}
+    for p in sorted(directory.rglob("*")):
+        if p.is_file() and p.name not in skip:
+            out[str(p.relative_to(directory))] = sha256_file(p)
+    return out
+
+
+def split_by_size(files: dict[str, int], parts: int) -> list[list[str]]:
+    """Deterministic longest-processing-time split of ``{name: bytes}`` into ``parts``."""
+    heap = [(0, k) for k in range(parts)]
+    out: list[list[str]] = [[] for _ in range(parts)]
+    for name in sorted(files, key=lambda n: (-files[n], n)):
+        load, k = heapq.heappop(heap)
+        out[k].append(name)
+        heapq.heappush(heap, (load + files[name], k))
+    return out
+
+
+def problems(expected: dict[str, str], directory: Path, names: Iterable[str]) -> list[str]:
+    """What is wrong with ``names`` (missing file, checksum differs)."""
+    names = list(names)
+    missing = [n for n in names if not (directory / n).is_file()]
+    found = hash_files(directory, [n for n in names if n not in missing])
+    out = [f"file {n} is missing" for n in missing]
+    out += [f"checksum of {n} differs" for n, d in found.items() if d != expected[n]]
+    return out
+
+
+def verify_serial(expected: dict[str, str], directory: Path) -> list[str]:
+    return problems(expected, directory, expected)
+
+
+def verify_parallel(expected: dict[str, str], directory: Path) -> list[str]:
+    """Problems found by all ranks together (the same sorted list on every rank). Collective."""
+    sizes = {}
+    for n in expected:
+        try:
+            sizes[n] = (directory / n).stat().st_size
+        except OSError:
+            sizes[n] = 0
+    share = split_by_size(sizes, dist.get_world_size())[dist.get_rank()]
+    mine = problems(expected, directory, share)
+    box: list[list[str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(box, mine)
+    return sorted(p for part in box for p in (part or []))
