@@ -41,11 +41,14 @@ class Activity:
 class Failure:
     ranks: tuple[int, ...]  # blamed ranks (empty: a failure nobody can be blamed for)
     reason: str
+    bad_input: bool = False  # ranks exited 2: the job's input is wrong, a restart cannot help
 
 
 def blame_exits(exit_codes: dict[int, int | None]) -> Failure | None:
     """Ranks that exited abnormally. A rank killed by a signal (negative code) is the cause;
-    ranks that then failed with an error (peers lost their connection) are not blamed."""
+    ranks that then failed with an error (peers lost their connection) are not blamed. Ranks
+    that all exited 2 (bad input, ``train/worker.py``) make a ``bad_input`` failure: the job
+    stops instead of restarting on fewer GPUs."""
     bad = {r: c for r, c in exit_codes.items() if c not in (None, 0)}
     if not bad:
         return None
@@ -53,6 +56,8 @@ def blame_exits(exit_codes: dict[int, int | None]) -> Failure | None:
     if signalled:
         return Failure(signalled, "killed by signal " + ",".join(
             str(-(bad[r] or 0)) for r in signalled))
+    if all(c == 2 for c in bad.values()):  # train/worker.py: bad config, data or checkpoint
+        return Failure(tuple(sorted(bad)), "exited with an input error", bad_input=True)
     return Failure(tuple(sorted(bad)), "exited with error")
 
 

@@ -221,6 +221,9 @@ def supervise(cfg: Any, console: Any) -> int:
             return _finish(console, rdir, attempt)
         if res.scale_up is not None:
             _record_scale_up(res, rdir, console, attempt)
+        elif res.failure is not None and res.failure.bad_input:  # each rank printed why
+            log_event("finished", file=events, attempt=attempt, error="bad input")
+            return 2
         else:
             failed = _record_failure(job, res, failed, rdir, console, attempt)
             if restarts == cfg.recovery.max_restarts:

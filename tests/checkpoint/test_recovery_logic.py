@@ -39,6 +39,11 @@ def test_signal_killed_rank_is_blamed_not_its_peers() -> None:
     f = blame_exits({0: None, 1: 1})
     assert f is not None and f.ranks == (1,)
     assert blame_exits({0: None, 1: 0}) is None
+    assert not f.bad_input
+    f = blame_exits({0: 2, 1: 2, 2: None})  # bad input (train/worker.py): stop, do not restart
+    assert f is not None and f.bad_input and f.ranks == (0, 1)
+    f = blame_exits({0: 2, 1: 1})
+    assert f is not None and not f.bad_input
 
 
 def test_hung_rank_is_the_one_that_progressed_least() -> None:

@@ -13,6 +13,8 @@ import warnings
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from nemo_nutp.goodput.accounting import CAUSES, GoodputLedger
 from nemo_nutp.launch.output_lock import LOCK_NAME, OutputLock, OutputLocked, read_holder
@@ -158,3 +160,24 @@ def test_tables_are_not_cut_when_not_a_terminal() -> None:
     assert "…" not in r.stdout, r.stdout
     assert max(len(ln) for ln in r.stdout.splitlines()) > 80  # wider than rich's pipe default
     assert "Transformer Engine" not in r.stderr
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 64), st.lists(st.floats(0.01, 5.0), min_size=1,
+                                                       max_size=4), st.floats(0, 3)),
+                min_size=1, max_size=4))
+def test_ledger_parts_add_up_over_any_chain_of_resumes(runs: list) -> None:
+    """Each run: a cluster size, its step times, a pause; resumed from the previous snapshot
+    (through JSON, as a checkpoint keeps it)."""
+    saved = None
+    for gpus, steps, pause in runs:
+        led = GoodputLedger(cluster_gpus=gpus, failed_gpus=0, idle_gpus=0)
+        if saved is not None:
+            led.restore(json.loads(json.dumps(saved)))
+            led.add_pause("restart", pause)
+        for s in steps:
+            led.add_step(s, [(gpus, 0.5 * s, 0.1 * s, 0.1 * s)])
+        led.add_pause("checkpoint", pause)
+        led.check(rel=1e-9)
+        assert 0.0 <= led.goodput <= 1.0
+        saved = led.snapshot()
