@@ -24,6 +24,11 @@ POLICIES = ("drop", "drop+spares", "uniform-reduce", "nutp", "nutp+boost", "stop
 """Every policy the simulator knows (``sim.policies`` picks and orders them)."""
 CAPACITY_POLICIES = ("drop", "drop+spares", "uniform-reduce", "nutp", "nutp+boost")
 BLAST_KINDS = ("gpu", "node", "domain")
+STRAGGLER_POLICIES = ("ignore", "rebalance", "exclude", "drop")
+"""``ignore``: equal shares, the job runs at its slowest replica; ``rebalance``: shares follow
+speed (``nutp.rebalance``); ``exclude``: per stage, keep the straggler (rebalanced) or run the
+stage at reduced TP without it, whichever is faster (the planner's choice); ``drop``: replicas
+a straggler slows leave."""
 
 
 def _frac(name: str, value: float, *, lo: float = 0.0, hi: float = 1.0) -> None:
@@ -158,6 +163,39 @@ class BoostConfig:
 
 
 @dataclass(frozen=True)
+class StragglerConfig:
+    """Straggler process: GPUs running slow (thermal throttling, a bad link) for a while."""
+
+    rate_per_gpu_day: float = 0.0
+    """Straggler episodes per GPU-day (0: none); a Poisson process next to the failures."""
+    min_speed: float = 0.3
+    """Slowest relative speed of a straggler (speeds are uniform in [min_speed, max_speed])."""
+    max_speed: float = 0.9
+    """Fastest relative speed of a straggler."""
+    duration_hours: float = 12.0
+    """Length of an episode (mean, if exponential)."""
+    duration_distribution: str = "exponential"
+    """'fixed' or 'exponential'."""
+    policies: list[str] = field(default_factory=lambda: list(STRAGGLER_POLICIES))
+    """Straggler policies compared side by side."""
+
+    def __post_init__(self) -> None:
+        if not float(self.rate_per_gpu_day) >= 0:
+            raise _bad("sim.stragglers.rate_per_gpu_day", self.rate_per_gpu_day, "must be >= 0")
+        if not 0.0 < self.min_speed <= self.max_speed <= 1.0:
+            raise _bad("sim.stragglers.min_speed", self.min_speed,
+                       f"need 0 < min_speed <= max_speed={self.max_speed} <= 1")
+        if not self.duration_hours > 0:
+            raise _bad("sim.stragglers.duration_hours", self.duration_hours, "must be > 0")
+        if self.duration_distribution not in ("fixed", "exponential"):
+            raise _bad("sim.stragglers.duration_distribution", self.duration_distribution,
+                       "must be 'fixed' or 'exponential'")
+        for q in self.policies:
+            if q not in STRAGGLER_POLICIES:
+                raise _bad("sim.stragglers.policies", q, f"unknown; known: {STRAGGLER_POLICIES}")
+
+
+@dataclass(frozen=True)
 class StopWaitConfig:
     """Checkpoint/restart: the whole job stops on every failure."""
 
@@ -217,6 +255,7 @@ class SimConfig:
     cost: CostConfig = field(default_factory=CostConfig)
     boost: BoostConfig = field(default_factory=BoostConfig)
     stop_wait: StopWaitConfig = field(default_factory=StopWaitConfig)
+    stragglers: StragglerConfig = field(default_factory=StragglerConfig)
     output_dir: str = "runs/sim"
     """Where JSON and PNGs go."""
 

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -88,11 +89,29 @@ def blast_sensitivity(res: dict[str, Any], path: Path) -> Path:
     return _save(fig, path)
 
 
+def straggler_policies(res: dict[str, Any], path: Path) -> Path:
+    """Mean loss to stragglers per policy, p5-p95 as error bars."""
+    pols = res["stragglers"]["policies"]
+    names = list(pols)
+    mean = np.array([pols[p]["mean"] for p in names]) * 100
+    lo = mean - np.array([pols[p]["p5"] for p in names]) * 100
+    hi = np.array([pols[p]["p95"] for p in names]) * 100 - mean
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    ax.bar(names, mean, yerr=np.vstack([lo.clip(0), hi.clip(0)]), capsize=4, color="#4c72b0")
+    ax.set_ylabel("throughput loss to stragglers %")
+    ax.set_title(_title(res) + ": straggler policies", fontsize=9)
+    ax.grid(alpha=0.3, axis="y")
+    return _save(fig, path)
+
+
 def write_all(res: dict[str, Any], out_dir: Path) -> list[Path]:
     """Every figure the result supports; returns the paths written."""
-    if "sweep" not in res:
-        return []
     name = res["config"]["name"]
-    return [loss_vs_fraction(res, out_dir / f"{name}_loss_vs_fraction.png"),
-            spares_vs_fraction(res, out_dir / f"{name}_spares.png"),
-            blast_sensitivity(res, out_dir / f"{name}_blast.png")]
+    out = []
+    if "sweep" in res:
+        out += [loss_vs_fraction(res, out_dir / f"{name}_loss_vs_fraction.png"),
+                spares_vs_fraction(res, out_dir / f"{name}_spares.png"),
+                blast_sensitivity(res, out_dir / f"{name}_blast.png")]
+    if "stragglers" in res:
+        out.append(straggler_policies(res, out_dir / f"{name}_stragglers.png"))
+    return out

@@ -64,6 +64,22 @@ def blast_table(res: dict[str, Any]) -> Table:
     return t
 
 
+def straggler_table(res: dict[str, Any]) -> Table:
+    """Straggler policies side by side: loss to slow GPUs alone over the timeline."""
+    sg, c = res["stragglers"], res["config"]
+    s = c["stragglers"]
+    t = Table(title=f"Stragglers: {s['rate_per_gpu_day']:g}/GPU-day, speed "
+                    f"{s['min_speed']:g}-{s['max_speed']:g}, {s['duration_hours']:g} h "
+                    f"({s['duration_distribution']}); {sg['events']:,} episodes, "
+                    f"{_pct(sg['mean_slow_fraction'], 3)}% of GPUs slow")
+    for col in ("straggler policy", "loss mean %", "p5 %", "p95 %", "GPU-h lost", "$ lost"):
+        t.add_column(col, justify="right")
+    for pol, r in sg["policies"].items():
+        t.add_row(pol, _pct(r["mean"], 3), _pct(r["p5"], 3), _pct(r["p95"], 3),
+                  f"{r['gpu_hours_lost']:,.0f}", f"{r['usd_lost']:,.0f}")
+    return t
+
+
 def print_result(res: dict[str, Any], console: Console) -> None:
     c, st = res["config"], res["step_time"]
     speeds = ", ".join(f"TP{k}: {v:.3f}" for k, v in res["degraded_speed"].items())
@@ -77,6 +93,8 @@ def print_result(res: dict[str, Any], console: Console) -> None:
         console.print(blast_table(res))
     if "timeline" in res:
         console.print(timeline_table(res))
+    if "stragglers" in res:
+        console.print(straggler_table(res))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -5,7 +5,9 @@
   spare domains a rigid job needs (p95), boost power; plus the closed form of ``drop``;
 * ``blast``: the same at ``sim.blast_fraction`` for failures of one GPU / node / domain;
 * ``timeline``: per policy over ``sim.days`` with the Poisson failure process (or a trace):
-  mean/p5/p95 loss, rigid paused time, spare domains for zero pause, GPU-hours and $ lost.
+  mean/p5/p95 loss, rigid paused time, spare domains for zero pause, GPU-hours and $ lost;
+* ``stragglers`` (with the timeline, when ``sim.stragglers.rate_per_gpu_day`` > 0): per
+  straggler policy the same statistics of the loss to slow GPUs alone (``stragglers.py``).
 All randomness comes from ``numpy.random.default_rng(sim.seed)`` in a fixed order, so equal
 configs give equal results. Losses are ``1 - throughput``, throughput vs the fault-free job.
 """
@@ -229,4 +231,9 @@ def simulate(cfg: SimConfig, *, progress: Progress | None = None, sweep: bool = 
         out["sweep"] = run_sweep(ctx, sweep_rng, progress)
     if timeline:
         out["timeline"] = run_timeline(ctx, timeline_rng, progress)
+    (straggler_rng,) = rng.spawn(1)  # a third stream: the two above are unchanged
+    if timeline and cfg.stragglers.rate_per_gpu_day > 0:
+        from .stragglers import run_stragglers
+
+        out["stragglers"] = run_stragglers(ctx, straggler_rng)
     return out

@@ -1,0 +1,138 @@
+"""Stragglers in the goodput simulator: a slow-GPU process and four policies (issue #15).
+
+Process: straggler episodes arrive per GPU as a Poisson process (``sim.stragglers``), each on
+one GPU of the job, with a relative speed uniform in ``[min_speed, max_speed]`` and a fixed or
+exponential duration. The timeline (``sim.days``, ``sim.step_hours``, steady state as for
+failures) is evaluated at step centres on an otherwise healthy cluster: the straggler loss is
+reported on its own, next to the failure loss.
+
+Per state, each used slice (replica stage; the fault-free plan's order: replica = slice // pp)
+holding stragglers has ``k`` distinct slow GPUs with speeds ``v_1 <= ... <= v_k``. Kept, its
+stage time is ``time[stage, tp_base] / v_1``; running at ``d = best[tp_base - j]`` on its
+fastest ``d`` GPUs gives ``time[stage, d] / v_(tp_base - d + 1)`` (``v_i`` = 1 for ``i > k``;
+inf when no degree is left), as the planner's choice (``layout/plan.py``) does. A replica's time
+is the largest of its stages (healthy stages at ``time[:, tp_base]``). Speeds are relative to a
+healthy replica. Throughput vs the healthy job, with continuous shares (as the planner's
+``capacity``), ``n`` replicas:
+
+* ``ignore``: equal shares; the synchronous step waits for the slowest replica: ``min speed``;
+* ``rebalance``: shares follow speed: ``(n - a + sum kept speeds) / n`` over ``a`` affected;
+* ``exclude``: per stage the fastest of keeping and excluding its ``j`` slowest GPUs (the
+  planner's choice, ``build_plan(...).capacity`` under ``nutp``), rebalanced;
+* ``drop``: replicas the stragglers make slower leave (a slow GPU on a stage that is not the
+  replica's bottleneck can leave it at full speed).
+
+Not modelled: detection time and the re-layout restart of ``exclude`` (a planned re-layout at
+the next checkpoint), the per-step noise rebalancing smooths over.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .config import StragglerConfig
+
+
+def straggler_events(s: StragglerConfig, trials: int, n_gpus: int, hours: float, lead: float,
+                     rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Episodes of ``trials`` runs: trial, start, end (hours), gpu, speed."""
+    counts = rng.poisson(s.rate_per_gpu_day / 24.0 * n_gpus * (hours + lead), size=trials)
+    n = int(counts.sum())
+    trial = np.repeat(np.arange(trials, dtype=np.int64), counts)
+    start = rng.uniform(-lead, hours, size=n)
+    dur = (np.full(n, s.duration_hours) if s.duration_distribution == "fixed"
+           else rng.exponential(s.duration_hours, size=n))
+    gpu = rng.integers(0, n_gpus, size=n, dtype=np.int64)
+    speed = rng.uniform(s.min_speed, s.max_speed, size=n)
+    return {"trial": trial, "start": start, "end": start + dur, "gpu": gpu, "speed": speed}
+
+
+def active_at_steps(ev: dict[str, np.ndarray], n_steps: int, step_h: float
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """(state, event index) of every episode active at a step centre;
+    state = trial * n_steps + step."""
+    k0 = np.clip(np.ceil(ev["start"] / step_h - 0.5), 0, n_steps).astype(np.int64)
+    k1 = np.clip(np.ceil(ev["end"] / step_h - 0.5), 0, n_steps).astype(np.int64)
+    n_k = (k1 - k0).clip(0)
+    idx = np.repeat(np.arange(len(k0)), n_k)
+    off = np.arange(len(idx)) - np.repeat(np.cumsum(n_k) - n_k, n_k)
+    return ev["trial"][idx] * n_steps + k0[idx] + off, idx
+
+
+def _group_starts(key: np.ndarray) -> np.ndarray:
+    return np.flatnonzero(np.concatenate([[True], key[1:] != key[:-1]])) if len(key) else key
+
+
+def evaluate_stragglers(state: np.ndarray, gpu: np.ndarray, speed: np.ndarray, n_states: int,
+                        *, slice_of: np.ndarray, n_use: int, pp: int, tp_base: int,
+                        time: np.ndarray, best: np.ndarray) -> dict[str, np.ndarray]:
+    """Throughput per state under every straggler policy (module docstring)."""
+    sl = slice_of[gpu]
+    used = (sl >= 0) & (sl < n_use * pp)
+    state, gpu, speed, sl = state[used], gpu[used], speed[used], sl[used]
+    # one row per (state, gpu): the slowest of overlapping episodes
+    order = np.lexsort((speed, gpu, state))
+    state, gpu, speed, sl = state[order], gpu[order], speed[order], sl[order]
+    first = _group_starts(state * len(slice_of) + gpu)
+    state, speed, sl = state[first], speed[first], sl[first]
+    # per (state, slice): rows by ascending speed; row j = "exclude the j slower ones"
+    order = np.lexsort((speed, sl, state))
+    state, speed, sl = state[order], speed[order], sl[order]
+    g = _group_starts(state * (n_use * pp) + sl)
+    k = np.diff(np.concatenate([g, [len(sl)]])) if len(g) else g
+    st, stage, rep, v = state[g], sl[g] % pp, sl[g] // pp, speed[g]
+    healthy = float(time[:, tp_base].max())
+    t_keep = time[stage, tp_base] / v
+    j = np.arange(len(sl)) - np.repeat(g, k)
+    d_j = best[tp_base - j]
+    e = tp_base - d_j  # GPUs left out: the e slowest
+    v_used = np.where(e < np.repeat(k, k), speed[np.minimum(np.repeat(g, k) + e, len(sl) - 1)],
+                      1.0)
+    t_j = np.where(d_j > 0, time[sl % pp, d_j] / v_used, np.inf)
+    d_all = best[np.maximum(tp_base - k, 0)]
+    t_all = np.where(d_all > 0, time[stage, d_all], np.inf)
+    t_best = np.minimum(np.minimum.reduceat(t_j, g), t_all) if len(g) else t_keep
+    r = _group_starts(st * n_use + rep)
+    r_state = st[r] if len(r) else st
+    s_keep = healthy / np.maximum(np.maximum.reduceat(t_keep, r), healthy) if len(r) else v
+    s_best = healthy / np.maximum(np.maximum.reduceat(t_best, r), healthy) if len(r) else v
+    a = np.bincount(r_state, minlength=n_states).astype(np.float64)
+    low = np.ones(n_states)
+    np.minimum.at(low, r_state, s_keep)
+    return {
+        "ignore": low,
+        "rebalance": (n_use - a + np.bincount(r_state, s_keep, minlength=n_states)) / n_use,
+        "exclude": (n_use - a + np.bincount(r_state, s_best, minlength=n_states)) / n_use,
+        "drop": (n_use - np.bincount(r_state, (s_keep < 1.0 - 1e-12).astype(np.float64),
+                                      minlength=n_states)) / n_use,
+    }
+
+
+def run_stragglers(ctx: Any, rng: np.random.Generator) -> dict[str, Any]:
+    """The straggler timeline of every ``sim.stragglers.policies`` entry (trial statistics of
+    the time-averaged loss, GPU-hours and $ lost)."""
+    cfg, s = ctx.cfg, ctx.cfg.stragglers
+    hours = cfg.days * 24.0
+    n_steps = int(np.ceil(hours / cfg.step_hours))
+    lead = s.duration_hours * (1.0 if s.duration_distribution == "fixed" else 5.0) \
+        if cfg.steady_state else 0.0
+    ev = straggler_events(s, cfg.trials, cfg.num_gpus, hours, lead, rng)
+    state, idx = active_at_steps(ev, n_steps, cfg.step_hours)
+    thr = evaluate_stragglers(
+        state, ev["gpu"][idx], ev["speed"][idx], cfg.trials * n_steps,
+        slice_of=ctx.slice_of, n_use=ctx.clusters["nutp"].n_use, pp=cfg.pp,
+        tp_base=cfg.tp_base, time=ctx.tables.time, best=ctx.tables.best)
+    gpu_hours = cfg.num_gpus * hours
+    out: dict[str, Any] = {}
+    for p in s.policies:
+        loss = 1.0 - thr[p].reshape(cfg.trials, n_steps).mean(axis=1)
+        lost = float(loss.mean()) * gpu_hours
+        out[p] = {"mean": float(loss.mean()), "p5": float(np.percentile(loss, 5)),
+                  "p95": float(np.percentile(loss, 95)),
+                  "stderr": float(loss.std(ddof=1) / np.sqrt(len(loss))) if len(loss) > 1
+                  else 0.0, "gpu_hours_lost": lost, "usd_lost": lost * ctx.hw.usd_per_gpu_hour}
+    slow = float(len(state)) / (cfg.trials * n_steps * cfg.num_gpus)
+    return {"policies": out, "trials": cfg.trials, "events": len(ev["trial"]),
+            "mean_slow_fraction": slow}
