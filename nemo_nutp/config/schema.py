@@ -291,6 +291,45 @@ class RecoveryConfig:
                 raise _bad(f"recovery.{name}", getattr(self, name), "must be > 0")
 
 
+GRAD_REDUCE_DTYPES = ("fp32", "bf16")
+
+
+@dataclass(frozen=True)
+class SyncConfig:
+    """Cross-replica gradient sync (``nemo_nutp.sync``)."""
+
+    bucket_size: int = 40_000_000
+    """Elements per communication bucket, per sync owner group; fixed (never grows with the
+    world), so large jobs keep their chances to overlap backward."""
+    grad_reduce_dtype: str | None = None
+    """'fp32' or 'bf16': dtype gradients are accumulated and reduced in. The same knob as
+    ``train.grad_reduce_in_fp32`` (megatron's name): null follows it; set, it wins and
+    ``train.grad_reduce_in_fp32`` is rewritten to match. bf16 needs ``train.precision=bf16``."""
+
+    def __post_init__(self) -> None:
+        _positive("sync.bucket_size", self.bucket_size)
+        if self.grad_reduce_dtype not in (None, *GRAD_REDUCE_DTYPES):
+            raise _bad("sync.grad_reduce_dtype", self.grad_reduce_dtype,
+                       f"must be one of {GRAD_REDUCE_DTYPES} (or null: train.grad_reduce_in_fp32)")
+
+
+def _resolve_grad_reduce(train: TrainConfig, sync: SyncConfig) -> None:
+    """One knob, two names: set ``sync.grad_reduce_dtype`` and ``train.grad_reduce_in_fp32``
+    both to the effective value (an explicit ``sync`` value wins; fp32 parameters always reduce
+    in fp32; an explicit contradiction is an error)."""
+    dt = sync.grad_reduce_dtype
+    if dt is None:
+        dt = "fp32" if train.grad_reduce_in_fp32 or train.precision == "fp32" else "bf16"
+    elif dt == "fp32" and not train.grad_reduce_in_fp32 and train.precision != "fp32":
+        raise _bad("sync.grad_reduce_dtype", dt, "contradicts train.grad_reduce_in_fp32=false "
+                   "(the same setting; set one of them)")
+    if dt == "bf16" and train.precision != "bf16":
+        raise _bad("sync.grad_reduce_dtype", dt,
+                   f"needs train.precision=bf16 (got {train.precision!r})")
+    object.__setattr__(sync, "grad_reduce_dtype", dt)
+    object.__setattr__(train, "grad_reduce_in_fp32", dt == "fp32")
+
+
 @dataclass(frozen=True)
 class JobConfig:
     """A complete NUTP job."""
@@ -304,8 +343,10 @@ class JobConfig:
     output: OutputConfig = field(default_factory=OutputConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
 
     def __post_init__(self) -> None:
+        _resolve_grad_reduce(self.train, self.sync)
         if self.recovery.enabled and self.checkpoint.interval <= 0:
             raise _bad("checkpoint.interval", self.checkpoint.interval,
                        "must be > 0 when recovery.enabled is true")
