@@ -1,0 +1,98 @@
+"""Spawned TP2+TP1 world, one session per variant, the same weights and batches:
+
+* bucket size does not change the numbers: many small buckets (``bucket_size`` = 50 elements)
+  give the same synchronised gradients and grad-norm bits as one bucket per group (two replicas:
+  every element is one commutative sum, so the packing cannot change a bit);
+* ``grad_reduce_in_fp32=False`` (``sync.grad_reduce_dtype=bf16``) really reduces in bf16
+  (``main_grad`` and the buckets are bf16), replicas stay bitwise identical, and the gradients
+  are within the bf16 tolerance of the fp32-reduced ones (which tests/runtime/test_parity.py
+  checks against stock megatron).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests._dist import spawn
+
+
+def _session(precision: str, in_fp32: bool, bucket_size: int | None) -> Any:
+    from nemo_nutp.train.session import Precision, build_session
+    from tests.runtime.parity import Case, make_plan
+
+    plan = make_plan(Case("buckets", (2, 1), model=dict(add_bias=True), global_batch=3))
+    return build_session(plan, plan.request.model, lr=1e-3, seed=7, micro_batch_size=2,
+                         bucket_size=bucket_size,
+                         precision=Precision(precision, grad_reduce_in_fp32=in_fp32))
+
+
+def _step0(s: Any) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    from tests.runtime.parity import _gather_replicas
+
+    got: dict[str, Any] = {}
+
+    def at_sync() -> None:
+        got["grads"] = _gather_replicas(s, grads=True)
+        got["dtypes"] = sorted({str(p.main_grad.dtype) for p in s.model.parameters()})
+
+    norm = s.step(0, after_sync=at_sync).grad_norm
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, repr(norm))
+    reps = got["grads"]
+    equal = all(torch.equal(r[k], reps[0][k]) for r in reps[1:] for k in reps[0])
+    return {"grads": reps[0] if reps else {}, "norms": every, "replicas_equal": equal,
+            "dtypes": got["dtypes"], "buckets": len(s.model.nutp_engine.buckets)}
+
+
+def _body(outdir: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    runs = {"one": _step0(_session("fp32", True, None)),
+            "small": _step0(_session("fp32", True, 50)),
+            "bf16_fp32": _step0(_session("bf16", True, None)),
+            "bf16_bf16": _step0(_session("bf16", False, None))}
+    buckets: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(buckets, (runs["one"]["buckets"], runs["small"]["buckets"]))
+    if dist.get_rank() == 0:
+        def rel(a: dict[str, Any], b: dict[str, Any]) -> float:
+            return max(float((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-30)) for k in b)
+
+        res = {"small_bitwise": all(torch.equal(runs["small"]["grads"][k], v)
+                                    for k, v in runs["one"]["grads"].items()),
+               "small_norms": runs["small"]["norms"], "one_norms": runs["one"]["norms"],
+               "buckets": buckets,
+               "bf16_rel": rel(runs["bf16_bf16"]["grads"], runs["bf16_fp32"]["grads"]),
+               **{f"{n}_{k}": runs[n][k] for n in runs for k in ("replicas_equal", "dtypes")}}
+        Path(outdir, "res.json").write_text(json.dumps(res))
+    dist.barrier()
+
+
+def worker(rank: int, world: int, port: int, outdir: str) -> None:
+    from tests._dist import gloo_rank
+
+    gloo_rank(rank, world, port, outdir, lambda: _body(outdir))
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(600)
+def test_bucket_size_and_reduce_dtype(tmp_path: Path) -> None:
+    from tests.runtime.parity import BF16_TOL
+
+    spawn(worker, 3, (), tmp_path)
+    r = json.loads((tmp_path / "res.json").read_text())
+    assert all(small > one for one, small in r["buckets"]), r["buckets"]  # really more buckets
+    assert r["small_bitwise"]
+    assert r["small_norms"] == r["one_norms"] and len(set(r["one_norms"])) == 1
+    for name in ("one", "small", "bf16_fp32", "bf16_bf16"):
+        assert r[f"{name}_replicas_equal"], name
+    assert r["bf16_bf16_dtypes"] == ["torch.bfloat16"], r["bf16_bf16_dtypes"]
+    assert r["bf16_fp32_dtypes"] == ["torch.float32"], r["bf16_fp32_dtypes"]
+    assert 0.0 < r["bf16_rel"] <= BF16_TOL, r["bf16_rel"]
