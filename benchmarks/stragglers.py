@@ -9,7 +9,7 @@ Step time is the slowest rank's wall time of the step; medians over the steps af
 ``--warmup`` are reported.
 
 Usage: python benchmarks/stragglers.py [--replicas 2,2] [--slow-rank 1] [--factor 3]
-           [--microbatches 16] [--steps 16] [--out PATH]
+           [--microbatches 24] [--steps 24] [--warmup 8] [--out PATH]
 Writes runs/bench/stragglers.json (``step_time_rebalance``, ``step_time_static``, ``ratio``)
 and prints a table.
 """
@@ -115,9 +115,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--replicas", default="2,2", help="TP degree per replica (equal: 2,2)")
     p.add_argument("--slow-rank", type=int, default=1)
     p.add_argument("--factor", type=float, default=3.0)
-    p.add_argument("--microbatches", type=int, default=16)
-    p.add_argument("--steps", type=int, default=16)
-    p.add_argument("--warmup", type=int, default=6, help="steps left out of the medians")
+    p.add_argument("--microbatches", type=int, default=24)
+    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--warmup", type=int, default=8, help="steps left out of the medians")
     p.add_argument("--out", default="runs/bench/stragglers.json")
     args = p.parse_args(argv)
     world = sum(int(x) for x in args.replicas.split(","))
