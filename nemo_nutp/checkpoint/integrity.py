@@ -27,6 +27,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 CHUNK = 8 << 20
+SMALL = 4 << 20  # bytes below which files are hashed inline
 RANK0_FILES = ("common.pt", "metadata.json", ".metadata")
 _SHARD = re.compile(r"__(\d+)_\d+\.distcp$")
 
@@ -46,8 +47,8 @@ def _threads(n: int) -> int:
 def hash_files(directory: Path, names: Iterable[str]) -> dict[str, str]:
     """``{name: sha256}`` of ``names`` under ``directory``, hashed concurrently."""
     names = sorted(names)
-    if not names:
-        return {}
+    if len(names) <= 1 or sum((directory / n).stat().st_size for n in names) < SMALL:
+        return {n: sha256_file(directory / n) for n in names}  # a pool costs more than it saves
     with ThreadPoolExecutor(_threads(len(names))) as pool:
         digests = list(pool.map(lambda n: sha256_file(directory / n), names))
     return dict(zip(names, digests, strict=True))

@@ -217,6 +217,14 @@ def check_shapes(path: Path, expected: dict[str, list[int]]) -> bool:
     return any(k.startswith("optimizer.state.") for k in meta)
 
 
+def _check_recorded_shapes(saved: dict[str, list[int]], expected: dict[str, list[int]],
+                           path: Path) -> None:
+    for key, shape in expected.items():
+        if saved.get(key) != shape:
+            raise CheckpointError(f"checkpoint {path}: {key} has global shape "
+                                  f"{saved.get(key)}, this model {shape}")
+
+
 def verify_files(marker: dict[str, Any], path: Path) -> None:
     """One-process check of every checksum (tools, tests)."""
     bad = integrity.verify_serial(marker["files"], Path(path))
@@ -248,9 +256,13 @@ def load_checkpoint(session: Any, path: str | Path, *, verify: bool = True,
     marker = read_meta(path)
     if not is_complete(path):
         raise CheckpointError(f"checkpoint {path}: not a complete checkpoint ({describe(path)})")
-    if marker is not None:
+    expected = expected_global_shapes(session.gpt, session.model_cfg)
+    if marker is not None and "global_shapes" in marker:  # NUTP's: no metadata read needed
         check_compatible(marker, session.model_cfg, path)
-    has_optim = check_shapes(path, expected_global_shapes(session.gpt, session.model_cfg))
+        _check_recorded_shapes(marker["global_shapes"], expected, path)
+        has_optim = True
+    else:
+        has_optim = check_shapes(path, expected)
     if verify:
         problem = verify_checkpoint(path, marker)
         if problem:
@@ -266,7 +278,9 @@ def _load(session: Any, path: Path, marker: dict[str, Any] | None, *,
     from megatron.core import dist_checkpointing
 
     model = _model_state(session)
-    state: dict[str, Any] = {"model": model}
+    # Empty extra state (megatron's local linears: None) is not read back; TE's is.
+    state: dict[str, Any] = {"model": {k: v for k, v in model.items()
+                                       if not (k.endswith("_extra_state") and v.data is None)}}
     if load_optimizer:
         state["optimizer"] = session.optimizer.sharded_state_dict(model, is_loading=True)
     # Per-rank RNG states come back only into the same plan (rank r is the same GPU and role);
