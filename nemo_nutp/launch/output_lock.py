@@ -8,7 +8,8 @@ id, ``SLURM_JOB_ID`` or ``TORCHELASTIC_RUN_ID``, else empty). Taking it:
 * held by a live process on this host, or by another host in another job: ``OutputLocked``
   (a ``ValueError``: exit 2), naming the holder;
 * held by a dead process on this host (a run that crashed or was killed): taken over with a
-  warning; by the same launcher job (a restart of it, any host): taken over silently.
+  one-line warning on stderr; by the same launcher job (a restart of it, any host): taken over
+  silently.
 
 Not guaranteed: a holder on another host in another job is never presumed dead (its pid cannot be
 checked from here): remove the file by hand once that run is gone; the message says so.
@@ -19,8 +20,9 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import time
-import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -75,7 +77,9 @@ def read_holder(out_dir: Path) -> Holder | None:
 class OutputLock:
     """The lock of one ``output.dir`` (``acquire`` / ``release``; a context manager)."""
 
-    def __init__(self, out_dir: str | Path) -> None:
+    def __init__(self, out_dir: str | Path, *,
+                 warn: Callable[[str], None] | None = None) -> None:
+        self.warn = warn or (lambda m: print(f"warning: {m}", file=sys.stderr, flush=True))
         self.dir = Path(out_dir)
         self.path = self.dir / LOCK_NAME
         self.me = _me()
@@ -115,8 +119,8 @@ class OutputLock:
                         "choose another output.dir, or stop that run (if it is gone, delete "
                         f"{self.path})")
                 if why == "dead":
-                    warnings.warn(f"output.dir={self.dir}: taking over the lock of a run that "
-                                  f"is gone ({h.describe()})", stacklevel=2)
+                    self.warn(f"output.dir={self.dir}: taking over the lock of a run that is "
+                              f"gone ({h.describe()})")
                 os.replace(tmp, self.path)  # two takers: the last one holds it, the other sees
                 if read_holder(self.dir) == self.me:  # a live holder on its next pass
                     self.held = True

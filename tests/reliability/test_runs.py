@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -44,10 +43,9 @@ def test_lock_names_the_holder_and_takes_over_a_dead_one(tmp_path: Path) -> None
                           capture_output=True, text=True, check=True)
     (tmp_path / LOCK_NAME).write_text(json.dumps(
         {"pid": int(dead.stdout), "host": read_holder_host(), "started": 1.0, "job": ""}))
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        lock = OutputLock(tmp_path).acquire()
-    assert lock.held and any("taking over" in str(w.message) for w in seen)
+    seen: list[str] = []
+    lock = OutputLock(tmp_path, warn=seen.append).acquire()
+    assert lock.held and len(seen) == 1 and "taking over" in seen[0]
     lock.release()
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no temp files left
 
@@ -107,6 +105,19 @@ def test_second_run_refused_resume_on_smaller_cluster_and_one_goodput(tmp_path: 
     assert rows[-1]["goodput"] == pytest.approx(good["goodput"], rel=1e-9)  # one definition
     assert f"{good['goodput']:.1%}" in r.stdout  # the report's goodput line
     assert not (out / LOCK_NAME).exists()
+    # a corrupt newest checkpoint with checkpoint.strict=true: one line naming it, exit 2 (it
+    # was a clear message under two tracebacks and six SIGTERM lines)
+    newest = max((out / "checkpoints").glob("iter_*"))
+    shard = sorted(newest.glob("*.distcp"))[0]
+    shard.write_bytes(shard.read_bytes()[:-64] + bytes(64))
+    r = _train(out, *common, "cluster.num_gpus=4", "cluster.gpus_per_node=4",
+               "cluster.domain_size=2", "parallel.tp_base=2", "train.steps=8",
+               "checkpoint.strict=true")
+    text = r.stdout + r.stderr
+    assert r.returncode == 2, text[-3000:]
+    (line,) = _error_lines(r)
+    assert newest.name in line, line
+    assert "Traceback" not in text and "SIGTERM" not in text, text[-3000:]
 
 
 @pytest.mark.dist
