@@ -167,6 +167,43 @@ def plan_buckets(items: Iterable[BucketItem], bucket_size: int) -> list[BucketSp
     return out
 
 
+@dataclass(frozen=True)
+class MessageSpec:
+    """Reshard pieces between one pair of ranks, coalesced: ``pieces`` are (param, lo, hi,
+    offset, numel) in canonical order. Sender and receiver derive the same messages from their
+    own lists (a send's matching receive has the same units, in the same order)."""
+
+    peer: int
+    index: int
+    pieces: tuple[tuple[int, int, int, int, int], ...]
+    numel: int
+
+
+def plan_messages(transfers: Iterable[tuple[int, int, int, int, int]], bucket_size: int
+                  ) -> list[MessageSpec]:
+    """Messages of (peer, param, lo, hi, numel) transfers given in canonical order: per peer,
+    a message closes once it holds ``bucket_size`` elements or more."""
+    open_: dict[int, list[tuple[int, int, int, int, int]]] = {}
+    fill: dict[int, int] = {}
+    out: list[MessageSpec] = []
+    count: dict[int, int] = {}
+
+    def close(peer: int) -> None:
+        out.append(MessageSpec(peer, count.get(peer, 0), tuple(open_.pop(peer)),
+                               fill.pop(peer)))
+        count[peer] = count.get(peer, 0) + 1
+
+    for peer, param, lo, hi, numel in transfers:
+        off = fill.get(peer, 0)
+        open_.setdefault(peer, []).append((param, lo, hi, off, numel))
+        fill[peer] = off + numel
+        if fill[peer] >= bucket_size:
+            close(peer)
+    for peer in list(open_):
+        close(peer)
+    return out
+
+
 def sync_key(stage: int, owners: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
     """Group key of the shards owned by ``owners`` (one rank per replica), whatever their unit
     space: pieces of QKV, FFN and vocab shards with the same owners share buckets."""

@@ -6,13 +6,15 @@ order, i.e. roughly backward order):
 1. scale the accumulated gradient by the replica's weight ``w_r = samples_r / samples`` (so the
    sum over replicas is the exact global-batch gradient, never an average of averages);
 2. sharded parameters: send the units this rank holds but does not own to their sync owner
-   (reshard, async p2p); each owned shard's *sync buffer* — units ascending by global index,
-   each unit's elements in canonical order, so the same element is paired in every replica —
-   is a piece of a *bucket* of the shard's sync group (owners, one per replica): pieces going to
-   the same group are packed into buckets of about ``bucket_size`` elements, and each bucket is
-   one all-reduce, launched from the backward hooks as soon as its pieces are in;
-3. reshard back: owners return reduced units to their holders; every rank writes the reduced
-   values into its own gradient at the unit's local positions;
+   (reshard, async p2p, coalesced per peer into messages of about ``bucket_size`` elements,
+   sent when their last parameter is posted); each owned shard's *sync buffer* — units
+   ascending by global index, each unit's elements in canonical order, so the same element is
+   paired in every replica — is a piece of a *bucket* of the shard's sync group (owners, one
+   per replica): pieces going to the same group are packed into buckets of about
+   ``bucket_size`` elements, and each bucket is one all-reduce, launched from the backward hooks
+   as soon as its pieces are in;
+3. reshard back: owners return reduced units to their holders in the same messages; every rank
+   writes the reduced values into its own gradient at the unit's local positions;
 4. replicated parameters (norms, row-parallel biases), packed into buckets the same way: without
    sequence parallelism every TP rank holds the replica's full gradient: the TP-rank-0 "leaders"
    all-reduce them — in the buckets of the leaders' group, which owns shard 0 of every space —
@@ -60,9 +62,11 @@ from ..layout import PARAM_KINDS, SPACES, Plan
 from ..parallel.groups import NUTPGroups
 from .descriptors import (
     BucketSpec,
+    MessageSpec,
     Piece,
     Transfer,
     plan_buckets,
+    plan_messages,
     rank_bucket_items,
     rank_sync,
     sync_key,
@@ -73,13 +77,25 @@ DEFAULT_BUCKET_SIZE = 40_000_000
 world, so the number of chances to overlap does not shrink at scale)."""
 
 
-@dataclass
+@dataclass(eq=False)
 class _Bucket:
     spec: BucketSpec
     group: dist.ProcessGroup
     buf: torch.Tensor | None = None
-    recv_work: list[Any] = field(default_factory=list)
+    in_msgs: list[_Msg] = field(default_factory=list)  # reshard messages bringing pieces
     work: Any = None
+
+
+@dataclass(eq=False)
+class _Msg:
+    """A coalesced reshard message (one p2p each way per step); incoming ones know where in
+    which bucket each piece goes."""
+
+    spec: MessageSpec
+    targets: list[tuple[_Bucket, int]] = field(default_factory=list)  # incoming: (bucket, off)
+    buf: torch.Tensor | None = None
+    work: Any = None
+    done: bool = False  # incoming: received and scattered into its buckets
 
 
 @dataclass
@@ -91,12 +107,11 @@ class _Param:
     view: tuple[int, int, int] | None = None  # (H, n_local, W), see unit_view_shape
     numel_unit: int = 0
     sends: tuple[Transfer, ...] = ()  # (dst global, lo, hi)
-    pieces: list[tuple[_Bucket, Piece, tuple[Transfer, ...]]] = field(default_factory=list)
+    pieces: list[tuple[_Bucket, Piece]] = field(default_factory=list)
+    out_pieces: list[tuple[_Msg, tuple[int, int, int, int, int]]] = field(default_factory=list)
     partial: bool = False  # replicated param holding a per-rank partial sum (sequence parallel)
     slot: int = 0  # first slot of this param in the grad-norm vector
     n_slots: int = 1  # sync shards (sharded) or 1 (replicated)
-    send_work: list[Any] = field(default_factory=list)
-    back_recv: list[tuple[Any, torch.Tensor, int, int]] = field(default_factory=list)
     pos_override: torch.Tensor | None = None  # explicit index map (negative-control tests)
 
     @property
@@ -139,6 +154,7 @@ class GradSyncEngine:
             e.slot, slot = slot, slot + e.n_slots
         self.n_slots = slot
         self.buckets = self._buckets()
+        self._messages()
         # Replicated gradients the leader shares with its TP group (no sequence parallelism):
         # they ride in the grad-norm all-reduce, the others adding zeros (exact).
         self.shared = ([e for e in self.order if e.kind is None]
@@ -189,16 +205,41 @@ class GradSyncEngine:
     def _buckets(self) -> list[_Bucket]:
         items = rank_bucket_items(self.sync, [(e.kind, e.param.numel()) for e in self.order],
                                   self._replicated_key())
-        recvs = {(s.space, sh.k): sh.recvs for s in self.sync.spaces.values() for sh in s.owned}
         out = []
         for spec in plan_buckets(items, self.bucket_size):
             b = _Bucket(spec, self._group(spec.key))
             for pc in spec.pieces:
-                e = self.order[pc.param]
-                got = () if pc.k < 0 else recvs[(PARAM_KINDS[e.kind].space, pc.k)]  # type: ignore
-                e.pieces.append((b, pc, got))
+                self.order[pc.param].pieces.append((b, pc))
             out.append(b)
         return out
+
+    def _messages(self) -> None:
+        """Coalesce reshard transfers per peer (``descriptors.plan_messages``): both sides list
+        them in canonical order (parameter, shard, unit), so they cut the same messages."""
+        outs, ins = [], []
+        for i, e in enumerate(self.order):
+            if e.kind is None:
+                continue
+            u = e.numel_unit
+            outs += [(dst, i, lo, hi, (hi - lo) * u) for dst, lo, hi in e.sends]
+            for sh in self.sync.spaces[PARAM_KINDS[e.kind].space].owned:
+                ins += [(src, i, lo, hi, (hi - lo) * u) for src, lo, hi in sh.recvs]
+        self.out_msgs = [_Msg(m) for m in plan_messages(outs, self.bucket_size)]
+        self.in_msgs = [_Msg(m) for m in plan_messages(ins, self.bucket_size)]
+        self.closing: dict[int, list[_Msg]] = {}  # param -> outgoing messages it completes
+        self.opening: dict[int, list[_Msg]] = {}  # param -> incoming messages it starts
+        for m in self.out_msgs:
+            self.closing.setdefault(m.spec.pieces[-1][0], []).append(m)
+            for item in m.spec.pieces:
+                self.order[item[0]].out_pieces.append((m, item))
+        for m in self.in_msgs:
+            self.opening.setdefault(m.spec.pieces[0][0], []).append(m)
+            for param, lo, _hi, _off, _n in m.spec.pieces:
+                e = self.order[param]
+                b, piece = next((b, p) for b, p in e.pieces if p.lo <= lo < p.hi)
+                m.targets.append((b, piece.offset + (lo - piece.lo) * e.numel_unit))
+                if m not in b.in_msgs:
+                    b.in_msgs.append(m)
 
     # ---------------------------------------------------------------- per step
     def reset(self) -> None:
@@ -258,20 +299,24 @@ class GradSyncEngine:
                 grad.mul_(w)
             else:
                 return  # the leader's result arrives by broadcast in finish
-            for b, pc, _ in e.pieces:
+            for b, pc in e.pieces:
                 self._buffer(b, grad)[pc.offset:pc.offset + pc.numel].copy_(grad.view(-1))
             return
         grad.mul_(w)
         u = e.numel_unit
-        for dst, lo, hi in e.sends:
-            piece = torch.empty((hi - lo) * u, dtype=grad.dtype, device=grad.device)
-            self._read(e, lo, hi, piece)
-            e.send_work.append((dist.isend(piece, dst), piece))
-            self.sent_bytes += piece.numel() * piece.element_size()
-        for b, pc, recvs in e.pieces:
+        i = self.posted
+        for m in self.opening.get(i, ()):
+            m.buf = torch.empty(m.spec.numel, dtype=grad.dtype, device=grad.device)
+            m.work = dist.irecv(m.buf, m.spec.peer)
+        for m, (_, lo, hi, off, n) in e.out_pieces:
+            if m.buf is None:
+                m.buf = torch.empty(m.spec.numel, dtype=grad.dtype, device=grad.device)
+            self._read(e, lo, hi, m.buf[off:off + n])
+        for m in self.closing.get(i, ()):
+            m.work = dist.isend(m.buf, m.spec.peer)  # type: ignore[arg-type]
+            self.sent_bytes += m.spec.numel * grad.element_size()
+        for b, pc in e.pieces:
             seg = self._buffer(b, grad)[pc.offset:pc.offset + pc.numel]
-            for src, lo, hi in recvs:
-                b.recv_work.append(dist.irecv(seg[(lo - pc.lo) * u:(hi - pc.lo) * u], src))
             lo, hi = max(pc.lo, e.units[0]), min(pc.hi, e.units[1])  # type: ignore[index]
             if hi > lo:
                 self._read(e, lo, hi, seg[(lo - pc.lo) * u:(hi - pc.lo) * u])
@@ -282,12 +327,22 @@ class GradSyncEngine:
             b = self.buckets[self.launched]
             if b.spec.ready_at >= self.posted:
                 return
-            if not block and not all(w.is_completed() for w in b.recv_work):
+            if not block and not all(m.done or m.work.is_completed() for m in b.in_msgs):
                 return
-            for w in b.recv_work:
-                w.wait()
+            for m in b.in_msgs:
+                self._scatter_in(m)
             b.work = dist.all_reduce(b.buf, group=b.group, async_op=True)
             self.launched += 1
+
+    def _scatter_in(self, m: _Msg) -> None:
+        """Wait for an incoming message and copy its pieces into their buckets (once)."""
+        if m.done:
+            return
+        m.work.wait()
+        assert m.buf is not None
+        for (b, off), (_, _, _, moff, n) in zip(m.targets, m.spec.pieces, strict=True):
+            self._buffer(b, m.buf)[off:off + n].copy_(m.buf[moff:moff + n])
+        m.done = True
 
     def name_of(self, param: torch.nn.Parameter) -> str:
         return self.order[self.index[id(param)]].name
@@ -339,7 +394,7 @@ class GradSyncEngine:
             if e.kind is not None:
                 continue
             grad = e.param.main_grad  # type: ignore[attr-defined]
-            for b, pc, _ in e.pieces:
+            for b, pc in e.pieces:
                 if b.work is not None:
                     b.work.wait()
                     b.work = None
@@ -348,36 +403,39 @@ class GradSyncEngine:
                     sumsq[e.slot] = _sumsq(grad)
 
     def _finish_sharded(self, sumsq: torch.Tensor) -> None:
-        backs: list[Any] = []
+        """Wait for the buckets; owners return reduced pieces to their holders in the same
+        coalesced messages (buffers reused), after every forward message (one order per pair
+        in both directions)."""
+        for m in self.out_msgs:  # forward sent: the buffer now receives the way back
+            m.work.wait()
+            m.work = dist.irecv(m.buf, m.spec.peer)  # type: ignore[arg-type]
+        for b in self.buckets:
+            if b.work is not None:
+                b.work.wait()
+                b.work = None
         for e in self.order:
             if e.kind is None:
                 continue
-            grad = e.param.main_grad  # type: ignore[attr-defined]
             u = e.numel_unit
-            for work, _piece in e.send_work:
-                work.wait()
-            for dst, lo, hi in e.sends:  # our units come back reduced from their owner
-                piece = torch.empty((hi - lo) * u, dtype=grad.dtype, device=grad.device)
-                e.back_recv.append((dist.irecv(piece, dst), piece, lo, hi))
-            for b, pc, recvs in e.pieces:
-                if b.work is not None:
-                    b.work.wait()
-                    b.work = None
+            for b, pc in e.pieces:
                 seg = b.buf[pc.offset:pc.offset + pc.numel]  # type: ignore[index]
                 sumsq[e.slot + pc.k] = _sumsq(seg)
                 lo, hi = max(pc.lo, e.units[0]), min(pc.hi, e.units[1])  # type: ignore[index]
                 if hi > lo:
                     self._write(e, lo, hi, seg[(lo - pc.lo) * u:(hi - pc.lo) * u])
-                for src, lo, hi in recvs:
-                    view = seg[(lo - pc.lo) * u:(hi - pc.lo) * u]
-                    backs.append(dist.isend(view, src))
-                    self.sent_bytes += view.numel() * view.element_size()
-        for e in self.order:
-            for work, piece, lo, hi in e.back_recv:
-                work.wait()
-                self._write(e, lo, hi, piece)
+        backs = []
+        for m in self.in_msgs:
+            assert m.buf is not None
+            for (b, off), (_, _, _, moff, n) in zip(m.targets, m.spec.pieces, strict=True):
+                m.buf[moff:moff + n].copy_(b.buf[off:off + n])  # type: ignore[index]
+            backs.append(dist.isend(m.buf, m.spec.peer))
+            self.sent_bytes += m.buf.numel() * m.buf.element_size()
+        for m in self.out_msgs:
+            m.work.wait()  # type: ignore[union-attr]
+            for param, lo, hi, off, n in m.spec.pieces:
+                self._write(self.order[param], lo, hi, m.buf[off:off + n])  # type: ignore
         for work in backs:
-            work.wait()
+            work.wait()  # type: ignore[union-attr]
 
     def nonfinite_params(self) -> list[str]:
         """Parameters whose reduced gradient holds NaN/Inf (the same list on every rank)."""
@@ -387,12 +445,10 @@ class GradSyncEngine:
         return [e.name for e in self.order if bool(bad[e.slot:e.slot + e.n_slots].any())]
 
     def _clear(self) -> None:
-        for e in self.order:
-            e.send_work.clear()
-            e.back_recv.clear()
         for b in self.buckets:
             b.buf, b.work = None, None
-            b.recv_work.clear()
+        for m in self.out_msgs + self.in_msgs:
+            m.buf, m.work, m.done = None, None, False
 
 
 def _sumsq(t: torch.Tensor) -> torch.Tensor:

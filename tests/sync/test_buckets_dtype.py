@@ -1,8 +1,10 @@
-"""Spawned TP2+TP1 world, one session per variant, the same weights and batches:
+"""Spawned TP3+TP2 world (``base`` sync layout: the TP2 replica reshards), one session per
+variant, the same weights and batches:
 
-* bucket size does not change the numbers: many small buckets (``bucket_size`` = 50 elements)
-  give the same synchronised gradients and grad-norm bits as one bucket per group (two replicas:
-  every element is one commutative sum, so the packing cannot change a bit);
+* bucket size does not change the numbers: many small buckets and reshard messages
+  (``bucket_size`` = 50 elements) give the same synchronised gradients and grad-norm bits as one
+  bucket per group and one message per peer (two replicas: every element is one commutative
+  sum, so the packing cannot change a bit);
 * ``grad_reduce_in_fp32=False`` (``sync.grad_reduce_dtype=bf16``) really reduces in bf16
   (``main_grad`` and the buckets are bf16), replicas stay bitwise identical, and the gradients
   are within the bf16 tolerance of the fp32-reduced ones (which tests/runtime/test_parity.py
@@ -24,7 +26,8 @@ def _session(precision: str, in_fp32: bool, bucket_size: int | None) -> Any:
     from nemo_nutp.train.session import Precision, build_session
     from tests.runtime.parity import Case, make_plan
 
-    plan = make_plan(Case("buckets", (2, 1), model=dict(add_bias=True), global_batch=3))
+    plan = make_plan(Case("buckets", (3, 2), model=dict(add_bias=True), global_batch=5,
+                          sync_layout="base"))
     return build_session(plan, plan.request.model, lr=1e-3, seed=7, micro_batch_size=2,
                          bucket_size=bucket_size,
                          precision=Precision(precision, grad_reduce_in_fp32=in_fp32))
@@ -47,8 +50,11 @@ def _step0(s: Any) -> dict[str, Any]:
     dist.all_gather_object(every, repr(norm))
     reps = got["grads"]
     equal = all(torch.equal(r[k], reps[0][k]) for r in reps[1:] for k in reps[0])
+    eng = s.model.nutp_engine
+    transfers = sum(len(e.sends) for e in eng.order)
     return {"grads": reps[0] if reps else {}, "norms": every, "replicas_equal": equal,
-            "dtypes": got["dtypes"], "buckets": len(s.model.nutp_engine.buckets)}
+            "dtypes": got["dtypes"], "buckets": len(eng.buckets),
+            "messages": (len(eng.out_msgs), transfers), "sent": eng.sent_bytes}
 
 
 def _body(outdir: str) -> None:
@@ -60,7 +66,8 @@ def _body(outdir: str) -> None:
             "bf16_fp32": _step0(_session("bf16", True, None)),
             "bf16_bf16": _step0(_session("bf16", False, None))}
     buckets: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(buckets, (runs["one"]["buckets"], runs["small"]["buckets"]))
+    dist.all_gather_object(buckets, [(runs[n]["buckets"], *runs[n]["messages"], runs[n]["sent"])
+                                     for n in ("one", "small")])
     if dist.get_rank() == 0:
         def rel(a: dict[str, Any], b: dict[str, Any]) -> float:
             return max(float((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-30)) for k in b)
@@ -86,9 +93,14 @@ def worker(rank: int, world: int, port: int, outdir: str) -> None:
 def test_bucket_size_and_reduce_dtype(tmp_path: Path) -> None:
     from tests.runtime.parity import BF16_TOL
 
-    spawn(worker, 3, (), tmp_path)
+    spawn(worker, 5, (), tmp_path)
     r = json.loads((tmp_path / "res.json").read_text())
-    assert all(small > one for one, small in r["buckets"]), r["buckets"]  # really more buckets
+    per_rank = r["buckets"]  # [(buckets, messages sent, transfers, bytes sent)] one, small
+    assert all(small[0] > one[0] for one, small in per_rank), per_rank  # really more buckets
+    assert any(one[2] > one[1] > 0 for one, _ in per_rank), per_rank  # coalesced messages
+    assert all(small[1] > one[1] for one, small in per_rank if one[1]), per_rank
+    assert all(one[3] == small[3] for one, small in per_rank), per_rank  # same bytes moved
+    assert any(one[3] > 0 for one, _ in per_rank), per_rank
     assert r["small_bitwise"]
     assert r["small_norms"] == r["one_norms"] and len(set(r["one_norms"])) == 1
     for name in ("one", "small", "bf16_fp32", "bf16_bf16"):

@@ -25,6 +25,7 @@ from nemo_nutp.layout import PARAM_KINDS, ClusterSpec, ParallelSpec, PlanRequest
 from nemo_nutp.sync.descriptors import (
     nbytes,
     plan_buckets,
+    plan_messages,
     rank_bucket_items,
     rank_sync,
     stage_params,
@@ -102,6 +103,28 @@ def test_ranks_agree_and_buckets_are_sound(req: PlanRequest, bucket_size: int) -
         assert set(members) == set(key[1]), key  # every owner takes part, nobody else
     orders = [[(b.key, b.index) for b in buckets] for _, buckets in per_rank.values()]
     assert _acyclic(orders)
+    _messages_agree(plan, {r: rs for r, (rs, _) in per_rank.items()}, bucket_size)
+
+
+def _messages_agree(plan: Any, syncs: dict[int, Any], bucket_size: int) -> None:
+    """Sender and receiver cut the same coalesced reshard messages from their own lists."""
+    def transfers(rs: Any, outgoing: bool) -> list[tuple[int, int, int, int, int]]:
+        params = stage_params(plan.request.model, rs.degree,
+                              {k: v.units for k, v in rs.kinds.items()})[::-1]
+        out = []
+        for i, (kind, _) in enumerate(params):
+            if kind is None:
+                continue
+            sp, u = rs.spaces[PARAM_KINDS[kind].space], rs.kinds[kind].unit_numel
+            moves = sp.sends if outgoing else [t for sh in sp.owned for t in sh.recvs]
+            out += [(peer, i, lo, hi, (hi - lo) * u) for peer, lo, hi in moves]
+        return out
+
+    sent = {(r, m.peer, m.index): m.pieces for r, rs in syncs.items()
+            for m in plan_messages(transfers(rs, True), bucket_size)}
+    got = {(m.peer, r, m.index): m.pieces for r, rs in syncs.items()
+           for m in plan_messages(transfers(rs, False), bucket_size)}
+    assert sent == got
 
 
 @pytest.mark.parametrize("path", MODELS, ids=[p.stem for p in MODELS])
