@@ -107,6 +107,16 @@ class NutpConfig:
     """Micro-batches moved between replicas per step at most."""
     rebalance_warmup: int = 1
     """Steps measured before the first change (the first step pays start-up costs)."""
+    straggler_probe_interval: int = 0
+    """Time a fixed local probe on every rank every this many steps to find a rank slower than
+    its TP group (``train/stragglers.py``); 0 disables detection."""
+    straggler_threshold: float = 1.5
+    """A probe this many times slower than the median of its TP-group peers counts as slow."""
+    straggler_window: int = 3
+    """Consecutive slow probes that make a persistent straggler (reported with its GPU id)."""
+    exclude_stragglers: bool = False
+    """Stop after the next checkpoint once a straggler is found, leaving
+    ``<output.dir>/stragglers.json`` for the relaunch (``failures.report``) to re-plan."""
 
     def __post_init__(self) -> None:
         if not 0.0 < self.rebalance_smoothing <= 1.0:
@@ -117,6 +127,15 @@ class NutpConfig:
         _positive("nutp.rebalance_max_shift", self.rebalance_max_shift)
         if isinstance(self.rebalance_warmup, bool) or self.rebalance_warmup < 0:
             raise _bad("nutp.rebalance_warmup", self.rebalance_warmup, "must be >= 0")
+        if self.straggler_probe_interval < 0:
+            raise _bad("nutp.straggler_probe_interval", self.straggler_probe_interval,
+                       "must be >= 0 (0 disables)")
+        if not 1.0 < self.straggler_threshold < math.inf:
+            raise _bad("nutp.straggler_threshold", self.straggler_threshold, "must be > 1")
+        _positive("nutp.straggler_window", self.straggler_window)
+        if self.exclude_stragglers and self.straggler_probe_interval == 0:
+            raise _bad("nutp.exclude_stragglers", True,
+                       "needs detection: set nutp.straggler_probe_interval > 0")
 
 
 @dataclass(frozen=True)
@@ -350,6 +369,9 @@ class JobConfig:
         if self.recovery.enabled and self.checkpoint.interval <= 0:
             raise _bad("checkpoint.interval", self.checkpoint.interval,
                        "must be > 0 when recovery.enabled is true")
+        if self.nutp.exclude_stragglers and self.checkpoint.interval <= 0:
+            raise _bad("checkpoint.interval", self.checkpoint.interval,
+                       "must be > 0 when nutp.exclude_stragglers is true")
 
     @property
     def checkpoint_dir(self) -> str | None:

@@ -144,6 +144,8 @@ def train_rank(cfg: JobConfig, plan: Plan, *, device: torch.device | None = None
                 progress.update(task, advance=1, info=f"loss {res.loss:.4f}  "
                                 f"{tokens / step_s:,.0f} tok/s  goodput {goodput:.1%}")
             hooks.after_step(step, ledger)
+            if live.should_stop(step):  # nutp.exclude_stragglers: saved; relaunch re-plans
+                break
     finally:
         if progress:
             progress.stop()

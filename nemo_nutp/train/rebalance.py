@@ -116,7 +116,8 @@ def apply_shares(session: Any, shares: Sequence[int]) -> None:
 
 class LiveBalance:
     """What the training loop calls around each step: the injected slowdown of this rank
-    (``NUTP_FAULT=slow:...``) and, with ``nutp.rebalance``, the share updates."""
+    (``NUTP_FAULT=slow:...``), with ``nutp.rebalance`` the share updates, with
+    ``nutp.straggler_probe_interval`` the straggler detector (``train/stragglers.py``)."""
 
     def __init__(self, cfg: Any, session: Any, *, fault: Any = None, rank: int = 0) -> None:
         self.session, self.fault, self.rank = session, fault, rank
@@ -127,6 +128,12 @@ class LiveBalance:
             hysteresis=n.rebalance_hysteresis, max_shift=n.rebalance_max_shift,
             warmup=n.rebalance_warmup) if n.rebalance else None
         self.events = os.environ.get("NUTP_EVENTS") or str(Path(cfg.output.dir) / "events.jsonl")
+        self.detector = None
+        if n.straggler_probe_interval > 0:
+            from .stragglers import StragglerDetector
+
+            self.detector = StragglerDetector(cfg, session.plan, rank=rank, events=self.events,
+                                              device=next(session.model.parameters()).device)
 
     def before_step(self, step: int) -> None:
         if self.fault is None:
@@ -139,6 +146,8 @@ class LiveBalance:
         """``reps``: per replica (degree, compute_s, sync_s, optimizer_s) of this step, the same
         on every rank. Returns the shares this step ran with; may change the next step's."""
         used = list(self.shares)
+        if self.detector is not None:
+            self.detector.after_step(step, self.session.opts.slow_factor)
         if self.controller is None:
             return used
         new = self.controller.observe([float(r[1]) for r in reps])
@@ -149,3 +158,8 @@ class LiveBalance:
                 log_event("rebalance", file=self.events, step=step + 1, shares=new,
                           previous=used, per_microbatch_s=self.controller.per_mb)
         return used
+
+    def should_stop(self, step: int) -> bool:
+        """True after the checkpoint save that follows a detected straggler, with
+        ``nutp.exclude_stragglers`` (the relaunch re-plans without it)."""
+        return self.detector is not None and self.detector.should_stop(step)

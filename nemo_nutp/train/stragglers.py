@@ -1,0 +1,107 @@
+"""Detection of a persistent straggler rank (``nutp.straggler_probe_interval`` > 0).
+
+Per-step compute times cannot name the slow rank of a TP group: its peers wait for it inside
+the layers' collectives, so every rank of the group measures the same time. Every
+``straggler_probe_interval`` steps each rank therefore times a fixed local probe (matrix
+products on its own device, no collective; an injected ``slow`` fault stretches it like any
+compute of that rank) and the times are all-gathered (one small collective, the same result on
+every rank). A rank is *slow at a probe* when its time exceeds ``straggler_threshold`` x the
+median of the other ranks of its TP group (of all other ranks when its group has one rank). A
+rank slow at ``straggler_window`` consecutive probes is a persistent straggler: reported once as
+a ``straggler`` event with its GPU id and estimated relative speed, and written (rank 0) into
+``<output.dir>/stragglers.json`` as a health report (``slow_gpus``) that the planner reads via
+``failures.report`` to keep or exclude it. With ``nutp.exclude_stragglers`` the run stops after
+the next checkpoint save (event ``relayout_requested``), so that the relaunch with that report
+re-plans at reduced TP and resumes from the checkpoint.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..checkpoint.events import log_event
+
+
+class StragglerDetector:
+    def __init__(self, cfg: Any, plan: Any, *, rank: int, events: str,
+                 device: torch.device | None = None) -> None:
+        n = cfg.nutp
+        self.interval, self.threshold, self.window = (n.straggler_probe_interval,
+                                                      n.straggler_threshold, n.straggler_window)
+        self.exclude = n.exclude_stragglers
+        self.plan, self.rank, self.events, self.device = plan, rank, events, device
+        self.out = Path(cfg.output.dir) / "stragglers.json"
+        self.ckpt_interval = cfg.checkpoint.interval
+        self.streak = [0] * plan.world_size
+        self.found: dict[int, float] = {}  # rank -> estimated relative speed
+        self.peers = {r: [x for x in g if x != r] for g in plan.tp_groups() for r in g}
+        self.stop_pending = False
+        gen = torch.Generator().manual_seed(0)
+        self.a = torch.randn(192, 192, generator=gen).to(device)
+
+    def probe(self, slow_factor: float, repeats: int = 5) -> float:
+        """Seconds of a fixed local workload on this rank (x the injected slowdown): the
+        fastest of ``repeats`` runs, so a preempted run (a shared host) does not count."""
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            x = self.a
+            for _ in range(6):
+                x = torch.tanh(x @ self.a)
+            float(x.sum())  # waits for the device
+            dt = time.perf_counter() - t0
+            if slow_factor > 1.0:
+                time.sleep((slow_factor - 1.0) * dt)
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    def after_step(self, step: int, slow_factor: float) -> None:
+        """Collective every ``interval`` steps (all ranks call it every step)."""
+        if self.interval <= 0 or (step + 1) % self.interval:
+            return
+        mine = torch.tensor([self.probe(slow_factor)], dtype=torch.float64, device=self.device)
+        out = [torch.zeros_like(mine) for _ in range(self.plan.world_size)]
+        dist.all_gather(out, mine)
+        times = [float(t.item()) for t in out]
+        for r, t in enumerate(times):
+            others = self.peers[r] or [x for x in range(len(times)) if x != r]
+            ref = statistics.median(times[x] for x in others) if others else t
+            self.streak[r] = self.streak[r] + 1 if t > self.threshold * ref else 0
+            if self.streak[r] >= self.window and r not in self.found:
+                self.found[r] = min(1.0, ref / t)
+                self._report(step, r)
+
+    def _report(self, step: int, r: int) -> None:
+        gpu = int(self.plan.rank_to_gpu[r])
+        if self.exclude:
+            self.stop_pending = True
+        if self.rank != 0:
+            return
+        from ..layout.serialize import write_json_atomic
+
+        log_event("straggler", file=self.events, step=step, rank=r, gpu=gpu,
+                  relative_speed=self.found[r], probes=self.window)
+        slow = {str(int(self.plan.rank_to_gpu[x])): v for x, v in sorted(self.found.items())}
+        write_json_atomic({"slow_gpus": slow}, self.out)
+        print(f"straggler: rank {r} (GPU {gpu}) runs at ~{self.found[r]:.2f}x its peers; "
+              f"health report {self.out}", flush=True)
+
+    def should_stop(self, step: int) -> bool:
+        """With ``nutp.exclude_stragglers``: stop once a checkpoint was saved after a
+        detection (the loop saves after ``step`` when ``(step + 1) % interval == 0``)."""
+        if not (self.stop_pending and self.ckpt_interval > 0
+                and (step + 1) % self.ckpt_interval == 0):
+            return False
+        if self.rank == 0:
+            log_event("relayout_requested", file=self.events, step=step + 1,
+                      slow_gpus={str(int(self.plan.rank_to_gpu[r])): v
+                                 for r, v in self.found.items()}, report=str(self.out))
+            print(f"stopping after the checkpoint of step {step + 1}: relaunch with "
+                  f"failures.report={self.out} to re-plan without the straggler", flush=True)
+        return True
