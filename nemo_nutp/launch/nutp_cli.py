@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 
@@ -22,8 +23,8 @@ def _plan(args: argparse.Namespace) -> int:
         req = plan_request(cfg)
         if args.failed:
             extra = HealthReport.from_cli(args.failed).failed_gpus
-            req = req.__class__(**{**req.__dict__,
-                                   "health": HealthReport(req.health.failed_gpus + extra)})
+            health = dataclasses.replace(req.health, failed_gpus=req.health.failed_gpus + extra)
+            req = dataclasses.replace(req, health=health)  # slow_gpus kept
         t0 = time.perf_counter()
         plan = build_plan(req)
         elapsed = time.perf_counter() - t0
