@@ -7,7 +7,8 @@ A checkpoint root::
     iter_0000006.tmp-1a2b/             a save in progress, or one that crashed: never loaded
     iter_0000004.old-1a2b/             the previous copy during a re-save of step 4 (rename
                                        aside, then swap); used if the swap never happened
-    latest_checkpointed_iteration.txt  the step the loader uses (Megatron-LM's tracker)
+    latest_checkpointed_iteration.txt  the step the loader uses (Megatron-LM's tracker; the
+                                       text 'release' names ``release/``, converted weights)
 
 Contract:
 * a directory is *complete* when megatron-core's ``metadata.json`` and torch DCP's ``.metadata``
@@ -58,6 +59,13 @@ def write_atomic(path: Path, text: str) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+def _tracker_text(root: Path) -> str | None:
+    try:
+        return (Path(root) / TRACKER).read_text().strip()
+    except OSError:
+        return None
 
 
 def read_tracker(root: Path) -> int | None:
@@ -120,6 +128,9 @@ def complete_by_step(root: Path) -> dict[int, Path]:
 def candidates(root: Path, *, warn: bool = True) -> list[Path]:
     """Complete checkpoints under ``root`` in the loader's order (see the module docstring)."""
     root = Path(root)
+    release = root / "release"  # Megatron's convention for converted weights
+    if _tracker_text(root) == "release" and is_complete(release):
+        return [release]
     found = complete_by_step(root)
     tracked = read_tracker(root)
     steps = sorted(found, reverse=True)

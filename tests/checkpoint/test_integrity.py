@@ -51,6 +51,15 @@ def test_tracker_and_loader_agree(tmp_path: Path) -> None:
     assert latest_step(tmp_path) is None
 
 
+def test_release_tracker_names_converted_weights(tmp_path: Path) -> None:
+    release = tmp_path / "release"
+    release.mkdir()
+    for name in ("metadata.json", ".metadata"):
+        (release / name).write_text("x")
+    (tmp_path / TRACKER).write_text("release\n")
+    assert candidates(tmp_path) == [release]
+
+
 def test_crash_during_resave_keeps_the_previous_copy(tmp_path: Path) -> None:
     final = _fake(tmp_path, 4, "old")
     tmp = tmp_path / "iter_0000004.tmp-1234"
