@@ -5,7 +5,8 @@
   per rank, the time to build the sync descriptors and the bucket plan from the plan alone (no
   model, no process group; best of 3, imports excluded) and their serialized size; the worst
   rank is reported, next to what one int64 index per local element (the previous engine) would
-  hold.
+  hold, and the collectives per step the worst rank launches (from the same descriptors) with
+  the ``refine`` and the ``base`` sync layout.
 * ``collectives_per_step``: collectives one rank launches for gradient sync in a steady step
   (counted by wrapping ``torch.distributed``'s calls while the DDP's sync or megatron's
   grad-norm code runs), worst rank: NUTP TP4+TP3 vs megatron DDP TP4xDP2, 16-layer narrow model
@@ -60,9 +61,12 @@ def _plan(model: Any, replicas: tuple[int, ...], mode: str = "refine", gb: int =
 
 def _rank_descriptors(plan: Any, rank: int, bucket_size: int) -> tuple[Any, Any, Any]:
     """What the engine builds for a rank, from the plan alone (replicated params reduced by
-    TP rank 0, as without sequence parallelism)."""
+    TP rank 0, as without sequence parallelism): (descriptors, (buckets, outgoing and incoming
+    reshard messages), parameter list)."""
+    from nemo_nutp.layout import PARAM_KINDS
     from nemo_nutp.sync.descriptors import (
         plan_buckets,
+        plan_messages,
         rank_bucket_items,
         rank_sync,
         stage_params,
@@ -75,7 +79,22 @@ def _rank_descriptors(plan: Any, rank: int, bucket_size: int) -> tuple[Any, Any,
     leaders = tuple(rep.ranks[rs.stage][0] for rep in plan.replicas)
     key = sync_key(rs.stage, leaders) if rs.tp_rank == 0 else None
     items = rank_bucket_items(rs, [(k, int(np.prod(s))) for k, s in params], key)
-    return rs, plan_buckets(items, bucket_size), params
+    outs, ins = [], []
+    for i, (kind, _) in enumerate(params):
+        if kind is not None:
+            sp, u = rs.spaces[PARAM_KINDS[kind].space], rs.kinds[kind].unit_numel
+            outs += [(d, i, lo, hi, (hi - lo) * u) for d, lo, hi in sp.sends]
+            ins += [(r, i, lo, hi, (hi - lo) * u) for sh in sp.owned for r, lo, hi in sh.recvs]
+    comm = (plan_buckets(items, bucket_size), plan_messages(outs, bucket_size),
+            plan_messages(ins, bucket_size))
+    return rs, comm, params
+
+
+def _launches(comm: Any) -> int:
+    """Collectives a rank launches per step: one all-reduce per bucket, the TP all-reduce (grad
+    norm + shared replicated grads), and each reshard message there and back."""
+    buckets, outs, ins = comm
+    return len(buckets) + 1 + 2 * (len(outs) + len(ins))
 
 
 def descriptors(bucket_size: int) -> dict[str, Any]:
@@ -91,19 +110,23 @@ def descriptors(bucket_size: int) -> dict[str, Any]:
         top = min(8, max_degree(model))
         replicas = (top, top - 1) if top > 1 else (1, 1)
         plan = _plan(model, replicas)
-        setup, size, before, buckets = [], [], [], []
+        setup, size, before, launches = [], [], [], []
         for rank in sorted(plan.rank_index):
             best = float("inf")
             for _ in range(3):  # best of 3: the machine is shared, noise only adds
                 t0 = time.perf_counter()
-                rs, bk, params = _rank_descriptors(plan, rank, bucket_size)
+                rs, comm, params = _rank_descriptors(plan, rank, bucket_size)
                 best = min(best, time.perf_counter() - t0)
             setup.append(best)
-            size.append(nbytes((rs, bk)))
+            size.append(nbytes((rs, comm)))
             before.append(index_bytes(params))
-            buckets.append(len(bk))
-        out[path.stem] = {"replicas": list(replicas), "setup_s": max(setup), "bytes": max(size),
-                          "index_bytes_before": max(before), "buckets_max": max(buckets)}
+            launches.append(_launches(comm))
+        base = _plan(model, replicas, mode="base")
+        out[path.stem] = {
+            "replicas": list(replicas), "setup_s": max(setup), "bytes": max(size),
+            "index_bytes_before": max(before), "collectives_refine": max(launches),
+            "collectives_base": max(_launches(_rank_descriptors(base, r, bucket_size)[1])
+                                    for r in base.rank_index)}
     return out
 
 
@@ -333,13 +356,13 @@ def show(res: dict[str, Any]) -> None:
 
     t = Table(title=f"Sync descriptors per rank, no model built "
                     f"(bucket_size={res['bucket_size']:,})")
-    for col in ("model", "replicas", "setup ms", "bytes", "per-element index (before)",
-                "buckets"):
+    for col in ("model", "replicas", "setup ms", "bytes", "int64 index (before)",
+                "coll./step refine", "coll./step base"):
         t.add_column(col, justify="right")
     for name, d in res["descriptors"].items():
         t.add_row(name, "+".join(f"TP{x}" for x in d["replicas"]), f"{d['setup_s'] * 1e3:.1f}",
                   f"{d['bytes']:,}", f"{d['index_bytes_before'] / 2 ** 30:.2f} GiB",
-                  str(d["buckets_max"]))
+                  str(d["collectives_refine"]), str(d["collectives_base"]))
     Console().print(t)
     if "collectives_per_step" in res:
         r = Table(title="16-layer narrow model, CPU/gloo (medians; slowest rank)")
