@@ -225,6 +225,28 @@ def _check_recorded_shapes(saved: dict[str, list[int]], expected: dict[str, list
                                   f"{saved.get(key)}, this model {shape}")
 
 
+def check_dims_of_megatron_checkpoint(path: Path, model_cfg: Any) -> None:
+    """A checkpoint without NUTP metadata (e.g. stock megatron's) against the job's model
+    dims, from its tensor metadata alone (no process group): ``ValueError`` naming the field."""
+    from megatron.core import dist_checkpointing
+
+    meta = dist_checkpointing.load_tensors_metadata(str(path))
+    m = model_cfg
+    checks = [("embedding.word_embeddings.weight", 0, "vocab_size", m.vocab_size),
+              ("embedding.word_embeddings.weight", 1, "hidden_size", m.hidden_size),
+              ("decoder.layers.mlp.linear_fc2.weight", 0, "num_layers", m.num_layers),
+              ("decoder.layers.mlp.linear_fc2.weight", 2, "ffn_hidden_size",
+               m.ffn_hidden_size)]
+    for key, axis, field, value in checks:
+        if key not in meta:
+            raise CheckpointError(f"checkpoint {path} has no tensor {key!r}: not a megatron-core "
+                                  "GPT checkpoint")
+        saved = int(meta[key].global_shape[axis])
+        if saved != value:
+            raise ValueError(f"model.{field}={value!r}: checkpoint {path} was saved with "
+                             f"model.{field}={saved!r}")
+
+
 def verify_files(marker: dict[str, Any], path: Path) -> None:
     """One-process check of every checksum (tools, tests)."""
     bad = integrity.verify_serial(marker["files"], Path(path))

@@ -41,12 +41,14 @@ def preflight(cfg: Any) -> None:
         IndexedTokenSource(cfg.train.data_path, vocab_size=cfg.model.vocab_size,
                            seq_length=cfg.model.seq_length)
     from ..checkpoint.hooks import resume_candidates
-    from ..checkpoint.store import check_compatible, read_marker
+    from ..checkpoint.store import check_compatible, check_dims_of_megatron_checkpoint, read_marker
 
     found = resume_candidates(cfg)  # a given path with nothing loadable: ValueError naming it
     marker = read_marker(found[0]) if found else None
     if marker is not None:
         check_compatible(marker, cfg.model, found[0])
+    elif found:  # e.g. a stock megatron-core checkpoint
+        check_dims_of_megatron_checkpoint(found[0], cfg.model)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -79,3 +79,18 @@ def test_megatron_format_both_ways(tmp_path: Path) -> None:
         assert rf <= LOSS_TOL and rw <= LOSS_TOL, (tp, full, weights, stock[tp])
     # the optimizer state matters: weights-only continues differently from a full resume
     assert stock[1]["weights"][1] != stock[1]["full"][1]
+    _check_preflight_dims(tmp_path / "stock_tp2" / f"iter_{SAVE_AT:07d}")
+
+
+def _check_preflight_dims(path: Path) -> None:
+    """nutp-train's preflight on a stock checkpoint: model dims checked from its metadata."""
+    from dataclasses import replace
+
+    from nemo_nutp.checkpoint.store import check_dims_of_megatron_checkpoint
+
+    from .stock import dims
+
+    check_dims_of_megatron_checkpoint(path, dims())
+    for field, value in (("vocab_size", 96), ("num_layers", 3), ("ffn_hidden_size", 64)):
+        with pytest.raises(ValueError, match=rf"model\.{field}={value}: .* saved with"):
+            check_dims_of_megatron_checkpoint(path, replace(dims(), **{field: value}))
