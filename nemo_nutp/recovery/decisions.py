@@ -167,17 +167,29 @@ def lost_steps(last_done: int | None, resume_step: int) -> int:
     return 0 if last_done is None else max(0, last_done + 1 - resume_step)
 
 
-def job_for(cfg: Any, failed: frozenset[int]) -> Any:
-    """The job config for a set of failed GPUs (the policy re-plans degrees from health).
+def job_for(cfg: Any, failed: frozenset[int], slow: Mapping[int, float] | None = None) -> Any:
+    """The job config for a set of failed GPUs and stragglers (``slow``: GPU -> relative speed,
+    found while running; added to the configured ones). The policy re-plans degrees from health.
 
-    Explicit ``nutp.replicas`` cannot describe a new failure, so it is dropped once the failed
-    set differs from the configured one."""
-    configured = frozenset(cfg.failures.health().failed_gpus)
-    if failed == configured:
+    Explicit ``nutp.replicas`` cannot describe a new failure, so it is dropped once the health
+    differs from the configured one (the health report's entries are carried over)."""
+    health = cfg.failures.health()
+    speeds = {**dict(health.slow_gpus), **dict(slow or {})}
+    if failed == frozenset(health.failed_gpus) and speeds == dict(health.slow_gpus):
         return cfg
-    failures = dataclasses.replace(cfg.failures, failed_gpus=sorted(failed), report=None)
+    failures = dataclasses.replace(cfg.failures, failed_gpus=sorted(failed),
+                                   slow_gpus=speeds or None, report=None)
     nutp = dataclasses.replace(cfg.nutp, replicas=None)
     return dataclasses.replace(cfg, failures=failures, nutp=nutp)
+
+
+def straggler_relayout(events: list[dict[str, Any]], since: float) -> dict[int, float] | None:
+    """Stragglers a world that ended normally asked to be re-planned around (rank 0's
+    ``relayout_requested`` event after ``since``, ``nutp.exclude_stragglers``), or None."""
+    asks = [e for e in events if e["event"] == "relayout_requested" and e["t"] >= since]
+    if not asks:
+        return None
+    return {int(g): float(v) for g, v in asks[-1]["slow_gpus"].items()}
 
 
 def returned_gpus(current: frozenset[int], reported: frozenset[int] | None) -> frozenset[int]:

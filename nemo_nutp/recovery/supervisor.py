@@ -60,6 +60,7 @@ from .decisions import (
     job_for,
     lost_steps,
     next_failed,
+    straggler_relayout,
 )
 
 POLL_S = 0.05  # exit codes (and, while a planned restart waits, the newest checkpoint)
@@ -206,20 +207,32 @@ def supervise(cfg: Any, console: Any) -> int:
     events, health = rdir / "events.jsonl", rdir / "health.json"
     watch.archive_previous_run(rdir)  # an earlier run's heartbeats and events are not ours
     failed = frozenset(cfg.failures.health().failed_gpus)
+    slow: dict[int, float] = {}  # stragglers found while running (nutp.exclude_stragglers)
     watch.write_health(health, failed)
     attempt = restarts = 0
     while True:
         failed = next_failed(failed, (), watch.read_health(health))
-        job = job_for(cfg, failed)
+        job = job_for(cfg, failed, slow)
         plan = build_plan(plan_request(job))
         if attempt:
             console.print(replicas_table(plan))
         log_event("start", file=events, attempt=attempt, failed_gpus=sorted(failed),
                   world_size=plan.world_size, replica_tp=watch.layout_of(plan))
+        started = time.time()
         res = _run_world(cfg, job, plan, failed, attempt, rdir, console)
-        if res.ok:
+        found = straggler_relayout(read_events(events), started) if res.ok else None
+        if res.ok and found is None:
             return _finish(console, rdir, attempt)
-        if res.scale_up is not None:
+        if found is not None:  # the same path as a failed GPU: re-plan, resume (not a failure)
+            slow.update(found)
+            step = watch.resume_step(job.checkpoint_dir)
+            log_event("relayout", file=events, attempt=attempt, cause="straggler",
+                      gpus=sorted(found), slow_gpus={str(g): v for g, v in found.items()},
+                      reason="straggler", lost_steps=0, resume_step=step)
+            console.print(f"[yellow]recovery:[/] straggler GPUs {sorted(found)} (relative speed "
+                          f"{', '.join(f'{v:.2f}' for v in found.values())}): re-planning and "
+                          f"resuming from step {step}")
+        elif res.scale_up is not None:
             _record_scale_up(res, rdir, console, attempt)
         elif res.failure is not None and res.failure.bad_input:  # each rank printed why
             log_event("finished", file=events, attempt=attempt, error="bad input")

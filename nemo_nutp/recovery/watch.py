@@ -253,6 +253,10 @@ def summary(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
             out.append({"detected_at": t, "cause": "gpu_back", "ranks": [],
                         "gpus": e["gpus"], "reason": e["reason"], "lost_steps": e["lost_steps"],
                         "detect_s": t - e["requested_at"]})
+        elif e["event"] == "relayout":  # nutp.exclude_stragglers: planned, nothing lost
+            out.append({"detected_at": e["t"], "cause": e.get("cause", "straggler"),
+                        "ranks": [], "gpus": e["gpus"], "reason": e["reason"],
+                        "lost_steps": e["lost_steps"], "detect_s": None})
         elif e["event"] == "resumed" and out and "restart_s" not in out[-1]:
             out[-1].update(restart_s=e["t"] - out[-1]["detected_at"], resume_step=e["step"],
                            replica_tp=e["replica_tp"])

@@ -258,3 +258,18 @@ def test_slow_start_with_activity_is_not_a_hang() -> None:
     f = blame_hang(none, **kw, activity=idle)
     assert f is not None and f.ranks == () and "no heartbeat" in f.reason
     assert blame_hang(none, **kw) is not None  # without watcher reports: the limit alone
+
+
+def test_straggler_relayout_and_job_for_keep_the_health_report() -> None:
+    from nemo_nutp.recovery.decisions import straggler_relayout
+
+    ev = [{"t": 5.0, "event": "relayout_requested", "slow_gpus": {"1": 0.25}},
+          {"t": 9.0, "event": "checkpoint"}]
+    assert straggler_relayout(ev, since=6.0) is None  # an earlier attempt's request
+    assert straggler_relayout(ev, since=1.0) == {1: 0.25}
+    cfg = load_config(["failures.failed_gpus=[7]", "failures.slow_gpus={2: 0.5}",
+                       "nutp.replicas=[4,3]"])
+    assert job_for(cfg, frozenset({7})) is cfg and job_for(cfg, frozenset({7}), {}) is cfg
+    job = job_for(cfg, frozenset({7}), {1: 0.25})
+    assert dict(job.failures.health().slow_gpus) == {1: 0.25, 2: 0.5}
+    assert job.failures.health().failed_gpus == (7,) and job.nutp.replicas is None

@@ -146,10 +146,11 @@ def test_rebalanced_run_matches_stock_megatron(tmp_path: Path) -> None:
 @pytest.mark.dist
 @pytest.mark.timeout(900)
 def test_straggler_detected_excluded_and_resumed(tmp_path: Path) -> None:
-    """Rank 1 (GPU 1) slowed 4x in a TP2 + TP2 job: the probe names GPU 1, the run stops after
-    the next checkpoint (nutp.exclude_stragglers), the relaunch with the written health report
-    re-plans without GPU 1 (TP2 + TP1) and resumes; every step's loss over both runs is within
-    1e-5 of stock single-process megatron-core."""
+    """Rank 1 (GPU 1) slowed 4x in a TP2 + TP2 job under the recovery supervisor: the probe names
+    GPU 1, the world stops after the next checkpoint (nutp.exclude_stragglers), the supervisor
+    re-plans without GPU 1 (TP2 + TP1, the path of a failed GPU) and resumes; every step's loss
+    over both attempts is within 1e-5 of stock single-process megatron-core. The written health
+    report plans the same layout for a manual relaunch (failures.report)."""
     import torch
 
     from nemo_nutp.config import load_config
@@ -163,24 +164,24 @@ def test_straggler_detected_excluded_and_resumed(tmp_path: Path) -> None:
                  "train.global_batch_size=16", "train.seed=5", "checkpoint.interval=2",
                  "nutp.straggler_probe_interval=1", "nutp.straggler_window=3",
                  "nutp.exclude_stragglers=true"]
-    r = _train(out, {"NUTP_FAULT": "slow:1:4"}, *overrides)
+    r = _train(out, {"NUTP_FAULT": "slow:1:4"}, *overrides, "recovery.enabled=true")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     report = json.loads((out / "stragglers.json").read_text())
     assert list(report["slow_gpus"]) == ["1"] and report["slow_gpus"]["1"] < 0.5
-    first = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [x["step"] for x in first] == [0, 1, 2, 3]  # stopped after the checkpoint of step 4
-    events = [json.loads(x) for x in (out / "events.jsonl").read_text().splitlines()]
-    assert [(e["event"], e.get("gpu")) for e in events] == [("straggler", 1),
-                                                            ("relayout_requested", None)]
-
+    events = [json.loads(x) for x in (out / "recovery" / "events.jsonl").read_text().splitlines()]
+    names = [e["event"] for e in events]
+    assert names.count("straggler") == 1 and names.count("relayout") == 1, names
+    (relayout,) = [e for e in events if e["event"] == "relayout"]
+    assert relayout["gpus"] == [1] and relayout["resume_step"] == 4, relayout
     again = [*overrides, f"failures.report={out / 'stragglers.json'}"]
     plan = build_plan(plan_request(load_config(again)))
     assert 1 not in plan.rank_to_gpu and sorted(r.tp[0] for r in plan.replicas) == [1, 2]
-    r = _train(out, {}, *again)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in rows] == list(range(8))
+    assert rows[3]["replica_tp"] == [[2], [2]]  # stopped after the checkpoint of step 4
     assert rows[-1]["replica_tp"] == [list(rep.tp) for rep in plan.replicas]
+    summary = json.loads((out / "recovery" / "summary.json").read_text())
+    assert [(x["cause"], x["gpus"], x["resume_step"]) for x in summary] == [("straggler", [1], 4)]
 
     cfg = load_config(overrides)
     case = Case("excluded", (2, 2), model=dataclasses.asdict(cfg.model), global_batch=8,
