@@ -7,6 +7,10 @@ Per step of wall time ``T`` on a cluster of ``N`` GPUs, ``N * T`` GPU-seconds sp
   optimizer step (``degree_r * (sync_r + optimizer_r)``);
 * ``slack``   — replica ranks waiting for slower replicas at the step boundary
   (``degree_r * (T - compute_r - sync_r - optimizer_r)``);
+* ``straggler`` — inside a replica, its ranks waiting for its slowest rank: with a measured
+  relative speed ``v_r`` of that rank (the straggler probe, ``train/stragglers.py``),
+  ``degree_r * compute_r * (1 - v_r)`` of the compute is waiting, not work (``useful`` keeps
+  ``degree_r * compute_r * v_r``);
 * ``failed``  — failed GPUs idle; ``idle`` — healthy GPUs the plan does not use;
 * ``checkpoint`` and ``restart`` — time spent saving or restarting (charged to all GPUs).
 
@@ -19,11 +23,11 @@ up after a resume on any cluster. Pure Python: no torch.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-CAUSES = ("useful", "sync", "slack", "failed", "idle", "checkpoint", "restart")
+CAUSES = ("useful", "sync", "slack", "straggler", "failed", "idle", "checkpoint", "restart")
 
 
 @dataclass
@@ -37,13 +41,18 @@ class GoodputLedger:
     carried_gpu_s: float = 0.0  # allocated GPU-seconds of earlier runs (restored)
     carried_wall_s: float = 0.0
 
-    def add_step(self, step_s: float, replicas: list[tuple[int, float, float, float]]) -> float:
+    def add_step(self, step_s: float, replicas: list[tuple[int, float, float, float]], *,
+                 inside: Sequence[float] | None = None) -> float:
         """Account one step. ``replicas``: (degree, compute_s, sync_s, optimizer_s) each, the
-        replica's slowest rank. Returns the step's goodput (useful / total)."""
+        replica's slowest rank; ``inside``: per replica the relative speed (0, 1] of its
+        slowest rank vs its peers (None: no straggler known). Returns the step's goodput
+        (useful / total)."""
         parts = {c: 0.0 for c in CAUSES}
-        for degree, compute, sync, opt in replicas:
+        for i, (degree, compute, sync, opt) in enumerate(replicas):
             busy = min(compute + sync + opt, step_s)
-            parts["useful"] += degree * min(compute, step_s)
+            v = 1.0 if inside is None else min(1.0, max(0.0, float(inside[i])))
+            parts["useful"] += degree * min(compute, step_s) * v
+            parts["straggler"] += degree * min(compute, step_s) * (1.0 - v)
             parts["sync"] += degree * max(0.0, busy - min(compute, step_s))
             parts["slack"] += degree * (step_s - busy)
         used = sum(d for d, *_ in replicas)

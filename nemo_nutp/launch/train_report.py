@@ -14,7 +14,9 @@ from ..layout.serialize import atomic_path
 from .console import make_console
 
 _LABELS = {"useful": "useful work", "sync": "exposed sync (reshard + reduce) + optimizer",
-           "slack": "slack: waiting for slower replicas", "failed": "failed GPUs idle",
+           "slack": "slack: waiting for slower replicas",
+           "straggler": "straggler inside a replica (peers wait for its slow rank)",
+           "failed": "failed GPUs idle",
            "idle": "healthy GPUs unused", "checkpoint": "checkpoint time",
            "restart": "restart time"}
 

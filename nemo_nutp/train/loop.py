@@ -1,8 +1,14 @@
 """The per-rank training loop of ``nutp-train``: steps, metrics, progress, goodput, outputs.
 
-Rank 0 writes ``metrics.jsonl`` (one JSON object per step; written as ``.partial`` and renamed
-when the run ends), ``goodput.json`` and ``training.png`` into ``output.dir``, shows a rich
-progress bar (step, loss, tokens/s, goodput) and prints the goodput report at the end.
+Rank 0 writes ``metrics.jsonl`` (one JSON object per step, each in one ``write``; written as
+``.partial`` and renamed when the run ends), ``goodput.json`` and ``training.png`` into
+``output.dir``, shows a rich progress bar (step, loss, tokens/s, goodput) and prints the goodput
+report at the end.
+
+Goodput has one definition everywhere: useful GPU-seconds / allocated GPU-seconds (cluster GPUs x
+wall time, checkpoint saves and restarts included) of the run so far. The bar, each row's
+``goodput``, the report's "useful work" share, the plot and ``goodput.json`` show that number
+(the last row's equals the JSON's); ``step_goodput`` is the one step alone, without pauses.
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ class _Outputs:
         final = self.dir / "metrics.jsonl"
         kept = _earlier_rows(self.partial if self.partial.exists() else final, start_step)
         self.file = self.partial.open("w")
+        self.fd = self.file.fileno()
         self.tb = None
         try:
             from torch.utils.tensorboard import SummaryWriter
@@ -65,13 +72,17 @@ class _Outputs:
             self.tb = None
         self.rows: list[dict[str, Any]] = []
         for row in kept:
-            self.rows.append(row)
-            self.file.write(json.dumps(row) + "\n")
+            self.write_line(row)
+
+    def write_line(self, row: dict[str, Any]) -> None:
+        """One step's row in one ``write`` (a reader or a crash never sees half a row)."""
+        self.rows.append(row)
+        data = (json.dumps(row) + "\n").encode()
+        if os.write(self.fd, data) != len(data):
+            raise OSError(f"short write to {self.partial}")
 
     def write(self, row: dict[str, Any]) -> None:
-        self.rows.append(row)
-        self.file.write(json.dumps(row) + "\n")
-        self.file.flush()
+        self.write_line(row)
         if self.tb is not None:
             for k in ("loss", "grad_norm", "goodput", "tokens_per_s"):
                 if row[k] is not None:
@@ -129,21 +140,22 @@ def train_rank(cfg: JobConfig, plan: Plan, *, device: torch.device | None = None
             rows = _gather_times(session, res.times, time.perf_counter() - t0)
             step_s, reps = _replica_times(rows, len(plan.replicas))
             shares = live.after_step(step, reps)  # this step's shares; may change the next's
-            goodput = ledger.add_step(step_s, reps)
+            step_goodput = ledger.add_step(step_s, reps, inside=live.inside_speeds())
+            hooks.after_step(step, ledger)  # a save is charged before the row: one goodput
             if out is not None and progress is not None:
+                goodput = ledger.goodput  # the run's so far: bar, rows, report and JSON agree
                 row = {"step": step, "loss": res.loss,
                        "grad_norm": None if res.skipped else res.grad_norm,
                        "skipped": res.skipped,
                        "loss_scale": float(session.optimizer.get_loss_scale()),
                        "tokens": tokens, "step_time_s": step_s, "tokens_per_s": tokens / step_s,
-                       "goodput": goodput,
+                       "goodput": goodput, "step_goodput": step_goodput,
                        "microbatches": shares,
                        "replica_tp": [list(r.tp) for r in plan.replicas],
                        "reshard_bytes_rank0": session.model.nutp_engine.sent_bytes}
                 out.write(row)
                 progress.update(task, advance=1, info=f"loss {res.loss:.4f}  "
                                 f"{tokens / step_s:,.0f} tok/s  goodput {goodput:.1%}")
-            hooks.after_step(step, ledger)
             if live.should_stop(step):  # nutp.exclude_stragglers: saved; relaunch re-plans
                 break
     finally:

@@ -159,6 +159,16 @@ class LiveBalance:
                           previous=used, per_microbatch_s=self.controller.per_mb)
         return used
 
+    def inside_speeds(self) -> list[float] | None:
+        """Per replica, its slowest rank's speed relative to its TP peers at the latest
+        straggler probe (1.0: no straggler found); None without the detector. The goodput
+        ledger charges ``1 - speed`` of the replica's compute to "straggler inside a replica"."""
+        if self.detector is None:
+            return None
+        sp = self.detector.speed
+        return [min(sp[r] for stage in rep.ranks for r in stage)
+                for rep in self.session.plan.replicas]
+
     def should_stop(self, step: int) -> bool:
         """True after the checkpoint save that follows a detected straggler, with
         ``nutp.exclude_stragglers`` (the relaunch re-plans without it)."""

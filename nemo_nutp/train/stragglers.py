@@ -40,6 +40,7 @@ class StragglerDetector:
         self.ckpt_interval = cfg.checkpoint.interval
         self.streak = [0] * plan.world_size
         self.found: dict[int, float] = {}  # rank -> estimated relative speed
+        self.speed = [1.0] * plan.world_size  # latest probe: speed vs its peers if slow, else 1
         self.peers = {r: [x for x in g if x != r] for g in plan.tp_groups() for r in g}
         self.stop_pending = False
         gen = torch.Generator().manual_seed(0)
@@ -72,7 +73,9 @@ class StragglerDetector:
         for r, t in enumerate(times):
             others = self.peers[r] or [x for x in range(len(times)) if x != r]
             ref = statistics.median(times[x] for x in others) if others else t
-            self.streak[r] = self.streak[r] + 1 if t > self.threshold * ref else 0
+            slow = t > self.threshold * ref
+            self.streak[r] = self.streak[r] + 1 if slow else 0
+            self.speed[r] = min(1.0, ref / t) if slow else 1.0
             if self.streak[r] >= self.window and r not in self.found:
                 self.found[r] = min(1.0, ref / t)
                 self._report(step, r)

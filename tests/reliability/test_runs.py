@@ -192,3 +192,16 @@ def test_ledger_parts_add_up_over_any_chain_of_resumes(runs: list) -> None:
         led.check(rel=1e-9)
         assert 0.0 <= led.goodput <= 1.0
         saved = led.snapshot()
+
+
+def test_ledger_splits_straggler_inside_from_slack_between_replicas() -> None:
+    led = GoodputLedger(cluster_gpus=4, failed_gpus=0, idle_gpus=0)
+    # replica 0: its slow rank runs at 0.25 of its peers (probe); replica 1 waits for it
+    led.add_step(2.0, [(2, 1.6, 0.2, 0.2), (2, 0.8, 0.2, 0.2)], inside=[0.25, 1.0])
+    led.check(rel=1e-12)
+    assert led.totals["straggler"] == pytest.approx(2 * 1.6 * 0.75)
+    assert led.totals["useful"] == pytest.approx(2 * 1.6 * 0.25 + 2 * 0.8)
+    assert led.totals["slack"] == pytest.approx(2 * (2.0 - 1.2))
+    plain = GoodputLedger(cluster_gpus=4, failed_gpus=0, idle_gpus=0)
+    plain.add_step(2.0, [(2, 1.6, 0.2, 0.2), (2, 0.8, 0.2, 0.2)])
+    assert plain.totals["straggler"] == 0 and plain.total == led.total

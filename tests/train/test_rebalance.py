@@ -180,6 +180,8 @@ def test_straggler_detected_excluded_and_resumed(tmp_path: Path) -> None:
     assert [x["step"] for x in rows] == list(range(8))
     assert rows[3]["replica_tp"] == [[2], [2]]  # stopped after the checkpoint of step 4
     assert rows[-1]["replica_tp"] == [list(rep.tp) for rep in plan.replicas]
+    good = json.loads((out / "goodput.json").read_text())  # issue #15 item 6: slack split
+    assert good["straggler_gpu_s"] > 0 and good["slack_gpu_s"] >= 0, good
     summary = json.loads((out / "recovery" / "summary.json").read_text())
     assert [(x["cause"], x["gpus"], x["resume_step"]) for x in summary] == [("straggler", [1], 4)]
 
