@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from ..launch.console import make_console
 from ..layout.serialize import write_json_atomic
 
 
@@ -103,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     from .config import load_sim_config
     from .simulate import simulate
 
-    console = Console()
+    console = make_console()
     try:
         cfg = load_sim_config(args.overrides)
         t0 = time.perf_counter()
