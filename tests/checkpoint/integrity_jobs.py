@@ -65,12 +65,36 @@ def integrity_job(out: str) -> None:
     res["fallback"] = {"path": info["path"].name, "skipped": info["skipped"],
                        "step": info["step"], "said": said}
     res["resumed"] = [s2.step(k).loss for k in range(info["step"], 4)]
+    res["hooks"] = _through_hooks(root)
     all_strict = [None] * dist.get_world_size()
     dist.all_gather_object(all_strict, strict)
     res["strict_every_rank"] = all_strict
     if rank0:
         torch.save(res, os.path.join(out, "integrity.pt"))
     dist.barrier()
+
+
+def _through_hooks(root: Path) -> dict[str, Any]:
+    """What the training loop does: ``CheckpointHooks.resume`` (candidates, fallback, the
+    console lines) with ``checkpoint.resume=required``."""
+    import contextlib
+    import io
+    from types import SimpleNamespace
+
+    from nemo_nutp.checkpoint.hooks import CheckpointHooks
+
+    from .roundtrip import Job, _session
+
+    ck = SimpleNamespace(resume="required", load_dir=None, strict=False, load_optimizer=True,
+                         interval=0)
+    cfg = SimpleNamespace(checkpoint=ck, checkpoint_dir=str(root),
+                          recovery=SimpleNamespace(fault=SimpleNamespace(kind=None)))
+    ledger = SimpleNamespace(totals={}, wall_s=0.0, add_pause=lambda *a: None)
+    s = _session(Job("tp2", (2,)))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        start = CheckpointHooks(cfg, s).resume(ledger)
+    return {"start": start, "printed": out.getvalue().splitlines()}
 
 
 def worker(rank: int, world: int, port: int, outdir: str) -> None:

@@ -142,3 +142,10 @@ def test_parallel_hashing_fallback_strict_and_resave(tmp_path: Path) -> None:
     assert said.startswith("WARNING") and "falling back to" in said and "iter_0000002" in said
     # continues exactly as the uninterrupted run (same plan: per-rank RNG states restored)
     assert res["resumed"] == res["losses"][2:], (res["resumed"], res["losses"])
+    # the training loop's resume: one warning line, one resume line (step, layout)
+    hooks = res["hooks"]
+    assert hooks["start"] == 2, hooks
+    warning, resumed = hooks["printed"]
+    assert warning.startswith("WARNING: checkpoint") and "iter_0000004 is corrupt" in warning
+    assert resumed.startswith("checkpoint: resumed") and "iter_0000002 (step 2, saved by TP2)" \
+        in resumed, resumed
