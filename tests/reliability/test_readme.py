@@ -11,6 +11,7 @@ placeholders (``<partition>``, ``/path/to/prefix``, a trailing ``...``) filled i
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import subprocess
@@ -57,12 +58,16 @@ def _dataset(prefix: Path) -> None:
     b.finalize(f"{prefix}.idx")
 
 
-def _prepare(cmd: str, scratch: Path) -> list[str] | None:
-    """argv to run for a README command, or None (cluster-only or long: checked, not run)."""
+def _prepare(cmd: str, scratch: Path, env: dict[str, str]) -> list[str] | None:
+    """argv to run for a README command (its ``VAR=value`` prefixes go to ``env``), or None
+    (cluster-only or long: checked, not run)."""
     data = scratch / "data" / "prefix"
     cmd = (cmd.replace("/path/to/prefix", str(data)).replace("/data/<prefix>", str(data))
            .replace("/results/", str(scratch / "results") + "/"))
     argv = [re.sub(r"^<(\w+)>$", r"\1", a) for a in shlex.split(cmd) if a != "..."]
+    while re.match(r"^[A-Z_]+=", argv[0]):  # VAR=value prefixes: the command's environment
+        key, value = argv.pop(0).split("=", 1)
+        env[key] = value
     prog = Path(argv[0]).name
     if prog in CLUSTER_ONLY:
         return None
@@ -85,13 +90,14 @@ def test_readme_commands_run(tmp_path: Path) -> None:
     ran, steps = [], 2
     for block in readme_commands():
         for cmd in block:
-            argv = _prepare(cmd, tmp_path)
+            env = dict(os.environ)
+            argv = _prepare(cmd, tmp_path, env)
             if argv is None:
                 continue
             if Path(argv[0]).name == "nutp-train":
                 argv, steps = _steps(argv, steps), steps + 2  # a resume example trains on
             r = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True,
-                               timeout=900, check=False)
+                               timeout=900, check=False, env=env)
             assert r.returncode == 0, f"README: {cmd}\n{r.stdout[-3000:]}{r.stderr[-3000:]}"
             assert "Traceback" not in r.stdout + r.stderr, cmd
             ran.append(cmd)
