@@ -298,13 +298,13 @@ class GradSyncEngine:
             elif self.leaders is not None:
                 grad.mul_(w)
             else:
-                return  # the leader's result arrives by broadcast in finish
+                return  # the leader's result arrives in finish's TP all-reduce
             for b, pc in e.pieces:
                 self._buffer(b, grad)[pc.offset:pc.offset + pc.numel].copy_(grad.view(-1))
             return
         grad.mul_(w)
         u = e.numel_unit
-        i = self.posted
+        i = self.index[id(e.param)]
         for m in self.opening.get(i, ()):
             m.buf = torch.empty(m.spec.numel, dtype=grad.dtype, device=grad.device)
             m.work = dist.irecv(m.buf, m.spec.peer)
