@@ -112,7 +112,8 @@ def train_rank(cfg: JobConfig, plan: Plan, *, device: torch.device | None = None
     session = build_session(plan, cfg.model, lr=t.lr, seed=t.seed,
                             micro_batch_size=t.micro_batch_size, optimizer=t.optimizer,
                             weight_decay=t.weight_decay, opts=step_options(t),
-                            precision=precision_of(t), device=device, data_path=t.data_path)
+                            precision=precision_of(t), device=device, data_path=t.data_path,
+                            bucket_size=cfg.sync.bucket_size)
     from ..checkpoint.hooks import CheckpointHooks
 
     rank0 = dist.get_rank() == 0
