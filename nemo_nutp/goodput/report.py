@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from ..launch.console import make_console
+from ..launch.console import make_console, print_error
 from ..layout.serialize import write_json_atomic
 
 
@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
                            timeline=not args.no_timeline)
         elapsed = time.perf_counter() - t0
     except ValueError as e:
-        console.print(f"[red]error:[/] {e}")
+        print_error(str(e))
         return 2
     res["elapsed_s"] = elapsed
     print_result(res, console)

@@ -375,7 +375,7 @@ def run(args: argparse.Namespace) -> int:
     from ..config import plan_request
     from ..config.recipes import load_job, split_recipe
     from ..layout import build_plan
-    from .console import make_console
+    from .console import make_console, print_error
 
     console = make_console()
     try:
@@ -391,7 +391,7 @@ def run(args: argparse.Namespace) -> int:
                              recipe=recipe,
                              recovery=cfg.recovery if cfg.recovery.enabled else None)
     except ValueError as e:
-        console.print(f"[red]error:[/] {e}")
+        print_error(str(e))
         return 2
     write_text_atomic(text, args.out)
     nodes = len(node_table(plan).nodes)

@@ -541,7 +541,12 @@ def run_worker(cfg: Any, env: LauncherEnv, console: Any) -> int:
         exits.write("error", f"{type(e).__name__}: {e}")
         if control is not None:
             control.abort(f"slot {env.slot}: {type(e).__name__}")
-        raise
+        if not isinstance(e, Exception) or os.environ.get("NUTP_DEBUG") == "1":
+            raise
+        from ..train.worker import report_error
+
+        # one line on stderr, the traceback in <output.dir>/logs (exit 2: bad input, else 1)
+        raise SystemExit(report_error(cfg.output.dir, env.rank, e)) from None
 
 
 def _write_summary(rdir: Path, console: Any) -> None:

@@ -111,7 +111,7 @@ def test_bad_config_fails_before_anything_runs(tmp_path: Path) -> None:
                           ("train.data_path=/nonexistent/tokens", "train.data_path")):
         r = _train(out, override)
         assert r.returncode == 2, (override, r.stdout, r.stderr)
-        assert key in r.stdout, (override, r.stdout)
+        assert key in r.stderr and "error:" in r.stderr, (override, r.stdout, r.stderr)
     assert not out.exists()
 
 
