@@ -8,7 +8,8 @@ report at the end.
 Goodput has one definition everywhere: useful GPU-seconds / allocated GPU-seconds (cluster GPUs x
 wall time, checkpoint saves and restarts included) of the run so far. The bar, each row's
 ``goodput``, the report's "useful work" share, the plot and ``goodput.json`` show that number
-(the last row's equals the JSON's); ``step_goodput`` is the one step alone, without pauses.
+(a row's value counts the saves before it; the last row is updated at the end, so it equals
+the JSON's); ``step_goodput`` is the one step alone, without pauses.
 """
 
 from __future__ import annotations
@@ -88,8 +89,19 @@ class _Outputs:
                 if row[k] is not None:
                     self.tb.add_scalar(f"train/{k}", row[k], row["step"])
 
-    def close(self) -> None:
+    def close(self, *, final_goodput: float | None = None) -> None:
+        """Rename the rows into place. ``final_goodput``: the run's goodput at its end (a save
+        after the last step included) replaces the last row's, so the last row, the report and
+        ``goodput.json`` show one number."""
         self.file.close()
+        if final_goodput is not None and self.rows and self.rows[-1]["goodput"] != final_goodput:
+            self.rows[-1]["goodput"] = final_goodput
+            lines = self.partial.read_text().splitlines(keepends=True)
+            lines[-1] = json.dumps(self.rows[-1]) + "\n"
+            from ..layout.serialize import atomic_path
+
+            with atomic_path(self.partial) as tmp:
+                tmp.write_text("".join(lines))
         os.replace(self.partial, self.dir / "metrics.jsonl")
         if self.tb is not None:
             self.tb.close()
@@ -142,9 +154,8 @@ def train_rank(cfg: JobConfig, plan: Plan, *, device: torch.device | None = None
             step_s, reps = _replica_times(rows, len(plan.replicas))
             shares = live.after_step(step, reps)  # this step's shares; may change the next's
             step_goodput = ledger.add_step(step_s, reps, inside=live.inside_speeds())
-            hooks.after_step(step, ledger)  # a save is charged before the row: one goodput
             if out is not None and progress is not None:
-                goodput = ledger.goodput  # the run's so far: bar, rows, report and JSON agree
+                goodput = ledger.goodput  # the run's so far (this step's save: the next row's)
                 row = {"step": step, "loss": res.loss,
                        "grad_norm": None if res.skipped else res.grad_norm,
                        "skipped": res.skipped,
@@ -157,6 +168,9 @@ def train_rank(cfg: JobConfig, plan: Plan, *, device: torch.device | None = None
                 out.write(row)
                 progress.update(task, advance=1, info=f"loss {res.loss:.4f}  "
                                 f"{tokens / step_s:,.0f} tok/s  goodput {goodput:.1%}")
+            # The row is on disk before the save: a world stopped right after a checkpoint
+            # completes (planned restart) has every row up to it.
+            hooks.after_step(step, ledger)
             if live.should_stop(step):  # nutp.exclude_stragglers: saved; relaunch re-plans
                 break
     finally:
@@ -164,7 +178,7 @@ def train_rank(cfg: JobConfig, plan: Plan, *, device: torch.device | None = None
             progress.stop()
     if out is None:
         return None
-    out.close()
+    out.close(final_goodput=ledger.goodput)
     ledger.check()
     return _finish(cfg, out.rows, ledger)
 
