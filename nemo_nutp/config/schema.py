@@ -460,6 +460,9 @@ def _hydra_message(text: str) -> str:
     if m is None:
         return "config: " + " ".join(text.split())
     key = m.group(1)
+    if key in schema_keys():  # a primary config without the nutp_defaults default
+        return (f"{key}: not in this config's composition (its defaults list must start with "
+                "nutp_defaults, as configs/config.yaml and recipes/base_pretrain.yaml do)")
     close = difflib.get_close_matches(key, schema_keys(), n=3, cutoff=0.6)
     hint = f"; did you mean {' or '.join(close)}?" if close else ""
     return f"{key}: unknown key (not in nemo_nutp/config/schema.py){hint}"
