@@ -353,8 +353,12 @@ def build_plan(req: PlanRequest) -> Plan:
                    f"holds no replica of parallel.pp={p.pp} stages x parallel.tp_base={p.tp_base}")
     if req.replicas is not None:
         if len(req.replicas) > len(starts):
+            need = len(req.replicas) * p.tp_base * p.pp
             raise _bad("nutp.replicas", list(req.replicas),
-                       f"more replicas than the cluster's {len(starts)} slices")
+                       f"more replicas than the cluster's {len(starts)} slices of "
+                       f"parallel.tp_base={p.tp_base} GPUs: set cluster.num_gpus={need} (a "
+                       "multiple of cluster.gpus_per_node and cluster.domain_size) or lower "
+                       "parallel.tp_base")
         if p.dp is not None and p.dp != len(req.replicas):
             raise _bad("parallel.dp", p.dp, f"disagrees with nutp.replicas={list(req.replicas)}")
         sl = np.arange(len(req.replicas))[:, None]
