@@ -21,17 +21,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.multiprocessing as mp
+from _gloo import init_cpu_rank  # benchmarks/_gloo.py
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -83,19 +81,13 @@ def _verify(mode: str, path: Path, files: dict[str, str]) -> float:
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    warnings.filterwarnings("ignore")
-    from nemo_nutp.compat.cpu import apply_cpu_patches
-
-    apply_cpu_patches()
     import torch.distributed as dist
 
     from nemo_nutp.checkpoint import integrity, save_checkpoint
     from nemo_nutp.checkpoint.megatron_format import read_meta
     from nemo_nutp.train.session import build_session
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    init_cpu_rank(rank, world, port)
     plan = _plan(args)
     s = build_session(plan, plan.request.model, lr=1e-3, seed=1, micro_batch_size=2)
     s.step(0)  # Adam state exists

@@ -18,16 +18,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.multiprocessing as mp
+from _gloo import init_cpu_rank  # benchmarks/_gloo.py
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -53,19 +52,13 @@ def _compute_times(session: Any, compute_s: float, n: int) -> list[float]:
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    warnings.filterwarnings("ignore")
-    from nemo_nutp.compat.cpu import apply_cpu_patches
-
-    apply_cpu_patches()
     import torch.distributed as dist
 
     from nemo_nutp.train.rebalance import ShareController, apply_shares
     from nemo_nutp.train.session import build_session
     from nemo_nutp.train.step import StepOptions
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    init_cpu_rank(rank, world, port)
     replicas = tuple(int(x) for x in args.replicas.split(","))
     plan = _plan(replicas, args.microbatches)
     slow = args.factor if rank == args.slow_rank else 1.0

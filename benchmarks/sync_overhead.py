@@ -19,12 +19,12 @@ import os
 import statistics
 import sys
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.multiprocessing as mp
+from _gloo import init_cpu_rank  # benchmarks/_gloo.py
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -59,18 +59,12 @@ def _independent(session: Any) -> Any:
 
 def _worker(rank: int, world: int, port: int, replicas: tuple[int, ...], steps: int,
             out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    warnings.filterwarnings("ignore")
-    from nemo_nutp.compat.cpu import apply_cpu_patches
-
-    apply_cpu_patches()
     import torch.distributed as dist
 
     from nemo_nutp.train.session import build_session
     from nemo_nutp.train.step import train_step
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    init_cpu_rank(rank, world, port)
     gb = 2 * len(replicas) * 4
     sessions = {m: build_session(_plan(replicas, m, gb), _plan(replicas, m, gb).request.model,
                                  lr=1e-3, seed=1, micro_batch_size=2) for m in ("refine", "base")}

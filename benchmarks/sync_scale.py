@@ -28,17 +28,16 @@ import argparse
 import copy
 import functools
 import json
-import os
 import statistics
 import sys
 import tempfile
 import time
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _gloo import init_cpu_rank  # benchmarks/_gloo.py
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -284,17 +283,9 @@ def _run_world(kind: str, steps: int, counter: Counter) -> dict[str, Any]:
 
 
 def _worker(rank: int, world: int, port: int, kind: str, steps: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    warnings.filterwarnings("ignore")
-    from nemo_nutp.compat.cpu import apply_cpu_patches
-
-    apply_cpu_patches()
-    import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    counter = _install_counter()
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    counter = init_cpu_rank(rank, world, port, before_init=_install_counter)
     res = _run_world(kind, steps, counter)
     if rank == 0:
         Path(out).write_text(json.dumps(res))
