@@ -44,6 +44,8 @@ _FACTORIES += (
 )
 # Modules whose global name ``torch`` is replaced by the proxy (each line: why).
 _SHIMMED_MODULES = (
+    "megatron.core.pipeline_parallel.schedules",  # token counters on device="cuda"
+    "megatron.core.pipeline_parallel.p2p_communication",  # receive buffers on current_device()
     "megatron.core.distributed.param_and_grad_buffer",  # grad buffers on current_device()
     "megatron.core.distributed.distributed_data_parallel",  # synchronize() in buffer free/alloc
     "megatron.core.utils",  # GlobalMemoryBuffer current_device(); l2-norm fallback device="cuda"

@@ -62,13 +62,15 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def transformer_config(model: Any, *, degree: int, sequence_parallel: bool = False,
-                       precision: str = "fp32") -> TransformerConfig:
+                       precision: str = "fp32", pp: int = 1) -> TransformerConfig:
     """megatron ``TransformerConfig`` of the *global* model (no fusions: CPU-portable math).
 
     Built at TP1 (megatron validates head counts against ``tensor_model_parallel_size``, which
     uneven NUTP degrees need not divide); the degree and sequence parallelism are set after.
     ``precision`` 'bf16'/'fp16' sets megatron's ``bf16``/``fp16`` and the params dtype (the
-    model is then wrapped in megatron's ``Float16Module``).
+    model is then wrapped in megatron's ``Float16Module``). ``pp`` sets megatron's pipeline
+    size (the stage's layer count and offset come from the rank's pipeline group) and the
+    dtype of the activations sent between stages.
     """
     config = TransformerConfig(
         num_layers=model.num_layers, hidden_size=model.hidden_size,
@@ -84,6 +86,7 @@ def transformer_config(model: Any, *, degree: int, sequence_parallel: bool = Fal
         bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
         cross_entropy_loss_fusion=False,
+        pipeline_model_parallel_size=pp, pipeline_dtype=DTYPES[precision],
     )
     config.tensor_model_parallel_size = degree
     config.sequence_parallel = sequence_parallel and degree > 1
@@ -149,50 +152,90 @@ LAYER_SPECS = {"nutp_local": nutp_layer_spec, "nutp_te": nutp_te_layer_spec}
 ``transformer_layer_spec`` (with ``NUTPGPTModel`` for uneven vocab shards)."""
 
 
+def stage_layers(num_layers: int, pp: int, stage: int) -> tuple[int, int]:
+    """Global layers [first, last) of a pipeline stage (megatron's even split)."""
+    if num_layers % pp:
+        raise ValueError(f"parallel.pp={pp}: must divide model.num_layers={num_layers}")
+    per = num_layers // pp
+    return stage * per, (stage + 1) * per
+
+
+_LAYER = re.compile(r"^(decoder\.layers\.)(\d+)(\..*)$")
+
+
+def global_name(name: str, *, layer_offset: int = 0) -> str:
+    """A stage-local parameter name as in the whole (TP1, PP1) model: ``module.`` wrappers
+    dropped and the stage's layer offset added to ``decoder.layers.<i>``."""
+    from .init import normalize_name
+
+    name = normalize_name(name)
+    m = _LAYER.match(name)
+    return name if m is None else f"{m[1]}{int(m[2]) + layer_offset}{m[3]}"
+
+
 def load_global_init(model: torch.nn.Module, dims: ModelDims, *, degree: int, tp_rank: int,
-                     seed: int, std: float = 0.02, balance: str = "work") -> None:
+                     seed: int, std: float = 0.02, balance: str = "work",
+                     layer_offset: int = 0) -> None:
     """Tag every parameter with its units and fill in its units of the global init.
 
     The init is megatron's (``model/init.py``: N(0, std), output projections scaled by
     1/sqrt(2L), zero biases, unit norms), generated per unit block, so a rank's time and memory
     scale with its shard. Sharded parameters also get megatron's TP attributes
     (``tensor_model_parallel``, ``partition_dim``), which megatron sets only inside its own
-    init routines."""
+    init routines. ``p.nutp_name`` is the parameter's name in the whole model (pipeline
+    stages: layers renumbered by ``layer_offset``); the last stage's copy of a tied embedding
+    (``output_layer.weight`` with ``pp > 1``) is initialised as the word embedding and tagged
+    ``nutp_tied_copy``."""
     for name, p in model.named_parameters():
         kind = param_kind(name)
+        gname = global_name(name, layer_offset=layer_offset)
+        tied_copy = bool(getattr(p, "shared_embedding", False)) and kind == "output_layer"
         p.nutp_kind = kind  # type: ignore[attr-defined]
+        p.nutp_name = gname  # type: ignore[attr-defined]
+        p.nutp_tied_copy = tied_copy  # type: ignore[attr-defined]
         units = None if kind is None else unit_range(dims, kind, degree, tp_rank, balance)
         p.nutp_units = units  # type: ignore[attr-defined]
         if kind is not None:
             p.tensor_model_parallel = True  # type: ignore[attr-defined]
             p.partition_dim = PARAM_KINDS[kind].axis  # type: ignore[attr-defined]
             p.partition_stride = 1  # type: ignore[attr-defined]
-        init_param_(p, name=name, kind=kind, units=units, dims=dims, seed=seed, std=std)
+        init_name, init_kind = (("embedding.word_embeddings.weight", "word_embedding")
+                                if tied_copy else (gname, kind))
+        init_param_(p, name=init_name, kind=init_kind, units=units, dims=dims, seed=seed,
+                    std=std)
 
 
 def build_gpt_model(plan: Plan, rank: int, model_cfg: Any, pgs: ProcessGroupCollection, *,
                     seed: int = 1234, precision: str = "fp32") -> NUTPGPTModel:
-    """This rank's NUTP GPT model (pp == 1), initialised from the global weights."""
-    if plan.pp != 1:
-        raise ValueError(f"parallel.pp={plan.pp}: the NUTP runtime supports pp=1 for now")
+    """This rank's NUTP GPT model: its pipeline stage's layers (embedding on the first stage,
+    final norm and output layer on the last) at the stage's degree, initialised from the
+    global weights."""
     i, stage, j = plan.rank_index[rank]
     degree = plan.replicas[i].tp[stage]
     if pgs.tp.size() != degree:
         raise ValueError(f"tp group size {pgs.tp.size()} != planned degree {degree}")
+    if plan.pp > 1 and (pgs.pp is None or pgs.pp.size() != plan.pp or pgs.pp.rank() != stage):
+        raise ValueError(f"rank {rank}: its pipeline group must hold one rank per stage with "
+                         f"this rank at position {stage}")
     sp = plan.request.parallel.sequence_parallel
     config = transformer_config(model_cfg, degree=degree, sequence_parallel=sp,
-                                precision=precision)
+                                precision=precision, pp=plan.pp)
     balance = plan.request.parallel.unit_balance
+    first, last = stage_layers(model_cfg.num_layers, plan.pp, stage)
     v0, v1 = unit_range(model_cfg, "word_embedding", degree, j, balance)
+    layer = nutp_layer_spec(model_cfg, degree=degree, tp_rank=j, tp_group=pgs.tp,
+                            balance=balance)
     model = NUTPGPTModel(
-        config, nutp_block_spec(model_cfg, degree=degree, tp_rank=j, tp_group=pgs.tp,
-                                balance=balance),
+        config, TransformerBlockSubmodules(layer_specs=[layer] * (last - first),
+                                           layer_norm=NUTPNorm),
         vocab_range=(v0, v1),
         max_sequence_length=model_cfg.seq_length,
         position_embedding_type=getattr(model_cfg, "position_embedding", "rope"),
         share_embeddings_and_output_weights=model_cfg.tie_embeddings,
         parallel_output=True, pg_collection=pgs,
+        pre_process=stage == 0, post_process=stage == plan.pp - 1,
     )
     load_global_init(model, model_cfg, degree=degree, tp_rank=j, seed=seed,
-                     std=getattr(model_cfg, "init_std", 0.02), balance=balance)
+                     std=getattr(model_cfg, "init_std", 0.02), balance=balance,
+                     layer_offset=first)
     return model

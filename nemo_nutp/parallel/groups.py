@@ -2,11 +2,16 @@
 
 Contract:
 * every rank calls ``build_groups`` with the same plan; groups are created in one fixed order
-  (TP, PP, stage/DP, stage leaders, sync groups by stage and space, singletons): no deadlock;
+  (TP, PP, stage/DP, stage leaders, sync groups by stage and space, replicas when pp > 1,
+  singletons): no deadlock;
 * the returned ``NUTPGroups.pgs`` is a megatron-core ``ProcessGroupCollection`` holding *this
   rank's* groups; NUTP never initialises or reads megatron's global ``parallel_state`` groups, so
   any layer that falls back to a global TP group fails loudly instead of computing wrong math;
-* ``sync[(stage, space, owners)]`` maps the owner tuple of a shard to its DP group.
+* ``sync[(stage, space, owners)]`` maps the owner tuple of a shard to its DP group;
+* ``pgs.pp`` holds one rank per stage with this rank at its stage's position (a rank of a
+  stage with fewer TP ranks is in several of the plan's pipeline groups; megatron's schedule
+  reads only its size and position — activations move by ``pipeline.p2p``'s map, not by it);
+  ``pgs.embd`` is None: tied embeddings are reduced by vocab unit (``pipeline.finalize``).
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ class NUTPGroups:
     stage: dist.ProcessGroup  # all ranks of this stage over replicas (replicated params)
     leaders: dist.ProcessGroup | None  # TP-rank-0 of every replica of the stage (None if not one)
     single: dist.ProcessGroup | None = None  # this rank alone (cp=1; single-process references)
+    replica: dist.ProcessGroup | None = None  # this replica, all stages (= tp when pp == 1)
     sync: dict[tuple[int, str, tuple[int, ...]], dist.ProcessGroup] = field(default_factory=dict)
 
 
@@ -89,6 +95,11 @@ def build_groups(plan: Plan, *, backend: str | None = None) -> NUTPGroups:
                 g = _new_group(ranks, backend)
                 if g is not None:
                     sync[(s, space, tuple(ranks))] = g
+    replica = mine["tp"]
+    if plan.pp > 1:  # the replica's model-parallel group: all its stages
+        for rep in plan.replicas:
+            g = _new_group([r for ranks in rep.ranks for r in ranks], backend)
+            replica = g if g is not None else replica
     single = None
     for r in range(plan.world_size):  # size-1 groups for context parallelism (unused: cp=1)
         g = _new_group([r], backend)
@@ -99,8 +110,8 @@ def build_groups(plan: Plan, *, backend: str | None = None) -> NUTPGroups:
     pgs.pp = mine["pp"]
     pgs.cp = single
     pgs.tp_cp = mine["tp"]
-    pgs.mp = mine["tp"] if plan.pp == 1 else None  # NUTP runtime supports pp == 1 today
-    pgs.tp_ep_pp = pgs.mp
+    pgs.mp = replica  # the replica's TP x PP ranks
+    pgs.tp_ep_pp = replica
     pgs.dp = mine["stage"]
     pgs.dp_cp = mine["stage"]
     pgs.intra_dp_cp = mine["stage"]
@@ -111,4 +122,4 @@ def build_groups(plan: Plan, *, backend: str | None = None) -> NUTPGroups:
     pgs.expt_tp = mine["tp"]
     pgs.tp_ep = mine["tp"]
     return NUTPGroups(ctx=ctx, pgs=pgs, tp=mine["tp"], stage=mine["stage"], leaders=leaders,
-                      single=single, sync=sync)
+                      single=single, sync=sync, replica=replica)

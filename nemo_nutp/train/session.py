@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,12 +17,15 @@ from ..layout import Plan
 from ..model import NUTPGPTModel, build_gpt_model
 from ..model.build import transformer_config
 from ..parallel import NUTPGroups, build_groups
+from ..pipeline import PipelineRunner
 from ..sync import NUTPDistributedDataParallel
 from .step import (
     GradChecks,
     StepOptions,
     StepResult,
     build_optimizer,
+    loss_scale,
+    optimizer_step,
     reduce_replica_loss,
     train_step,
 )
@@ -60,6 +64,7 @@ class RankSession:
     source: IndexedTokenSource | None = None
     opts: StepOptions = field(default_factory=StepOptions)
     checks: GradChecks | None = None
+    pipeline: PipelineRunner | None = None  # pp > 1
 
     def batches(self, step: int) -> list[MicroBatch]:
         """This replica's micro-batches of the step's global batch."""
@@ -78,15 +83,36 @@ class RankSession:
 
     def step(self, step: int, *, after_sync: Any = None) -> StepResult:
         """Train one step; the loss is the global-batch mean (a collective over the stage)."""
-        replica_loss, grad_norm, times, skipped = train_step(
-            self.model, self.optimizer, self.batches(step), self.mask, opts=self.opts,
-            checks=self.checks, step=step, after_sync=after_sync)
+        if self.pipeline is None:
+            replica_loss, grad_norm, times, skipped = train_step(
+                self.model, self.optimizer, self.batches(step), self.mask, opts=self.opts,
+                checks=self.checks, step=step, after_sync=after_sync)
+        else:
+            replica_loss, grad_norm, times, skipped = self._pipeline_step(step, after_sync)
         ctx = self.groups.ctx
         loss = reduce_replica_loss(replica_loss, weight=ctx.weight, degree=ctx.degree,
                                    stage_group=self.groups.stage,
                                    device=next(self.model.parameters()).device)
         return StepResult(loss=loss, replica_loss=replica_loss, grad_norm=grad_norm, times=times,
                           skipped=skipped)
+
+    def _pipeline_step(self, step: int, after_sync: Any) -> tuple[float, float,
+                                                                  dict[str, float], bool]:
+        """``train_step`` for pipeline stages: megatron's 1F1B schedule, then the same
+        optimizer step."""
+        assert self.pipeline is not None
+        loss, compute_s, sync_s = self.pipeline.step(
+            self.optimizer, self.batches(step), self.mask, scale=loss_scale(self.optimizer),
+            after_sync=after_sync)
+        if self.opts.slow_factor > 1.0:  # injected straggler: compute x factor
+            time.sleep((self.opts.slow_factor - 1.0) * compute_s)
+            compute_s *= self.opts.slow_factor
+        t = time.perf_counter()
+        ok, grad_norm = optimizer_step(self.model, self.optimizer, self.opts, self.checks,
+                                       step=step)
+        times = {"compute_s": compute_s, "sync_s": sync_s,
+                 "optimizer_s": time.perf_counter() - t}
+        return loss, grad_norm, times, not ok
 
 
 def causal_mask(seq_length: int) -> torch.Tensor:
@@ -98,8 +124,8 @@ def build_session(plan: Plan, model_cfg: Any, *, lr: float, seed: int, micro_bat
                   optimizer: str = "adam", weight_decay: float = 0.0,
                   opts: StepOptions | None = None, precision: Precision | None = None,
                   bucket_size: int | None = None, groups: NUTPGroups | None = None,
-                  device: torch.device | None = None, data_path: str | None = None
-                  ) -> RankSession:
+                  device: torch.device | None = None, data_path: str | None = None,
+                  distributed_optimizer: bool = False) -> RankSession:
     """Collective over the world: create groups (unless given), the model, DDP and optimizer.
 
     bf16/fp16: the model is megatron's ``Float16Module`` around the NUTP GPT (half-precision
@@ -120,7 +146,8 @@ def build_session(plan: Plan, model_cfg: Any, *, lr: float, seed: int, micro_bat
     if device is not None:
         gpt = gpt.to(device)
     config = transformer_config(model_cfg, degree=ctx.degree, precision=prec.precision,
-                                sequence_parallel=plan.request.parallel.sequence_parallel)
+                                sequence_parallel=plan.request.parallel.sequence_parallel,
+                                pp=plan.pp)
     module: Any = gpt if prec.precision == "fp32" else Float16Module(config, gpt)
     ddp_cfg = DistributedDataParallelConfig(
         overlap_grad_reduce=True, bucket_size=bucket_size,
@@ -131,11 +158,14 @@ def build_session(plan: Plan, model_cfg: Any, *, lr: float, seed: int, micro_bat
                           weight_decay=weight_decay, clip_grad=opts.clip_grad,
                           precision=prec.precision, initial_loss_scale=prec.initial_loss_scale,
                           min_loss_scale=prec.min_loss_scale,
-                          loss_scale_window=prec.loss_scale_window)
+                          loss_scale_window=prec.loss_scale_window,
+                          distributed=distributed_optimizer)
     source = None if data_path is None else IndexedTokenSource(
         data_path, vocab_size=model_cfg.vocab_size, seq_length=model_cfg.seq_length)
     checks = GradChecks(opts) if (opts.check_for_nan_in_grad or opts.large_grad_factor) else None
+    pipeline = (PipelineRunner(plan, groups, model, micro_batch_size=micro_batch_size)
+                if plan.pp > 1 else None)
     return RankSession(plan=plan, groups=groups, model=model, optimizer=opt, model_cfg=model_cfg,
                        micro_batch_size=micro_batch_size, seed=seed, gpt=gpt,
                        mask=causal_mask(model_cfg.seq_length), source=source, opts=opts,
-                       checks=checks)
+                       checks=checks, pipeline=pipeline)

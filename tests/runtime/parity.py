@@ -29,7 +29,7 @@ BF16_TOL = 2e-2  # bf16 vs stock single-process bf16, 5 steps: see test_parity.p
 @dataclass(frozen=True)
 class Case:
     name: str
-    replicas: tuple[int, ...]
+    replicas: tuple[Any, ...]  # a degree per replica, or per replica a degree per stage
     model: dict[str, Any] = field(default_factory=dict)
     global_batch: int = 8  # micro-batches
     micro_batch_size: int = 2
@@ -45,18 +45,19 @@ class Case:
     precision: str = "fp32"
     initial_loss_scale: float = 2.0 ** 12
     seed: int = 1234
+    pp: int = 1
 
 
 def make_plan(case: Case) -> Any:
     from nemo_nutp.config import ModelConfig
     from nemo_nutp.layout import ClusterSpec, ParallelSpec, PlanRequest, build_plan
 
-    tb = max(case.replicas)
-    req = PlanRequest(cluster=ClusterSpec(num_gpus=tb * len(case.replicas), domain_size=tb,
-                                          gpus_per_node=tb),
+    tb = max(max(r) if isinstance(r, tuple) else r for r in case.replicas)
+    n = tb * case.pp * len(case.replicas)
+    req = PlanRequest(cluster=ClusterSpec(num_gpus=n, domain_size=tb, gpus_per_node=tb),
                       model=ModelConfig(**case.model),
                       parallel=ParallelSpec(tp_base=tb, sequence_parallel=case.sequence_parallel,
-                                            sync_layout=case.sync_layout),
+                                            sync_layout=case.sync_layout, pp=case.pp),
                       replicas=case.replicas, global_batch=case.global_batch)
     return build_plan(req)
 
@@ -116,12 +117,17 @@ def _apply_control(session: Any, control: str | None) -> None:
 
 def _shards(model: torch.nn.Module, *, grads: bool = False
             ) -> dict[str, tuple[str | None, Any, torch.Tensor]]:
-    """name -> (kind, units, local param or main_grad copy) of this rank."""
+    """name (in the whole model) -> (kind, units, local param or main_grad copy) of this rank.
+    A pipeline's last-stage copy of a tied embedding must equal the first stage's: it is kept
+    under its own name and checked in ``_gather_replicas``."""
     out = {}
     for name, p in model.named_parameters():
         t = p.main_grad if grads else p  # type: ignore[attr-defined]
-        out[normalize_name(name)] = (getattr(p, "nutp_kind", None), getattr(p, "nutp_units", None),
-                             t.detach().float().clone().view(p.shape))
+        key = getattr(p, "nutp_name", normalize_name(name))
+        if getattr(p, "nutp_tied_copy", False):
+            key = "tied_copy:" + key
+        out[key] = (getattr(p, "nutp_kind", None), getattr(p, "nutp_units", None),
+                    t.detach().float().clone().view(p.shape))
     return out
 
 
@@ -131,14 +137,25 @@ def _gather_replicas(session: Any, *, grads: bool = False) -> list[dict[str, tor
 
     from nemo_nutp.model.assemble import assemble
 
+    ctx = session.groups.ctx
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (session.groups.ctx.replica,
-                                      _shards(session.model, grads=grads)))
+    dist.all_gather_object(gathered, (ctx.replica, ctx.stage, _shards(session.model, grads=grads)))
     if dist.get_rank() != 0:
         return []
     plan = session.plan
-    return [assemble([s for r, s in gathered if r == i], plan.request.model)
-            for i in range(len(plan.replicas))]
+    out = []
+    for i in range(len(plan.replicas)):
+        merged: dict[str, torch.Tensor] = {}
+        for stage in range(plan.pp):
+            merged.update(assemble([s for r, st, s in gathered if (r, st) == (i, stage)],
+                                   plan.request.model))
+        for key in [k for k in merged if k.startswith("tied_copy:")]:
+            copy = merged.pop(key)  # the last stage's copy: the same bits as the embedding
+            if not torch.equal(copy, merged["embedding.word_embeddings.weight"]):
+                raise AssertionError(f"replica {i}: the last stage's tied output weight "
+                                     "differs from the first stage's word embedding")
+        out.append(merged)
+    return out
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -1,0 +1,111 @@
+"""megatron's ``P2PCommunicator`` for stages of different TP degree.
+
+megatron's pipeline schedules (``get_forward_backward_func``: 1F1B) drive communication
+through a ``P2PCommunicator``; every ``send_*``/``recv_*`` method ends in ``_communicate``.
+``NUTPP2PCommunicator`` keeps megatron's schedule and methods and replaces only
+``_communicate``: the activation and its gradient move between this rank and the ranks of the
+neighbouring stages of its replica as ``pipeline.boundary`` maps them (rows of the sequence,
+a piece per pair). ``pp_group`` is the rank's position among the stages (the schedule reads
+its size and rank only).
+
+Deadlock freedom: every TP rank of a stage runs the same schedule (same micro-batches, same
+calls in the same order), so the stage-level protocol is megatron's; each call posts all of
+its receives and sends before waiting on any, and two ranks exchange at most one message per
+direction per call, in schedule order on both sides.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+from ..layout import Plan
+from .boundary import boundary_pieces, grad_pieces, rows
+
+Slices = list[tuple[int, int, int]]  # (peer global rank, local row lo, local row hi)
+
+
+def _local(pieces: list[tuple[int, int, int, int]], me: int, peers: tuple[int, ...],
+           mine: tuple[int, int], *, sending: bool) -> Slices:
+    """This rank's (peer, local rows) from global pieces (from, to, lo, hi)."""
+    out = []
+    for src, dst, lo, hi in pieces:
+        if (src if sending else dst) == me:
+            out.append((peers[dst if sending else src], lo - mine[0], hi - mine[0]))
+    return out
+
+
+class NUTPP2PCommunicator(P2PCommunicator):
+    """Stage-boundary p2p of one rank, mapped from the plan."""
+
+    def __init__(self, pp_group: dist.ProcessGroup, config: Any, *, plan: Plan,
+                 rank: int) -> None:
+        super().__init__(pp_group, config)
+        i, s, j = plan.rank_index[rank]
+        rep = plan.replicas[i]
+        seq = plan.request.model.seq_length
+        sp = plan.request.parallel.sequence_parallel
+        mine = rows(rep.tp[s], j, seq, sp)
+        self.next_rank = self.prev_rank = None  # never used: peers come from the maps
+        self.send_next: Slices = []  # activation rows to the next stage
+        self.recv_next: Slices = []  # gradient rows from the next stage
+        self.send_prev: Slices = []  # gradient rows to the previous stage
+        self.recv_prev: Slices = []  # activation rows from the previous stage
+        if s + 1 < plan.pp:
+            a, b = rep.tp[s], rep.tp[s + 1]
+            self.send_next = _local(boundary_pieces(a, b, seq, sp), j, rep.ranks[s + 1], mine,
+                                    sending=True)
+            self.recv_next = _local(grad_pieces(a, b, seq, sp), j, rep.ranks[s + 1], mine,
+                                    sending=False)
+        if s > 0:
+            a, b = rep.tp[s - 1], rep.tp[s]
+            self.recv_prev = _local(boundary_pieces(a, b, seq, sp), j, rep.ranks[s - 1], mine,
+                                    sending=False)
+            self.send_prev = _local(grad_pieces(a, b, seq, sp), j, rep.ranks[s - 1], mine,
+                                    sending=True)
+        self.nccl = dist.get_backend(pp_group) == "nccl"
+
+    def _communicate(self, *, tensor_send_next: torch.Tensor | None,
+                     tensor_send_prev: torch.Tensor | None, recv_prev: bool, recv_next: bool,
+                     tensor_shape: Any, wait_on_reqs: bool = True
+                     ) -> tuple[torch.Tensor | None, torch.Tensor | None, Any]:
+        if self.config.variable_seq_lengths:
+            raise ValueError("variable sequence lengths are not supported across NUTP stages")
+        device = torch.cuda.current_device() if self.nccl else torch.device("cpu")
+        ops: list[tuple[str, torch.Tensor, int]] = []
+
+        def recv_buffer(slices: Slices) -> torch.Tensor:
+            buf = torch.empty(tensor_shape, requires_grad=True, device=device,
+                              dtype=self.config.pipeline_dtype)
+            ops.extend(("recv", buf.data[lo:hi], peer) for peer, lo, hi in slices)
+            return buf
+
+        t_prev = recv_buffer(self.recv_prev) if recv_prev else None
+        t_next = recv_buffer(self.recv_next) if recv_next else None
+        for tensor, slices in ((tensor_send_next, self.send_next),
+                               (tensor_send_prev, self.send_prev)):
+            if tensor is not None:
+                data = tensor.detach()
+                ops.extend(("send", data[lo:hi].contiguous(), peer) for peer, lo, hi in slices)
+        _exchange(ops, nccl=self.nccl)
+        return t_prev, t_next, None
+
+
+def _exchange(ops: list[tuple[str, torch.Tensor, int]], *, nccl: bool) -> None:
+    """Post every receive and send, then wait (NCCL: one batched launch)."""
+    if not ops:
+        return
+    works: list[Any]
+    if nccl:
+        p2p = [dist.P2POp(dist.irecv if kind == "recv" else dist.isend, t, peer)
+               for kind, t, peer in ops]
+        works = list(dist.batch_isend_irecv(p2p))
+    else:
+        works = [dist.irecv(t, peer) if kind == "recv" else dist.isend(t, peer)
+                 for kind, t, peer in sorted(ops, key=lambda o: o[0] != "recv")]
+    for w in works:
+        if w is not None:
+            w.wait()

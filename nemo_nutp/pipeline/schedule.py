@@ -1,0 +1,86 @@
+"""Forward/backward of one replica's micro-batches through megatron's pipeline schedule.
+
+``pipeline_step`` runs megatron-core's own 1F1B schedule (``get_forward_backward_func``) with
+this rank's explicit groups and the NUTP stage-boundary communicator; megatron's DDP
+accumulates into ``main_grad`` with ``no_sync`` until the last micro-batch's backward, whose
+hooks drive the NUTP cross-replica sync as with ``pp == 1``. Then the sync is finished, tied
+embeddings are combined and the whole-model grad norm and the loss are shared
+(``PipelineFinalizer``), and megatron's optimizer step runs as in ``train/step.py``.
+Each replica runs its own share of micro-batches; the loss of each is divided by that share
+(megatron's schedule) and the NUTP DDP scales by the replica weight, as without stages.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from ..data import MicroBatch
+from ..layout import Plan
+from ..parallel.groups import NUTPGroups
+from .finalize import PipelineFinalizer
+from .p2p import NUTPP2PCommunicator
+
+
+class PipelineRunner:
+    """What a pipelined rank needs every step (built once per session)."""
+
+    def __init__(self, plan: Plan, groups: NUTPGroups, model: Any, *,
+                 micro_batch_size: int) -> None:
+        self.plan, self.groups, self.model = plan, groups, model
+        self.config = model.config
+        self.config.no_sync_func = model.no_sync
+        self.config.grad_sync_func = None
+        self.config.finalize_model_grads_func = None  # NUTP finishes the sync itself
+        self.comm = NUTPP2PCommunicator(groups.pgs.pp, self.config, plan=plan,
+                                        rank=groups.ctx.rank)
+        self.finalizer = PipelineFinalizer(plan, groups, model)
+        self.micro_batch_size = micro_batch_size
+        self.last = groups.ctx.stage == plan.pp - 1
+        self.schedule = get_forward_backward_func(pp_size=plan.pp, vp_size=None)
+
+    def forward_backward(self, batches: list[MicroBatch], mask: torch.Tensor | None,
+                         scale: float) -> float:
+        """Run the schedule; this replica's mean loss on the last stage (NaN elsewhere)."""
+        device = next(self.model.parameters()).device
+        mask_d = None if mask is None else mask.to(device)
+        last = self.last
+        self.config.grad_scale_func = None if scale == 1.0 else (lambda t: t * scale)
+
+        def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            loss = output.float().mean()
+            return loss, {"loss": loss.detach().clone()}  # megatron divides loss in place
+
+        def forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Callable]:
+            mb = next(data_iterator)
+            out = model(mb.tokens.to(device), mb.position_ids.to(device), mask_d,
+                        labels=mb.labels.to(device) if last else None)
+            return out, loss_func
+
+        stats = self.schedule(
+            forward_step_func=forward_step, data_iterator=iter(batches), model=[self.model],
+            num_microbatches=len(batches), seq_length=self.plan.request.model.seq_length,
+            micro_batch_size=self.micro_batch_size, forward_only=False,
+            p2p_communicator=self.comm, pg_collection=self.groups.pgs)
+        if not last:
+            return float("nan")
+        return float(torch.stack([s["loss"].float() for s in stats]).mean())
+
+    def step(self, optimizer: Any, batches: list[MicroBatch], mask: torch.Tensor | None, *,
+             scale: float, after_sync: Callable[[], None] | None = None
+             ) -> tuple[float, float, float]:
+        """Forward/backward + finished sync: (replica loss, compute s, sync s)."""
+        t0 = time.perf_counter()
+        self.model.zero_grad_buffer()
+        optimizer.zero_grad()
+        loss = self.forward_backward(batches, mask, scale)
+        t1 = time.perf_counter()
+        self.model.finish_grad_sync()
+        loss = self.finalizer.finish(loss)
+        if after_sync is not None:
+            after_sync()
+        return loss, t1 - t0, time.perf_counter() - t1
