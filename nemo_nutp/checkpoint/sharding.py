@@ -153,23 +153,43 @@ def _extra_object(name: str, obj: Any, dims: ModelDims, kmap: dict[str, str],
     return ShardedObject(key, obj, (dims.num_layers,), (layer,), replica_id=replica_id)
 
 
+def layer_offset(model: torch.nn.Module) -> int:
+    """Global index of the model's first transformer layer (its pipeline stage's offset)."""
+    layers = getattr(getattr(model, "decoder", None), "layers", None)
+    return int(layers[0].layer_number) - 1 if layers else 0
+
+
+def _global(name: str, offset: int) -> str:
+    m = _LAYER.match(name)
+    return name if m is None or not offset else \
+        f"decoder.layers.{int(m.group(1)) + offset}.{m.group(2)}"
+
+
 def megatron_sharded_state_dict(model: torch.nn.Module, dims: ModelDims, *, replica: int,
                                 tp_rank: int) -> dict[str, Any]:
     """``{name: ShardedTensor | ShardedTensorFactory | ShardedObject}`` of this rank's model in
     megatron-core's GPT format (see the module docstring). ``model``: the unwrapped NUTP GPT
-    whose parameters carry ``nutp_kind``/``nutp_units``."""
+    whose parameters carry ``nutp_kind``/``nutp_units``.
+
+    Pipeline stages: layers get their global index (the stage's offset added); the last
+    stage's copy of a tied embedding is megatron's: a non-main replica of
+    ``embedding.word_embeddings.weight`` (never written; loaded from the first stage's)."""
     kmap = keys_map(model)
+    offset = layer_offset(model)
     out: dict[str, Any] = {}
     for raw, value in model.state_dict(keep_vars=True).items():
         name = raw.removeprefix("module.")
+        gname = _global(name, offset)
         if name.endswith(_DROPPED):
             continue
         if name.endswith("_extra_state"):
-            out[name] = _extra_object(name, value, dims, kmap, (0, tp_rank, replica))
+            out[name] = _extra_object(gname, value, dims, kmap, (0, tp_rank, replica))
             continue
         kind = getattr(value, "nutp_kind", None)
-        rid = (0, 0, replica) if kind is not None else (0, tp_rank, replica)
-        parts = pieces(name, kind, dims, getattr(value, "nutp_units", None),
+        rid: tuple[int, ...] = (0, 0, replica) if kind is not None else (0, tp_rank, replica)
+        if getattr(value, "nutp_tied_copy", False):
+            gname, kind, rid = "embedding.word_embeddings.weight", "word_embedding", (1, 0, 0)
+        parts = pieces(gname, kind, dims, getattr(value, "nutp_units", None),
                        tuple(value.shape), kmap)
         if len(parts) == 1 and parts[0].local_shape == tuple(value.shape):
             out[name] = _tensor(parts[0], parts[0].key, value, rid)
@@ -181,10 +201,14 @@ def megatron_sharded_state_dict(model: torch.nn.Module, dims: ModelDims, *, repl
 def expected_global_shapes(model: torch.nn.Module, dims: ModelDims) -> dict[str, list[int]]:
     """Global shape of every megatron checkpoint key of the model's parameters."""
     kmap = keys_map(model)
+    offset = layer_offset(model)
     out: dict[str, list[int]] = {}
     for raw, p in model.named_parameters():
-        name = raw.removeprefix("module.")
-        for piece in pieces(name, getattr(p, "nutp_kind", None), dims,
+        name = _global(raw.removeprefix("module."), offset)
+        kind = getattr(p, "nutp_kind", None)
+        if getattr(p, "nutp_tied_copy", False):
+            name, kind = "embedding.word_embeddings.weight", "word_embedding"
+        for piece in pieces(name, kind, dims,
                             getattr(p, "nutp_units", None), tuple(p.shape), kmap):
             out[piece.key] = list(piece.global_shape)
     return out

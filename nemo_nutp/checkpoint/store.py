@@ -140,17 +140,35 @@ def save_checkpoint(session: Any, root: str | Path, *, step: int,
         dist.barrier()
         files = integrity.checksums_serial(tmp, skip=(META,)) if rank0 else None
     final = iter_dir(root, step)
+    shapes = _all_global_shapes(session)
     if rank0:
         assert files is not None
         meta = {"format": FORMAT, "step": step, "model": _dims(session.model_cfg),
-                "plan": _plan_summary(session.plan),
-                "global_shapes": expected_global_shapes(session.gpt, session.model_cfg),
+                "plan": _plan_summary(session.plan), "global_shapes": shapes,
                 "files": files, "rng_per_rank": True}
         write_atomic(tmp / META, json_dumps(meta))
         publish(tmp, final)
         write_tracker(root, step)
     dist.barrier()
     return final
+
+
+def _all_global_shapes(session: Any) -> dict[str, list[int]] | None:
+    """Every key's global shape (on rank 0; None elsewhere): with pipeline stages each stage
+    holds other keys, so replica 0's TP-rank-0 of every stage sends its own."""
+    ctx = session.groups.ctx
+    mine = (expected_global_shapes(session.gpt, session.model_cfg)
+            if ctx.replica == 0 and ctx.tp_rank == 0 else None)
+    if session.plan.pp == 1:
+        return mine if dist.get_rank() == 0 else None
+    box: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, box, dst=0)
+    if box is None:
+        return None
+    out: dict[str, list[int]] = {}
+    for part in box:
+        out.update(part or {})
+    return out
 
 
 def json_dumps(obj: Any) -> str:
@@ -338,7 +356,11 @@ def _load(session: Any, path: Path, marker: dict[str, Any] | None, *,
 
 def _refresh_master_weights(optimizer: Any) -> None:
     """Weights only: megatron's mixed-precision optimizer keeps fp32 master copies of the
-    (just overwritten) half-precision params; copy them over (fp32: nothing to do)."""
+    (just overwritten) half-precision params; copy them over (fp32: nothing to do). NUTP's
+    distributed optimizer (``sync/zero.py``) takes its slices of them (collective)."""
+    if getattr(optimizer, "nutp_zero", False):
+        optimizer.reload_model_params()
+        return
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
         groups = getattr(inner, "float16_groups", None)
         masters = getattr(inner, "fp32_from_float16_groups", None)

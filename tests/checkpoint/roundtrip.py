@@ -20,22 +20,25 @@ MODEL = dict(add_bias=True)  # tiny: GQA 8 heads / 4 groups, SwiGLU, vocab 101, 
 @dataclass(frozen=True)
 class Job:
     layout: str  # name, e.g. "tp4_tp3"
-    replicas: tuple[int, ...]
+    replicas: tuple[Any, ...]  # a degree per replica, or (pp > 1) per replica per stage
     load: tuple[str, ...] = ()  # layouts whose checkpoints to load (each: 2 steps after)
     save: bool = False  # train SAVE_AT steps from scratch and save
     reference: bool = False  # train SAVE_AT + AFTER steps uninterrupted
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)  # precision, clip_grad, model
+    pp: int = 1
 
 
-def make_plan(replicas: tuple[int, ...]) -> Any:
+def make_plan(replicas: tuple[Any, ...], *, pp: int = 1,
+              model: dict[str, Any] | None = None) -> Any:
     from nemo_nutp.config import ModelConfig
     from nemo_nutp.layout import ClusterSpec, ParallelSpec, PlanRequest, build_plan
 
-    tb = max(replicas)
-    req = PlanRequest(cluster=ClusterSpec(num_gpus=tb * len(replicas), domain_size=tb,
-                                          gpus_per_node=tb),
-                      model=ModelConfig(**MODEL), parallel=ParallelSpec(tp_base=tb),
-                      replicas=replicas, global_batch=8)
+    tb = max(max(r) if isinstance(r, tuple) else r for r in replicas)
+    n = tb * pp * len(replicas)
+    req = PlanRequest(cluster=ClusterSpec(num_gpus=n, domain_size=tb, gpus_per_node=tb),
+                      model=ModelConfig(**(MODEL if model is None else model)),
+                      parallel=ParallelSpec(tp_base=tb, pp=pp), replicas=replicas,
+                      global_batch=8)
     return build_plan(req)
 
 
@@ -43,7 +46,7 @@ def _session(job: Job) -> Any:
     from nemo_nutp.train.session import Precision, build_session
     from nemo_nutp.train.step import StepOptions
 
-    plan = make_plan(job.replicas)
+    plan = make_plan(job.replicas, pp=job.pp, model=job.extra.get("model"))
     return build_session(plan, plan.request.model, lr=1e-3, seed=1234, micro_batch_size=2,
                          precision=Precision(job.extra.get("precision", "fp32")),
                          opts=StepOptions(clip_grad=job.extra.get("clip_grad", 0.0)))
