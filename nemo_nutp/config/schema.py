@@ -180,7 +180,8 @@ class TrainConfig:
     data_path: str | None = None
     """Prefix of a megatron-core indexed dataset (.bin/.idx); None = synthetic tokens."""
     distributed_optimizer: bool = False
-    """Megatron distributed optimizer (not supported yet: rejected)."""
+    """ZeRO-1 over the sync owner groups (sync/zero.py): fp32 master + optimizer state kept
+    for 1/R of the owned sync shards (R = replicas); fp32 or bf16 (fp16 rejected)."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "global_batch_size", "micro_batch_size"):
@@ -194,9 +195,9 @@ class TrainConfig:
             raise _bad("train.lr", self.lr, "must be > 0")
         if not 0.0 <= self.clip_grad < math.inf:
             raise _bad("train.clip_grad", self.clip_grad, "must be >= 0 (0 disables)")
-        if self.distributed_optimizer:
+        if self.distributed_optimizer and self.precision == "fp16":
             raise _bad("train.distributed_optimizer", True,
-                       "the distributed optimizer is not supported with NUTP yet")
+                       "not supported with train.precision=fp16 (use bf16 or fp32)")
         self._check_numerics()
 
     def _check_numerics(self) -> None:

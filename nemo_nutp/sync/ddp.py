@@ -59,8 +59,9 @@ class NUTPDistributedDataParallel(DistributedDataParallel):
     def __init__(self, config: Any, ddp_config: DistributedDataParallelConfig,
                  module: Any, *, plan: Plan, groups: NUTPGroups) -> None:
         if ddp_config.use_distributed_optimizer:
-            raise ValueError("train.distributed_optimizer=True: the distributed optimizer is "
-                             "not supported with NUTP yet")
+            raise ValueError("ddp.use_distributed_optimizer=True: megatron's distributed "
+                             "optimizer buffers do not apply to NUTP; train.distributed_optimizer"
+                             " builds NUTP's own (sync/zero.py) over the usual DDP")
         if ddp_config.num_distributed_optimizer_instances != 1:
             raise ValueError("ddp.num_distributed_optimizer_instances must be 1 with NUTP")
         if ddp_config.bucket_size is None:  # megatron's default grows with the DP group

@@ -160,6 +160,9 @@ class GradSyncEngine:
         self.shared = ([e for e in self.order if e.kind is None]
                        if not self.stage_mode and self.ctx.degree > 1 else [])
         self.grad_sumsq = float("nan")  # of the last finished step (see module docstring)
+        # The distributed optimizer (zero.py) reads the reduced buckets after ``finish``: it
+        # sets this and calls ``release_buckets`` once it has taken its slices.
+        self.keep_buckets = False
         self.sumsq_slots: torch.Tensor | None = None
         self.reset()
 
@@ -258,30 +261,40 @@ class GradSyncEngine:
             self.posted += 1
         self._launch(block=False)
 
-    def _units(self, e: _Param, lo: int, hi: int) -> torch.Tensor:
-        """(hi - lo, H, W) strided view of units [lo, hi) of the gradient, canonical order."""
+    def _units(self, e: _Param, lo: int, hi: int, t: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        """(hi - lo, H, W) strided view of units [lo, hi) of the gradient (or of ``t``, a
+        tensor shaped like the parameter), canonical order."""
         assert e.units is not None and e.view is not None
         h, n, w = e.view
         a = e.units[0]
-        return e.param.main_grad.view(h, n, w).transpose(0, 1)[lo - a:hi - a]  # type: ignore
+        t = e.param.main_grad if t is None else t  # type: ignore[attr-defined]
+        return t.view(h, n, w).transpose(0, 1)[lo - a:hi - a]  # type: ignore[union-attr]
 
-    def _read(self, e: _Param, lo: int, hi: int, out: torch.Tensor) -> None:
-        """Copy units [lo, hi) of the gradient into the 1-D ``out`` (canonical order)."""
+    def _read(self, e: _Param, lo: int, hi: int, out: torch.Tensor,
+              t: torch.Tensor | None = None) -> None:
+        """Copy units [lo, hi) of the gradient (or of ``t``) into the 1-D ``out``
+        (canonical order)."""
+        t = e.param.main_grad if t is None else t  # type: ignore[attr-defined]
         if e.pos_override is not None:
             a = e.units[0]  # type: ignore[index]
             idx = e.pos_override[lo - a:hi - a].reshape(-1)
-            out.copy_(e.param.main_grad.view(-1)[idx])  # type: ignore[attr-defined]
+            out.copy_(t.view(-1)[idx])  # type: ignore[union-attr]
         else:
-            out.view(hi - lo, e.view[0], e.view[2]).copy_(self._units(e, lo, hi))  # type: ignore
+            out.view(hi - lo, e.view[0], e.view[2]).copy_(  # type: ignore[index]
+                self._units(e, lo, hi, t))
 
-    def _write(self, e: _Param, lo: int, hi: int, src: torch.Tensor) -> None:
-        """Write the 1-D canonical-order ``src`` into units [lo, hi) of the gradient."""
+    def _write(self, e: _Param, lo: int, hi: int, src: torch.Tensor,
+               t: torch.Tensor | None = None) -> None:
+        """Write the 1-D canonical-order ``src`` into units [lo, hi) of the gradient (or of
+        ``t``)."""
+        t = e.param.main_grad if t is None else t  # type: ignore[attr-defined]
         if e.pos_override is not None:
             a = e.units[0]  # type: ignore[index]
             idx = e.pos_override[lo - a:hi - a].reshape(-1)
-            e.param.main_grad.view(-1)[idx] = src  # type: ignore[attr-defined]
+            t.view(-1)[idx] = src  # type: ignore[union-attr]
         else:
-            self._units(e, lo, hi).copy_(src.view(hi - lo, e.view[0], e.view[2]))  # type: ignore
+            self._units(e, lo, hi, t).copy_(src.view(hi - lo, e.view[0], e.view[2]))  # type: ignore
 
     @staticmethod
     def _buffer(b: _Bucket, like: torch.Tensor) -> torch.Tensor:
@@ -446,9 +459,17 @@ class GradSyncEngine:
 
     def _clear(self) -> None:
         for b in self.buckets:
-            b.buf, b.work = None, None
+            b.work = None
+            if not self.keep_buckets:
+                b.buf = None
         for m in self.out_msgs + self.in_msgs:
             m.buf, m.work, m.done = None, None, False
+
+
+    def release_buckets(self) -> None:
+        """Free the reduced bucket buffers kept for the distributed optimizer."""
+        for b in self.buckets:
+            b.buf = None
 
 
 def _sumsq(t: torch.Tensor) -> torch.Tensor:

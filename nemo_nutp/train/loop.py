@@ -39,14 +39,15 @@ def _gather_times(session: Any, times: dict[str, float], step_s: float) -> list[
     return [t.tolist() for t in out]
 
 
-def _replica_times(rows: list[list[float]], n_replicas: int
+def _replica_times(rows: list[list[float]], plan: Plan
                    ) -> tuple[float, list[tuple[int, float, float, float]]]:
-    """Step wall time (slowest rank) and per replica (degree, compute, sync, opt) maxima."""
+    """Step wall time (slowest rank) and per replica (GPUs, compute, sync, opt): the GPUs of
+    all its stages and the maxima over its ranks."""
     step_s = max(r[5] for r in rows)
     reps = []
-    for i in range(n_replicas):
+    for i, rep in enumerate(plan.replicas):
         mine = [r for r in rows if int(r[0]) == i]
-        reps.append((int(mine[0][1]), max(r[2] for r in mine), max(r[3] for r in mine),
+        reps.append((sum(rep.tp), max(r[2] for r in mine), max(r[3] for r in mine),
                      max(r[4] for r in mine)))
     return step_s, reps
 
@@ -125,7 +126,8 @@ def train_rank(cfg: JobConfig, plan: Plan, *, device: torch.device | None = None
                             micro_batch_size=t.micro_batch_size, optimizer=t.optimizer,
                             weight_decay=t.weight_decay, opts=step_options(t),
                             precision=precision_of(t), device=device, data_path=t.data_path,
-                            bucket_size=cfg.sync.bucket_size)
+                            bucket_size=cfg.sync.bucket_size,
+                            distributed_optimizer=t.distributed_optimizer)
     from ..checkpoint.hooks import CheckpointHooks
 
     rank0 = dist.get_rank() == 0
@@ -151,7 +153,7 @@ def train_rank(cfg: JobConfig, plan: Plan, *, device: torch.device | None = None
             t0 = time.perf_counter()
             res = session.step(step)
             rows = _gather_times(session, res.times, time.perf_counter() - t0)
-            step_s, reps = _replica_times(rows, len(plan.replicas))
+            step_s, reps = _replica_times(rows, plan)
             shares = live.after_step(step, reps)  # this step's shares; may change the next's
             step_goodput = ledger.add_step(step_s, reps, inside=live.inside_speeds())
             if out is not None and progress is not None:

@@ -106,10 +106,11 @@ def test_bad_config_fails_before_anything_runs(tmp_path: Path) -> None:
     for override, key in (("train.stepz=3", "train.stepz"), ("train.steps=abc", "train.steps"),
                           ("nutp.replicas=[4,9]", "nutp.replicas"),
                           ("train.micro_batch_size=3", "train.global_batch_size"),
-                          ("train.distributed_optimizer=true", "train.distributed_optimizer"),
+                          ("train.distributed_optimizer=true train.precision=fp16",
+                           "train.distributed_optimizer"),
                           ("parallel.unit_balance=heads", "parallel.unit_balance"),
                           ("train.data_path=/nonexistent/tokens", "train.data_path")):
-        r = _train(out, override)
+        r = _train(out, *override.split())
         assert r.returncode == 2, (override, r.stdout, r.stderr)
         assert key in r.stderr and "error:" in r.stderr, (override, r.stdout, r.stderr)
     assert not out.exists()

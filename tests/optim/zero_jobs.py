@@ -1,0 +1,59 @@
+"""Spawned bodies of the distributed-optimizer tests (``test_zero.py``)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+
+
+def _session(case: Any, *, distributed: bool) -> Any:
+    from nemo_nutp.train.session import Precision, build_session
+    from nemo_nutp.train.step import StepOptions
+    from tests.runtime.parity import make_plan
+
+    plan = make_plan(case)
+    return build_session(
+        plan, plan.request.model, lr=case.lr, seed=case.seed, optimizer=case.optimizer,
+        micro_batch_size=case.micro_batch_size, bucket_size=case.bucket_size,
+        opts=StepOptions(clip_grad=case.clip_grad),
+        precision=Precision(case.precision, initial_loss_scale=case.initial_loss_scale),
+        distributed_optimizer=distributed)
+
+
+def _local_numel(session: Any) -> int:
+    return sum(p.numel() for p in session.model.parameters() if p.requires_grad)
+
+
+def run_case(case: Any, outdir: str) -> None:
+    """The parity harness's training and comparison, with ``train.distributed_optimizer``;
+    also this rank's optimizer-state bytes next to its local parameter count."""
+    import torch.distributed as dist
+
+    from tests.runtime.parity import _compare, _no_global_groups, _train
+
+    session = _session(case, distributed=True)
+    got = _train(case, session)
+    stats = [None] * dist.get_world_size()
+    dist.all_gather_object(stats, (session.optimizer.state_bytes(), _local_numel(session)))
+    if dist.get_rank() == 0:
+        ref = torch.load(os.path.join(outdir, f"ref_{case.name}.pt"))
+        result = _compare(case, got, ref)
+        result.update(shares=[r.microbatches for r in session.plan.replicas],
+                      state=stats, replicas=len(session.plan.replicas),
+                      global_tp_group_untouched=_no_global_groups())
+        with open(os.path.join(outdir, f"{case.name}.json"), "w") as f:
+            json.dump(result, f)
+    dist.barrier()
+
+
+def parity_worker(rank: int, world: int, port: int, cases: list[Any], outdir: str) -> None:
+    from tests._dist import gloo_rank
+
+    def body() -> None:
+        for case in cases:
+            run_case(case, outdir)
+
+    gloo_rank(rank, world, port, outdir, body)
