@@ -24,7 +24,8 @@ class Job:
     load: tuple[str, ...] = ()  # layouts whose checkpoints to load (each: 2 steps after)
     save: bool = False  # train SAVE_AT steps from scratch and save
     reference: bool = False  # train SAVE_AT + AFTER steps uninterrupted
-    extra: dict[str, Any] = field(default_factory=dict)  # precision, clip_grad, model
+    extra: dict[str, Any] = field(default_factory=dict)  # precision, clip_grad, model,
+    # distributed_optimizer
     pp: int = 1
 
 
@@ -49,7 +50,8 @@ def _session(job: Job) -> Any:
     plan = make_plan(job.replicas, pp=job.pp, model=job.extra.get("model"))
     return build_session(plan, plan.request.model, lr=1e-3, seed=1234, micro_batch_size=2,
                          precision=Precision(job.extra.get("precision", "fp32")),
-                         opts=StepOptions(clip_grad=job.extra.get("clip_grad", 0.0)))
+                         opts=StepOptions(clip_grad=job.extra.get("clip_grad", 0.0)),
+                         distributed_optimizer=job.extra.get("distributed_optimizer", False))
 
 
 def run_job(job: Job, outdir: str, index: str) -> None:
