@@ -16,9 +16,15 @@
   replicas training without cross-replica sync; ``exposed_sync_s``: median time from the end of
   backward to the end of the gradient sync (slowest rank), per layout. CPU/gloo on a shared
   2-core machine: ratios are indicative, not GPU numbers.
-* ``optimizer_state_ratio``: null until the distributed optimizer exists.
+* ``optimizer_state_ratio``: optimizer-state bytes per rank with ``train.distributed_optimizer``
+  (``sync/zero.py``: fp32 masters where kept + Adam moments) over megatron's non-distributed
+  optimizer's (Adam moments, + fp32 masters for bf16), measured on the real optimizer objects
+  after one step of the tiny model in one spawned world, worst rank, for TP4+TP3 (R=2) and
+  TP3+TP2+TP2 (R=3) in fp32 and bf16; the target is 1/R + 0.05. ``optimizer_step_s``: the
+  median optimizer step (incl. the parameter all-gather and reshard) of both, same world.
 
-Usage: python benchmarks/sync_scale.py [--steps 8] [--descriptors-only] [--out PATH]
+Usage: python benchmarks/sync_scale.py [--steps 8] [--descriptors-only] [--optimizer-only]
+       [--out PATH]
 Writes runs/bench/sync_scale.json and prints a table.
 """
 
@@ -292,6 +298,74 @@ def _worker(rank: int, world: int, port: int, kind: str, steps: int, out: str) -
     dist.destroy_process_group()
 
 
+# ---------------------------------------------------------------- optimizer state
+def megatron_state_bytes(opt: Any) -> int:
+    """Bytes megatron's non-distributed optimizer keeps between steps: its torch optimizer's
+    state tensors (``step`` excluded) and the fp32 masters of half-precision params."""
+    n = 0
+    for inner in getattr(opt, "chained_optimizers", [opt]):
+        for st in inner.optimizer.state.values():
+            n += sum(t.numel() * t.element_size() for k, t in st.items()
+                     if k != "step" and hasattr(t, "numel"))
+        for group in getattr(inner, "fp32_from_float16_groups", []):
+            n += sum(p.numel() * p.element_size() for p in group)
+    return n
+
+
+def _optimizer_world(steps: int) -> dict[str, Any]:
+    """Per layout and precision: state bytes by rank and optimizer step times, both kinds."""
+    import torch.distributed as dist
+
+    from nemo_nutp.config import ModelConfig
+    from nemo_nutp.train.session import Precision, build_session
+
+    out: dict[str, Any] = {}
+    for replicas in ((4, 3), (3, 2, 2)):
+        for prec in ("fp32", "bf16"):
+            plan = _plan(ModelConfig(), replicas, gb=7)
+            row: dict[str, Any] = {"replicas": list(replicas), "precision": prec}
+            for zero in (False, True):
+                s = build_session(plan, plan.request.model, lr=1e-3, seed=1,
+                                  micro_batch_size=2, precision=Precision(prec),
+                                  distributed_optimizer=zero)
+                opt_s = [s.step(k).times["optimizer_s"] for k in range(steps)]
+                size = (s.optimizer.state_bytes() if zero else
+                        megatron_state_bytes(s.optimizer))
+                every: list[Any] = [None] * dist.get_world_size()
+                dist.all_gather_object(every, size)
+                key = "distributed" if zero else "megatron"
+                row[f"{key}_bytes_by_rank"] = every
+                row[f"{key}_optimizer_step_s"] = statistics.median(opt_s)
+            row["ratio_by_rank"] = [a / b for a, b in zip(row["distributed_bytes_by_rank"],
+                                                          row["megatron_bytes_by_rank"],
+                                                          strict=True)]
+            row["ratio"] = max(row["ratio_by_rank"])
+            row["target"] = 1 / len(replicas) + 0.05
+            out["+".join(f"tp{r}" for r in replicas) + f"_{prec}"] = row
+    return out
+
+
+def _optimizer_worker(rank: int, world: int, port: int, steps: int, out: str) -> None:
+    import torch.distributed as dist
+
+    init_cpu_rank(rank, world, port)
+    res = _optimizer_world(steps)
+    if rank == 0:
+        Path(out).write_text(json.dumps(res))
+    dist.destroy_process_group()
+
+
+def optimizer_state(steps: int) -> dict[str, Any]:
+    import torch.multiprocessing as mp
+
+    from nemo_nutp.launch.ports import free_port
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "optimizer.json"
+        mp.spawn(_optimizer_worker, args=(7, free_port(), steps, str(path)), nprocs=7)
+        return json.loads(path.read_text())
+
+
 def runtime(steps: int) -> dict[str, Any]:
     import torch.multiprocessing as mp
 
@@ -307,12 +381,20 @@ def runtime(steps: int) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- report
-def summarize(desc: dict[str, Any], rt: dict[str, Any] | None, bucket_size: int
-              ) -> dict[str, Any]:
+def summarize(desc: dict[str, Any], rt: dict[str, Any] | None, bucket_size: int,
+              opt: dict[str, Any] | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {"bucket_size": bucket_size, "descriptors": desc,
                            "optimizer_state_ratio": None}
     targets = {"setup_s<1": all(d["setup_s"] < 1 for d in desc.values()),
                "bytes<1MiB": all(d["bytes"] < 2 ** 20 for d in desc.values())}
+    if opt is not None:
+        out["optimizer_state_ratio"] = {k: r["ratio"] for k, r in opt.items()}
+        out["optimizer_state"] = opt
+        out["optimizer_step_s"] = {k: {"megatron": r["megatron_optimizer_step_s"],
+                                       "distributed": r["distributed_optimizer_step_s"]}
+                                   for k, r in opt.items()}
+        targets["optimizer_state_ratio<=1/R+0.05"] = all(r["ratio"] <= r["target"]
+                                                         for r in opt.values())
     if rt is not None:
         n, m, u = rt["nutp"], rt["megatron"], rt["uniform"]
         out["collectives_per_step"] = {
@@ -368,6 +450,18 @@ def show(res: dict[str, Any]) -> None:
         for k, v in res["exposed_sync_s"].items():
             r.add_row(f"exposed sync s, {k}", f"{v:.4f}")
         Console().print(r)
+    if res.get("optimizer_state"):
+        o = Table(title="Optimizer state per rank: distributed / megatron non-distributed "
+                        "(worst rank, tiny model)")
+        for col in ("layout", "megatron bytes", "distributed bytes", "ratio", "target",
+                    "opt. step s megatron", "opt. step s distributed"):
+            o.add_column(col, justify="right")
+        for k, r in res["optimizer_state"].items():
+            o.add_row(k, f"{max(r['megatron_bytes_by_rank']):,}",
+                      f"{max(r['distributed_bytes_by_rank']):,}", f"{r['ratio']:.3f}",
+                      f"{r['target']:.3f}", f"{r['megatron_optimizer_step_s']:.4f}",
+                      f"{r['distributed_optimizer_step_s']:.4f}")
+        Console().print(o)
     print("targets:", res["targets"])
 
 
@@ -376,6 +470,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--bucket-size", type=int, default=None)
     ap.add_argument("--descriptors-only", action="store_true")
+    ap.add_argument("--optimizer-only", action="store_true",
+                    help="descriptors and the optimizer-state world only (no step ratios)")
     ap.add_argument("--out", default="runs/bench/sync_scale.json")
     args = ap.parse_args()
     from nemo_nutp.layout.serialize import write_json_atomic
@@ -383,8 +479,9 @@ def main() -> None:
 
     bucket = args.bucket_size or DEFAULT_BUCKET_SIZE
     desc = descriptors(bucket)
-    rt = None if args.descriptors_only else runtime(args.steps)
-    res = summarize(desc, rt, bucket)
+    rt = None if args.descriptors_only or args.optimizer_only else runtime(args.steps)
+    opt = None if args.descriptors_only else optimizer_state(min(args.steps, 4))
+    res = summarize(desc, rt, bucket, opt)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(res, out)
