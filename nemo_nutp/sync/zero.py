@@ -217,6 +217,11 @@ class ZeroOptimizer:
         self.slices = [self._slice(b) for b in engine.buckets]
         self.segments, sizes = self._segments(self.group_of, len(groups))
         self.sizes = sizes
+        # Pipeline stages with tied embeddings: the finalizer (pipeline/finalize.py) adds the
+        # other stage's embedding gradient into main_grad after the sync, so the gradients are
+        # taken from main_grad (holders -> owners, as the parameters) instead of the buckets.
+        plan = engine.plan
+        self.reread = plan.pp > 1 and bool(plan.request.model.tie_embeddings)
         # fp32 models: the masters equal the parameters bit for bit, so they are taken from
         # them at each step and freed after it (what megatron's optimizers get by viewing fp32
         # params); half-precision models keep them (their params are rounded).
@@ -276,8 +281,12 @@ class ZeroOptimizer:
         if not self.keep_masters:
             self._load_masters()
         grads = [torch.empty_like(m) for m in self.masters]
+        bufs: list[torch.Tensor | None] = [b.buf for b in self.engine.buckets]
+        if self.reread:
+            bufs = list(self.mover.to_buckets([p.main_grad for p in self.params],  # type: ignore
+                                              self.params[0].main_grad.dtype))  # type: ignore
         for s in self.segments:
-            buf = self.engine.buckets[s.bucket].buf
+            buf = bufs[s.bucket]
             if buf is None:
                 raise RuntimeError("distributed optimizer: the gradient sync kept no reduced "
                                    "buckets (finish_grad_sync must run before the step)")

@@ -30,6 +30,9 @@ CASES = [
 CASES3 = [
     _zero("zero_tp3_tp2_tp2_clip_tied", (3, 2, 2), model=dict(tie_embeddings=True),
           global_batch=7, bucket_size=5000),
+    # pipeline stages at different degrees, tied embeddings combined across stages
+    _zero("zero_pp2_tied", ((2, 1), (2, 2)), pp=2, global_batch=7, steps=4,
+          model=dict(tie_embeddings=True, add_bias=True)),
 ]
 
 
@@ -76,7 +79,8 @@ def test_zero_parity_tp4_tp3(tmp_path: Path) -> None:
 
 @pytest.mark.dist
 @pytest.mark.timeout(900)
-def test_zero_parity_tp3_tp2_tp2(tmp_path: Path) -> None:
+def test_zero_parity_tp3_tp2_tp2_and_pipeline(tmp_path: Path) -> None:
     res = _run(CASES3, 7, tmp_path)
     check_cases(res, CASES3)
-    _check_state(res[CASES3[0].name], precision="fp32")
+    for c in CASES3:
+        _check_state(res[c.name], precision="fp32")
