@@ -18,7 +18,9 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from ..layout import ClusterSpec, HealthReport, ModelDims, ParallelSpec, PlanRequest
-from ..layout.specs import _bad, _positive
+from ..layout.cost import CostSpec
+from ..layout.plan import fit_cluster
+from ..layout.specs import _bad, _positive, normalize_replicas
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 """The shipped YAML tree (repository layout); ``NUTP_CONFIG_DIR`` overrides it."""
@@ -94,8 +96,10 @@ class NutpConfig:
 
     policy: str = "nutp"
     """'nutp' (reduced degree), 'drop' (status quo) or 'uniform-reduce' (public reference)."""
-    replicas: list[int] | None = None
-    """Explicit TP degree per replica, e.g. [4, 3]; overrides the plan derived from failures."""
+    replicas: list[Any] | None = None
+    """Explicit degrees per replica, overriding the plan derived from failures: an int (that
+    degree on every stage, e.g. [4, 3]) or a list of per-stage degrees (parallel.pp=2:
+    [[4, 3], [4, 4]]). On the CPU default cluster (cpu_local) the cluster grows to fit them."""
     rebalance: bool = False
     """Re-solve micro-batch shares between steps from measured per-replica compute time
     (``train/rebalance.py``); the weights follow, so the math is unchanged."""
@@ -367,6 +371,7 @@ class JobConfig:
 
     def __post_init__(self) -> None:
         _resolve_grad_reduce(self.train, self.sync)
+        _check_layout(self)
         if self.recovery.enabled and self.checkpoint.interval <= 0:
             raise _bad("checkpoint.interval", self.checkpoint.interval,
                        "must be > 0 when recovery.enabled is true")
@@ -382,6 +387,46 @@ class JobConfig:
         return f"{self.output.dir}/checkpoints" if self.checkpoint.interval > 0 else None
 
 
+CPU_CLUSTER = "cpu_local"
+"""``cluster.name`` of the CPU default cluster (configs/cluster/cpu_local.yaml): its "GPUs" are
+local processes, so it grows to fit explicit ``nutp.replicas``."""
+
+
+def _check_layout(cfg: JobConfig) -> None:
+    """Layout checks that need several sections, before any plan or process: explicit replicas
+    have ``parallel.pp`` per-stage degrees; the CPU default cluster grows to fit them."""
+    p, m = cfg.parallel, cfg.model
+    if m.num_layers % p.pp:
+        raise _bad("parallel.pp", p.pp, f"must divide model.num_layers={m.num_layers}")
+    if cfg.nutp.replicas is None:
+        return
+    reps = normalize_replicas(cfg.nutp.replicas, p.pp)
+    if cfg.cluster.name == CPU_CLUSTER:
+        object.__setattr__(cfg, "cluster", fit_cluster(cfg.cluster, p.tp_base, len(reps) * p.pp))
+
+
+def cost_spec(cluster: ClusterSpec) -> CostSpec | None:
+    """The stage cost model's constants for ``cluster.hardware`` (None: compute only): the
+    hardware file's FLOP/s and links with the goodput simulator's MFU and overlap defaults."""
+    if cluster.hardware is None:
+        return None
+    from ..goodput.config import CostConfig, HardwareSpec, load_yaml_strict
+
+    dirs = [d / "sim" / "hardware" for d in dict.fromkeys((config_dir(), CONFIG_DIR))]
+    found = [d / f"{cluster.hardware}.yaml" for d in dirs if (d / f"{cluster.hardware}.yaml")
+             .is_file()]
+    if not found:  # (NUTP_CONFIG_DIR may name recipes/: the shipped configs/ is searched too)
+        known = sorted({q.stem for d in dirs for q in d.glob("*.yaml")})
+        raise _bad("cluster.hardware", cluster.hardware,
+                   f"no such file in {dirs[0]} (known: {', '.join(known)})")
+    path = found[0]
+    hw = load_yaml_strict(HardwareSpec, path, "hardware")
+    cc = CostConfig()
+    return CostSpec.from_hardware(peak_tflops=hw.peak_tflops, nvlink_gbps=hw.nvlink_gbps,
+                                  network_gbps=hw.network_gbps, mfu=cc.mfu,
+                                  tp_overlap=cc.tp_overlap, name=hw.name)
+
+
 def plan_request(cfg: JobConfig, *, world_size: int | None = None) -> PlanRequest:
     """The planner's input for a job."""
     return PlanRequest(
@@ -389,6 +434,7 @@ def plan_request(cfg: JobConfig, *, world_size: int | None = None) -> PlanReques
         health=cfg.failures.health(), policy=cfg.nutp.policy,
         replicas=None if cfg.nutp.replicas is None else tuple(cfg.nutp.replicas),
         global_batch=cfg.train.num_microbatches, world_size=world_size,
+        micro_batch_size=cfg.train.micro_batch_size, cost=cost_spec(cfg.cluster),
     )
 
 

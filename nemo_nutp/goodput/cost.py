@@ -6,7 +6,9 @@ Contract:
   sync), both **relative to the fault-free replica's step time** (so a healthy replica's
   bottleneck stage has ``c + o == 1``). Degree 0 (and invalid degrees) carry ``inf``.
 * Compute is the *slowest rank's* work from the planner's unit assignment
-  (``layout.units.rank_work``): uneven shards and query-group granularity show up exactly.
+  (``layout.units.rank_work``): uneven shards and query-group granularity show up exactly. The
+  compute and TP-communication formulas are the planner's stage cost model (``layout.cost``);
+  this module adds the DP sync, 1F1B fill/drain and power boost the simulator needs.
   ``cost.shard_balance='balanced'`` instead lets fine-grained FFN/vocab units fill in around the
   query-group remainder: ``max(attention of the fullest rank, total / t)`` (a bound within one
   unit of an achievable co-balanced assignment).
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..layout.cost import FLOPS_PER_MAC, FWD_BWD, tp_bytes
 from ..layout.plan import _best_degree_table
 from ..layout.specs import ModelDims
 from ..layout.units import max_degree, rank_work, space_bounds
@@ -99,11 +102,11 @@ class CostModel:
         cfg, hw, cc, d = self.cfg, self.hw, self.cc, self.dims
         tokens = cfg.micro_batch_tokens
         mb = cfg.micro_batches_per_replica + cfg.pp - 1  # 1F1B: fill + drain
-        comp = mb * 6.0 * self.work(stage, t) * tokens / (hw.peak_tflops * 1e12 * cc.mfu)
+        flops = FWD_BWD * FLOPS_PER_MAC * self.work(stage, t) * tokens
+        comp = mb * flops / (hw.peak_tflops * 1e12 * cc.mfu)
         if cc.mode == "compute":
             return comp, 0.0
-        act = tokens * d.hidden_size * 2.0  # bf16 activations
-        tp = mb * self.layers * 4 * 2 * (t - 1) / t * act / (hw.nvlink_gbps * 1e9)
+        tp = mb * tp_bytes(d, t, self.layers, tokens=tokens, act_bytes=2) / (hw.nvlink_gbps * 1e9)
         dp_n = max(2, cfg.num_gpus // (cfg.tp_base * cfg.pp))
         grads = cc.grad_bytes * _max_rank_params(d, t, self.layers, stage == cfg.pp - 1)
         dp = 2 * (dp_n - 1) / dp_n * grads / (hw.network_gbps * 1e9)

@@ -29,12 +29,19 @@ def _launcher_env() -> tuple[int, int, int] | None:
     return None
 
 
-def preflight(cfg: Any) -> None:
+def preflight(cfg: Any, plan: Any = None) -> None:
     """Checks done before any process or group exists: what the runtime cannot train yet; the
     data path opens and fits the vocabulary; a checkpoint to resume from matches the model."""
-    if cfg.parallel.pp != 1:
-        raise ValueError(f"parallel.pp={cfg.parallel.pp}: the NUTP training runtime supports "
-                         "pp=1 for now (nutp plan / nutp sbatch plan any pp)")
+    check_inputs(cfg, plan)
+
+
+def check_inputs(cfg: Any, plan: Any = None) -> None:
+    """The part of ``preflight`` a dry run does too: combinations no runtime can run, the data
+    path, the checkpoint to resume from (``plan``: fault injection must name a planned rank)."""
+    fault = cfg.recovery.fault
+    if plan is not None and fault.kind is not None and fault.rank >= plan.world_size:
+        raise ValueError(f"recovery.fault.rank={fault.rank}: the plan has {plan.world_size} "
+                         f"ranks (0..{plan.world_size - 1})")
     if cfg.train.data_path:
         from ..data.indexed import IndexedTokenSource
 
@@ -57,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*",
                     help="Hydra overrides, e.g. nutp.replicas=[4,3] or recipe=llama3_8b_h100")
     ap.add_argument("--config-name", default="config", help="primary config in configs/")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="validate, plan and print the plan (per-stage degrees and predicted "
+                         "times); spawn nothing, exit 0 (2 on a bad config)")
     args = ap.parse_args(argv)
     from ..compat.quiet import quiet_optional_kernel_notes
 
@@ -67,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     from ..layout import build_plan
 
     env = _launcher_env()
+    if args.dry_run:
+        return _dry_run(args, console)
     try:
         cfg = load_job(args.overrides, config_name=args.config_name)
         under_recovery = env is not None and cfg.recovery.enabled
@@ -79,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             slot = elastic.gpu_slot(dict(os.environ), env[1], env[2], cfg.cluster.gpus_per_node)
         plan = build_plan(plan_request(cfg, world_size=None if env is None or under_recovery
                                        else env[1]))
-        preflight(cfg)
+        preflight(cfg, plan)
         lock = _lock_for(cfg, env)
     except ValueError as e:  # one line, whatever the width; the message is not markup
         print_error(str(e))
@@ -89,6 +101,31 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if lock is not None:
             lock.release()
+
+
+def _dry_run(args: argparse.Namespace, console: Any) -> int:
+    """Validate and plan as a launch would, print the plan; no process, lock or file. The
+    runtime's own limits (``preflight``'s first checks) are not applied: a plan of any layout
+    prints."""
+    from ..config import plan_request
+    from ..config.recipes import load_job
+    from ..layout import build_plan
+    from .plan_report import replicas_table
+
+    try:
+        cfg = load_job(args.overrides, config_name=args.config_name)
+        plan = build_plan(plan_request(cfg))
+        check_inputs(cfg, plan)
+    except ValueError as e:
+        print_error(str(e))
+        return 2
+    c = cfg.cluster
+    console.print(f"[bold]{c.name}[/]: {c.num_gpus} GPUs, domains of {c.domain_size}, "
+                  f"{len(plan.request.health.failed_gpus)} failed; parallel.pp={plan.pp}, "
+                  f"parallel.tp_base={cfg.parallel.tp_base}")
+    console.print(replicas_table(plan))
+    console.print(f"dry run: {plan.world_size} ranks planned, nothing spawned")
+    return 0
 
 
 def _lock_for(cfg: Any, env: tuple[int, int, int] | None) -> Any:

@@ -16,24 +16,42 @@ from .console import make_console
 def replicas_table(plan: Plan) -> Table:
     """One row per distinct (degrees, micro-batches) pattern; thousands of replicas stay short."""
     t = Table(title=f"Plan ({plan.request.policy}): {plan.world_size} ranks, "
-                    f"{len(plan.replicas)} replicas")
+                    f"{len(plan.replicas)} replicas", caption=_time_caption(plan))
     stragglers = any(r.straggler for r in plan.replicas)
-    for col in ("replicas", "TP per stage", "healthy GPUs", "speed", "micro-batches", "weight",
-                "first ranks") + (("slow GPU: choice (speed keep / exclude)",) if stragglers
-                                  else ()):
+    for col in ("replicas", "TP per stage", "healthy GPUs", "time/micro-batch per stage",
+                "speed", "micro-batches", "weight", "first ranks") + (
+                    ("slow GPU: choice (speed keep / exclude)",) if stragglers else ()):
         t.add_column(col, justify="right")
     groups: dict[tuple, list] = {}
     for r in plan.replicas:
         groups.setdefault((r.tp, r.healthy, r.microbatches, r.straggler, r.speed_keep,
-                           r.speed_exclude), []).append(r)
-    for (tp, healthy, mb, choice, keep, excl), reps in groups.items():
+                           r.speed_exclude, r.stage_times), []).append(r)
+    for (tp, healthy, mb, choice, keep, excl, times), reps in groups.items():
         first = reps[0].ranks[0]
         ranks = f"{first[0]}..{first[-1]}" if len(first) > 1 else str(first[0])
         extra = (f"{choice} ({keep:.3f} / {excl:.3f})" if choice else "-",) if stragglers else ()
         t.add_row(str(len(reps)), "/".join(map(str, tp)), "/".join(map(str, healthy)),
-                  f"{reps[0].speed:.3f}", str(mb), f"{reps[0].weight:.4f}",
-                  ranks + (" ..." if len(reps) > 1 else ""), *extra)
+                  _stage_times(plan, times), f"{reps[0].speed:.3f}", str(mb),
+                  f"{reps[0].weight:.4f}", ranks + (" ..." if len(reps) > 1 else ""), *extra)
     return t
+
+
+def _stage_times(plan: Plan, times: tuple[float, ...]) -> str:
+    """Predicted per-stage times: milliseconds with a cost spec, else relative to a healthy
+    replica's slowest stage (1.00)."""
+    if plan.unit_time_s is None:
+        return "/".join(f"{x:.2f}" for x in times)
+    return "/".join(f"{x * plan.unit_time_s * 1e3:.4g}" for x in times) + " ms"
+
+
+def _time_caption(plan: Plan) -> str:
+    cost = plan.request.cost
+    if cost is None:
+        return ("stage times: cost model compute only (cluster.hardware unset), relative to a "
+                "healthy replica's slowest stage")
+    return (f"stage times: cost model of {cost.name} (compute + TP comm + stage boundaries), "
+            f"{plan.request.micro_batch_size} x {plan.request.model.seq_length} tokens per "
+            "micro-batch")
 
 
 def sync_table(plan: Plan) -> Table:

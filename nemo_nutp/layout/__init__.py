@@ -3,7 +3,8 @@
 Nothing here imports ``torch`` or creates processes.
 """
 
-from .plan import POLICIES, Plan, Replica, apportion, build_plan
+from .cost import CostSpec, stage_layers
+from .plan import POLICIES, Plan, Replica, apportion, build_plan, fit_cluster
 from .specs import ClusterSpec, HealthReport, ModelDims, ParallelSpec, PlanRequest
 from .sync import ReshardPlan, SyncLayout, make_sync_layout, moved_lower_bound, reshard_plan
 from .units import PARAM_KINDS, SPACES, assignment, global_index, local_layout, num_units
@@ -13,6 +14,7 @@ __all__ = [
     "POLICIES",
     "SPACES",
     "ClusterSpec",
+    "CostSpec",
     "HealthReport",
     "ModelDims",
     "ParallelSpec",
@@ -24,10 +26,12 @@ __all__ = [
     "apportion",
     "assignment",
     "build_plan",
+    "fit_cluster",
     "global_index",
     "local_layout",
     "make_sync_layout",
     "moved_lower_bound",
     "num_units",
     "reshard_plan",
+    "stage_layers",
 ]

@@ -5,6 +5,14 @@ Guarantees (property-tested in ``tests/layout``):
   sharded parameter, >= ``parallel.min_tp``, dividing ``seq_length`` under sequence parallel);
 * ranks ``0..world_size-1`` map one-to-one onto used GPUs; a TP group never leaves its domain;
   rank order is stage-major, then replicas (healthy first, degraded ones contiguous), then TP;
+* explicit ``replicas`` (per replica an int or ``pp`` per-stage degrees) run exactly those
+  degrees, replica i's stage s on slice ``i * pp + s``;
+* a replica's speed comes from the stage cost model (``layout.cost``: the slowest rank's compute
+  from the unit assignment, TP communication, stage-boundary traffic; compute only without
+  ``PlanRequest.cost``): a replica runs at its slowest stage; under ``nutp`` a stage that lost
+  GPUs runs at the valid degree <= its healthy GPUs with the smallest predicted time (ties:
+  more GPUs; compute only, that is the largest valid degree); ``Replica.stage_times`` are the
+  predicted per-stage times relative to a healthy replica's slowest stage;
 * micro-batch shares are positive integers summing to ``parallel.global_batch`` and minimise the
   step makespan ``max(share / speed)``; weights are ``share / global_batch``;
 * per-GPU speed (``health.slow_gpus``): a replica stage runs at its slowest used GPU, so its time
@@ -19,6 +27,7 @@ Guarantees (property-tested in ``tests/layout``):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import heapq
 from dataclasses import dataclass, field
@@ -26,7 +35,8 @@ from functools import cached_property
 
 import numpy as np
 
-from .specs import PlanRequest, _bad
+from .cost import StageTime, stage_time
+from .specs import ClusterSpec, PlanRequest, _bad
 from .sync import SyncLayout, make_sync_layout, reshard_plan
 from .units import (
     PARAM_KINDS,
@@ -34,7 +44,6 @@ from .units import (
     layer_kinds,
     max_degree,
     num_units,
-    rank_work,
     space_bounds,
     unit_numel,
 )
@@ -57,6 +66,8 @@ class Replica:
     straggler: str = ""  # slow GPU in its slices: "keep" it or "exclude" it ("" if none)
     speed_keep: float = 0.0  # predicted speed keeping every slow GPU (when straggler != "")
     speed_exclude: float = 0.0  # ... excluding every slow GPU (0: the stage could not run)
+    stage_times: tuple[float, ...] = ()  # predicted time per micro-batch of each stage, relative
+    # to a healthy replica's slowest stage (Plan.unit_time_s: seconds of 1.0 with a cost spec)
 
 
 @dataclass(frozen=True)
@@ -71,6 +82,8 @@ class Plan:
     dropped_replicas: int
     idle_healthy_gpus: int  # healthy GPUs in slices that the plan does not use
     sync: dict[tuple[int, str], SyncLayout] = field(repr=False)
+    unit_time_s: float | None = None  # seconds per micro-batch of a healthy replica's slowest
+    # stage (the cost model's); None without a cost spec (compute-only, relative units)
 
     @property
     def pp(self) -> int:
@@ -185,14 +198,15 @@ def _validate(req: PlanRequest) -> None:
                    f"must be divisible by parallel.tp_base={p.tp_base} with sequence parallel")
     req.health.check_against(c)
     if req.replicas is not None:
-        if p.pp != 1:
-            raise _bad("nutp.replicas", list(req.replicas), "explicit replicas need parallel.pp=1")
         valid = _valid_degrees(req)
-        for t in req.replicas:
-            if not (isinstance(t, int) and 0 < t <= p.tp_base and valid[t]):
-                raise _bad("nutp.replicas", list(req.replicas),
-                           f"degree {t} is not valid (1..{p.tp_base}, <= units, >= min_tp, "
-                           "divides seq_length under sequence parallel)")
+        shown = [list(r) for r in req.replicas]
+        for k, degs in enumerate(req.replicas):
+            for s, t in enumerate(degs):
+                if not (0 < t <= p.tp_base and valid[t]):
+                    raise _bad("nutp.replicas", shown,
+                               f"replica {k} stage {s}: degree {t} is not valid (1..tp_base="
+                               f"{p.tp_base}, <= the model's units, >= parallel.min_tp="
+                               f"{p.min_tp}, divides model.seq_length under sequence parallel)")
 
 
 def _slices(req: PlanRequest) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -256,30 +270,61 @@ def _bench_slow(speeds: np.ndarray, total: int) -> np.ndarray:
 
 
 class _Speed:
-    """Stage-bottleneck speed of a replica relative to a healthy one (cached per degree)."""
+    """Replica speed relative to a healthy one from the stage cost model (``layout.cost``):
+    per stage the slowest rank's compute (slowed by its slowest GPU), TP communication and
+    stage-boundary traffic; a replica runs at its slowest stage (cached per degrees)."""
 
     def __init__(self, req: PlanRequest) -> None:
-        self.dims, self.pp, self.tb = req.model, req.parallel.pp, req.parallel.tp_base
-        self.layers = self.dims.num_layers // self.pp
-        self.balance = req.parallel.unit_balance
-        self._cache: dict[tuple[int, int], float] = {}
-        self.full = max(self.time(s, self.tb) for s in range(self.pp))
+        self.req, self.pp, self.tb = req, req.parallel.pp, req.parallel.tp_base
+        self.tokens = req.micro_batch_size * req.model.seq_length
+        self._cache: dict[tuple[int, int, int | None, int | None], StageTime] = {}
+        self.full = max(self.stage_times((self.tb,) * self.pp))
 
-    def time(self, stage: int, t: int) -> float:
-        key = (stage, t)
+    def stage(self, s: int, t: int, t_prev: int | None, t_next: int | None) -> StageTime:
+        key = (s, t, t_prev, t_next)
         if key not in self._cache:
-            work = rank_work(self.dims, t, self.layers, with_vocab=stage == self.pp - 1,
-                             balance=self.balance)
-            self._cache[key] = float(work.max())
+            r = self.req
+            self._cache[key] = stage_time(
+                r.model, r.cost, t=t, stage=s, pp=self.pp, tokens=self.tokens, t_prev=t_prev,
+                t_next=t_next, sequence_parallel=r.parallel.sequence_parallel,
+                balance=r.parallel.unit_balance)
         return self._cache[key]
+
+    def _nbrs(self, s: int, degrees: tuple[int, ...] | None) -> tuple[int | None, int | None]:
+        d = degrees or (self.tb,) * self.pp
+        return (d[s - 1] if s > 0 else None), (d[s + 1] if s < self.pp - 1 else None)
+
+    def time(self, stage: int, t: int, gpu_speed: float = 1.0,
+             degrees: tuple[int, ...] | None = None) -> float:
+        """Stage time at degree ``t``; neighbours at ``degrees`` (default: healthy)."""
+        st = self.stage(stage, t, *self._nbrs(stage, degrees))
+        return st.compute / gpu_speed + st.tp + st.boundary
+
+    def stage_times(self, degrees: tuple[int, ...], gpu_speed: tuple[float, ...] | None = None
+                    ) -> list[float]:
+        v = gpu_speed or (1.0,) * len(degrees)
+        return [self.time(s, t, v[s], degrees) for s, t in enumerate(degrees)]
 
     def __call__(self, degrees: tuple[int, ...], gpu_speed: tuple[float, ...] | None = None
                  ) -> float:
         """Replica speed; ``gpu_speed``: per stage, the slowest used GPU's relative speed."""
         if min(degrees) <= 0:
             return 0.0
-        v = gpu_speed or (1.0,) * len(degrees)
-        return self.full / max(self.time(s, t) / v[s] for s, t in enumerate(degrees))
+        return self.full / max(self.stage_times(degrees, gpu_speed))
+
+    def choice_table(self, valid: np.ndarray) -> np.ndarray:
+        """(pp, tb+1): per stage and healthy GPUs h, the valid degree <= h with the smallest
+        predicted stage time (neighbours healthy; ties within 1e-9: more GPUs); 0 if none."""
+        out = np.zeros((self.pp, self.tb + 1), dtype=np.int64)
+        for s in range(self.pp):
+            best, best_t = 0, np.inf
+            for h in range(1, self.tb + 1):
+                if valid[h]:
+                    t = self.time(s, h)
+                    if t <= best_t * (1 + 1e-9):
+                        best, best_t = h, min(t, best_t)
+                out[s, h] = best
+        return out
 
 
 def _fastest(failed: np.ndarray, gspeed: np.ndarray, start: int, tb: int, d: int) -> np.ndarray:
@@ -306,17 +351,17 @@ def _straggler_degrees(req: PlanRequest, speed: _Speed, starts: np.ndarray, fail
             start = int(starts[sl[i, s]])
             v = np.sort(gspeed[start:start + tb][~failed[start:start + tb]])[::-1]
             h, n_slow = len(v), int((v < 1.0).sum())
-            t0 = speed.time(s, int(deg[i, s])) / v[int(deg[i, s]) - 1]
+            t0 = speed.time(s, int(deg[i, s]), v[int(deg[i, s]) - 1])
             if n_slow == 0:
                 keep_t.append(t0)
                 excl_t.append(t0)
                 continue
             touched = True
             d_ex = int(best[h - n_slow])
-            keep_t.append(speed.time(s, int(best[h])) / v[int(best[h]) - 1])
+            keep_t.append(speed.time(s, int(best[h]), v[int(best[h]) - 1]))
             excl_t.append(speed.time(s, d_ex) if d_ex else np.inf)
             cands = {int(best[h - k]) for k in range(n_slow + 1)} - {0}
-            d = min(cands, key=lambda x: (speed.time(s, x) / v[x - 1], -x))
+            d = min(cands, key=lambda x: (speed.time(s, x, v[x - 1]), -x))
             excluded |= d < h
             deg[i, s] = d
         if touched:
@@ -325,14 +370,22 @@ def _straggler_degrees(req: PlanRequest, speed: _Speed, starts: np.ndarray, fail
     return out
 
 
-def _degrees(req: PlanRequest, healthy: np.ndarray) -> np.ndarray:
-    """(replicas, pp) degree per stage under the policy; 0 marks a dropped replica."""
+def _degrees(req: PlanRequest, healthy: np.ndarray, speed: _Speed) -> np.ndarray:
+    """(replicas, pp) degree per stage under the policy; 0 marks a dropped replica. ``nutp``
+    gives each stage that lost GPUs the valid degree (<= its healthy GPUs) the cost model
+    predicts fastest."""
     tb = req.parallel.tp_base
-    best = _best_degree_table(_valid_degrees(req))
+    valid = _valid_degrees(req)
+    best = _best_degree_table(valid)
     if req.policy == "drop":
         ok = (healthy == tb).all(axis=1)
         return np.where(ok[:, None], tb, 0) * np.ones_like(healthy)
-    deg = best[healthy]
+    if req.policy == "nutp":  # healthy stages keep the configured degree (memory is sized
+        table = speed.choice_table(valid)  # for it); degraded ones take the cost model's
+        deg = np.where(healthy == tb, best[healthy],
+                       table[np.arange(req.parallel.pp)[None, :], healthy])
+    else:
+        deg = best[healthy]
     dead = (deg == 0).any(axis=1)
     deg[dead] = 0
     if req.policy == "uniform-reduce":
@@ -342,49 +395,84 @@ def _degrees(req: PlanRequest, healthy: np.ndarray) -> np.ndarray:
     return deg
 
 
+def slices_of(cluster: ClusterSpec, tp_base: int) -> int:
+    """TP slices (``tp_base`` consecutive GPUs inside one domain) the cluster holds."""
+    full, rem = divmod(cluster.num_gpus, cluster.domain_size)
+    return full * (cluster.domain_size // tp_base) + rem // tp_base
+
+
+def fit_cluster(cluster: ClusterSpec, tp_base: int, slices: int) -> ClusterSpec:
+    """The cluster with the fewest GPUs (a multiple of ``gpus_per_node``, same domains) that
+    holds ``slices`` TP slices; the cluster itself if it already does."""
+    if slices_of(cluster, tp_base) >= slices:
+        return cluster
+    if tp_base > cluster.domain_size:
+        raise _bad("parallel.tp_base", tp_base,
+                   f"a TP group must fit in one domain (cluster.domain_size={cluster.domain_size})")
+    n = cluster.gpus_per_node
+    while slices_of(dataclasses.replace(cluster, num_gpus=n), tp_base) < slices:
+        n += cluster.gpus_per_node
+    return dataclasses.replace(cluster, num_gpus=n)
+
+
+def _explicit(req: PlanRequest, healthy: np.ndarray, n_slices: int
+              ) -> tuple[np.ndarray, np.ndarray]:
+    """Slices (replica i, stage s -> slice i * pp + s) and degrees of explicit replicas."""
+    p, c = req.parallel, req.cluster
+    assert req.replicas is not None
+    shown = [list(r) for r in req.replicas]
+    n = len(req.replicas)
+    if n * p.pp > n_slices:
+        fit = fit_cluster(c, p.tp_base, n * p.pp)
+        raise _bad("nutp.replicas", shown,
+                   f"{n} replicas x parallel.pp={p.pp} stages need {n * p.pp} slices of "
+                   f"parallel.tp_base={p.tp_base} GPUs; the cluster has {n_slices}: set "
+                   f"cluster.num_gpus={fit.num_gpus} (with cluster.domain_size="
+                   f"{c.domain_size}, cluster.gpus_per_node={c.gpus_per_node}) or lower "
+                   "parallel.tp_base")
+    if p.dp is not None and p.dp != n:
+        raise _bad("parallel.dp", p.dp, f"disagrees with nutp.replicas={shown}")
+    sl = np.arange(n * p.pp).reshape(n, p.pp)
+    deg = np.asarray(req.replicas, dtype=np.int64).reshape(n, p.pp)
+    over = np.argwhere(deg > healthy[sl])
+    if len(over):
+        i, s = (int(x) for x in over[0])
+        raise _bad("nutp.replicas", shown, f"replica {i} stage {s}: degree {deg[i, s]} exceeds "
+                   f"its {healthy[sl[i, s]]} healthy GPUs")
+    return sl, deg
+
+
 def build_plan(req: PlanRequest) -> Plan:
     """Make the plan; raises ``ValueError`` naming the field for every impossible request."""
     _validate(req)
     p = req.parallel
     starts, healthy, failed = _slices(req)
     n_full = len(starts) // p.pp
-    if n_full == 0:
-        raise _bad("cluster.num_gpus", req.cluster.num_gpus,
-                   f"holds no replica of parallel.pp={p.pp} stages x parallel.tp_base={p.tp_base}")
+    speed = _Speed(req)
     if req.replicas is not None:
-        if len(req.replicas) > len(starts):
-            need = len(req.replicas) * p.tp_base * p.pp
-            raise _bad("nutp.replicas", list(req.replicas),
-                       f"more replicas than the cluster's {len(starts)} slices of "
-                       f"parallel.tp_base={p.tp_base} GPUs: set cluster.num_gpus={need} (a "
-                       "multiple of cluster.gpus_per_node and cluster.domain_size) or lower "
-                       "parallel.tp_base")
-        if p.dp is not None and p.dp != len(req.replicas):
-            raise _bad("parallel.dp", p.dp, f"disagrees with nutp.replicas={list(req.replicas)}")
-        sl = np.arange(len(req.replicas))[:, None]
-        deg = np.asarray(req.replicas, dtype=np.int64)[:, None]
-        if (deg > healthy[sl]).any():
-            raise _bad("nutp.replicas", list(req.replicas), "a degree exceeds its healthy GPUs")
+        sl, deg = _explicit(req, healthy, len(starts))
         n_full = len(req.replicas)
     else:
+        if n_full == 0:
+            raise _bad("cluster.num_gpus", req.cluster.num_gpus, f"holds no replica of "
+                       f"parallel.pp={p.pp} stages x parallel.tp_base={p.tp_base}")
         order = np.lexsort((starts, -healthy))  # healthiest slices first: degraded stages share
         n_use = n_full if p.dp is None else p.dp  # replicas, so fewer replicas slow down
         if n_use > n_full:
             raise _bad("parallel.dp", p.dp, f"cluster holds only {n_full} replicas")
         n_full = n_use
         sl = order[: n_use * p.pp].reshape(n_use, p.pp)
-        deg = _degrees(req, healthy[sl])
+        deg = _degrees(req, healthy[sl], speed)
     gspeed = np.asarray(req.health.gpu_speed(req.cluster.num_gpus), dtype=np.float64)
-    choice = (_straggler_degrees(req, _Speed(req), starts, failed, gspeed, sl, deg)
+    choice = (_straggler_degrees(req, speed, starts, failed, gspeed, sl, deg)
               if req.policy == "nutp" and req.replicas is None and req.health.slow_gpus else {})
-    return _assemble(req, starts, healthy, failed, sl, deg, n_full, gspeed, choice)
+    return _assemble(req, starts, healthy, failed, sl, deg, n_full, gspeed, choice, speed)
 
 
 def _assemble(req: PlanRequest, starts: np.ndarray, healthy: np.ndarray, failed: np.ndarray,
               sl: np.ndarray, deg: np.ndarray, n_full: int, gspeed: np.ndarray,
-              choice: dict[int, tuple[str, float, float]]) -> Plan:
+              choice: dict[int, tuple[str, float, float]], speed: _Speed) -> Plan:
     p = req.parallel
-    speed = _Speed(req)
     live = np.nonzero((deg > 0).all(axis=1))[0]
     if len(live) == 0:
         raise _bad("health.failed_gpus", list(req.health.failed_gpus)[:8],
@@ -396,9 +484,9 @@ def _assemble(req: PlanRequest, starts: np.ndarray, healthy: np.ndarray, failed:
         for s in range(p.pp):
             ok = _fastest(failed, gspeed, int(starts[sl[i, s]]), p.tp_base, int(deg[i, s]))
             gpus[(int(i), s)] = tuple(int(g) for g in ok)
-    speeds = np.array([speed(tuple(int(x) for x in deg[i]),
-                             tuple(float(gspeed[list(gpus[(int(i), s)])].min())
-                                   for s in range(p.pp))) for i in live])
+    gv = {int(i): tuple(float(gspeed[list(gpus[(int(i), s)])].min()) for s in range(p.pp))
+          for i in live}
+    speeds = np.array([speed(tuple(int(x) for x in deg[i]), gv[int(i)]) for i in live])
     keep = _bench_slow(speeds, req.global_batch)
     deg[live[~keep]] = 0
     live, speeds = live[keep], speeds[keep]
@@ -423,7 +511,9 @@ def _assemble(req: PlanRequest, starts: np.ndarray, healthy: np.ndarray, failed:
                 weight=float(shares[k]) / req.global_batch,
                 straggler=choice.get(int(i), ("", 0.0, 0.0))[0],
                 speed_keep=float(choice.get(int(i), ("", 0.0, 0.0))[1]),
-                speed_exclude=float(choice.get(int(i), ("", 0.0, 0.0))[2]))
+                speed_exclude=float(choice.get(int(i), ("", 0.0, 0.0))[2]),
+                stage_times=tuple(t / speed.full for t in speed.stage_times(
+                    tuple(int(x) for x in deg[i]), gv[int(i)])))
         for k, i in enumerate(live))
     sync = {(s, space): make_sync_layout(
         num_units(req.model, space), sorted({r.tp[s] for r in replicas}), p.sync_layout,
@@ -437,4 +527,5 @@ def _assemble(req: PlanRequest, starts: np.ndarray, healthy: np.ndarray, failed:
     return Plan(request=req, replicas=replicas, world_size=world, rank_to_gpu=tuple(rank_to_gpu),
                 full_replicas=n_full, predicted_throughput=float(t_full / t_plan),
                 capacity=float(speeds.sum() / n_full), dropped_replicas=n_full - len(live),
-                idle_healthy_gpus=idle, sync=sync)
+                idle_healthy_gpus=idle, sync=sync,
+                unit_time_s=speed.full if req.cost is not None else None)

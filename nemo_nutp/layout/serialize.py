@@ -42,10 +42,12 @@ def plan_to_dict(plan: Plan, *, with_sync_groups: bool = True) -> dict[str, Any]
         "dropped_replicas": plan.dropped_replicas,
         "idle_healthy_gpus": plan.idle_healthy_gpus,
         "reshard_bytes_per_step": plan.reshard_bytes(),
+        "unit_time_s": plan.unit_time_s,
         "replicas": [
             {"index": r.index, "tp": list(r.tp), "ranks": [list(x) for x in r.ranks],
              "gpus": [list(x) for x in r.gpus], "healthy": list(r.healthy), "speed": r.speed,
-             "microbatches": r.microbatches, "weight": r.weight}
+             "microbatches": r.microbatches, "weight": r.weight,
+             "stage_times": list(r.stage_times)}
             for r in plan.replicas
         ],
         "groups": groups,
@@ -53,7 +55,7 @@ def plan_to_dict(plan: Plan, *, with_sync_groups: bool = True) -> dict[str, Any]
             "cluster": asdict(req.cluster), "model": asdict(req.model),
             "parallel": asdict(req.parallel),
             "health": {"failed_gpus": list(req.health.failed_gpus)},
-            "replicas": None if req.replicas is None else list(req.replicas),
+            "replicas": None if req.replicas is None else [list(r) for r in req.replicas],
             "global_batch": req.global_batch, "policy": req.policy,
         },
     }

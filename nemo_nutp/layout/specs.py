@@ -10,7 +10,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .cost import CostSpec
 
 SYNC_LAYOUTS = ("refine", "base")
 
@@ -37,6 +40,9 @@ class ClusterSpec:
     """GPUs per host (for launchers)."""
     name: str = "cluster"
     """Free-form label shown in tables."""
+    hardware: str | None = None
+    """GPU file in ``configs/sim/hardware`` (e.g. ``h100_nvl8``) whose FLOP/s and link speeds
+    the planner's stage cost model uses (``layout.cost``); None: compute-only model."""
 
     def __post_init__(self) -> None:
         _positive("cluster.num_gpus", self.num_gpus)
@@ -246,15 +252,62 @@ class PlanRequest:
     health: HealthReport = field(default_factory=HealthReport)
     policy: str = "nutp"
     """'nutp' | 'drop' | 'uniform-reduce'."""
-    replicas: tuple[int, ...] | None = None
-    """Explicit TP degree per replica (pp=1), overriding what health implies."""
+    replicas: tuple[Any, ...] | None = None
+    """Explicit degrees, overriding what health implies: per replica an int (that degree on
+    every stage) or a sequence of ``parallel.pp`` per-stage degrees; normalised to a tuple of
+    per-stage tuples, e.g. ``(4, (4, 3))`` with pp=2 -> ``((4, 4), (4, 3))``."""
     global_batch: int = 64
     """Micro-batches per step (train.global_batch_size / train.micro_batch_size), split among
     replicas in proportion to speed."""
     world_size: int | None = None
     """If set (e.g. by the launcher), the plan's world size must equal it."""
+    micro_batch_size: int = 1
+    """Samples per micro-batch (the cost model's tokens per micro-batch: x model.seq_length)."""
+    cost: CostSpec | None = None
+    """Hardware constants of the stage cost model (``layout.cost``); None: compute only."""
 
     def __post_init__(self) -> None:
         _positive("global_batch", self.global_batch)
+        _positive("micro_batch_size", self.micro_batch_size)
         if self.world_size is not None:
             _positive("world_size", self.world_size)
+        if self.replicas is not None:
+            object.__setattr__(self, "replicas", normalize_replicas(self.replicas,
+                                                                    self.parallel.pp))
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def normalize_replicas(replicas: Any, pp: int) -> tuple[tuple[int, ...], ...]:
+    """``nutp.replicas`` as one tuple of ``pp`` per-stage degrees per replica; ValueError
+    naming ``nutp.replicas`` for anything else."""
+    shown = _plain(replicas)
+    if isinstance(replicas, (str, bytes)) or not hasattr(replicas, "__iter__"):
+        raise _bad("nutp.replicas", shown, "must be a list (one entry per replica)")
+    out = []
+    for k, entry in enumerate(replicas):
+        if _is_int(entry):
+            out.append((int(entry),) * pp)
+            continue
+        if isinstance(entry, (str, bytes)) or not hasattr(entry, "__iter__"):
+            raise _bad("nutp.replicas", shown, f"entry {k} ({entry!r}) must be an int or a list "
+                       "of per-stage degrees")
+        degs = tuple(entry)
+        if not all(_is_int(d) for d in degs):
+            raise _bad("nutp.replicas", shown, f"entry {k} ({_plain(entry)}) must hold ints")
+        if len(degs) != pp:
+            raise _bad("nutp.replicas", shown, f"entry {k} has {len(degs)} per-stage degrees; "
+                       f"parallel.pp={pp} needs {pp} (or one int for every stage)")
+        out.append(tuple(int(d) for d in degs))
+    if not out:
+        raise _bad("nutp.replicas", shown, "must name at least one replica (or be null)")
+    return tuple(out)
+
+
+def _plain(x: Any) -> Any:
+    """Lists of ints for messages (tuples and OmegaConf lists print as lists)."""
+    if isinstance(x, (str, bytes)) or not hasattr(x, "__iter__"):
+        return x
+    return [_plain(v) for v in x]

@@ -130,6 +130,49 @@ def _parallel(**kw: object) -> PlanRequest:
     return dataclasses.replace(BASE, parallel=dataclasses.replace(BASE.parallel, **kw))
 
 
+def _pp2(replicas: tuple, **kw: object) -> Plan:
+    kw.setdefault("parallel", ParallelSpec(tp_base=4, pp=2))
+    return build_plan(dataclasses.replace(BASE, replicas=replicas, **kw))  # type: ignore[arg-type]
+
+
+def test_explicit_per_stage_replicas() -> None:
+    """``nutp.replicas`` entries: an int (every stage) or per-stage degrees; the plan runs
+    exactly those degrees, replica i's stage s on slice i * pp + s, rank order stage-major."""
+    plan = _pp2(((4, 3), 2, (1, 4)), cluster=ClusterSpec(24, 8))
+    _check_plan(plan)
+    assert plan.request.replicas == ((4, 3), (2, 2), (1, 4))
+    assert sorted(r.tp for r in plan.replicas) == sorted([(4, 3), (2, 2), (1, 4)])
+    for r in plan.replicas:
+        k = plan.request.replicas.index(r.tp)
+        for s in range(2):
+            slice_start = (2 * k + s) * 4  # 24 GPUs: six 4-GPU slices
+            assert all(slice_start <= g < slice_start + 4 for g in r.gpus[s])
+    assert plan.world_size == 4 + 3 + 2 + 2 + 1 + 4
+    # stage-major rank order: every stage-0 rank precedes every stage-1 rank
+    assert max(x for r in plan.replicas for x in r.ranks[0]) < \
+        min(x for r in plan.replicas for x in r.ranks[1])
+    # pp=1: ints and one-element lists are the same request
+    a = build_plan(dataclasses.replace(BASE, replicas=(4, 3)))
+    b = build_plan(dataclasses.replace(BASE, replicas=([4], [3])))
+    assert [r.tp for r in a.replicas] == [r.tp for r in b.replicas] == [(4,), (3,)]
+
+
+def test_explicit_replicas_too_many_name_the_cluster_size_that_fits() -> None:
+    """The error names the cluster.num_gpus to set; with it the same request plans."""
+    req = dataclasses.replace(BASE, cluster=ClusterSpec(8, 4, 4), replicas=((4, 3), (4, 4), (2, 2)),
+                              parallel=ParallelSpec(tp_base=4, pp=2))
+    with pytest.raises(ValueError, match=r"nutp\.replicas=.*cluster\.num_gpus=(\d+)") as e:
+        build_plan(req)
+    import re
+
+    need = int(re.search(r"cluster\.num_gpus=(\d+)", str(e.value)).group(1))  # type: ignore
+    assert need == 24  # six 4-GPU slices
+    plan = build_plan(dataclasses.replace(req, cluster=ClusterSpec(need, 4, 4)))
+    assert sorted(r.tp for r in plan.replicas) == [(2, 2), (4, 3), (4, 4)]
+    with pytest.raises(ValueError, match=r"nutp\.replicas"):  # one GPU fewer does not fit
+        build_plan(dataclasses.replace(req, cluster=ClusterSpec(need - 4, 4, 4)))
+
+
 @pytest.mark.parametrize("make, field", [
     (lambda: ClusterSpec(0, 8), "cluster.num_gpus"),
     (lambda: ClusterSpec(16, 8, gpus_per_node=3), "cluster.gpus_per_node"),
@@ -172,6 +215,21 @@ def _parallel(**kw: object) -> PlanRequest:
      "nutp.replicas"),  # degree exceeds healthy GPUs
     (lambda: build_plan(dataclasses.replace(BASE, replicas=(4, 3), parallel=ParallelSpec(
         tp_base=4, dp=3))), "parallel.dp"),
+    # per-stage explicit replicas (pp=2)
+    (lambda: _pp2(((4, 3, 2), (4, 4))), "nutp.replicas"),  # 3 degrees for 2 stages
+    (lambda: _pp2(((4,), (4, 4))), "nutp.replicas"),
+    (lambda: _pp2(((4, "3"), (4, 4))), "nutp.replicas"),
+    (lambda: _pp2(((4, True), (4, 4))), "nutp.replicas"),
+    (lambda: _pp2(()), "nutp.replicas"),
+    (lambda: _pp2(((4, 0), (4, 4))), "nutp.replicas"),
+    (lambda: _pp2(((4, 5), (4, 4))), "nutp.replicas"),  # above tp_base
+    (lambda: _pp2(((4, 3), (4, 4)), health=HealthReport((2,))), "nutp.replicas"),  # > healthy
+    (lambda: _pp2(((4, 4),) * 5), "nutp.replicas"),  # 10 slices, the cluster has 4
+    (lambda: _pp2(((4, 3), (4, 4)), parallel=ParallelSpec(tp_base=4, pp=2, min_tp=4)),
+     "nutp.replicas"),  # below min_tp
+    (lambda: _pp2(((4, 3), (4, 4)), model=ModelDims(seq_length=16),
+                  parallel=ParallelSpec(tp_base=4, pp=2, sequence_parallel=True)),
+     "nutp.replicas"),  # 3 does not divide seq_length under sequence parallel
 ])
 def test_validation_names_field(make, field: str) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):

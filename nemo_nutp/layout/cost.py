@@ -1,0 +1,142 @@
+"""Stage cost model shared by the planner and the goodput simulator (pure, no ``torch``).
+
+A replica stage at TP degree ``t`` spends, per micro-batch, on its *slowest rank*:
+
+* compute: forward + backward FLOPs of the rank's units (``units.rank_work``: the planner's real
+  assignment, so query-group granularity and uneven shards show up), ``FWD_BWD`` x 2 FLOPs per
+  multiply-add and token;
+* TP communication: megatron's 4 all-reduces per layer (2 forward, 2 backward) of the hidden
+  activations, ring volume ``2 (t-1)/t`` per rank (``tp_bytes``; with sequence parallel the
+  reduce-scatter + all-gather pair moves the same volume);
+* stage-boundary traffic (``boundary_bytes``): the activation a stage receives from the previous
+  stage and sends to the next one, and the same sizes back for their gradients. Without sequence
+  parallel every receiving rank needs the whole activation ``A`` (the senders hold ``A``
+  replicated, so each of ``t`` senders serves ``t_next / t`` receivers); with sequence parallel
+  each side holds ``A / t`` and only the pieces move.
+
+``CostSpec`` turns these into seconds (achieved FLOP/s, link bandwidths, a latency per message,
+a fixed per-layer cost that does not shrink with the degree).
+Without a spec (``None``) the model is compute-only in relative units: the planner's behaviour
+before a hardware was named, and what the simulator's ``cost.mode='compute'`` matches.
+
+``stage_layers(num_layers, pp)`` is the layer split every stage uses (even: ``pp`` divides
+``num_layers``, checked by the planner).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .specs import ModelDims, _bad
+from .units import rank_work
+
+FWD_BWD = 3.0
+"""Forward + backward cost in forward passes (backward computes input and weight gradients)."""
+FLOPS_PER_MAC = 2.0
+
+
+def stage_layers(num_layers: int, pp: int) -> list[tuple[int, int]]:
+    """``[first, last_exclusive)`` transformer layers of each of ``pp`` stages (even split)."""
+    if pp < 1 or num_layers % pp:
+        raise _bad("parallel.pp", pp, f"must divide model.num_layers={num_layers}")
+    n = num_layers // pp
+    return [(s * n, (s + 1) * n) for s in range(pp)]
+
+
+@dataclass(frozen=True)
+class CostSpec:
+    """Per-rank constants that turn the stage cost model into seconds."""
+
+    flops: float
+    """Achieved FLOP/s of one rank on the model's matmuls (peak x MFU)."""
+    tp_gbps: float
+    """GB/s per rank and direction for TP collectives (scale-up domain)."""
+    p2p_gbps: float
+    """GB/s per rank and direction for stage-boundary sends (often across domains)."""
+    tp_overlap: float = 0.0
+    """Fraction of TP communication hidden behind compute."""
+    latency_s: float = 0.0
+    """Fixed cost of one collective or point-to-point message."""
+    act_bytes: int = 2
+    """Bytes per activation element on the wire (bf16: 2)."""
+    layer_overhead_s: float = 0.0
+    """Fixed seconds per layer and micro-batch on every rank whatever its degree (operator
+    dispatch; about 0 on GPUs, where launches overlap; measurable on CPUs)."""
+    name: str = "hardware"
+    """Where the numbers come from (shown in tables)."""
+
+    def __post_init__(self) -> None:
+        for k in ("flops", "tp_gbps", "p2p_gbps"):
+            if not float(getattr(self, k)) > 0:
+                raise _bad(f"cost.{k}", getattr(self, k), "must be > 0")
+        if not 0.0 <= self.tp_overlap <= 1.0:
+            raise _bad("cost.tp_overlap", self.tp_overlap, "must be in [0, 1]")
+        for k in ("latency_s", "layer_overhead_s"):
+            if getattr(self, k) < 0:
+                raise _bad(f"cost.{k}", getattr(self, k), "must be >= 0")
+
+    @classmethod
+    def from_hardware(cls, *, peak_tflops: float, nvlink_gbps: float, network_gbps: float,
+                      mfu: float = 0.45, tp_overlap: float = 0.3, latency_s: float = 5e-6,
+                      name: str = "hardware") -> CostSpec:
+        """From a ``configs/sim/hardware`` file (the simulator's MFU/overlap defaults):
+        TP on the scale-up links, stage boundaries on the scale-out network."""
+        return cls(flops=peak_tflops * 1e12 * mfu, tp_gbps=nvlink_gbps, p2p_gbps=network_gbps,
+                   tp_overlap=tp_overlap, latency_s=latency_s, name=name)
+
+
+def stage_flops(dims: ModelDims, t: int, layers: int, *, with_vocab: bool, tokens: int,
+                balance: str = "work") -> float:
+    """Forward + backward FLOPs of the slowest of ``t`` ranks for one micro-batch."""
+    work = float(rank_work(dims, t, layers, with_vocab, balance).max())
+    return FWD_BWD * FLOPS_PER_MAC * work * tokens
+
+
+def tp_bytes(dims: ModelDims, t: int, layers: int, *, tokens: int, act_bytes: int = 2) -> float:
+    """Bytes one rank moves in TP all-reduces for one micro-batch (ring: 2 (t-1)/t x size)."""
+    return layers * 4 * 2 * (t - 1) / t * tokens * dims.hidden_size * act_bytes
+
+
+def boundary_bytes(dims: ModelDims, t: int, *, t_prev: int | None, t_next: int | None,
+                   tokens: int, sequence_parallel: bool = False, act_bytes: int = 2) -> float:
+    """Bytes one rank of a stage at degree ``t`` sends + receives at its stage boundaries per
+    micro-batch, forward activations and backward gradients (``None``: no such neighbour)."""
+    a = float(tokens * dims.hidden_size * act_bytes)
+    total = 0.0
+    if t_prev is not None:  # receive: the whole activation, or this rank's chunk under SP
+        total += a / t if sequence_parallel else a
+    if t_next is not None:  # send: its chunk, or the whole one to t_next / t receivers
+        total += a / t if sequence_parallel else a * t_next / t
+    return 2.0 * total  # the gradients go the other way with the same sizes
+
+
+@dataclass(frozen=True)
+class StageTime:
+    """Seconds (or relative units without a spec) of one micro-batch on a stage."""
+
+    compute: float
+    tp: float
+    boundary: float
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.tp + self.boundary
+
+
+def stage_time(dims: ModelDims, spec: CostSpec | None, *, t: int, stage: int, pp: int,
+               tokens: int, t_prev: int | None = None, t_next: int | None = None,
+               sequence_parallel: bool = False, balance: str = "work") -> StageTime:
+    """One micro-batch on stage ``stage`` of ``pp`` at degree ``t`` (slowest rank)."""
+    layers = dims.num_layers // pp
+    flops = stage_flops(dims, t, layers, with_vocab=stage == pp - 1, tokens=tokens,
+                        balance=balance)
+    if spec is None:
+        return StageTime(flops, 0.0, 0.0)
+    ab = spec.act_bytes
+    tp = tp_bytes(dims, t, layers, tokens=tokens, act_bytes=ab) / (spec.tp_gbps * 1e9)
+    tp = tp * (1.0 - spec.tp_overlap) + (4 * layers * spec.latency_s if t > 1 else 0.0)
+    nb = (t_prev is not None) + (t_next is not None)
+    bd = boundary_bytes(dims, t, t_prev=t_prev, t_next=t_next, tokens=tokens,
+                        sequence_parallel=sequence_parallel, act_bytes=ab)
+    bd = bd / (spec.p2p_gbps * 1e9) + 2 * nb * spec.latency_s
+    return StageTime(flops / spec.flops + layers * spec.layer_overhead_s, tp, bd)
