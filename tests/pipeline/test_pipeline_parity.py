@@ -11,7 +11,8 @@ bitwise equal; every rank the same grad-norm bits), with clipping on in every la
   boundary as sequence pieces, never the whole sequence);
 * ``pp4_degraded``: one replica [2, 2, 1, 2] (one stage lost a GPU);
 * ``pp2_bf16``: replicas [2, 1] and [2, 2], bf16 (within the bf16 tolerance of the parity
-  suite).
+  suite);
+* negative control: tied rows paired by rank position instead of vocab unit must fail.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests._dist import spawn
-from tests.runtime.parity import Case, run_references, worker
+from tests.runtime.parity import TOL, Case, run_references, worker
 from tests.runtime.test_parity import CLIP, GQA_SWIGLU, check_cases
 
 FOUR_LAYERS = dict(num_layers=4)
@@ -34,6 +35,8 @@ CASES = [
          model=dict(FOUR_LAYERS, tie_embeddings=True)),
     Case("pp2_bf16", ((2, 1), (2, 2)), pp=2, clip_grad=CLIP, precision="bf16", steps=4,
          model=GQA_SWIGLU),
+    Case("control_tied_by_position", ((2, 1), (2, 2)), pp=2, clip_grad=CLIP, global_batch=7,
+         steps=2, model=dict(tie_embeddings=True, add_bias=True), control="tied_by_position"),
 ]
 
 
@@ -51,3 +54,9 @@ def test_pipeline_parity(tmp_path: Path) -> None:
               f"model_rel={r['model_rel']:.2e} replicas_equal={r['replicas_equal']}")
     assert res["pp2_tied"]["shares"][0] != res["pp2_tied"]["shares"][1]  # unequal shares
     check_cases(res, CASES)
+    # Pairing the tied rows by rank position (the public reference's embedding groups) is
+    # wrong where the first and last stages' degrees differ: far outside the tolerance.
+    bad = res["control_tied_by_position"]
+    assert max(bad["norm_rel"]) > 100 * TOL, bad["norm_rel"]
+    assert bad["model_rel"] > 10 * TOL, bad["model_rel"]
+    assert not bad["replicas_equal"] and not bad["tied_copies_equal"]

@@ -98,6 +98,8 @@ def check_parity(r: dict[str, Any], *, clip: float = 0.0, tol: float = TOL,
     assert r["replicas_equal"], "replicas' assembled parameters differ"
     assert r["grads_replicas_equal"], "replicas' synchronised gradients differ"
     assert r["norms_bitwise"], "ranks reported different grad-norm bits"
+    assert r.get("tied_copies_equal", True), "a pipeline's tied output copy differs from the " \
+        "first stage's embedding"
     assert r["skipped"] == r["ref_skipped"], (r["skipped"], r["ref_skipped"])
     assert max(r["loss_rel"]) <= tol, r["loss_rel"]
     assert max(r["norm_rel"]) <= tol, r["norm_rel"]
