@@ -15,7 +15,8 @@ A replica stage at TP degree ``t`` spends, per micro-batch, on its *slowest rank
   each side holds ``A / t`` and only the pieces move.
 
 ``CostSpec`` turns these into seconds (achieved FLOP/s, link bandwidths, a latency per message,
-a fixed per-layer cost that does not shrink with the degree).
+a fixed per-layer cost that does not shrink with the degree, the first stage's dense embedding
+gradient per table element).
 Without a spec (``None``) the model is compute-only in relative units: the planner's behaviour
 before a hardware was named, and what the simulator's ``cost.mode='compute'`` matches.
 
@@ -27,8 +28,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from .specs import ModelDims, _bad
-from .units import rank_work
+from .units import rank_work, space_bounds
 
 FWD_BWD = 3.0
 """Forward + backward cost in forward passes (backward computes input and weight gradients)."""
@@ -62,6 +65,10 @@ class CostSpec:
     layer_overhead_s: float = 0.0
     """Fixed seconds per layer and micro-batch on every rank whatever its degree (operator
     dispatch; about 0 on GPUs, where launches overlap; measurable on CPUs)."""
+    table_elem_s: float = 0.0
+    """Seconds per element of the first stage's local word-embedding table per micro-batch:
+    its backward writes a dense gradient of the table (memory-bound, not a multiply-add;
+    0 on GPUs, where it is small next to the matmuls)."""
     name: str = "hardware"
     """Where the numbers come from (shown in tables)."""
 
@@ -71,7 +78,7 @@ class CostSpec:
                 raise _bad(f"cost.{k}", getattr(self, k), "must be > 0")
         if not 0.0 <= self.tp_overlap <= 1.0:
             raise _bad("cost.tp_overlap", self.tp_overlap, "must be in [0, 1]")
-        for k in ("latency_s", "layer_overhead_s"):
+        for k in ("latency_s", "layer_overhead_s", "table_elem_s"):
             if getattr(self, k) < 0:
                 raise _bad(f"cost.{k}", getattr(self, k), "must be >= 0")
 
@@ -139,4 +146,8 @@ def stage_time(dims: ModelDims, spec: CostSpec | None, *, t: int, stage: int, pp
     bd = boundary_bytes(dims, t, t_prev=t_prev, t_next=t_next, tokens=tokens,
                         sequence_parallel=sequence_parallel, act_bytes=ab)
     bd = bd / (spec.p2p_gbps * 1e9) + 2 * nb * spec.latency_s
-    return StageTime(flops / spec.flops + layers * spec.layer_overhead_s, tp, bd)
+    compute = flops / spec.flops + layers * spec.layer_overhead_s
+    if stage == 0 and spec.table_elem_s:
+        rows = int(np.diff(space_bounds(dims, "vocab", t, balance)).max())
+        compute += rows * dims.hidden_size * spec.table_elem_s
+    return StageTime(compute, tp, bd)

@@ -115,10 +115,22 @@ def test_communication_terms() -> None:
     assert alone.tp == 0.0 and alone.boundary == 0.0
 
 
+def test_fixed_costs() -> None:
+    """A per-layer cost on every stage whatever its degree; the dense embedding gradient on the
+    first stage only, per row of its largest local table (1000 rows over 3 ranks: 334)."""
+    spec = dataclasses.replace(H100, layer_overhead_s=1e-3, table_elem_s=1e-9)
+    for stage, t in ((0, 3), (1, 3), (1, 1)):
+        a = stage_time(DIMS, H100, t=t, stage=stage, pp=2, tokens=64)
+        b = stage_time(DIMS, spec, t=t, stage=stage, pp=2, tokens=64)
+        table = 334 * DIMS.hidden_size * 1e-9 if (stage, t) == (0, 3) else 0.0
+        assert b.compute - a.compute == pytest.approx(2 * 1e-3 + table, rel=1e-9)
+
+
 @pytest.mark.parametrize("kw, field", [
     ({"flops": 0.0}, "cost.flops"), ({"tp_gbps": -1.0}, "cost.tp_gbps"),
     ({"p2p_gbps": 0.0}, "cost.p2p_gbps"), ({"tp_overlap": 1.5}, "cost.tp_overlap"),
-    ({"latency_s": -1e-6}, "cost.latency_s"),
+    ({"latency_s": -1e-6}, "cost.latency_s"), ({"layer_overhead_s": -1.0}, "cost.layer_overhead_s"),
+    ({"table_elem_s": -1.0}, "cost.table_elem_s"),
 ])
 def test_cost_spec_validation_names_field(kw: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
