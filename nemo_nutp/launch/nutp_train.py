@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dry-run", action="store_true",
                     help="validate, plan and print the plan (per-stage degrees and predicted "
                          "times); spawn nothing, exit 0 (2 on a bad config)")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # overrides may follow --dry-run
     from ..compat.quiet import quiet_optional_kernel_notes
 
     quiet_optional_kernel_notes()

@@ -30,7 +30,7 @@ def test_dry_run_cli_plans_a_pp4_recipe_without_running_it(tmp_path: Path) -> No
     """The command line itself (pp=4: the runtime's own pp limit is not applied)."""
     out = tmp_path / "out"
     r = subprocess.run([sys.executable, "-m", "nemo_nutp.train", "recipe=llama3_70b_h100",
-                        f"output.dir={out}", "--dry-run"],
+                        "--dry-run", f"output.dir={out}"],  # overrides on both sides
                        capture_output=True, text=True, timeout=240, check=False)
     assert r.returncode == 0, (r.stdout, r.stderr)
     assert "8/8/8/8" in r.stdout and " ms" in r.stdout, r.stdout
