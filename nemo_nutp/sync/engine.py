@@ -41,6 +41,10 @@ vector summed in the same order gives the same total on every rank of every repl
 ``grad_sumsq`` holds it after ``finish``; ``nonfinite_params()`` names the parameters whose slot
 is NaN/Inf.
 
+Distributed optimizer (``zero.py``, ``use_reduce_scatter``): each bucket is reduce-scattered
+instead (member ``j`` of its group keeps slice ``j``), no reduced gradient returns to holders, and
+each piece's slot is summed from its members' slices by one small all-reduce per group.
+
 Ordering contract: buckets are launched in one canonical order (``descriptors.plan_buckets``: a
 restriction of one global order), a bucket only after its received pieces are in, so members
 whose megatron buckets differ still pair the same operations. Nothing blocks inside backward
@@ -84,6 +88,8 @@ class _Bucket:
     buf: torch.Tensor | None = None
     in_msgs: list[_Msg] = field(default_factory=list)  # reshard messages bringing pieces
     work: Any = None
+    scatter: tuple[int, int, int] | None = None  # reduce-scatter: (members, my index, chunk)
+    out: torch.Tensor | None = None  # reduce-scatter: my reduced slice (chunk elements)
 
 
 @dataclass(eq=False)
@@ -163,6 +169,7 @@ class GradSyncEngine:
         # The distributed optimizer (zero.py) reads the reduced buckets after ``finish``: it
         # sets this and calls ``release_buckets`` once it has taken its slices.
         self.keep_buckets = False
+        self.scattering = False  # see use_reduce_scatter
         self.sumsq_slots: torch.Tensor | None = None
         self.reset()
 
@@ -299,8 +306,24 @@ class GradSyncEngine:
     @staticmethod
     def _buffer(b: _Bucket, like: torch.Tensor) -> torch.Tensor:
         if b.buf is None:
-            b.buf = torch.empty(b.spec.numel, dtype=like.dtype, device=like.device)
+            if b.scatter is None:
+                b.buf = torch.empty(b.spec.numel, dtype=like.dtype, device=like.device)
+            else:  # padded to members x chunk; the padding reduces to zeros
+                size, _, chunk = b.scatter
+                b.buf = torch.zeros(size * chunk, dtype=like.dtype, device=like.device)
         return b.buf
+
+    def use_reduce_scatter(self, slices: list[tuple[int, int, int]]) -> None:
+        """Distributed optimizer (zero.py): reduce each bucket with a reduce-scatter; member
+        ``j`` of its group keeps slice ``j`` (``bucket.out``), per bucket (members, j, chunk).
+        Then nobody receives the reduced gradient itself (no return path, no replicated
+        sharing: ``main_grad`` keeps the local, unreduced values after the sync); the grad
+        norm is summed from the slices (``_finish_scattered``)."""
+        assert len(slices) == len(self.buckets)
+        for b, sl in zip(self.buckets, slices, strict=True):
+            b.scatter = sl
+        self.scattering = True
+        self.shared = []
 
     def _post(self, e: _Param) -> None:
         grad = e.param.main_grad  # type: ignore[attr-defined]
@@ -344,7 +367,13 @@ class GradSyncEngine:
                 return
             for m in b.in_msgs:
                 self._scatter_in(m)
-            b.work = dist.all_reduce(b.buf, group=b.group, async_op=True)
+            if b.scatter is None:
+                b.work = dist.all_reduce(b.buf, group=b.group, async_op=True)
+            else:
+                assert b.buf is not None
+                b.out = torch.empty(b.scatter[2], dtype=b.buf.dtype, device=b.buf.device)
+                b.work = dist.reduce_scatter_tensor(b.out, b.buf, group=b.group,
+                                                    async_op=True)
             self.launched += 1
 
     def _scatter_in(self, m: _Msg) -> None:
@@ -382,8 +411,11 @@ class GradSyncEngine:
         shared = sum(e.param.numel() for e in self.shared)
         tp_buf = torch.zeros(self.n_slots + shared, dtype=torch.float64, device=device)
         sumsq = tp_buf[:self.n_slots]
-        self._finish_replicated(sumsq)
-        self._finish_sharded(sumsq)
+        if self.scattering:
+            self._finish_scattered(sumsq)
+        else:
+            self._finish_replicated(sumsq)
+            self._finish_sharded(sumsq)
         if self.ctx.tp_rank == 0 and shared:
             tp_buf[self.n_slots:].copy_(torch.cat(
                 [e.param.main_grad.reshape(-1) for e in self.shared]))  # type: ignore
@@ -450,6 +482,43 @@ class GradSyncEngine:
         for work in backs:
             work.wait()  # type: ignore[union-attr]
 
+    def _finish_scattered(self, sumsq: torch.Tensor) -> None:
+        """Reduce-scatter mode: wait; each piece's sum of squares from its members' slices.
+
+        Per group, one small all-reduce of a (pieces x members) fp64 matrix, one contributor
+        per entry (exact); each piece's row summed in member order gives the same bits on every
+        member, which the owner writes into its slot (replicated: TP rank 0)."""
+        for m in self.out_msgs:
+            m.work.wait()  # type: ignore[union-attr]
+        for b in self.buckets:
+            if b.work is not None:
+                b.work.wait()
+                b.work = None
+        items: dict[Hashable, list[tuple[_Bucket, Piece]]] = {}
+        for b in self.buckets:  # canonical order: groups by their first bucket, on all members
+            items.setdefault(b.spec.key, []).extend((b, pc) for pc in b.spec.pieces)
+        device = sumsq.device
+        pending = []
+        for its in items.values():
+            size = its[0][0].scatter[0]  # type: ignore[index]
+            mat = torch.zeros(len(its), size, dtype=torch.float64, device=device)
+            for r, (b, pc) in enumerate(its):
+                _, j, chunk = b.scatter  # type: ignore[misc]
+                a, z = max(j * chunk, pc.offset), min((j + 1) * chunk, pc.offset + pc.numel)
+                if z > a:
+                    mat[r, j] = _sumsq(b.out[a - j * chunk:z - j * chunk])  # type: ignore
+            pending.append((its, mat, dist.all_reduce(mat, group=its[0][0].group,
+                                                      async_op=True)))
+        for its, mat, work in pending:
+            work.wait()  # type: ignore[union-attr]
+            totals = mat.sum(dim=1)
+            for r, (_, pc) in enumerate(its):
+                e = self.order[pc.param]
+                if e.kind is not None:
+                    sumsq[e.slot + pc.k] = totals[r]
+                elif self.ctx.tp_rank == 0:
+                    sumsq[e.slot] = totals[r]
+
     def nonfinite_params(self) -> list[str]:
         """Parameters whose reduced gradient holds NaN/Inf (the same list on every rank)."""
         if self.sumsq_slots is None:
@@ -460,8 +529,10 @@ class GradSyncEngine:
     def _clear(self) -> None:
         for b in self.buckets:
             b.work = None
-            if not self.keep_buckets:
+            if not self.keep_buckets or b.scatter is not None:
                 b.buf = None
+            if not self.keep_buckets:
+                b.out = None
         for m in self.out_msgs + self.in_msgs:
             m.buf, m.work, m.done = None, None, False
 
@@ -469,7 +540,7 @@ class GradSyncEngine:
     def release_buckets(self) -> None:
         """Free the reduced bucket buffers kept for the distributed optimizer."""
         for b in self.buckets:
-            b.buf = None
+            b.buf, b.out = None, None
 
 
 def _sumsq(t: torch.Tensor) -> torch.Tensor:

@@ -10,9 +10,11 @@ is ~1/R of what the non-distributed optimizer keeps for its local shard.
 
 One step (``prepare_grads`` -> clipping in ``train/step.py`` -> ``step_with_ready_grads``):
 
-1. the engine reduces each bucket with an all-reduce as without this optimizer (so every owner
-   computes the same grad-norm slot bits: the norm stays the single-process value) and keeps the
-   reduced buffers; each member takes its slice as the fp32 gradient of its flat masters;
+1. the engine reduces each bucket with a reduce-scatter among its group (instead of the
+   all-reduce), so each member receives only its slice, the fp32 gradient of its flat masters;
+   no reduced gradient goes back to the holders (``main_grad`` stays local). The grad norm is
+   still the single-process value, the same bits everywhere: per group one small all-reduce of
+   the members' per-piece sums of squares (``engine._finish_scattered``);
 2. megatron's inner optimizer class (torch ``AdamW``/``Adam``/``SGD`` with megatron's param
    groups and hyper-parameters, as ``get_megatron_optimizer`` builds it without TE/apex) updates
    the flat masters; clipping scales their gradients with megatron's
@@ -22,9 +24,12 @@ One step (``prepare_grads`` -> clipping in ``train/step.py`` -> ``step_with_read
    engine's reshard messages (the return path, carrying parameters); without sequence
    parallelism the leader broadcasts the replicated parameters in its TP group.
 
-The reduction half is an all-reduce, not a reduce-scatter: a reduce-scatter would leave each
-owner only its slice, and the per-shard norm slots (same bits on every replica) would need
-another collective. The saving is in memory, the communication is all-reduce + all-gather.
+Pipeline stages with tied embeddings are the exception: the pipeline finalizer adds the other
+stage's embedding gradient into ``main_grad`` after the sync, so there the buckets are
+all-reduced as without this optimizer and the slices are taken from ``main_grad``.
+
+fp32 models keep no masters between steps: they equal the parameters bit for bit and are taken
+from them (holders -> owners) at each step, as megatron's optimizers view fp32 params.
 
 Checkpoints: ``sharded_state_dict`` gathers the state back to the shape of the local parameters
 and emits exactly what megatron's non-distributed ``FP32Optimizer`` (fp32) or
@@ -222,6 +227,10 @@ class ZeroOptimizer:
         # taken from main_grad (holders -> owners, as the parameters) instead of the buckets.
         plan = engine.plan
         self.reread = plan.pp > 1 and bool(plan.request.model.tie_embeddings)
+        # Otherwise the buckets are reduce-scattered: each member receives only its slice.
+        self.scatter = not self.reread
+        if self.scatter:
+            engine.use_reduce_scatter([(sl.size, sl.index, sl.chunk) for sl in self.slices])
         # fp32 models: the masters equal the parameters bit for bit, so they are taken from
         # them at each step and freed after it (what megatron's optimizers get by viewing fp32
         # params); half-precision models keep them (their params are rounded).
@@ -264,6 +273,12 @@ class ZeroOptimizer:
         return out, sizes
 
     # ---------------------------------------------------------------- megatron interface
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The inner optimizer's groups (megatron's keys: ``lr``, ``wd_mult``, ...), as megatron
+        optimizers expose them to ``OptimizerParamScheduler``."""
+        return self.optimizer.param_groups
+
     def get_loss_scale(self) -> torch.Tensor:
         return torch.tensor([1.0])
 
@@ -281,16 +296,21 @@ class ZeroOptimizer:
         if not self.keep_masters:
             self._load_masters()
         grads = [torch.empty_like(m) for m in self.masters]
-        bufs: list[torch.Tensor | None] = [b.buf for b in self.engine.buckets]
-        if self.reread:
-            bufs = list(self.mover.to_buckets([p.main_grad for p in self.params],  # type: ignore
-                                              self.params[0].main_grad.dtype))  # type: ignore
+        eng = self.engine
+        # (buffer, offset of its first element in the bucket) per bucket
+        bufs: list[tuple[torch.Tensor | None, int]] = [(b.buf, 0) for b in eng.buckets]
+        if self.scatter:
+            bufs = [(b.out, sl.start) for b, sl in zip(eng.buckets, self.slices, strict=True)]
+        elif self.reread:
+            full = self.mover.to_buckets([p.main_grad for p in self.params],  # type: ignore
+                                         self.params[0].main_grad.dtype)  # type: ignore
+            bufs = [(t, 0) for t in full]
         for s in self.segments:
-            buf = bufs[s.bucket]
+            buf, at = bufs[s.bucket]
             if buf is None:
                 raise RuntimeError("distributed optimizer: the gradient sync kept no reduced "
                                    "buckets (finish_grad_sync must run before the step)")
-            grads[s.group][s.offset:s.offset + s.z - s.a].copy_(buf[s.a:s.z])
+            grads[s.group][s.offset:s.offset + s.z - s.a].copy_(buf[s.a - at:s.z - at])
         self.engine.release_buckets()
         for m, g in zip(self.masters, grads, strict=True):
             m.grad = g
@@ -411,7 +431,8 @@ class ZeroOptimizer:
         if not self.config.bf16:
             return sd
         masters = (self._full([m.data for m in self.masters]) if not is_loading else
-                   {id(p): torch.zeros(p.shape, dtype=torch.float32) for p in self.params})
+                   {id(p): torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                    for p in self.params})
         return {"optimizer": sd, "fp32_from_fp16_params": [
             [make_sharded_optimizer_tensor(id_map[index[id(p)]], masters[id(p)],
                                            prefix="optimizer.state.fp32_param")

@@ -27,6 +27,22 @@ def _local_numel(session: Any) -> int:
     return sum(p.numel() for p in session.model.parameters() if p.requires_grad)
 
 
+class _NoGradHook:
+    """The session, minus the harness's gradient hook: with the reduce-scatter no rank holds
+    the reduced gradient of its local units (nothing to assemble at the gradient level; the
+    norm, the losses and the parameters are compared)."""
+
+    def __init__(self, session: Any) -> None:
+        self.session = session
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.session, name)
+
+    def step(self, step: int, *, after_sync: Any = None) -> Any:
+        del after_sync
+        return self.session.step(step)
+
+
 def run_case(case: Any, outdir: str) -> None:
     """The parity harness's training and comparison, with ``train.distributed_optimizer``;
     also this rank's optimizer-state bytes next to its local parameter count."""
@@ -35,7 +51,8 @@ def run_case(case: Any, outdir: str) -> None:
     from tests.runtime.parity import _compare, _no_global_groups, _train
 
     session = _session(case, distributed=True)
-    got = _train(case, session)
+    scatter = session.optimizer.scatter
+    got = _train(case, _NoGradHook(session) if scatter else session)
     stats = [None] * dist.get_world_size()
     dist.all_gather_object(stats, (session.optimizer.state_bytes(), _local_numel(session)))
     if dist.get_rank() == 0:
@@ -43,7 +60,8 @@ def run_case(case: Any, outdir: str) -> None:
         result = _compare(case, got, ref)
         result.update(shares=[r.microbatches for r in session.plan.replicas],
                       state=stats, replicas=len(session.plan.replicas),
-                      global_tp_group_untouched=_no_global_groups())
+                      global_tp_group_untouched=_no_global_groups(),
+                      grads_compared=not scatter)
         with open(os.path.join(outdir, f"{case.name}.json"), "w") as f:
             json.dump(result, f)
     dist.barrier()
