@@ -27,6 +27,22 @@ def _local_numel(session: Any) -> int:
     return sum(p.numel() for p in session.model.parameters() if p.requires_grad)
 
 
+def _no_allgather(opt: Any) -> None:
+    """Negative control: each bucket holds only this rank's updated slice (the others' slices
+    keep zeros), as if the parameter all-gather were skipped."""
+    def local_only(flats: Any, dtype: Any) -> list[Any]:
+        out = []
+        for i, b in enumerate(opt.engine.buckets):
+            buf = torch.zeros(b.spec.numel, dtype=dtype)
+            for s in opt.segments:
+                if s.bucket == i:
+                    buf[s.a:s.z] = flats[s.group][s.offset:s.offset + s.z - s.a]
+            out.append(buf)
+        return out
+
+    opt._gather = local_only
+
+
 class _NoGradHook:
     """The session, minus the harness's gradient hook: with the reduce-scatter no rank holds
     the reduced gradient of its local units (nothing to assemble at the gradient level; the
@@ -51,6 +67,8 @@ def run_case(case: Any, outdir: str) -> None:
     from tests.runtime.parity import _compare, _no_global_groups, _train
 
     session = _session(case, distributed=True)
+    if case.control == "no_allgather":
+        _no_allgather(session.optimizer)
     scatter = session.optimizer.scatter
     got = _train(case, _NoGradHook(session) if scatter else session)
     stats = [None] * dist.get_world_size()
