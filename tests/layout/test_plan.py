@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -155,6 +156,36 @@ def test_explicit_per_stage_replicas() -> None:
     a = build_plan(dataclasses.replace(BASE, replicas=(4, 3)))
     b = build_plan(dataclasses.replace(BASE, replicas=([4], [3])))
     assert [r.tp for r in a.replicas] == [r.tp for r in b.replicas] == [(4,), (3,)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(req=plan_requests(policy="nutp"), data=st.data())
+def test_drawn_explicit_per_stage_layouts(req: PlanRequest, data: st.DataObject) -> None:
+    """Any per-stage degrees the model allows plan exactly as given (in some replica order),
+    on a cluster ``fit_cluster`` sized for them, with every plan invariant."""
+    from nemo_nutp.layout import fit_cluster
+    from nemo_nutp.layout.plan import _valid_degrees
+
+    pp, valid = req.parallel.pp, np.nonzero(_valid_degrees(req))[0].tolist()
+    if not valid:
+        return
+    reps = data.draw(st.lists(st.one_of(st.sampled_from(valid), st.tuples(
+        *[st.sampled_from(valid)] * pp)), min_size=1, max_size=4))
+    cluster = fit_cluster(req.cluster, req.parallel.tp_base, len(reps) * pp)
+    req = dataclasses.replace(req, cluster=cluster, health=HealthReport(), replicas=tuple(reps),
+                              global_batch=max(req.global_batch, len(reps)))
+    plan = build_plan(req)
+    _check_plan(plan)
+    want = Counter(r if isinstance(r, tuple) else (r,) * pp for r in reps)
+    got = Counter(r.tp for r in plan.replicas)
+    assert not got - want  # exactly the given degrees; a replica too slow for even one
+    assert plan.dropped_replicas == sum((want - got).values())  # micro-batch may be benched
+    from nemo_nutp.layout.plan import _Speed
+
+    for tp in (want - got).elements():  # only ever the slowest
+        assert _Speed(req)(tp) <= min(r.speed for r in plan.replicas) + 1e-12
+    for r in plan.replicas:
+        assert r.speed == pytest.approx(1.0 / max(r.stage_times), rel=1e-9)
 
 
 def test_explicit_replicas_too_many_name_the_cluster_size_that_fits() -> None:
