@@ -108,11 +108,20 @@ class Plan:
                 for rep in self.replicas for j in range(max(rep.tp))]
 
     def embedding_groups(self) -> list[list[int]]:
-        """First/last stage pairs holding the (tied) word embedding; empty when pp == 1."""
+        """First/last-stage rank pairs that exchange tied-embedding gradient rows: within a
+        replica, rank j of the first stage and rank k of the last whose vocab units overlap
+        (pairing by unit, as ``pipeline.finalize`` does; by rank position would pair rows of
+        different tokens when the two stages' degrees differ). Empty when pp == 1."""
         if self.pp == 1:
             return []
-        return [[rep.ranks[0][j], rep.ranks[-1][j % rep.tp[-1]]]
-                for rep in self.replicas for j in range(rep.tp[0])]
+        out = []
+        for rep in self.replicas:
+            b0 = self.unit_bounds(0, "vocab", rep.tp[0])
+            bl = self.unit_bounds(self.pp - 1, "vocab", rep.tp[-1])
+            out += [[rep.ranks[0][j], rep.ranks[-1][k]] for j in range(rep.tp[0])
+                    for k in range(rep.tp[-1])
+                    if min(b0[j + 1], bl[k + 1]) > max(b0[j], bl[k])]
+        return out
 
     def stage_groups(self) -> list[list[int]]:
         """All ranks of a stage over replicas: the DP group of replicated parameters."""

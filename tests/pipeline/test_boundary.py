@@ -42,3 +42,25 @@ def test_sequence_parallel_moves_pieces_not_the_sequence() -> None:
     assert boundary_pieces(4, 2, 12, True) == [(0, 0, 0, 3), (1, 0, 3, 6), (2, 1, 6, 9),
                                                (3, 1, 9, 12)]
     assert grad_pieces(2, 3, 12, False) == [(0, 0, 0, 12), (1, 1, 0, 12)]
+
+
+@settings(max_examples=25, deadline=None)
+@given(first=st.integers(1, 4), last=st.integers(1, 4), other=st.integers(1, 4))
+def test_tied_embedding_pairs_cover_every_vocab_row_once(first: int, last: int,
+                                                         other: int) -> None:
+    """``Plan.embedding_groups``: the pairs' vocab overlaps tile every replica's vocabulary."""
+    from tests.runtime.parity import Case, make_plan
+
+    plan = make_plan(Case("x", ((first, last), (other, other)), pp=2,
+                          model=dict(tie_embeddings=True)))
+    pairs = {tuple(p) for p in plan.embedding_groups()}
+    vocab = plan.request.model.vocab_size
+    for rep in plan.replicas:
+        b0 = plan.unit_bounds(0, "vocab", rep.tp[0])
+        bl = plan.unit_bounds(1, "vocab", rep.tp[1])
+        spans = sorted((max(b0[j], bl[k]), min(b0[j + 1], bl[k + 1]))
+                       for j in range(rep.tp[0]) for k in range(rep.tp[1])
+                       if (rep.ranks[0][j], rep.ranks[1][k]) in pairs)
+        assert spans[0][0] == 0 and spans[-1][1] == vocab
+        assert all(lo < hi for lo, hi in spans)
+        assert all(a[1] == b[0] for a, b in pairwise(spans)), spans
