@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from megatron.core.optimizer import OptimizerConfig
+from megatron.core.optimizer import OptimizerConfig, get_standard_config_overrides
 from megatron.core.optimizer import _get_param_groups as megatron_param_groups
 
 from .engine import GradSyncEngine, _Bucket, _Param
@@ -216,7 +216,9 @@ class ZeroOptimizer:
             raise ValueError(f"train.distributed_optimizer=true: parameters of several dtypes "
                              f"{sorted(map(str, dtypes))}")
         self.param_dtype = self.params[0].dtype if self.params else torch.float32
-        groups = megatron_param_groups([model], config, None)  # megatron's order and keys
+        # megatron's groups, order and keys (get_megatron_optimizer's default overrides: no
+        # weight decay multiplier on biases and 1-D params; 0.19 no longer applies them for None)
+        groups = megatron_param_groups([model], config, get_standard_config_overrides(config))
         self.in_order = [p for g in groups for p in g["params"]]
         self.group_of = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
         self.slices = [self._slice(b) for b in engine.buckets]
