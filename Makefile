@@ -14,7 +14,7 @@ VENV312 ?= .venv312
 STAMP312 := $(VENV312)/.installed
 # On megatron-core 0.19: parity, checkpoint round trips, nutp-train, config and image checks.
 TESTS_312 ?= tests/runtime tests/checkpoint/test_roundtrip.py tests/train \
-	tests/pipeline/test_pipeline_parity.py \
+	tests/pipeline/test_pipeline_parity.py tests/optim tests/checkpoint/test_zero_roundtrip.py \
 	tests/launch/test_configs.py tests/launch/test_docker.py
 
 .PHONY: demo test test-311 test-312 lint venv bench sim clean
