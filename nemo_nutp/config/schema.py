@@ -21,6 +21,8 @@ from ..layout import ClusterSpec, HealthReport, ModelDims, ParallelSpec, PlanReq
 from ..layout.cost import CostSpec
 from ..layout.plan import fit_cluster
 from ..layout.specs import _bad, _positive, normalize_replicas
+from .hardware import _writable
+from .hardware import cost_spec as hardware_cost_spec
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 """The shipped YAML tree (repository layout); ``NUTP_CONFIG_DIR`` overrides it."""
@@ -406,25 +408,10 @@ def _check_layout(cfg: JobConfig) -> None:
 
 
 def cost_spec(cluster: ClusterSpec) -> CostSpec | None:
-    """The stage cost model's constants for ``cluster.hardware`` (None: compute only): the
-    hardware file's FLOP/s and links with the goodput simulator's MFU and overlap defaults."""
-    if cluster.hardware is None:
-        return None
-    from ..goodput.config import CostConfig, HardwareSpec, load_yaml_strict
-
+    """The stage cost model's constants for ``cluster.hardware`` (None: compute only), from the
+    hardware files in ``configs/sim/hardware`` (``NUTP_CONFIG_DIR``'s first)."""
     dirs = [d / "sim" / "hardware" for d in dict.fromkeys((config_dir(), CONFIG_DIR))]
-    found = [d / f"{cluster.hardware}.yaml" for d in dirs if (d / f"{cluster.hardware}.yaml")
-             .is_file()]
-    if not found:  # (NUTP_CONFIG_DIR may name recipes/: the shipped configs/ is searched too)
-        known = sorted({q.stem for d in dirs for q in d.glob("*.yaml")})
-        raise _bad("cluster.hardware", cluster.hardware,
-                   f"no such file in {dirs[0]} (known: {', '.join(known)})")
-    path = found[0]
-    hw = load_yaml_strict(HardwareSpec, path, "hardware")
-    cc = CostConfig()
-    return CostSpec.from_hardware(peak_tflops=hw.peak_tflops, nvlink_gbps=hw.nvlink_gbps,
-                                  network_gbps=hw.network_gbps, mfu=cc.mfu,
-                                  tp_overlap=cc.tp_overlap, name=hw.name)
+    return hardware_cost_spec(cluster.hardware, dirs)
 
 
 def plan_request(cfg: JobConfig, *, world_size: int | None = None) -> PlanRequest:
@@ -460,17 +447,6 @@ def _compose(config_name: str, overrides: list[str], directory: Path) -> Any:
     _register_defaults()
     with initialize_config_dir(config_dir=str(directory.resolve()), version_base="1.3"):
         return compose(config_name=config_name, overrides=overrides)
-
-
-def _writable(node: Any) -> None:
-    """Frozen dataclasses make read-only nodes; clear the flag so YAML can overlay them."""
-    OmegaConf.set_readonly(node, None)
-    if OmegaConf.is_dict(node):
-        for key in node.keys():
-            child = node._get_node(key)
-            OmegaConf.set_readonly(child, None)
-            if OmegaConf.is_config(child):
-                _writable(child)
 
 
 def load_config(overrides: list[str] | None = None, *, config_name: str = "config",

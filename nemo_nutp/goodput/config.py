@@ -12,12 +12,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
-from ..config.schema import ModelConfig, _compose, _writable, config_dir
+from ..config.hardware import (
+    DEFAULT_MFU,
+    DEFAULT_TP_OVERLAP,
+    HardwareSpec,
+    _strict,
+    load_yaml_strict,
+)
+from ..config.schema import ModelConfig, _compose, config_dir
 from ..layout.specs import _bad, _positive
 
 POLICIES = ("drop", "drop+spares", "uniform-reduce", "nutp", "nutp+boost", "stop-wait")
@@ -34,29 +39,6 @@ a straggler slows leave."""
 def _frac(name: str, value: float, *, lo: float = 0.0, hi: float = 1.0) -> None:
     if not lo <= float(value) <= hi:
         raise _bad(name, value, f"must be in [{lo}, {hi}]")
-
-
-@dataclass(frozen=True)
-class HardwareSpec:
-    """One GPU generation in one scale-up domain (numbers and sources in the YAML)."""
-
-    name: str = "gpu"
-    """Label shown in tables."""
-    peak_tflops: float = 989.0
-    """Dense BF16 tensor TFLOP/s per GPU."""
-    nvlink_gbps: float = 450.0
-    """Scale-up bandwidth per GPU per direction, GB/s."""
-    network_gbps: float = 50.0
-    """Scale-out (inter-domain) bandwidth per GPU per direction, GB/s."""
-    tdp_w: float = 700.0
-    """Thermal design power per GPU, W (the power a healthy replica runs at)."""
-    usd_per_gpu_hour: float = 2.5
-    """Price of one GPU-hour, USD."""
-
-    def __post_init__(self) -> None:
-        for k in ("peak_tflops", "nvlink_gbps", "network_gbps", "tdp_w", "usd_per_gpu_hour"):
-            if not float(getattr(self, k)) > 0:
-                raise _bad(f"hardware.{k}", getattr(self, k), "must be > 0")
 
 
 @dataclass(frozen=True)
@@ -127,9 +109,9 @@ class CostConfig:
     shard_balance: str = "planner"
     """'planner': units split as the planner does (per unit space, independently);
     'balanced': FFN/vocab units fill in around the query-group remainder (a bound one unit off)."""
-    mfu: float = 0.45
+    mfu: float = DEFAULT_MFU
     """Fraction of peak FLOP/s the matmuls reach."""
-    tp_overlap: float = 0.3
+    tp_overlap: float = DEFAULT_TP_OVERLAP
     """Fraction of TP communication hidden behind compute."""
     dp_overlap: float = 0.8
     """Fraction of the DP gradient sync hidden behind backward."""
@@ -275,23 +257,6 @@ class SimConfig:
         _frac("sim.blast_fraction", self.blast_fraction, hi=0.5)
         if not (self.days > 0 and 0 < self.step_hours <= self.days * 24):
             raise _bad("sim.step_hours", self.step_hours, "must be in (0, sim.days*24]")
-
-
-def _strict(schema: type, raw: Any, prefix: str) -> Any:
-    base = OmegaConf.structured(schema)
-    _writable(base)
-    try:
-        return OmegaConf.to_object(OmegaConf.merge(base, raw))
-    except OmegaConfBaseException as e:
-        key = getattr(e, "full_key", None) or ""
-        raise ValueError(f"{prefix}{'.' + key if key else ''}: {str(e).splitlines()[0]}") from None
-
-
-def load_yaml_strict(schema: type, path: Path, prefix: str) -> Any:
-    """Load one YAML file onto a dataclass schema (unknown keys -> ``ValueError`` naming them)."""
-    if not path.exists():
-        raise ValueError(f"{prefix}: file {path} not found")
-    return _strict(schema, OmegaConf.load(path), prefix)
 
 
 def load_sim_config(overrides: list[str] | None = None, *, directory: Path | None = None

@@ -10,10 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from .cost import CostSpec
+from typing import Any
 
 SYNC_LAYOUTS = ("refine", "base")
 
@@ -311,3 +308,49 @@ def _plain(x: Any) -> Any:
     if isinstance(x, (str, bytes)) or not hasattr(x, "__iter__"):
         return x
     return [_plain(v) for v in x]
+
+
+@dataclass(frozen=True)
+class CostSpec:
+    """Per-rank constants that turn the stage cost model into seconds."""
+
+    flops: float
+    """Achieved FLOP/s of one rank on the model's matmuls (peak x MFU)."""
+    tp_gbps: float
+    """GB/s per rank and direction for TP collectives (scale-up domain)."""
+    p2p_gbps: float
+    """GB/s per rank and direction for stage-boundary sends (often across domains)."""
+    tp_overlap: float = 0.0
+    """Fraction of TP communication hidden behind compute."""
+    latency_s: float = 0.0
+    """Fixed cost of one collective or point-to-point message."""
+    act_bytes: int = 2
+    """Bytes per activation element on the wire (bf16: 2)."""
+    layer_overhead_s: float = 0.0
+    """Fixed seconds per layer and micro-batch on every rank whatever its degree (operator
+    dispatch; about 0 on GPUs, where launches overlap; measurable on CPUs)."""
+    table_elem_s: float = 0.0
+    """Seconds per element of the first stage's local word-embedding table per micro-batch:
+    its backward writes a dense gradient of the table (memory-bound, not a multiply-add;
+    0 on GPUs, where it is small next to the matmuls)."""
+    name: str = "hardware"
+    """Where the numbers come from (shown in tables)."""
+
+    def __post_init__(self) -> None:
+        for k in ("flops", "tp_gbps", "p2p_gbps"):
+            if not float(getattr(self, k)) > 0:
+                raise _bad(f"cost.{k}", getattr(self, k), "must be > 0")
+        if not 0.0 <= self.tp_overlap <= 1.0:
+            raise _bad("cost.tp_overlap", self.tp_overlap, "must be in [0, 1]")
+        for k in ("latency_s", "layer_overhead_s", "table_elem_s"):
+            if getattr(self, k) < 0:
+                raise _bad(f"cost.{k}", getattr(self, k), "must be >= 0")
+
+    @classmethod
+    def from_hardware(cls, *, peak_tflops: float, nvlink_gbps: float, network_gbps: float,
+                      mfu: float = 0.45, tp_overlap: float = 0.3, latency_s: float = 5e-6,
+                      name: str = "hardware") -> CostSpec:
+        """From a ``configs/sim/hardware`` file (the simulator's MFU/overlap defaults):
+        TP on the scale-up links, stage boundaries on the scale-out network."""
+        return cls(flops=peak_tflops * 1e12 * mfu, tp_gbps=nvlink_gbps, p2p_gbps=network_gbps,
+                   tp_overlap=tp_overlap, latency_s=latency_s, name=name)
