@@ -12,7 +12,8 @@
   grad-norm code runs), worst rank: NUTP TP4+TP3 vs megatron DDP TP4xDP2, 16-layer narrow model
   (the CPU tiny shape with 16 layers), default bucket sizes on both sides.
 * ``step_ratio_uniform``: NUTP DDP / megatron DDP step time, uniform TP2xDP2, same model, steps
-  alternating in one world (same machine noise); ``step_ratio_nutp``: NUTP TP4+TP3 / the same
+  alternating in one world (same machine noise), the median of the per-step ratios (the ratio
+  of the medians is kept in ``ratio_of_medians``); ``step_ratio_nutp``: NUTP TP4+TP3 / the same
   replicas training without cross-replica sync; ``exposed_sync_s``: median time from the end of
   backward to the end of the gradient sync (slowest rank), per layout. CPU/gloo on a shared
   2-core machine: ratios are indicative, not GPU numbers.
@@ -231,23 +232,27 @@ def _record_sync(ddp: Any, marks: dict[str, float]) -> None:
 
 
 def _timed(fn: Callable[[], Any], counter: Counter, marks: dict[str, float]
-           ) -> tuple[float, float, int]:
-    """(step s, exposed sync s, this rank's collectives). Step: the slowest rank's. Exposed
-    sync: from the end of the last rank's backward to the end of the last rank's sync (one
-    machine: ``perf_counter`` is one monotonic clock for all ranks), so a replica waiting for a
-    slower one inside the sync is not counted as sync."""
+           ) -> tuple[float, float, int, float]:
+    """(step s, exposed sync s, this rank's collectives, CPU s of all ranks). Step: the slowest
+    rank's. Exposed sync: from the end of the last rank's backward to the end of the last
+    rank's sync (one machine: ``perf_counter`` is one monotonic clock for all ranks), so a
+    replica waiting for a slower one inside the sync is not counted as sync. CPU: process time
+    (gloo's threads included) summed over ranks — the work, without time a rank spent
+    descheduled on an oversubscribed machine."""
     import torch
     import torch.distributed as dist
 
     dist.barrier()
     counter.count = 0
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     fn()
     n = counter.count
+    cpu = torch.tensor([time.process_time() - c0], dtype=torch.float64)
     t = torch.tensor([time.perf_counter() - t0, marks["backward_end"], marks["sync_end"]],
                      dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t[0]), float(t[2] - t[1]), n
+    dist.all_reduce(cpu)
+    return float(t[0]), float(t[2] - t[1]), n, float(cpu)
 
 
 def _run_world(kind: str, steps: int, counter: Counter) -> dict[str, Any]:
@@ -267,18 +272,25 @@ def _run_world(kind: str, steps: int, counter: Counter) -> dict[str, Any]:
     marks: dict[str, dict[str, float]] = {n: {} for n in names}
     for name in names:
         _record_sync(models[name][0], marks[name])
-    runs: dict[str, Any] = {n: {"step": [], "sync": [], "calls": []} for n in names}
+    runs: dict[str, Any] = {n: {"step": [], "sync": [], "calls": [], "cpu": []} for n in names}
     for step in range(steps):
         order = names if step % 2 == 0 else names[::-1]
         for name in order:
             ddp, opt = models[name]
             fn = functools.partial(train_step, ddp, opt, s.batches(step), s.mask)
-            dt, sync, calls = _timed(fn, counter, marks[name])
+            dt, sync, calls, cpu = _timed(fn, counter, marks[name])
             if step >= 2:
                 runs[name]["step"].append(dt)
                 runs[name]["sync"].append(sync)
                 runs[name]["calls"].append(calls)
+                runs[name]["cpu"].append(cpu)
     out: dict[str, Any] = {"replicas": list(replicas)}
+    # Each step runs both contestants back to back (order alternating): the median of the
+    # per-step ratios cancels the machine's slow drifts that a ratio of medians keeps.
+    a, b = runs[names[0]]["step"], runs[names[1]]["step"]
+    out["paired_ratio"] = statistics.median(x / y for x, y in zip(a, b, strict=True))
+    ca, cb = runs[names[0]]["cpu"], runs[names[1]]["cpu"]
+    out["paired_cpu_ratio"] = statistics.median(x / y for x, y in zip(ca, cb, strict=True))
     for name, r in runs.items():
         every: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(every, max(r["calls"]))
@@ -404,8 +416,12 @@ def summarize(desc: dict[str, Any], rt: dict[str, Any] | None, bucket_size: int,
             "megatron_by_rank": m["megatron"]["collectives_by_rank"],
             "nutp_uniform_tp4_dp2_by_rank": m["nutp"]["collectives_by_rank"],
             "layouts": {"nutp": "TP4+TP3", "megatron": "TP4xDP2"}, "num_layers": 16}
-        out["step_ratio_uniform"] = u["nutp"]["median_step_s"] / u["megatron"]["median_step_s"]
-        out["step_ratio_nutp"] = n["nutp"]["median_step_s"] / n["independent"]["median_step_s"]
+        out["step_ratio_uniform"] = u["paired_ratio"]
+        out["step_ratio_nutp"] = n["paired_ratio"]
+        out["ratio_of_medians"] = {
+            "uniform": u["nutp"]["median_step_s"] / u["megatron"]["median_step_s"],
+            "nutp": n["nutp"]["median_step_s"] / n["independent"]["median_step_s"]}
+        out["cpu_ratio"] = {"uniform": u["paired_cpu_ratio"], "nutp": n["paired_cpu_ratio"]}
         out["exposed_sync_s"] = {
             "nutp_tp4+tp3": n["nutp"]["exposed_sync_s"],
             "independent_tp4+tp3": n["independent"]["exposed_sync_s"],
@@ -447,6 +463,10 @@ def show(res: dict[str, Any]) -> None:
         r.add_row("step_ratio_uniform (NUTP/megatron, TP2xDP2)",
                   f"{res['step_ratio_uniform']:.3f}")
         r.add_row("step_ratio_nutp (TP4+TP3 / no sync)", f"{res['step_ratio_nutp']:.3f}")
+        for k, v in res["ratio_of_medians"].items():
+            r.add_row(f"ratio of median step times, {k}", f"{v:.3f}")
+        for k, v in res["cpu_ratio"].items():
+            r.add_row(f"CPU-time ratio (all ranks), {k}", f"{v:.3f}")
         for k, v in res["exposed_sync_s"].items():
             r.add_row(f"exposed sync s, {k}", f"{v:.4f}")
         Console().print(r)
