@@ -45,6 +45,7 @@ from megatron.core.dist_checkpointing.mapping import (
 from ..layout import PARAM_KINDS
 from ..layout.specs import ModelDims
 from ..layout.units import _geometry
+from ..model.build import global_name
 
 LOCAL_SPEC_KEYS_MAP = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
                        "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
@@ -159,12 +160,6 @@ def layer_offset(model: torch.nn.Module) -> int:
     return int(layers[0].layer_number) - 1 if layers else 0
 
 
-def _global(name: str, offset: int) -> str:
-    m = _LAYER.match(name)
-    return name if m is None or not offset else \
-        f"decoder.layers.{int(m.group(1)) + offset}.{m.group(2)}"
-
-
 def megatron_sharded_state_dict(model: torch.nn.Module, dims: ModelDims, *, replica: int,
                                 tp_rank: int) -> dict[str, Any]:
     """``{name: ShardedTensor | ShardedTensorFactory | ShardedObject}`` of this rank's model in
@@ -179,7 +174,7 @@ def megatron_sharded_state_dict(model: torch.nn.Module, dims: ModelDims, *, repl
     out: dict[str, Any] = {}
     for raw, value in model.state_dict(keep_vars=True).items():
         name = raw.removeprefix("module.")
-        gname = _global(name, offset)
+        gname = global_name(name, layer_offset=offset)
         if name.endswith(_DROPPED):
             continue
         if name.endswith("_extra_state"):
@@ -204,7 +199,7 @@ def expected_global_shapes(model: torch.nn.Module, dims: ModelDims) -> dict[str,
     offset = layer_offset(model)
     out: dict[str, list[int]] = {}
     for raw, p in model.named_parameters():
-        name = _global(raw.removeprefix("module."), offset)
+        name = global_name(raw, layer_offset=offset)
         kind = getattr(p, "nutp_kind", None)
         if getattr(p, "nutp_tied_copy", False):
             name, kind = "embedding.word_embeddings.weight", "word_embedding"

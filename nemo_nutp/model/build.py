@@ -24,7 +24,7 @@ from megatron.core.transformer import ModuleSpec, TransformerConfig
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from ..compat.megatron import nutp_mlp_submodule
-from ..layout import PARAM_KINDS, Plan
+from ..layout import PARAM_KINDS, Plan, stage_layers
 from ..layout.specs import ModelDims
 from ..layout.units import space_bounds
 from .init import init_param_
@@ -121,10 +121,13 @@ def _with_nutp_modules(base: ModuleSpec, dims: ModelDims, degree: int, tp_rank: 
 
 
 def nutp_block_spec(dims: ModelDims, *, degree: int, tp_rank: int,
-                    tp_group: Any = None, balance: str = "work") -> TransformerBlockSubmodules:
+                    tp_group: Any = None, balance: str = "work",
+                    num_layers: int | None = None) -> TransformerBlockSubmodules:
+    """Block spec of ``num_layers`` NUTP layers (default: all; a pipeline stage: its own)."""
     layer = nutp_layer_spec(dims, degree=degree, tp_rank=tp_rank, tp_group=tp_group,
                             balance=balance)
-    return TransformerBlockSubmodules(layer_specs=[layer] * dims.num_layers, layer_norm=NUTPNorm)
+    n = dims.num_layers if num_layers is None else num_layers
+    return TransformerBlockSubmodules(layer_specs=[layer] * n, layer_norm=NUTPNorm)
 
 
 def nutp_te_layer_spec(dims: ModelDims, *, degree: int, tp_rank: int,
@@ -150,14 +153,6 @@ def nutp_te_layer_spec(dims: ModelDims, *, degree: int, tp_rank: int,
 LAYER_SPECS = {"nutp_local": nutp_layer_spec, "nutp_te": nutp_te_layer_spec}
 """Registry of NUTP layer-spec builders by name; pass the result as a megatron-core GPT
 ``transformer_layer_spec`` (with ``NUTPGPTModel`` for uneven vocab shards)."""
-
-
-def stage_layers(num_layers: int, pp: int, stage: int) -> tuple[int, int]:
-    """Global layers [first, last) of a pipeline stage (megatron's even split)."""
-    if num_layers % pp:
-        raise ValueError(f"parallel.pp={pp}: must divide model.num_layers={num_layers}")
-    per = num_layers // pp
-    return stage * per, (stage + 1) * per
 
 
 _LAYER = re.compile(r"^(decoder\.layers\.)(\d+)(\..*)$")
@@ -221,13 +216,11 @@ def build_gpt_model(plan: Plan, rank: int, model_cfg: Any, pgs: ProcessGroupColl
     config = transformer_config(model_cfg, degree=degree, sequence_parallel=sp,
                                 precision=precision, pp=plan.pp)
     balance = plan.request.parallel.unit_balance
-    first, last = stage_layers(model_cfg.num_layers, plan.pp, stage)
+    first, last = stage_layers(model_cfg.num_layers, plan.pp)[stage]
     v0, v1 = unit_range(model_cfg, "word_embedding", degree, j, balance)
-    layer = nutp_layer_spec(model_cfg, degree=degree, tp_rank=j, tp_group=pgs.tp,
-                            balance=balance)
     model = NUTPGPTModel(
-        config, TransformerBlockSubmodules(layer_specs=[layer] * (last - first),
-                                           layer_norm=NUTPNorm),
+        config, nutp_block_spec(model_cfg, degree=degree, tp_rank=j, tp_group=pgs.tp,
+                                balance=balance, num_layers=last - first),
         vocab_range=(v0, v1),
         max_sequence_length=model_cfg.seq_length,
         position_embedding_type=getattr(model_cfg, "position_embedding", "rope"),
