@@ -38,11 +38,16 @@ class HardwareSpec:
     """Thermal design power per GPU, W (the power a healthy replica runs at)."""
     usd_per_gpu_hour: float = 2.5
     """Price of one GPU-hour, USD."""
+    gpu_memory_gib: float | None = None
+    """Memory of one GPU usable by a process, GiB (the planner's memory model,
+    ``layout.memory``); None: memory unchecked."""
 
     def __post_init__(self) -> None:
         for k in ("peak_tflops", "nvlink_gbps", "network_gbps", "tdp_w", "usd_per_gpu_hour"):
             if not float(getattr(self, k)) > 0:
                 raise _bad(f"hardware.{k}", getattr(self, k), "must be > 0")
+        if self.gpu_memory_gib is not None and not self.gpu_memory_gib > 0:
+            raise _bad("hardware.gpu_memory_gib", self.gpu_memory_gib, "must be > 0 (or null)")
 
 
 def _writable(node: Any) -> None:
@@ -73,9 +78,8 @@ def load_yaml_strict(schema: type, path: Path, prefix: str) -> Any:
     return _strict(schema, OmegaConf.load(path), prefix)
 
 
-def cost_spec(hardware: str | None, dirs: list[Path]) -> CostSpec | None:
-    """The stage cost model's constants for a hardware file name (None: compute only): its
-    FLOP/s and links with the default MFU and TP overlap. ``dirs``: where to look, in order."""
+def hardware_spec(hardware: str | None, dirs: list[Path]) -> HardwareSpec | None:
+    """The hardware file ``<hardware>.yaml`` (first of ``dirs`` holding it); None for None."""
     if hardware is None:
         return None
     found = [d / f"{hardware}.yaml" for d in dirs if (d / f"{hardware}.yaml").is_file()]
@@ -83,7 +87,15 @@ def cost_spec(hardware: str | None, dirs: list[Path]) -> CostSpec | None:
         known = sorted({q.stem for d in dirs for q in d.glob("*.yaml")})
         raise _bad("cluster.hardware", hardware,
                    f"no such file in {dirs[0]} (known: {', '.join(known)})")
-    hw = load_yaml_strict(HardwareSpec, found[0], "hardware")
+    return load_yaml_strict(HardwareSpec, found[0], "hardware")  # type: ignore[no-any-return]
+
+
+def cost_spec(hardware: str | None, dirs: list[Path]) -> CostSpec | None:
+    """The stage cost model's constants for a hardware file name (None: compute only): its
+    FLOP/s and links with the default MFU and TP overlap. ``dirs``: where to look, in order."""
+    hw = hardware_spec(hardware, dirs)
+    if hw is None:
+        return None
     return CostSpec.from_hardware(peak_tflops=hw.peak_tflops, nvlink_gbps=hw.nvlink_gbps,
                                   network_gbps=hw.network_gbps, mfu=DEFAULT_MFU,
                                   tp_overlap=DEFAULT_TP_OVERLAP, name=hw.name)

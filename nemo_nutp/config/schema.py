@@ -19,14 +19,17 @@ from omegaconf.errors import OmegaConfBaseException
 
 from ..layout import ClusterSpec, HealthReport, ModelDims, ParallelSpec, PlanRequest
 from ..layout.cost import CostSpec
-from ..layout.plan import fit_cluster
+from ..layout.memory import MemorySpec
+from ..layout.plan import fit_cluster, slices_of
 from ..layout.specs import _bad, _positive, normalize_replicas
-from .hardware import _writable
+from .hardware import _writable, hardware_spec
 from .hardware import cost_spec as hardware_cost_spec
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 """The shipped YAML tree (repository layout); ``NUTP_CONFIG_DIR`` overrides it."""
 PRECISIONS = ("fp32", "bf16", "fp16")
+TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
+CORE_ATTENTIONS = ("auto", "sdpa", "megatron")
 
 
 @dataclass(frozen=True)
@@ -43,9 +46,23 @@ class ModelConfig(ModelDims):
     """Dropout after attention/MLP output (megatron hidden_dropout)."""
     attention_dropout: float = 0.0
     """Dropout on attention probabilities."""
+    transformer_impl: str = "auto"
+    """'local' (megatron-core's own layers), 'transformer_engine' (TE layers, norms fused into
+    linear_qkv/linear_fc1) or 'auto' (TE when CUDA and transformer_engine are present)."""
+    core_attention: str = "auto"
+    """With the local impl: 'sdpa' (torch scaled_dot_product_attention: causal, no [s, s]
+    scores, no mask tensor), 'megatron' (DotProductAttention, explicit mask) or 'auto' (sdpa on
+    CUDA, megatron on CPU)."""
+    recompute_granularity: str | None = None
+    """megatron activation recompute: null, 'selective' (core attention) or 'full'."""
+    recompute_method: str | None = None
+    """With recompute_granularity=full: 'uniform' or 'block'."""
+    recompute_num_layers: int | None = None
+    """With full: layers per recompute chunk (uniform) or recomputed layers per stage (block)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        self._check_impl()
         if self.normalization not in ("RMSNorm", "LayerNorm"):
             raise _bad("model.normalization", self.normalization, "must be RMSNorm or LayerNorm")
         if self.position_embedding not in ("rope", "learned_absolute"):
@@ -62,6 +79,26 @@ class ModelConfig(ModelDims):
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise _bad(f"model.{name}", getattr(self, name), "must be in [0, 1)")
+
+
+    def _check_impl(self) -> None:
+        if self.transformer_impl not in TRANSFORMER_IMPLS:
+            raise _bad("model.transformer_impl", self.transformer_impl,
+                       f"must be one of {TRANSFORMER_IMPLS}")
+        if self.core_attention not in CORE_ATTENTIONS:
+            raise _bad("model.core_attention", self.core_attention,
+                       f"must be one of {CORE_ATTENTIONS}")
+        g, m, n = self.recompute_granularity, self.recompute_method, self.recompute_num_layers
+        if g not in (None, "selective", "full"):
+            raise _bad("model.recompute_granularity", g, "must be null, selective or full")
+        if m not in (None, "uniform", "block"):
+            raise _bad("model.recompute_method", m, "must be null, uniform or block")
+        if g == "full" and (m is None or n is None or n < 1):
+            raise _bad("model.recompute_granularity", g, "needs model.recompute_method "
+                       "(uniform|block) and model.recompute_num_layers >= 1")
+        if g != "full" and (m is not None or n is not None):
+            raise _bad("model.recompute_method" if m is not None else "model.recompute_num_layers",
+                       m if m is not None else n, "only with model.recompute_granularity=full")
 
 
 @dataclass(frozen=True)
@@ -400,6 +437,10 @@ def _check_layout(cfg: JobConfig) -> None:
     p, m = cfg.parallel, cfg.model
     if m.num_layers % p.pp:
         raise _bad("parallel.pp", p.pp, f"must divide model.num_layers={m.num_layers}")
+    if m.recompute_num_layers is not None and m.recompute_num_layers > m.num_layers // p.pp:
+        raise _bad("model.recompute_num_layers", m.recompute_num_layers,
+                   f"exceeds the layers per stage (model.num_layers / parallel.pp = "
+                   f"{m.num_layers // p.pp})")
     if cfg.nutp.replicas is None:
         return
     reps = normalize_replicas(cfg.nutp.replicas, p.pp)
@@ -414,6 +455,29 @@ def cost_spec(cluster: ClusterSpec) -> CostSpec | None:
     return hardware_cost_spec(cluster.hardware, dirs)
 
 
+def memory_spec(cfg: JobConfig) -> MemorySpec | None:
+    """The planner's memory model inputs (``layout.memory``), or None when the cluster's
+    hardware file gives no ``gpu_memory_gib`` (CPU runs)."""
+    dirs = [d / "sim" / "hardware" for d in dict.fromkeys((config_dir(), CONFIG_DIR))]
+    hw = hardware_spec(cfg.cluster.hardware, dirs)
+    if hw is None or hw.gpu_memory_gib is None:
+        return None
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    if cfg.nutp.replicas is not None:
+        replicas = len(cfg.nutp.replicas)
+    else:
+        replicas = p.dp or max(1, slices_of(cfg.cluster, p.tp_base) // p.pp)
+    return MemorySpec(
+        gpu_memory_gib=hw.gpu_memory_gib, param_bytes=4 if t.precision == "fp32" else 2,
+        grad_bytes=4 if t.grad_reduce_in_fp32 else 2, optimizer=t.optimizer,
+        distributed_optimizer=t.distributed_optimizer, replicas=replicas,
+        micro_batch_size=t.micro_batch_size, sequence_parallel=p.sequence_parallel,
+        flash_attention=m.core_attention != "megatron" or m.transformer_impl ==
+        "transformer_engine", dropout=m.hidden_dropout > 0 or m.attention_dropout > 0,
+        recompute_granularity=m.recompute_granularity, recompute_method=m.recompute_method,
+        recompute_num_layers=m.recompute_num_layers or 1)
+
+
 def plan_request(cfg: JobConfig, *, world_size: int | None = None) -> PlanRequest:
     """The planner's input for a job."""
     return PlanRequest(
@@ -422,6 +486,7 @@ def plan_request(cfg: JobConfig, *, world_size: int | None = None) -> PlanReques
         replicas=None if cfg.nutp.replicas is None else tuple(cfg.nutp.replicas),
         global_batch=cfg.train.num_microbatches, world_size=world_size,
         micro_batch_size=cfg.train.micro_batch_size, cost=cost_spec(cfg.cluster),
+        memory=memory_spec(cfg),
     )
 
 

@@ -110,7 +110,7 @@ def _dry_run(args: argparse.Namespace, console: Any) -> int:
     from ..config import plan_request
     from ..config.recipes import load_job
     from ..layout import build_plan
-    from .plan_report import replicas_table
+    from .plan_report import memory_table, replicas_table
 
     try:
         cfg = load_job(args.overrides, config_name=args.config_name)
@@ -124,6 +124,9 @@ def _dry_run(args: argparse.Namespace, console: Any) -> int:
                   f"{len(plan.request.health.failed_gpus)} failed; parallel.pp={plan.pp}, "
                   f"parallel.tp_base={cfg.parallel.tp_base}")
     console.print(replicas_table(plan))
+    mem = memory_table(plan)
+    console.print(mem if mem is not None else "memory: not estimated (the cluster's hardware "
+                  "file has no gpu_memory_gib)")
     console.print(f"dry run: {plan.world_size} ranks planned, nothing spawned")
     return 0
 

@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..layout import POLICIES, Plan, PlanRequest, build_plan, reshard_plan
+from ..layout.memory import GIB, stage_memory
 from ..layout.units import SPACES
 from .console import make_console
 
@@ -52,6 +53,36 @@ def _time_caption(plan: Plan) -> str:
     return (f"stage times: cost model of {cost.name} (compute + TP comm + stage boundaries), "
             f"{plan.request.micro_batch_size} x {plan.request.model.seq_length} tokens per "
             "micro-batch")
+
+
+def memory_table(plan: Plan) -> Table | None:
+    """Estimated memory per GPU (most loaded rank) of every planned (stage, degree), from the
+    planner's memory model (``layout.memory``); None without one (no ``gpu_memory_gib``)."""
+    mem = plan.request.memory
+    if mem is None:
+        return None
+    rec = mem.recompute_granularity or "none"
+    if rec == "full":
+        rec += f" ({mem.recompute_method}, {mem.recompute_num_layers} layers)"
+    t = Table(title=f"Memory per GPU, GiB (of {mem.gpu_memory_gib:g}): "
+                    f"{'bf16/fp16' if mem.param_bytes == 2 else 'fp32'} weights, "
+                    f"{'distributed' if mem.distributed_optimizer else 'replicated'} optimizer, "
+                    f"recompute {rec}, micro-batch {mem.micro_batch_size}",
+              caption="activations: the 1F1B micro-batches in flight on the stage, one "
+                      "recomputed chunk, the last stage's logits; reserve: CUDA context, NCCL, "
+                      "fragmentation")
+    for col in ("stage", "TP", "weights", "grads", "optimizer", "activations", "reserve",
+                "total", "fits"):
+        t.add_column(col, justify="right")
+    p = plan.request.parallel
+    for s in range(plan.pp):
+        for d in sorted({r.tp[s] for r in plan.replicas}, reverse=True):
+            m = stage_memory(plan.request.model, d, mem, stage=s, pp=plan.pp,
+                             balance=p.unit_balance)
+            t.add_row(str(s), str(d), *(f"{x / GIB:.1f}" for x in (
+                m.weights, m.grads, m.optimizer, m.activations, m.reserve, m.total)),
+                "yes" if m.fits else "[red]NO[/]")
+    return t
 
 
 def sync_table(plan: Plan) -> Table:
@@ -100,6 +131,9 @@ def print_plan(plan: Plan, console: Console | None = None) -> dict[str, dict]:
                   f"{len(plan.request.health.failed_gpus)} failed; model "
                   f"{plan.request.model.num_layers}L h{plan.request.model.hidden_size}")
     console.print(replicas_table(plan))
+    mem = memory_table(plan)
+    if mem is not None:
+        console.print(mem)
     table, comparison = compare_policies(plan.request)
     console.print(table)
     console.print(sync_table(plan))

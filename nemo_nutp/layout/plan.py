@@ -36,6 +36,7 @@ from functools import cached_property
 import numpy as np
 
 from .cost import StageTime, stage_time
+from .memory import fits_every_stage, stage_memory, why_not
 from .specs import ClusterSpec, PlanRequest, _bad
 from .sync import SyncLayout, make_sync_layout, reshard_plan
 from .units import (
@@ -170,14 +171,18 @@ class Plan:
 
 
 # --------------------------------------------------------------------------------------------
-def _valid_degrees(req: PlanRequest) -> np.ndarray:
-    """valid[t] for t in 0..tp_base: a stage may run at degree t."""
+def _valid_degrees(req: PlanRequest, *, memory: bool = True) -> np.ndarray:
+    """valid[t] for t in 0..tp_base: a stage may run at degree t (``memory``: and t fits in
+    GPU memory on every stage; explicit per-stage degrees are checked per stage instead)."""
     p, m = req.parallel, req.model
     t = np.arange(p.tp_base + 1)
     ok = (t >= p.min_tp) & (t <= max_degree(m))
     if p.sequence_parallel:
         ok &= (m.seq_length % np.maximum(t, 1)) == 0
     ok[0] = False
+    if memory and req.memory is not None:  # a degree that does not fit some stage is never planned
+        for d in np.nonzero(ok)[0]:
+            ok[d] = fits_every_stage(m, int(d), req.memory, pp=p.pp, balance=p.unit_balance)
     return ok
 
 
@@ -206,8 +211,9 @@ def _validate(req: PlanRequest) -> None:
         raise _bad("model.seq_length", m.seq_length,
                    f"must be divisible by parallel.tp_base={p.tp_base} with sequence parallel")
     req.health.check_against(c)
+    _check_memory(req)
     if req.replicas is not None:
-        valid = _valid_degrees(req)
+        valid = _valid_degrees(req, memory=False)
         shown = [list(r) for r in req.replicas]
         for k, degs in enumerate(req.replicas):
             for s, t in enumerate(degs):
@@ -216,6 +222,23 @@ def _validate(req: PlanRequest) -> None:
                                f"replica {k} stage {s}: degree {t} is not valid (1..tp_base="
                                f"{p.tp_base}, <= the model's units, >= parallel.min_tp="
                                f"{p.min_tp}, divides model.seq_length under sequence parallel)")
+
+
+def _check_memory(req: PlanRequest) -> None:
+    """The healthy degree, and every explicit replica stage, must fit in GPU memory."""
+    if req.memory is None:
+        return
+    p, m, mem = req.parallel, req.model, req.memory
+    why = why_not(m, p.tp_base, mem, pp=p.pp, balance=p.unit_balance)
+    if why:
+        raise _bad("parallel.tp_base", p.tp_base, why)
+    for k, degs in enumerate(req.replicas or ()):
+        for s, t in enumerate(degs):
+            if 0 < t <= p.tp_base and not stage_memory(m, t, mem, stage=s, pp=p.pp,
+                                                       balance=p.unit_balance).fits:
+                raise _bad("nutp.replicas", [list(r) for r in req.replicas or ()],
+                           f"replica {k} stage {s}: " + why_not(m, t, mem, pp=p.pp,
+                                                                balance=p.unit_balance))
 
 
 def _slices(req: PlanRequest) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

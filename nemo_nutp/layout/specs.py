@@ -10,7 +10,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .memory import MemorySpec
 
 SYNC_LAYOUTS = ("refine", "base")
 
@@ -262,6 +265,9 @@ class PlanRequest:
     """Samples per micro-batch (the cost model's tokens per micro-batch: x model.seq_length)."""
     cost: CostSpec | None = None
     """Hardware constants of the stage cost model (``layout.cost``); None: compute only."""
+    memory: MemorySpec | None = None
+    """GPU memory model inputs (``layout.memory``): degrees that do not fit are never planned;
+    None: memory unchecked (CPU runs, hardware without ``gpu_memory_gib``)."""
 
     def __post_init__(self) -> None:
         _positive("global_batch", self.global_batch)

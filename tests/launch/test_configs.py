@@ -98,7 +98,7 @@ def test_recipes_exist_and_derive_from_one_base() -> None:
             continue
         raw = OmegaConf.to_container(OmegaConf.load(RECIPES_DIR / f"{name}.yaml"))
         assert raw["defaults"][0] == "base_pretrain", name
-        assert len(raw) <= 4, f"{name} should state only its differences"
+        assert len(raw) <= 5, f"{name} should state only its differences"  # 70B: + model recompute
 
 
 @pytest.mark.parametrize("name", RECIPES)

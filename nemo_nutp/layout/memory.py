@@ -1,0 +1,222 @@
+"""Per-rank GPU memory model of a replica stage (pure, no ``torch``): does a degree fit?
+
+For the most loaded rank of a stage at TP degree ``t`` (its real unit assignment, so uneven
+shards show up) it counts, in bytes:
+
+* **weights** ``param_bytes`` per element (bf16: 2), **gradients** ``grad_bytes`` (megatron's
+  ``main_grad`` buffer: 4 when reduced in fp32), **optimizer state**: Adam's two moments (4 + 4)
+  plus an fp32 master copy for half-precision weights (4); SGD: momentum (4) + master. With the
+  distributed optimizer (``sync/zero.py``: ZeRO-1 over the sync owner groups, one owner per
+  replica) the optimizer state is divided by the replica count.
+* **activations** saved for backward per micro-batch, by component (Korthikanti et al.,
+  "Reducing Activation Recomputation in Large Transformer Models", 2022, section 4, generalised
+  to GQA, gated MLPs and dropout off): per layer, at half precision, the two norm inputs
+  (``2 x 2sbh``), the QKV and fc1 inputs (``2sbh`` each), Q/K/V, the projection input, the fc1
+  output and the fc2 input at this rank's widths, dropout masks (``sbh`` each) when dropout is
+  on, and the core attention's own: ``[s, s]`` softmax probabilities (+ dropout mask and output)
+  for megatron's local attention, only an fp32 log-sum-exp (``4 b heads s``) for SDPA / flash.
+  Sequence parallelism divides the unsharded terms by ``t``. Recompute (megatron's settings):
+  ``selective`` drops the core attention's terms; ``full`` keeps only each recompute chunk's
+  input (``2sbh``, ``/t`` under SP) plus one chunk recomputed during backward (``uniform``:
+  ``recompute_num_layers`` layers per chunk; ``block``: the first ``recompute_num_layers``
+  layers of the stage recomputed, the rest stored).
+* **in flight**: 1F1B keeps ``pp - stage`` micro-batches' activations on stage ``stage``
+  (megatron's warm-up depth), one without pipelining.
+* the last stage's logits: the logits, their fp32 copy and the saved fp32 softmax
+  (``(2 + 8) s b V_rank`` bytes in bf16, one micro-batch). Activations are counted in the
+  weights' precision (fp32 runs: twice Korthikanti's half-precision bytes, masks still 1 byte).
+* ``reserve_gib``: CUDA context, NCCL and sync buffers, allocator fragmentation.
+
+Not modelled: the sync engine's extra buckets beyond the reserve, activation offloading,
+CUDA graphs, fp8. The cross-check against Korthikanti's closed form
+(``34 sbh + 5 a s^2 b`` per layer; ``sbh (10 + 24/t + 5as/(ht))`` with TP) is a test.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .specs import ModelDims, _bad
+from .units import PARAM_KINDS, layer_kinds, replicated_shapes, space_bounds, unit_numel
+
+GIB = 1024 ** 3
+RECOMPUTE_GRANULARITIES = (None, "selective", "full")
+RECOMPUTE_METHODS = (None, "uniform", "block")
+
+
+@dataclass(frozen=True)
+class MemorySpec:
+    """What the memory model needs besides the model shape and the degree."""
+
+    gpu_memory_gib: float
+    """Usable memory of one GPU (the hardware file's ``gpu_memory_gib``)."""
+    param_bytes: int = 2
+    """Bytes per weight element (bf16/fp16: 2, fp32: 4)."""
+    grad_bytes: int = 4
+    """Bytes per gradient element (megatron ``main_grad``: 4 in fp32, 2 reduced in bf16)."""
+    optimizer: str = "adam"
+    """'adam' or 'sgd'."""
+    distributed_optimizer: bool = False
+    """Optimizer state sharded over the replicas (``train.distributed_optimizer``)."""
+    replicas: int = 1
+    """Replicas the distributed optimizer shards over."""
+    micro_batch_size: int = 1
+    """Samples per micro-batch."""
+    sequence_parallel: bool = False
+    """megatron sequence parallelism (unsharded activations divided by the degree)."""
+    flash_attention: bool = True
+    """Core attention without ``[s, s]`` scores (SDPA / TE); False: megatron's local one."""
+    dropout: bool = False
+    """Hidden or attention dropout on (its masks are saved)."""
+    recompute_granularity: str | None = None
+    """None, 'selective' (core attention) or 'full' (megatron's recompute settings)."""
+    recompute_method: str | None = None
+    """With 'full': 'uniform' or 'block'."""
+    recompute_num_layers: int = 1
+    """With 'full': layers per recompute chunk (uniform) or recomputed layers (block)."""
+    reserve_gib: float = 4.0
+    """Set aside for the CUDA context, NCCL and sync buffers, fragmentation."""
+
+    def __post_init__(self) -> None:
+        if not self.gpu_memory_gib > 0:
+            raise _bad("hardware.gpu_memory_gib", self.gpu_memory_gib, "must be > 0")
+        if self.recompute_granularity not in RECOMPUTE_GRANULARITIES:
+            raise _bad("model.recompute_granularity", self.recompute_granularity,
+                       "must be null, selective or full")
+        if self.recompute_method not in RECOMPUTE_METHODS:
+            raise _bad("model.recompute_method", self.recompute_method,
+                       "must be null, uniform or block")
+        if self.replicas < 1 or self.micro_batch_size < 1 or self.recompute_num_layers < 1:
+            raise _bad("memory", (self.replicas, self.micro_batch_size,
+                                  self.recompute_num_layers), "counts must be >= 1")
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Bytes on the most loaded rank of one stage at one degree."""
+
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float  # all micro-batches in flight + one recomputed chunk + logits
+    reserve: float
+    capacity: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer + self.activations + self.reserve
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.capacity
+
+
+def rank_params(dims: ModelDims, t: int, *, stage: int, pp: int, balance: str = "work"
+                ) -> int:
+    """Parameter elements on the most loaded of ``t`` ranks of a stage."""
+    layers = dims.num_layers // pp
+    per_rank = np.zeros(t)
+    for kind in layer_kinds(dims):
+        units = np.diff(space_bounds(dims, PARAM_KINDS[kind].space, t, balance))
+        per_rank += layers * unit_numel(kind, dims) * units
+    rows = np.diff(space_bounds(dims, "vocab", t, balance)) * dims.hidden_size
+    first, last = stage == 0, stage == pp - 1
+    tables = int(first) + int(last and (not dims.tie_embeddings or pp > 1))
+    per_rank += tables * rows
+    replicated = sum(int(np.prod(s)) for s in replicated_shapes(dims).values()) * layers
+    return int(per_rank.max()) + replicated + (dims.hidden_size if last else 0)
+
+
+def layer_activation_bytes(dims: ModelDims, t: int, spec: MemorySpec, *,
+                           balance: str = "work") -> float:
+    """Bytes one layer saves for backward per micro-batch on the most loaded rank (no
+    recompute of whole layers; ``selective`` drops the core attention's terms)."""
+    s, b, h, d = dims.seq_length, spec.micro_batch_size, dims.hidden_size, dims.kv
+    groups = int(np.diff(space_bounds(dims, "qg", t, balance)).max())
+    ffn = int(np.diff(space_bounds(dims, "ffn", t, balance)).max())
+    heads = groups * dims.heads_per_group
+    sbh = s * b * h
+    e = spec.param_bytes  # activations are kept in the weights' precision
+    sp = t if spec.sequence_parallel else 1
+    unsharded = (2 + 1 + 1) * e * sbh / sp + (2 * sbh / sp if spec.dropout else 0.0)
+    qkv = e * s * b * d * (heads + 2 * groups)
+    proj_in = e * s * b * d * heads
+    fc1_out = e * s * b * ffn * (2 if dims.gated_mlp else 1)
+    fc2_in = e * s * b * ffn
+    core = 0.0
+    if spec.recompute_granularity != "selective":
+        if spec.flash_attention:
+            core = 4.0 * b * heads * s  # fp32 log-sum-exp
+        else:  # probabilities (+ dropout mask and output)
+            core = b * heads * s * s * (e + (1 + e if spec.dropout else 0))
+    return unsharded + qkv + proj_in + fc1_out + fc2_in + core
+
+
+def stage_activation_bytes(dims: ModelDims, t: int, spec: MemorySpec, *, stage: int, pp: int,
+                           microbatches: int | None = None, balance: str = "work") -> float:
+    """Peak activation bytes of a stage: micro-batches in flight x what each keeps, one
+    recomputed chunk, and the last stage's logits."""
+    layers = dims.num_layers // pp
+    a_layer = layer_activation_bytes(dims, t, spec, balance=balance)
+    s, b, h = dims.seq_length, spec.micro_batch_size, dims.hidden_size
+    chunk_in = spec.param_bytes * s * b * h / (t if spec.sequence_parallel else 1)
+    n = spec.recompute_num_layers
+    if spec.recompute_granularity != "full":
+        kept, transient = layers * a_layer, 0.0
+    elif spec.recompute_method == "block":
+        k = min(n, layers)
+        kept, transient = k * chunk_in + (layers - k) * a_layer, a_layer if k else 0.0
+    else:  # uniform (megatron's default method for full)
+        chunks = -(-layers // n)
+        kept, transient = chunks * chunk_in, min(n, layers) * a_layer
+    in_flight = pp - stage if pp > 1 else 1
+    if microbatches is not None:
+        in_flight = min(in_flight, microbatches)
+    logits = 0.0
+    if stage == pp - 1:
+        v = int(np.diff(space_bounds(dims, "vocab", t, balance)).max())
+        logits = (spec.param_bytes + 8.0) * s * b * v
+    return in_flight * kept + transient + logits
+
+
+def stage_memory(dims: ModelDims, t: int, spec: MemorySpec, *, stage: int, pp: int,
+                 balance: str = "work") -> StageMemory:
+    """Memory of the most loaded rank of stage ``stage`` of ``pp`` at degree ``t``."""
+    n = rank_params(dims, t, stage=stage, pp=pp, balance=balance)
+    state = 8 if spec.optimizer == "adam" else 4
+    master = 4 if spec.param_bytes < 4 else 0
+    opt = n * (state + master) / (spec.replicas if spec.distributed_optimizer else 1)
+    return StageMemory(
+        weights=float(n * spec.param_bytes), grads=float(n * spec.grad_bytes),
+        optimizer=float(opt),
+        activations=stage_activation_bytes(dims, t, spec, stage=stage, pp=pp, balance=balance),
+        reserve=spec.reserve_gib * GIB, capacity=spec.gpu_memory_gib * GIB)
+
+
+def fits_every_stage(dims: ModelDims, t: int, spec: MemorySpec, *, pp: int,
+                     balance: str = "work") -> bool:
+    """Degree ``t`` fits on every stage (the planner's conservative test for any stage)."""
+    return all(stage_memory(dims, t, spec, stage=s, pp=pp, balance=balance).fits
+               for s in range(pp))
+
+
+MEMORY_FIELDS = ("parallel.tp_base", "parallel.pp", "train.distributed_optimizer=true",
+                 "model.recompute_granularity=full", "train.micro_batch_size",
+                 "parallel.sequence_parallel")
+"""What a user changes to make a stage fit (named in the planner's errors)."""
+
+
+def why_not(dims: ModelDims, t: int, spec: MemorySpec, *, pp: int, balance: str = "work"
+            ) -> str:
+    """One-line reason degree ``t`` does not fit ('' when it fits every stage)."""
+    for s in range(pp):
+        m = stage_memory(dims, t, spec, stage=s, pp=pp, balance=balance)
+        if not m.fits:
+            return (f"stage {s} at degree {t} needs {m.total / GIB:.1f} GiB per GPU (weights "
+                    f"{m.weights / GIB:.1f}, grads {m.grads / GIB:.1f}, optimizer "
+                    f"{m.optimizer / GIB:.1f}, activations {m.activations / GIB:.1f}, reserve "
+                    f"{m.reserve / GIB:.1f}) > hardware.gpu_memory_gib={spec.gpu_memory_gib}; "
+                    f"change {', '.join(MEMORY_FIELDS)}")
+    return ""
