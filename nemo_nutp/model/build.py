@@ -61,17 +61,72 @@ def unit_range(dims: ModelDims, kind: str, degree: int, tp_rank: int, balance: s
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def _has_te() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def resolve_impl(model: Any, *, cuda: bool | None = None) -> tuple[str, str]:
+    """(layer implementation, core attention) this process builds for ``model.transformer_impl``
+    / ``model.core_attention``: ``auto`` means Transformer Engine when CUDA and
+    ``transformer_engine`` are present, else megatron's local layers with SDPA core attention
+    on CUDA and megatron's ``DotProductAttention`` on CPU. TE layers bring their own attention
+    ('te')."""
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    impl = getattr(model, "transformer_impl", "local")
+    if impl == "auto":
+        impl = "transformer_engine" if cuda and _has_te() else "local"
+    if impl == "transformer_engine":
+        return impl, "te"
+    core = getattr(model, "core_attention", "megatron")
+    if core == "auto":
+        core = "sdpa" if cuda else "megatron"
+    return impl, core
+
+
+def needs_attention_mask(model: Any, *, cuda: bool | None = None) -> bool:
+    """Only megatron's local ``DotProductAttention`` reads an explicit mask; SDPA and TE mask
+    causally themselves (``attention_mask=None``)."""
+    return resolve_impl(model, cuda=cuda)[1] == "megatron"
+
+
+def fusions(*, cuda: bool, te: bool) -> dict[str, bool]:
+    """megatron's fusion switches: off on CPU (portable math); on CUDA the pure-torch (jit)
+    fusions, and with Transformer Engine also those that need its kernels (softmax, RoPE,
+    weight-gradient accumulation into ``main_grad``). Never on: ``persist_layer_norm`` (apex)
+    and ``cross_entropy_loss_fusion`` (NUTP computes the vocab-range loss itself)."""
+    return dict(bias_activation_fusion=cuda, bias_dropout_fusion=cuda,
+                masked_softmax_fusion=cuda and te, apply_rope_fusion=cuda and te,
+                gradient_accumulation_fusion=cuda and te, persist_layer_norm=False,
+                cross_entropy_loss_fusion=False)
+
+
+def enable_cuda_math(precision: str) -> None:
+    """TF32 tensor cores for fp32 runs on CUDA (matmuls and cuDNN), as megatron's training
+    does; bf16/fp16 runs are unaffected."""
+    if precision == "fp32" and torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+
 def transformer_config(model: Any, *, degree: int, sequence_parallel: bool = False,
-                       precision: str = "fp32", pp: int = 1) -> TransformerConfig:
-    """megatron ``TransformerConfig`` of the *global* model (no fusions: CPU-portable math).
+                       precision: str = "fp32", pp: int = 1,
+                       cuda: bool | None = None) -> TransformerConfig:
+    """megatron ``TransformerConfig`` of the *global* model (fusions only on CUDA: ``fusions``).
 
     Built at TP1 (megatron validates head counts against ``tensor_model_parallel_size``, which
     uneven NUTP degrees need not divide); the degree and sequence parallelism are set after.
     ``precision`` 'bf16'/'fp16' sets megatron's ``bf16``/``fp16`` and the params dtype (the
     model is then wrapped in megatron's ``Float16Module``). ``pp`` sets megatron's pipeline
     size (the stage's layer count and offset come from the rank's pipeline group) and the
-    dtype of the activations sent between stages.
+    dtype of the activations sent between stages. ``model.recompute_*`` pass through to
+    megatron's activation recompute. ``cuda``: default ``torch.cuda.is_available()``.
     """
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    impl, _ = resolve_impl(model, cuda=cuda)
+    recompute = {k: getattr(model, k, None) for k in
+                 ("recompute_granularity", "recompute_method", "recompute_num_layers")}
     config = TransformerConfig(
         num_layers=model.num_layers, hidden_size=model.hidden_size,
         num_attention_heads=model.num_attention_heads, num_query_groups=model.num_query_groups,
@@ -83,9 +138,7 @@ def transformer_config(model: Any, *, degree: int, sequence_parallel: bool = Fal
         attention_dropout=float(getattr(model, "attention_dropout", 0.0)),
         use_cpu_initialization=True, perform_initialization=False,
         params_dtype=DTYPES[precision], bf16=precision == "bf16", fp16=precision == "fp16",
-        bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
-        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
-        cross_entropy_loss_fusion=False,
+        **fusions(cuda=cuda, te=impl == "transformer_engine"), **recompute,
         pipeline_model_parallel_size=pp, pipeline_dtype=DTYPES[precision],
     )
     config.tensor_model_parallel_size = degree
@@ -94,16 +147,25 @@ def transformer_config(model: Any, *, degree: int, sequence_parallel: bool = Fal
 
 
 def nutp_layer_spec(dims: ModelDims, *, degree: int, tp_rank: int,
-                    tp_group: Any = None, balance: str = "work") -> ModuleSpec:
+                    tp_group: Any = None, balance: str = "work",
+                    core_attention: str = "megatron") -> ModuleSpec:
     """megatron's local GPT layer spec with NUTP attention/MLP/norms for this rank's units.
 
     ``tp_group`` is this rank's TP group: megatron's ``TransformerLayer`` passes a TP group only
-    to the exact ``MLP`` class, so the spec carries it for ``NUTPMLP``.
+    to the exact ``MLP`` class, so the spec carries it for ``NUTPMLP``. ``core_attention``
+    'sdpa' substitutes ``SDPAttention`` (torch SDPA, causal, no ``[s, s]`` scores) for
+    megatron's ``DotProductAttention``.
     """
     spec = _with_nutp_modules(get_gpt_layer_local_spec(), dims, degree, tp_rank, tp_group,
                               balance)
     spec.submodules.input_layernorm = NUTPNorm
     spec.submodules.pre_mlp_layernorm = NUTPNorm
+    if core_attention == "sdpa":
+        from .attention import SDPAttention
+
+        spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    elif core_attention != "megatron":
+        raise ValueError(f"core_attention={core_attention!r}: must be sdpa or megatron")
     return spec
 
 
@@ -122,10 +184,16 @@ def _with_nutp_modules(base: ModuleSpec, dims: ModelDims, degree: int, tp_rank: 
 
 def nutp_block_spec(dims: ModelDims, *, degree: int, tp_rank: int,
                     tp_group: Any = None, balance: str = "work",
-                    num_layers: int | None = None) -> TransformerBlockSubmodules:
-    """Block spec of ``num_layers`` NUTP layers (default: all; a pipeline stage: its own)."""
-    layer = nutp_layer_spec(dims, degree=degree, tp_rank=tp_rank, tp_group=tp_group,
-                            balance=balance)
+                    num_layers: int | None = None, impl: str = "local",
+                    core_attention: str = "megatron") -> TransformerBlockSubmodules:
+    """Block spec of ``num_layers`` NUTP layers (default: all; a pipeline stage: its own);
+    ``impl`` 'local' or 'transformer_engine' (``resolve_impl``)."""
+    if impl == "transformer_engine":
+        layer = nutp_te_layer_spec(dims, degree=degree, tp_rank=tp_rank, tp_group=tp_group,
+                                   balance=balance)
+    else:
+        layer = nutp_layer_spec(dims, degree=degree, tp_rank=tp_rank, tp_group=tp_group,
+                                balance=balance, core_attention=core_attention)
     n = dims.num_layers if num_layers is None else num_layers
     return TransformerBlockSubmodules(layer_specs=[layer] * n, layer_norm=NUTPNorm)
 
@@ -135,8 +203,11 @@ def nutp_te_layer_spec(dims: ModelDims, *, degree: int, tp_rank: int,
     """Transformer-Engine variant: megatron's TE GPT layer spec with the NUTP attention/MLP.
 
     TE's fused layernorm-linear modules size their shard from the same rank-local config view,
-    so the substitution is the same as for the local spec. Needs ``transformer_engine``; it is
-    not installed in CI, so this path has no CPU test (a GPU test is marked ``gpu``).
+    so the substitution is the same as for the local spec; the norms stay fused into
+    ``linear_qkv`` / ``linear_fc1`` (``layer_norm_weight``), and TE's attention masks causally
+    with ``attention_mask=None``. Checkpoint names map to the local spec's
+    (``model.te_names``). Needs ``transformer_engine``; it is not installed in CI, so this path
+    has no CPU test (``tests/gpu`` has one, skipped without TE).
     """
     try:
         import transformer_engine  # noqa: F401
@@ -204,7 +275,7 @@ def build_gpt_model(plan: Plan, rank: int, model_cfg: Any, pgs: ProcessGroupColl
                     seed: int = 1234, precision: str = "fp32") -> NUTPGPTModel:
     """This rank's NUTP GPT model: its pipeline stage's layers (embedding on the first stage,
     final norm and output layer on the last) at the stage's degree, initialised from the
-    global weights."""
+    global weights; layers and core attention per ``resolve_impl``."""
     i, stage, j = plan.rank_index[rank]
     degree = plan.replicas[i].tp[stage]
     if pgs.tp.size() != degree:
@@ -218,9 +289,11 @@ def build_gpt_model(plan: Plan, rank: int, model_cfg: Any, pgs: ProcessGroupColl
     balance = plan.request.parallel.unit_balance
     first, last = stage_layers(model_cfg.num_layers, plan.pp)[stage]
     v0, v1 = unit_range(model_cfg, "word_embedding", degree, j, balance)
+    impl, core = resolve_impl(model_cfg)
     model = NUTPGPTModel(
         config, nutp_block_spec(model_cfg, degree=degree, tp_rank=j, tp_group=pgs.tp,
-                                balance=balance, num_layers=last - first),
+                                balance=balance, num_layers=last - first, impl=impl,
+                                core_attention=core),
         vocab_range=(v0, v1),
         max_sequence_length=model_cfg.seq_length,
         position_embedding_type=getattr(model_cfg, "position_embedding", "rope"),

@@ -15,7 +15,7 @@ from ..data import MicroBatch, replica_microbatches
 from ..data.indexed import IndexedTokenSource
 from ..layout import Plan
 from ..model import NUTPGPTModel, build_gpt_model
-from ..model.build import transformer_config
+from ..model.build import enable_cuda_math, needs_attention_mask, transformer_config
 from ..parallel import NUTPGroups, build_groups
 from ..pipeline import PipelineRunner
 from ..sync import NUTPDistributedDataParallel
@@ -120,6 +120,15 @@ def causal_mask(seq_length: int) -> torch.Tensor:
     return torch.triu(torch.ones(seq_length, seq_length, dtype=torch.bool), diagonal=1)[None, None]
 
 
+def _mask(model_cfg: Any, device: torch.device | None) -> torch.Tensor | None:
+    """The explicit causal mask, on the device once (not copied per micro-batch), only for
+    megatron's local ``DotProductAttention``; SDPA / TE mask causally themselves (None)."""
+    if not needs_attention_mask(model_cfg):  # the same resolution as build_gpt_model
+        return None
+    mask = causal_mask(model_cfg.seq_length)
+    return mask if device is None else mask.to(device)
+
+
 def build_session(plan: Plan, model_cfg: Any, *, lr: float, seed: int, micro_batch_size: int,
                   optimizer: str = "adam", weight_decay: float = 0.0,
                   opts: StepOptions | None = None, precision: Precision | None = None,
@@ -145,6 +154,8 @@ def build_session(plan: Plan, model_cfg: Any, *, lr: float, seed: int, micro_bat
                           precision=prec.precision)
     if device is not None:
         gpt = gpt.to(device)
+        if device.type == "cuda":
+            enable_cuda_math(prec.precision)
     config = transformer_config(model_cfg, degree=ctx.degree, precision=prec.precision,
                                 sequence_parallel=plan.request.parallel.sequence_parallel,
                                 pp=plan.pp)
@@ -167,5 +178,5 @@ def build_session(plan: Plan, model_cfg: Any, *, lr: float, seed: int, micro_bat
                 if plan.pp > 1 else None)
     return RankSession(plan=plan, groups=groups, model=model, optimizer=opt, model_cfg=model_cfg,
                        micro_batch_size=micro_batch_size, seed=seed, gpt=gpt,
-                       mask=causal_mask(model_cfg.seq_length), source=source, opts=opts,
+                       mask=_mask(model_cfg, device), source=source, opts=opts,
                        checks=checks, pipeline=pipeline)
