@@ -1,0 +1,307 @@
+"""Execute a ``MovePlan``: every new rank gets its model shards and optimizer state in memory.
+
+``move_state(move, old=..., new=..., group=...)`` is collective over ``group`` (the new plan's
+ranks, ``group.rank()`` == new rank; dead ranks take no part). It overwrites, in place, the
+new session's parameters, fp32 master weights (mixed precision), every per-element optimizer
+state (Adam ``exp_avg``/``exp_avg_sq``), the per-parameter ``step`` and the fp16 loss scaler so
+that the new session holds exactly what ``checkpoint.load_checkpoint`` of the last committed
+step would give it (bitwise; ``tests/relayout`` compares the two). It reads only the old
+session's tensors, never its process groups. RNG states, data position, ledger and rebalancing
+state are the caller's.
+
+Wire protocol (NCCL-safe): one small ``all_reduce`` first (every rank's plan digest and round
+count: a rank with another plan raises instead of deadlocking; it is also the group's first
+collective, which NCCL wants before batched p2p). Then ``rounds`` rounds; in round ``k`` every
+ordered pair (src, dst) with a ``k``-th chunk exchanges it, all of a rank's sends and receives of
+the round posted as ONE ``dist.batch_isend_irecv`` and waited before the next round. Both ends
+cut the pair's stream (pieces in plan order, parameters by global name, units, then fields)
+into the same chunks (``plan.split_stream``), so matching is by construction, at most one
+message per ordered pair per round: under in-order blocking p2p no two ranks wait on each other
+in opposite orders. Buffers: one chunk (``bucket_bytes``, or one unit if larger) per peer per
+round; bytes on the wire are raw tensor bytes (bf16 stays 2 bytes), so received bytes equal the
+plan's lower bound exactly.
+
+Not supported (``MoveImpossible``, the caller falls back to restart): a plan with
+``possible=False``; NUTP's distributed optimizer (a dead rank's optimizer slices exist nowhere
+else until redundancy is added).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..layout.units import PARAM_KINDS, unit_view_shape
+from .plan import REP, MovePlan, Piece, split_stream
+
+
+class MoveImpossible(RuntimeError):
+    """The state cannot be moved in memory (reason in the message): restart instead."""
+
+
+@dataclass
+class MoveReport:
+    received_bytes: int
+    lower_bound_bytes: int
+    sent_bytes: int
+    local_bytes: int
+    rounds: int
+    peak_buffer_bytes: int
+    seconds: float
+    old_state_bytes: int
+    new_state_bytes: int
+
+    @property
+    def peak_memory_ratio(self) -> float:
+        """(old state + new state + peak buffers) / new state: resident model + optimizer
+        state at the move's peak against the steady state of the new layout."""
+        peak = self.old_state_bytes + self.new_state_bytes + self.peak_buffer_bytes
+        return peak / max(1, self.new_state_bytes)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "peak_memory_ratio": self.peak_memory_ratio}
+
+
+@dataclass
+class _Param:
+    name: str
+    kind: str | None
+    lo: int
+    fields: list[torch.Tensor]  # param, [fp32 master], optimizer states (sorted keys)
+
+    @property
+    def space(self) -> str:
+        return REP if self.kind is None else PARAM_KINDS[self.kind].space
+
+    def views(self, dims: Any, lo: int, hi: int) -> list[torch.Tensor]:
+        """Units [lo, hi) (global unit indices) of every field, (n, H, W) in canonical
+        order; REP: the whole tensor as (1, numel)."""
+        if self.kind is None:
+            return [f.view(1, -1) for f in self.fields]
+        n = self.fields[0].numel() // self._unit_numel(dims)
+        a, b = lo - self.lo, hi - self.lo
+        assert 0 <= a <= b <= n, (self.name, lo, hi, self.lo, n)
+        return [f.view(unit_view_shape(self.kind, dims, n)).transpose(0, 1)[a:b]
+                for f in self.fields]
+
+    def _unit_numel(self, dims: Any) -> int:
+        h, _, w = unit_view_shape(self.kind or "", dims, 1)
+        return h * w
+
+    def unit_bytes(self, dims: Any) -> int:
+        per = self.fields[0].numel() if self.kind is None else self._unit_numel(dims)
+        return sum(per * f.element_size() for f in self.fields)
+
+
+def _inner(optimizer: Any) -> list[Any]:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _state_fields(optimizer: Any) -> dict[int, tuple[torch.Tensor | None, dict[str, Any]]]:
+    """id(model param) -> (fp32 master or None, its optimizer state dict), states created
+    (zeros) where the optimizer has not stepped yet, as megatron's loader does."""
+    if getattr(optimizer, "nutp_zero", False):
+        raise MoveImpossible("the distributed optimizer's state slices of a dead rank exist "
+                             "nowhere else (no redundancy yet): restart from a checkpoint")
+    out: dict[int, tuple[torch.Tensor | None, dict[str, Any]]] = {}
+    for inner in _inner(optimizer):
+        try:
+            inner.init_state_fn(inner.optimizer, inner.config)
+        except TypeError:
+            inner.init_state_fn(inner.optimizer)
+        state = inner.optimizer.state
+        masters = getattr(inner, "fp32_from_float16_groups", None)
+        if masters is not None:
+            for g16, g32 in zip(inner.float16_groups, masters, strict=True):
+                for p16, p32 in zip(g16, g32, strict=True):
+                    out[id(p16)] = (p32, state[p32])
+            for group in getattr(inner, "fp32_from_fp32_groups", []):
+                for p in group:
+                    out[id(p)] = (None, state[p])
+        else:
+            for group in inner.optimizer.param_groups:
+                for p in group["params"]:
+                    out[id(p)] = (None, state[p])
+    return out
+
+
+def _params(session: Any) -> tuple[dict[str, _Param], torch.Tensor | None]:
+    """This session's movable tensors by global name, and one per-parameter ``step``."""
+    states = _state_fields(session.optimizer)
+    out: dict[str, _Param] = {}
+    step = None
+    for p in session.gpt.parameters():
+        master, st = states[id(p)]
+        keys = sorted(k for k, v in st.items()
+                      if k != "step" and torch.is_tensor(v) and v.shape == p.shape)
+        fields = [p.data] + ([master.data] if master is not None else []) + [st[k] for k in keys]
+        units = getattr(p, "nutp_units", None)
+        out[p.nutp_name] = _Param(p.nutp_name, p.nutp_kind, units[0] if units else 0, fields)
+        if "step" in st and step is None:
+            step = st["step"]
+    return out, step
+
+
+def _stream(move: MovePlan, pieces: list[Piece], params: dict[str, _Param], dims: Any,
+            bucket: int) -> tuple[list[list[tuple[Any, int, int]]], dict[Any, Piece]]:
+    items: list[tuple[Any, int, int]] = []
+    where: dict[Any, Piece] = {}
+    for k, pc in enumerate(pieces):
+        for name in sorted(n for n, p in params.items() if p.space == pc.space):
+            key = (k, name)
+            where[key] = pc
+            items.append((key, pc.hi - pc.lo, params[name].unit_bytes(dims)))
+    return split_stream(items, bucket), where
+
+
+def _pair_pieces(move: MovePlan, me_old: int, me_new: int
+                 ) -> tuple[dict[int, list[Piece]], dict[int, list[Piece]], list[Piece]]:
+    sends: dict[int, list[Piece]] = {}
+    recvs: dict[int, list[Piece]] = {}
+    local: list[Piece] = []
+    for p in move.pieces:
+        if move.is_local(p):
+            if p.dst == me_new:
+                local.append(p)
+        elif p.src == me_old:
+            sends.setdefault(p.dst, []).append(p)
+        elif p.dst == me_new:
+            recvs.setdefault(move.rank_map[p.src], []).append(p)
+    return sends, recvs, local
+
+
+def _digest(move: MovePlan, fields: list[str]) -> int:
+    h = hashlib.sha256(repr((move.pieces, sorted(move.rank_map.items()), fields)).encode())
+    return int.from_bytes(h.digest()[:6], "little")
+
+
+def _agree(move: MovePlan, group: Any, rounds: int, fields: list[str]) -> int:
+    d = _digest(move, fields)
+    t = torch.tensor([d, -d, rounds], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    if int(t[0]) != -int(t[1]):
+        raise RuntimeError("relayout: ranks hold different move plans or state fields "
+                           "(same old/new plans and precision on every rank required)")
+    return int(t[2])
+
+
+def _pack(chunk: list[tuple[Any, int, int]], where: dict[Any, Piece], params: dict[str, _Param],
+          dims: Any) -> torch.Tensor:
+    parts = []
+    for key, u0, u1 in chunk:
+        pc = where[key]
+        for v in params[key[1]].views(dims, pc.lo + u0, pc.lo + u1):
+            flat = v.reshape(-1)
+            if flat.stride(-1) != 1:  # a one-element view keeps its parent's stride
+                flat = flat.clone(memory_format=torch.contiguous_format)
+            parts.append(flat.view(torch.uint8))
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+
+
+def _chunk_bytes(chunk: list[tuple[Any, int, int]], where: dict[Any, Piece],
+                 params: dict[str, _Param], dims: Any) -> int:
+    return sum((u1 - u0) * params[key[1]].unit_bytes(dims) for key, u0, u1 in chunk)
+
+
+@torch.no_grad()
+def _unpack(buf: torch.Tensor, chunk: list[tuple[Any, int, int]], where: dict[Any, Piece],
+            params: dict[str, _Param], dims: Any) -> None:
+    off = 0
+    for key, u0, u1 in chunk:
+        pc = where[key]
+        for v in params[key[1]].views(dims, pc.lo + u0, pc.lo + u1):
+            n = v.numel() * v.element_size()
+            v.copy_(buf[off:off + n].clone().view(v.dtype).view(v.shape))
+            off += n
+    assert off == buf.numel(), (off, buf.numel())
+
+
+@torch.no_grad()
+def _local_copy(pieces: list[Piece], old: dict[str, _Param], new: dict[str, _Param],
+                dims: Any) -> int:
+    done = 0
+    for pc in pieces:
+        for name, p in new.items():
+            if p.space != pc.space:
+                continue
+            for dst, src in zip(p.views(dims, pc.lo, pc.hi), old[name].views(dims, pc.lo, pc.hi),
+                                strict=True):
+                dst.copy_(src)
+                done += dst.numel() * dst.element_size()
+    return done
+
+
+def _state_bytes(params: dict[str, _Param]) -> int:
+    return sum(f.numel() * f.element_size() for p in params.values() for f in p.fields)
+
+
+def move_state(move: MovePlan, *, old: Any, new: Any, group: Any,
+               bucket_bytes: int = 32 << 20) -> MoveReport:
+    """Fill ``new`` (a session of the new plan) from the survivors' old sessions; collective
+    over ``group``. See the module docstring for what is moved and how."""
+    if not move.possible:
+        raise MoveImpossible(move.reason)
+    t0 = time.perf_counter()
+    me_new, me_old = new.groups.ctx.rank, old.groups.ctx.rank
+    if group.rank() != me_new or move.rank_map.get(me_old) != me_new:
+        raise ValueError(f"relayout: group rank {group.rank()}, new rank {me_new}, old rank "
+                         f"{me_old}: the group's rank must be the new rank of this survivor")
+    dims = new.plan.request.model
+    src, step_old = _params(old)
+    dst, step_new = _params(new)
+    fields = sorted({(p.space, len(p.fields), str([f.dtype for f in p.fields]))
+                     for p in (*src.values(), *dst.values())})
+    sends, recvs, local = _pair_pieces(move, me_old, me_new)
+    out_chunks = {d: _stream(move, ps, src, dims, bucket_bytes) for d, ps in sends.items()}
+    in_chunks = {s: _stream(move, ps, dst, dims, bucket_bytes) for s, ps in recvs.items()}
+    mine = max([len(c) for c, _ in (*out_chunks.values(), *in_chunks.values())], default=0)
+    rounds = _agree(move, group, mine, [str(f) for f in fields])
+    local_bytes = _local_copy(local, src, dst, dims)
+    received = sent = peak = 0
+    for r in range(rounds):
+        ops, got, size = [], [], 0
+        for d, (chunks, where) in sorted(out_chunks.items()):
+            if r < len(chunks):
+                buf = _pack(chunks[r], where, src, dims)
+                ops.append(dist.P2POp(dist.isend, buf, group=group, group_peer=d))
+                sent += buf.numel()
+                size += buf.numel()
+        for s, (chunks, where) in sorted(in_chunks.items()):
+            if r < len(chunks):
+                buf = torch.empty(_chunk_bytes(chunks[r], where, dst, dims), dtype=torch.uint8)
+                ops.append(dist.P2POp(dist.irecv, buf, group=group, group_peer=s))
+                got.append((buf, chunks[r], where))
+                size += buf.numel()
+        peak = max(peak, size)
+        if ops:
+            for req in dist.batch_isend_irecv(ops):
+                req.wait()
+        for buf, chunk, where in got:
+            _unpack(buf, chunk, where, dst, dims)
+            received += buf.numel()
+    _carry_scalars(old, new, step_old, step_new)
+    return MoveReport(received_bytes=received, lower_bound_bytes=move.lower_bound_bytes[me_new],
+                      sent_bytes=sent, local_bytes=local_bytes, rounds=rounds,
+                      peak_buffer_bytes=peak, seconds=time.perf_counter() - t0,
+                      old_state_bytes=_state_bytes(src), new_state_bytes=_state_bytes(dst))
+
+
+@torch.no_grad()
+def _carry_scalars(old: Any, new: Any, step_old: torch.Tensor | None,
+                   step_new: torch.Tensor | None) -> None:
+    """The per-parameter Adam ``step`` (equal for every parameter of every rank: megatron
+    checkpoints keep one ``common_step``) and the fp16 loss scaler: this rank's own values."""
+    if step_old is not None:
+        for inner in _inner(new.optimizer):
+            for st in inner.optimizer.state.values():
+                st["step"] = step_old.clone()
+    for a, b in zip(_inner(old.optimizer), _inner(new.optimizer), strict=True):
+        ga, gb = getattr(a, "grad_scaler", None), getattr(b, "grad_scaler", None)
+        if ga is not None and gb is not None:
+            gb.load_state_dict(ga.state_dict())
+    del step_new
