@@ -25,15 +25,28 @@ from ..config.hardware import (
 from ..config.schema import ModelConfig, _compose, config_dir
 from ..layout.specs import _bad, _positive
 
-POLICIES = ("drop", "drop+spares", "uniform-reduce", "nutp", "nutp+boost", "stop-wait")
-"""Every policy the simulator knows (``sim.policies`` picks and orders them)."""
+POLICIES = ("drop", "drop-live", "drop+spares", "uniform-reduce", "nutp-restart", "nutp-live",
+            "nutp+boost", "stop-wait")
+"""Every timeline policy the simulator knows (``sim.policies`` picks and orders them)."""
 CAPACITY_POLICIES = ("drop", "drop+spares", "uniform-reduce", "nutp", "nutp+boost")
+"""Layouts the capacity model evaluates (the static sweep's rows: it has no transitions)."""
+CAPACITY_OF = {"drop": "drop", "drop-live": "drop", "drop+spares": "drop+spares",
+               "uniform-reduce": "uniform-reduce", "nutp-restart": "nutp", "nutp-live": "nutp",
+               "nutp+boost": "nutp+boost"}
+"""Timeline policy -> the layout it runs (``stop-wait`` runs the fault-free layout)."""
+MODE_OF = {"drop": "restart", "drop-live": "live", "drop+spares": "restart",
+           "uniform-reduce": "restart", "nutp-restart": "restart", "nutp-live": "live",
+           "nutp+boost": "live", "stop-wait": "stop-wait"}
+"""How each timeline policy changes its layout (``goodput/transitions.py``): ``restart`` from
+the newest checkpoint (the runtime today), ``live`` in-process re-layout, ``stop-wait``: a
+restart that first waits for the failed GPUs (at most ``transitions.max_wait_hours``)."""
 BLAST_KINDS = ("gpu", "node", "domain")
-STRAGGLER_POLICIES = ("ignore", "rebalance", "exclude", "drop")
+STRAGGLER_POLICIES = ("ignore", "rebalance", "exclude", "exclude-live", "drop")
 """``ignore``: equal shares, the job runs at its slowest replica; ``rebalance``: shares follow
 speed (``nutp.rebalance``); ``exclude``: per stage, keep the straggler (rebalanced) or run the
-stage at reduced TP without it, whichever is faster (the planner's choice); ``drop``: replicas
-a straggler slows leave."""
+stage at reduced TP without it, whichever is faster (the planner's choice), each exclusion and
+return a planned restart (``exclude-live``: a planned live re-layout); ``drop``: replicas a
+straggler slows leave (planned restarts)."""
 
 
 def _frac(name: str, value: float, *, lo: float = 0.0, hi: float = 1.0) -> None:
@@ -178,15 +191,104 @@ class StragglerConfig:
 
 
 @dataclass(frozen=True)
-class StopWaitConfig:
-    """Checkpoint/restart: the whole job stops on every failure."""
+class RestartPoint:
+    """One published (job GPUs, seconds per checkpoint-restart) point of the restart model."""
 
-    max_wait_hours: float | None = 4.0
-    """Longest wait for the failed GPUs (hot-swap from a spare pool); None waits for repair."""
-    restart_hours: float = 0.5
-    """Restart cost after the GPUs are back (scheduling, loading the checkpoint, warm-up)."""
-    checkpoint_interval_hours: float = 1.0
-    """Work since the last checkpoint is lost: half an interval per failure on average."""
+    gpus: int = 1
+    seconds: float = 0.0
+    source: str = ""
+    """Where the number comes from (paper, section)."""
+
+
+def _plain_points() -> list[RestartPoint]:
+    return [RestartPoint(4800, 150.0, "FlashRecovery, arXiv 2509.03047: 150 s end to end "
+                                      "at 4,800 devices"),
+            RestartPoint(100000, 600.0, "Meta FT-HSDP, arXiv 2602.00277: ~10 min stall per "
+                                        "failure at O(100K) GPUs")]
+
+
+@dataclass(frozen=True)
+class TransitionConfig:
+    """What a layout change costs (``goodput/transitions.py``); defaults and sources in
+    ``configs/sim/paper_32k.yaml`` and the README."""
+
+    detect_s: float = 30.0
+    """Failure -> detected (unplanned events only)."""
+    restart_points: list[RestartPoint] = field(default_factory=_plain_points)
+    """Published plain checkpoint-restart times (detected -> training again, checkpoint load
+    included); the model is the power law ``seconds = a * gpus ** k`` fitted to them in log
+    space (one point: ``k = restart_exponent``)."""
+    restart_exponent: float | None = None
+    """Fixes ``k`` (None: fitted; needs >= 2 points)."""
+    warm_standby_points: list[RestartPoint] = field(default_factory=lambda: [RestartPoint(
+        1024, 20.0, "TrainMover, arXiv 2412.12636: ~20 s at 1,024 GPUs with warm standbys")])
+    """Optional calibration of restarts onto warm standby machines (``calibration``)."""
+    calibration: str = "plain"
+    """'plain' (restart_points) or 'warm_standby' (warm_standby_points, the plain fit's k)."""
+    checkpoint_interval_hours: float = 0.5
+    """Checkpoint interval; an unplanned restart recomputes half of it on average (at most the
+    time run since the previous transition). 0: no recomputation (needs save_s = 0)."""
+    save_s: float = 20.0
+    """Training stall per checkpoint save, charged every interval to every timeline policy
+    (all of them checkpoint)."""
+    max_wait_hours: float | None = 0.25
+    """stop-wait: longest wait for the failed GPUs (hot-swap from a spare pool); None: repair."""
+    live_base_s: float = 1.0
+    """Live re-layout fixed part: leave the collectives, abort and re-form communicators."""
+    live_group_s: float = 0.2
+    """Per process group rebuilt (a shrinking replica's TP groups, one per stage, and the
+    cross-replica sync groups it belongs to: pp + tp_base)."""
+    live_gbps: float | None = None
+    """GB/s a rank receives the state of its new share at (None: the hardware's network_gbps:
+    the lost piece comes from a peer replica)."""
+    live_lost_steps: float = 1.0
+    """Steps an unplanned live re-layout redoes: the in-flight step (at most)."""
+    weight_bytes: int = 2
+    """Bytes per weight moved in a live re-layout / read in a restart (bf16)."""
+    optimizer_bytes: int = 12
+    """Optimizer bytes per parameter (fp32 master + Adam moments; sharded over replicas)."""
+    storage_gbps: float = 10000.0
+    """Aggregate checkpoint read bandwidth, GB/s (measured mode: the scenario's load time)."""
+    repair_batch_hours: list[float] = field(default_factory=lambda: [0.0, 24.0])
+    """Take repaired GPUs back at once (0) or every N hours (one transition per batch). The
+    first entry drives the timeline rows; every entry is compared in ``repair_batching``."""
+    measured: str | None = None
+    """``runs/bench/transitions.json`` of ``benchmarks/transition_cost.py``: replaces detect,
+    restart and live times by measured ones, scaled to the scenario (``transitions.py``)."""
+
+    def __post_init__(self) -> None:
+        for k in ("detect_s", "checkpoint_interval_hours", "save_s", "live_base_s",
+                  "live_group_s"):
+            if not float(getattr(self, k)) >= 0:
+                raise _bad(f"sim.transitions.{k}", getattr(self, k), "must be >= 0")
+        for k in ("weight_bytes", "optimizer_bytes", "live_lost_steps"):
+            if not getattr(self, k) >= 0:
+                raise _bad(f"sim.transitions.{k}", getattr(self, k), "must be >= 0")
+        if not self.storage_gbps > 0:
+            raise _bad("sim.transitions.storage_gbps", self.storage_gbps, "must be > 0")
+        if self.live_gbps is not None and not self.live_gbps > 0:
+            raise _bad("sim.transitions.live_gbps", self.live_gbps, "must be > 0 or null")
+        if self.max_wait_hours is not None and not self.max_wait_hours >= 0:
+            raise _bad("sim.transitions.max_wait_hours", self.max_wait_hours, "must be >= 0")
+        if self.checkpoint_interval_hours == 0 and self.save_s > 0:
+            raise _bad("sim.transitions.save_s", self.save_s,
+                       "must be 0 when sim.transitions.checkpoint_interval_hours is 0")
+        if self.calibration not in ("plain", "warm_standby"):
+            raise _bad("sim.transitions.calibration", self.calibration,
+                       "must be 'plain' or 'warm_standby'")
+        for name in ("restart_points", "warm_standby_points"):
+            for pt in getattr(self, name):
+                if pt.gpus < 1 or not pt.seconds >= 0:
+                    raise _bad(f"sim.transitions.{name}", (pt.gpus, pt.seconds),
+                               "need gpus >= 1 and seconds >= 0")
+        if not self.restart_points:
+            raise _bad("sim.transitions.restart_points", [], "needs at least one point")
+        if self.restart_exponent is None and len({p.gpus for p in self.restart_points}) < 2:
+            raise _bad("sim.transitions.restart_exponent", None,
+                       "needed when restart_points has fewer than two GPU counts")
+        if not self.repair_batch_hours or any(not h >= 0 for h in self.repair_batch_hours):
+            raise _bad("sim.transitions.repair_batch_hours", self.repair_batch_hours,
+                       "needs at least one entry, each >= 0")
 
 
 @dataclass(frozen=True)
@@ -236,7 +338,7 @@ class SimConfig:
     failures: FailureConfig = field(default_factory=FailureConfig)
     cost: CostConfig = field(default_factory=CostConfig)
     boost: BoostConfig = field(default_factory=BoostConfig)
-    stop_wait: StopWaitConfig = field(default_factory=StopWaitConfig)
+    transitions: TransitionConfig = field(default_factory=TransitionConfig)
     stragglers: StragglerConfig = field(default_factory=StragglerConfig)
     output_dir: str = "runs/sim"
     """Where JSON and PNGs go."""

@@ -157,34 +157,3 @@ def down_at_steps(ev: Events, trial_lo: int, trial_hi: int, n_steps: int, step_h
     gidx = np.repeat(np.arange(len(idx)), reps)
     goff = np.arange(len(gidx)) - np.repeat(np.cumsum(reps) - reps, reps)
     return state[gidx], lo[idx][gidx] + goff
-
-
-def pause_fraction(ev: Events, trials: int, hours: float, max_wait: float | None,
-                   restart: float, lost_per_failure: float) -> np.ndarray:
-    """Stop-and-wait: per trial, fraction of the horizon paused or redone.
-
-    Every failure stops the job until its GPUs are back (at most ``max_wait``), then restarts
-    (``restart`` hours); a failure that stops a running job also loses ``lost_per_failure``
-    hours of work since the last checkpoint."""
-    wait = ev.end - ev.start if max_wait is None else np.minimum(ev.end - ev.start, max_wait)
-    s = np.clip(ev.start, 0, hours)
-    e = np.clip(ev.start + wait + restart, 0, hours)
-    keep = e > s
-    tr, s, e = ev.trial[keep], s[keep], e[keep]
-    order = np.lexsort((s, tr))
-    tr, s, e = tr[order], s[order], e[order]
-    big = 4.0 * (hours + 1.0)
-    run_end = np.maximum.accumulate(e + tr * big) - tr * big  # running end inside each trial
-    prev_end = np.concatenate([[-1.0], run_end[:-1]])
-    new_trial = np.concatenate([[True], tr[1:] != tr[:-1]])
-    new_block = new_trial | (s > prev_end)
-    # union length = sum over blocks of (block end - block start)
-    block_id = np.cumsum(new_block) - 1
-    n_blocks = int(block_id[-1]) + 1 if len(block_id) else 0
-    b_start = s[new_block]
-    b_end = np.zeros(n_blocks)
-    np.maximum.at(b_end, block_id, run_end)
-    b_trial = tr[new_block]
-    paused = np.bincount(b_trial, weights=b_end - b_start, minlength=trials).astype(np.float64)
-    paused = paused + np.bincount(b_trial, minlength=trials) * lost_per_failure
-    return np.minimum(paused / hours, 1.0)

@@ -14,8 +14,9 @@ from matplotlib.figure import Figure
 
 from ..layout.serialize import atomic_path
 
-STYLE = {"drop": "C3", "drop+spares": "C1", "uniform-reduce": "C4", "nutp": "C0",
-         "nutp+boost": "C2", "stop-wait": "C7"}
+STYLE = {"drop": "C3", "drop-live": "C5", "drop+spares": "C1", "uniform-reduce": "C4",
+         "nutp": "C0", "nutp-restart": "C0", "nutp-live": "C9", "nutp+boost": "C2",
+         "stop-wait": "C7"}
 
 
 def _save(fig: Figure, path: Path) -> Path:
@@ -104,6 +105,24 @@ def straggler_policies(res: dict[str, Any], path: Path) -> Path:
     return _save(fig, path)
 
 
+def timeline_losses(res: dict[str, Any], path: Path) -> Path:
+    """Per timeline policy: throughput loss and transition loss stacked (their sum = loss)."""
+    pols = res["timeline"]["policies"]
+    names = list(pols)
+    thr = np.array([pols[p]["throughput_loss"] for p in names]) * 100
+    tra = np.array([pols[p]["transition_loss"] for p in names]) * 100
+    fig, ax = plt.subplots(figsize=(1.0 * len(names) + 2, 4.0))
+    ax.bar(names, thr, label="throughput loss (degraded layout)", color="#4c72b0")
+    ax.bar(names, tra, bottom=thr, label="transition loss (changing layouts, saves)",
+           color="#dd8452")
+    ax.set_ylabel("loss vs fault-free %")
+    ax.set_title(_title(res) + f", {res['config']['days']:g} days", fontsize=9)
+    ax.tick_params(axis="x", labelrotation=30, labelsize=8)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    return _save(fig, path)
+
+
 def write_all(res: dict[str, Any], out_dir: Path) -> list[Path]:
     """Every figure the result supports; returns the paths written."""
     name = res["config"]["name"]
@@ -112,6 +131,8 @@ def write_all(res: dict[str, Any], out_dir: Path) -> list[Path]:
         out += [loss_vs_fraction(res, out_dir / f"{name}_loss_vs_fraction.png"),
                 spares_vs_fraction(res, out_dir / f"{name}_spares.png"),
                 blast_sensitivity(res, out_dir / f"{name}_blast.png")]
+    if "timeline" in res:
+        out.append(timeline_losses(res, out_dir / f"{name}_timeline.png"))
     if "stragglers" in res:
         out.append(straggler_policies(res, out_dir / f"{name}_stragglers.png"))
     return out

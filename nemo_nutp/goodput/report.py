@@ -41,16 +41,44 @@ def timeline_table(res: dict[str, Any]) -> Table:
     tl = res["timeline"]
     c = res["config"]
     t = Table(title=f"{c['days']:g} days, {tl['trials']} trials, {tl['events']:,} failures, "
-                    f"mean failed {_pct(tl['mean_failed_fraction'], 3)}% of GPUs")
-    for col in ("policy", "loss mean %", "p5 %", "p95 %", "rigid paused %",
+                    f"mean failed {_pct(tl['mean_failed_fraction'], 3)}% of GPUs; loss = "
+                    "throughput loss + transition loss")
+    for col in ("policy", "mode", "throughput loss %", "transition loss %", "loss mean %",
+                "p5 %", "p95 %", "events / day", "s / event", "rigid paused %",
                 "spares for 0 pause (p95)", "boost power %", "GPU-h lost", "$ lost"):
         t.add_column(col, justify="right")
     for pol, r in tl["policies"].items():
         sp = r["spare_domains_zero_pause"]
-        t.add_row(pol, _pct(r["mean"], 3), _pct(r["p5"], 3), _pct(r["p95"], 3),
+        t.add_row(pol, r["mode"], _pct(r["throughput_loss"], 3), _pct(r["transition_loss"], 3),
+                  _pct(r["mean"], 3), _pct(r["p5"], 3), _pct(r["p95"], 3),
+                  f"{r['events_per_day']:.1f}", f"{r['mean_event_s']:.0f}",
                   _pct(r["rigid_paused"], 1), "-" if sp is None else f"{sp:.0f}",
                   _pct(r["boost_power"], 3), f"{r['gpu_hours_lost']:,.0f}",
                   f"{r['usd_lost']:,.0f}")
+    return t
+
+
+def transitions_line(res: dict[str, Any]) -> str:
+    """The transition costs the timeline used, one line."""
+    c = res["timeline"]["transitions"]
+    d = res["timeline"]["daly"]
+    daly = (f"; Young/Daly interval {d['interval_h'] * 60:.1f} min (MTTF {d['mttf_h'] * 60:.0f} "
+            "min)" if "interval_h" in d else "")
+    return (f"transitions ({c['source']}): detect {c['detect_s']:.1f} s, restart "
+            f"{c['restart_s']:.0f} s (fit {c['restart_fit']['a']:.3g} x N^"
+            f"{c['restart_fit']['k']:.3f}), planned restart {c['planned_restart_s']:.0f} s, "
+            f"live {c['live_s']:.1f} s (+ in-flight step {c['live_lost_s']:.1f} s), "
+            f"checkpoint every {c['checkpoint_interval_s'] / 60:.0f} min, save "
+            f"{c['save_s']:.0f} s{daly}")
+
+
+def batching_table(res: dict[str, Any]) -> Table:
+    b = res["timeline"]["repair_batching"]
+    t = Table(title="Repaired GPUs taken back at once (0 h) or in batches: loss mean %")
+    for col in ("policy", *[f"every {h:g} h" for h in b["hours"]], "best"):
+        t.add_column(col, justify="right")
+    for pol, v in b["loss"].items():
+        t.add_row(pol, *[_pct(x, 3) for x in v], f"{b['best_hours'][pol]:g} h")
     return t
 
 
@@ -73,10 +101,13 @@ def straggler_table(res: dict[str, Any]) -> Table:
                     f"{s['min_speed']:g}-{s['max_speed']:g}, {s['duration_hours']:g} h "
                     f"({s['duration_distribution']}); {sg['events']:,} episodes, "
                     f"{_pct(sg['mean_slow_fraction'], 3)}% of GPUs slow")
-    for col in ("straggler policy", "loss mean %", "p5 %", "p95 %", "GPU-h lost", "$ lost"):
+    for col in ("straggler policy", "throughput loss %", "transition loss %", "loss mean %",
+                "p5 %", "p95 %", "events / day", "s / event", "GPU-h lost", "$ lost"):
         t.add_column(col, justify="right")
     for pol, r in sg["policies"].items():
-        t.add_row(pol, _pct(r["mean"], 3), _pct(r["p5"], 3), _pct(r["p95"], 3),
+        t.add_row(pol, _pct(r["throughput_loss"], 3), _pct(r["transition_loss"], 3),
+                  _pct(r["mean"], 3), _pct(r["p5"], 3), _pct(r["p95"], 3),
+                  f"{r['events_per_day']:.1f}", f"{r['mean_event_s']:.0f}",
                   f"{r['gpu_hours_lost']:,.0f}", f"{r['usd_lost']:,.0f}")
     return t
 
@@ -94,6 +125,8 @@ def print_result(res: dict[str, Any], console: Console) -> None:
         console.print(blast_table(res))
     if "timeline" in res:
         console.print(timeline_table(res))
+        console.print(transitions_line(res))
+        console.print(batching_table(res))
     if "stragglers" in res:
         console.print(straggler_table(res))
 

@@ -5,7 +5,12 @@
   spare domains a rigid job needs (p95), boost power; plus the closed form of ``drop``;
 * ``blast``: the same at ``sim.blast_fraction`` for failures of one GPU / node / domain;
 * ``timeline``: per policy over ``sim.days`` with the Poisson failure process (or a trace):
-  mean/p5/p95 loss, rigid paused time, spare domains for zero pause, GPU-hours and $ lost;
+  ``throughput_loss`` (the degraded layouts' capacity), ``transition_loss`` (time standing
+  still or recomputing to change layouts and to save checkpoints, ``transitions.py``), ``loss``
+  (their sum; ``mean/p5/p95`` describe it), ``events_per_day``, ``mean_event_s``, rigid paused
+  time, spare domains for zero pause, GPU-hours and $ lost; ``nutp-restart@daly``: the restart
+  policy at its Young/Daly checkpoint interval; ``repair_batching``: the loss of every policy
+  when repaired GPUs are taken back at once or in batches; ``transitions``: the costs used;
 * ``stragglers`` (with the timeline, when ``sim.stragglers.rate_per_gpu_day`` > 0): per
   straggler policy the same statistics of the loss to slow GPUs alone (``stragglers.py``).
 All randomness comes from ``numpy.random.default_rng(sim.seed)`` in a fixed order, so equal
@@ -22,8 +27,11 @@ from typing import Any
 import numpy as np
 
 from ..layout.specs import ModelDims
+from . import transitions as trn
 from .config import (
+    CAPACITY_OF,
     CAPACITY_POLICIES,
+    MODE_OF,
     HardwareSpec,
     SimConfig,
     load_hardware,
@@ -35,7 +43,6 @@ from .failures import (
     blast_sizes,
     down_at_steps,
     load_trace,
-    pause_fraction,
     poisson_events,
     static_down,
 )
@@ -57,6 +64,13 @@ class Context:
     slice_of: np.ndarray
     clusters: dict[str, PolicyCluster]
     sizes: dict[str, int]
+    costs: trn.Costs
+
+    @property
+    def capacities(self) -> list[str]:
+        """Capacity layouts of the configured policies, in order (the sweep's rows)."""
+        out = [CAPACITY_OF[p] for p in self.cfg.policies if p in CAPACITY_OF]
+        return list(dict.fromkeys(out))
 
     @property
     def slices_per_domain(self) -> int:
@@ -82,8 +96,9 @@ def make_context(cfg: SimConfig, *, directory: Path | None = None,
     base = PolicyCluster(base_slices, n_use, cfg.pp, cfg.tp_base)
     clusters = {p: base for p in CAPACITY_POLICIES}
     clusters["drop+spares"] = replace(base, n_slices=int(slice_of.max()) + 1)
+    costs = trn.scenario_costs(cfg, dims, hw, tables.parts_s["step_s"], n_use)
     return Context(cfg, dims, hw, tables, n_gpus, slice_of, clusters,
-                   blast_sizes(cfg.domain_size, cfg.gpus_per_node))
+                   blast_sizes(cfg.domain_size, cfg.gpus_per_node), costs)
 
 
 def eval_states(ctx: Context, state: np.ndarray, gpu: np.ndarray, n_states: int
@@ -91,7 +106,7 @@ def eval_states(ctx: Context, state: np.ndarray, gpu: np.ndarray, n_states: int
     """Every capacity policy of the config on the states given as (state, down GPU) pairs."""
     st, sl, h = degraded_slices(state, gpu, ctx.slice_of, ctx.cfg.tp_base)
     return {p: evaluate(p, st, sl, h, n_states, ctx.clusters[p], ctx.tables, ctx.cfg.boost)
-            for p in ctx.cfg.policies if p in CAPACITY_POLICIES}
+            for p in ctx.capacities if p in CAPACITY_POLICIES}
 
 
 def _stats(loss: np.ndarray) -> dict[str, float]:
@@ -161,15 +176,12 @@ def _chunk(ev: Events, trials: int, n_steps: int, step_h: float) -> int:
     return int(max(1, min(trials, 3e6 // per_trial)))
 
 
-def run_timeline(ctx: Context, rng: np.random.Generator, progress: Progress | None = None
-                 ) -> dict[str, Any]:
-    """Time-stepped simulation of every policy over ``sim.days``."""
+def _capacity(ctx: Context, ev: Events, trials: int, n_steps: int,
+              progress: Progress | None, label: str) -> dict[str, dict[str, np.ndarray]]:
+    """Per capacity layout and trial: mean throughput, paused share, peak spares, boost."""
     cfg = ctx.cfg
-    hours = cfg.days * 24.0
-    n_steps = int(np.ceil(hours / cfg.step_hours))
-    ev, trials = timeline_events(ctx, rng)
-    cap = [p for p in cfg.policies if p in CAPACITY_POLICIES]
-    acc = {p: {k: np.zeros(trials) for k in ("thr", "paused", "peak", "power")} for p in cap}
+    acc = {p: {k: np.zeros(trials) for k in ("thr", "paused", "peak", "power")}
+           for p in ctx.capacities}
     chunk = _chunk(ev, trials, n_steps, cfg.step_hours)
     for lo in range(0, trials, chunk):
         hi = min(trials, lo + chunk)
@@ -181,30 +193,107 @@ def run_timeline(ctx: Context, rng: np.random.Generator, progress: Progress | No
             acc[p]["peak"][lo:hi] = _domains(ctx, r.below_pace.reshape(shape).max(axis=1))
             acc[p]["power"][lo:hi] = r.extra_power.reshape(shape).mean(axis=1)
         if progress:
-            progress("timeline", hi / trials)
+            progress(label, hi / trials)
+    return acc
+
+
+def batched(ev: Events, hours: float) -> Events:
+    """Repairs taken back every ``hours`` (0: at once): each down interval ends at the next
+    multiple of ``hours``."""
+    if hours <= 0:
+        return ev
+    return Events(ev.trial, ev.start, np.ceil(ev.end / hours) * hours, ev.lo, ev.size,
+                  ev.hardware)
+
+
+def _loss_rows(ctx: Context, ev: Events, trials: int, hours: float,
+               acc: dict[str, dict[str, np.ndarray]], costs: trn.Costs,
+               policies: list[str], lost_h: float | None = None) -> dict[str, dict[str, Any]]:
+    """throughput_loss, transition_loss, loss, events of every policy (module docstring)."""
+    cfg = ctx.cfg
+    load = trn.slice_load(ev.trial, ev.lo, ev.size, ev.start, ev.end, ctx.slice_of)
+    save = costs.save_fraction if lost_h is None else costs.save_s / (2 * lost_h * 3600.0)
+    out: dict[str, dict[str, Any]] = {}
+    for p in policies:
+        tr = trn.failure_transitions(
+            p, ev, load, n_used_slices=ctx.clusters["nutp"].n_use * cfg.pp,
+            num_gpus=cfg.num_gpus, tp=cfg.tp_base, best=ctx.tables.best, costs=costs,
+            lost_h=lost_h)
+        thr = np.ones(trials) if p not in CAPACITY_OF else acc[CAPACITY_OF[p]]["thr"]
+        still = np.minimum(1.0, trn.stall_fraction(tr, trials, hours) + save)
+        loss = 1.0 - thr * (1.0 - still)
+        out[p] = {**_stats(loss), "mode": MODE_OF[p],
+                  "throughput_loss": float((1.0 - thr).mean()),
+                  "transition_loss": float((thr * still).mean()),
+                  "loss": float(loss.mean()), **trn.event_stats(tr, trials, hours),
+                  "_loss": loss, "_still": still}
+    return out
+
+
+def run_timeline(ctx: Context, rng: np.random.Generator, progress: Progress | None = None
+                 ) -> dict[str, Any]:
+    """Time-stepped simulation of every policy over ``sim.days``, layout changes included."""
+    cfg = ctx.cfg
+    hours = cfg.days * 24.0
+    n_steps = int(np.ceil(hours / cfg.step_hours))
+    ev, trials = timeline_events(ctx, rng)
+    batches = cfg.transitions.repair_batch_hours
+    main_ev = batched(ev, batches[0])
+    acc = _capacity(ctx, main_ev, trials, n_steps, progress, "timeline")
+    rows = _loss_rows(ctx, main_ev, trials, hours, acc, ctx.costs, list(cfg.policies))
     gpu_hours = cfg.num_gpus * hours
     out: dict[str, Any] = {}
-    for p in cfg.policies:
+    for p, row in rows.items():
+        loss, still = row.pop("_loss"), row.pop("_still")
         if p == "stop-wait":
-            sw = cfg.stop_wait
-            loss = pause_fraction(ev.select(ev.lo < cfg.num_gpus), trials, hours,
-                                  sw.max_wait_hours, sw.restart_hours,
-                                  sw.checkpoint_interval_hours / 2)
-            row: dict[str, Any] = {**_stats(loss), "rigid_paused": float(loss.mean()),
-                   "spare_domains_zero_pause": None, "boost_power": 0.0}
+            row.update(rigid_paused=float(still.mean()), spare_domains_zero_pause=None,
+                       boost_power=0.0)
         else:
-            a = acc[p]
-            loss = 1.0 - a["thr"]
-            row = {**_stats(loss), "rigid_paused": float(a["paused"].mean()),
-                   "spare_domains_zero_pause": float(np.percentile(a["peak"], 95)),
-                   "boost_power": float(a["power"].mean())}
+            a = acc[CAPACITY_OF[p]]
+            row.update(rigid_paused=float(a["paused"].mean()),
+                       spare_domains_zero_pause=float(np.percentile(a["peak"], 95)),
+                       boost_power=float(a["power"].mean()))
         idle = cfg.spare_domains * cfg.domain_size * hours if p == "drop+spares" else 0.0
         lost = float(loss.mean()) * gpu_hours + idle
         row["gpu_hours_lost"], row["usd_lost"] = lost, lost * ctx.hw.usd_per_gpu_hour
         out[p] = row
-    failed = _mean_failed_fraction(ev, trials, cfg.num_gpus, hours)
-    return {"policies": out, "trials": trials, "hours": hours, "steps": n_steps,
-            "events": len(ev), "mean_failed_fraction": failed}
+    mttf_h = 1.0 / max(cfg.failures.rate * cfg.num_gpus, 1e-300)
+    daly: dict[str, Any] = {"mttf_h": mttf_h, "save_s": ctx.costs.save_s}
+    if "nutp-restart" in cfg.policies and ctx.costs.save_s > 0:
+        tau = trn.young_daly_interval_s(ctx.costs.save_s, mttf_h * 3600.0)
+        d = _loss_rows(ctx, main_ev, trials, hours, acc, ctx.costs, ["nutp-restart"],
+                       lost_h=tau / 2 / 3600.0)["nutp-restart"]
+        d.pop("_loss"), d.pop("_still")
+        daly["interval_h"] = tau / 3600.0
+        base = out["nutp-restart"]
+        lost = d["loss"] * gpu_hours
+        out["nutp-restart@daly"] = {
+            **d, **{k: base[k] for k in ("rigid_paused", "spare_domains_zero_pause",
+                                         "boost_power")},
+            "gpu_hours_lost": lost, "usd_lost": lost * ctx.hw.usd_per_gpu_hour,
+            "checkpoint_interval_h": tau / 3600.0}
+    res = {"policies": out, "trials": trials, "hours": hours, "steps": n_steps,
+           "events": len(ev), "mean_failed_fraction": _mean_failed_fraction(ev, trials,
+                                                                           cfg.num_gpus, hours),
+           "transitions": ctx.costs.as_dict(), "daly": daly}
+    res["repair_batching"] = _batching(ctx, ev, trials, hours, n_steps, rows, progress)
+    return res
+
+
+def _batching(ctx: Context, ev: Events, trials: int, hours: float, n_steps: int,
+              main: dict[str, dict[str, Any]], progress: Progress | None) -> dict[str, Any]:
+    """Loss of every policy with each ``transitions.repair_batch_hours`` entry; the best."""
+    cfg = ctx.cfg
+    batches = list(cfg.transitions.repair_batch_hours)
+    loss = {p: [main[p]["loss"]] for p in cfg.policies}
+    for h in batches[1:]:
+        bev = batched(ev, h)
+        acc = _capacity(ctx, bev, trials, n_steps, progress, f"repairs every {h:g} h")
+        for p, r in _loss_rows(ctx, bev, trials, hours, acc, ctx.costs,
+                               list(cfg.policies)).items():
+            loss[p].append(r["loss"])
+    best = {p: batches[int(np.argmin(v))] for p, v in loss.items()}
+    return {"hours": batches, "loss": loss, "best_hours": best}
 
 
 def _mean_failed_fraction(ev: Events, trials: int, n_gpus: int, hours: float) -> float:
@@ -222,6 +311,7 @@ def simulate(cfg: SimConfig, *, progress: Progress | None = None, sweep: bool = 
     out: dict[str, Any] = {
         "schema": "nemo_nutp.sim/1", "config": asdict(cfg), "hardware": asdict(ctx.hw),
         "model": asdict(ctx.dims), "replicas": ctx.clusters["nutp"].n_use,
+        "transitions": ctx.costs.as_dict(),
         "step_time": ctx.tables.parts_s,
         "degraded_speed": {str(t): float(1 / ctx.tables.time[:, t].max())
                            for t in range(max(1, cfg.tp_base - 4), cfg.tp_base + 1)},

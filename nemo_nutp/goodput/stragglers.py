@@ -22,8 +22,15 @@ healthy replica. Throughput vs the healthy job, with continuous shares (as the p
 * ``drop``: replicas the stragglers make slower leave (a slow GPU on a stage that is not the
   replica's bottleneck can leave it at full speed).
 
-Not modelled: detection time and the re-layout restart of ``exclude`` (a planned re-layout at
-the next checkpoint), the per-step noise rebalancing smooths over.
+Layout changes (``transitions.py``): ``exclude`` pays a planned restart (the runtime's path:
+stop at the next checkpoint, re-plan, resume) when an episode starts on a slice where excluding
+the GPU beats keeping it, and another when it ends; ``exclude-live`` pays planned live
+re-layouts instead; ``drop`` pays planned restarts for episodes that slow their replica.
+``ignore`` and ``rebalance`` keep the layout (shares change between steps at no cost). The
+per-episode decision looks at the episode alone (overlapping episodes on one slice are rare).
+Checkpoint saves are charged in the failure timeline, not here. Not modelled: the time to
+detect a straggler (minutes of probes vs episodes of hours), the per-step noise rebalancing
+smooths over.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from . import transitions as trn
 from .config import StragglerConfig
 
 
@@ -101,18 +109,42 @@ def evaluate_stragglers(state: np.ndarray, gpu: np.ndarray, speed: np.ndarray, n
     a = np.bincount(r_state, minlength=n_states).astype(np.float64)
     low = np.ones(n_states)
     np.minimum.at(low, r_state, s_keep)
+    exclude = (n_use - a + np.bincount(r_state, s_best, minlength=n_states)) / n_use
     return {
         "ignore": low,
         "rebalance": (n_use - a + np.bincount(r_state, s_keep, minlength=n_states)) / n_use,
-        "exclude": (n_use - a + np.bincount(r_state, s_best, minlength=n_states)) / n_use,
+        "exclude": exclude, "exclude-live": exclude,
         "drop": (n_use - np.bincount(r_state, (s_keep < 1.0 - 1e-12).astype(np.float64),
                                       minlength=n_states)) / n_use,
     }
 
 
+def straggler_transitions(policy: str, ev: dict[str, np.ndarray], *, slice_of: np.ndarray,
+                          n_use: int, pp: int, tp_base: int, time: np.ndarray,
+                          best: np.ndarray, costs: trn.Costs) -> trn.Transitions:
+    """Planned transitions of ``policy``: at the start and the end of each episode that changes
+    its layout (module docstring)."""
+    if policy not in ("exclude", "exclude-live", "drop"):
+        z = np.zeros(0)
+        return trn.Transitions(z.astype(np.int64), z, z, z)
+    sl = slice_of[ev["gpu"]]
+    used = (sl >= 0) & (sl < n_use * pp)
+    stage = np.where(used, sl % pp, 0)
+    t_keep = time[stage, tp_base] / ev["speed"]
+    slows = used & (t_keep > time[:, tp_base].max() * (1 + 1e-12))
+    d1 = best[tp_base - 1]
+    t_ex = time[stage, d1] if d1 > 0 else np.full(len(sl), np.inf)
+    hit = slows & (t_ex < t_keep) if policy != "drop" else slows
+    hold = (costs.planned_live_s if policy == "exclude-live" else costs.straggler_restart_s)
+    n = int(hit.sum())
+    return trn.Transitions(np.concatenate([ev["trial"][hit], ev["trial"][hit]]),
+                           np.concatenate([ev["start"][hit], ev["end"][hit]]),
+                           np.full(2 * n, hold / 3600.0), np.zeros(2 * n))
+
+
 def run_stragglers(ctx: Any, rng: np.random.Generator) -> dict[str, Any]:
     """The straggler timeline of every ``sim.stragglers.policies`` entry (trial statistics of
-    the time-averaged loss, GPU-hours and $ lost)."""
+    the time-averaged loss = throughput loss + transition loss, GPU-hours and $ lost)."""
     cfg, s = ctx.cfg, ctx.cfg.stragglers
     hours = cfg.days * 24.0
     n_steps = int(np.ceil(hours / cfg.step_hours))
@@ -120,19 +152,25 @@ def run_stragglers(ctx: Any, rng: np.random.Generator) -> dict[str, Any]:
         if cfg.steady_state else 0.0
     ev = straggler_events(s, cfg.trials, cfg.num_gpus, hours, lead, rng)
     state, idx = active_at_steps(ev, n_steps, cfg.step_hours)
-    thr = evaluate_stragglers(
-        state, ev["gpu"][idx], ev["speed"][idx], cfg.trials * n_steps,
-        slice_of=ctx.slice_of, n_use=ctx.clusters["nutp"].n_use, pp=cfg.pp,
-        tp_base=cfg.tp_base, time=ctx.tables.time, best=ctx.tables.best)
+    geometry = dict(slice_of=ctx.slice_of, n_use=ctx.clusters["nutp"].n_use, pp=cfg.pp,
+                    tp_base=cfg.tp_base, time=ctx.tables.time, best=ctx.tables.best)
+    thr = evaluate_stragglers(state, ev["gpu"][idx], ev["speed"][idx], cfg.trials * n_steps,
+                              **geometry)  # type: ignore[arg-type]
     gpu_hours = cfg.num_gpus * hours
     out: dict[str, Any] = {}
     for p in s.policies:
-        loss = 1.0 - thr[p].reshape(cfg.trials, n_steps).mean(axis=1)
+        t = thr[p].reshape(cfg.trials, n_steps).mean(axis=1)
+        tr = straggler_transitions(p, ev, costs=ctx.costs, **geometry)  # type: ignore[arg-type]
+        still = trn.stall_fraction(tr, cfg.trials, hours)
+        loss = 1.0 - t * (1.0 - still)
         lost = float(loss.mean()) * gpu_hours
         out[p] = {"mean": float(loss.mean()), "p5": float(np.percentile(loss, 5)),
                   "p95": float(np.percentile(loss, 95)),
                   "stderr": float(loss.std(ddof=1) / np.sqrt(len(loss))) if len(loss) > 1
-                  else 0.0, "gpu_hours_lost": lost, "usd_lost": lost * ctx.hw.usd_per_gpu_hour}
+                  else 0.0, "throughput_loss": float((1.0 - t).mean()),
+                  "transition_loss": float((t * still).mean()), "loss": float(loss.mean()),
+                  **trn.event_stats(tr, cfg.trials, hours),
+                  "gpu_hours_lost": lost, "usd_lost": lost * ctx.hw.usd_per_gpu_hour}
     slow = float(len(state)) / (cfg.trials * n_steps * cfg.num_gpus)
     return {"policies": out, "trials": cfg.trials, "events": len(ev["trial"]),
             "mean_slow_fraction": slow}

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from nemo_nutp.goodput import load_sim_config, simulate
 from nemo_nutp.goodput.config import CostConfig, HardwareSpec, SimConfig
-from nemo_nutp.goodput.failures import load_trace, pause_fraction, poisson_events
+from nemo_nutp.goodput.failures import load_trace, poisson_events
 from nemo_nutp.goodput.simulate import eval_states, make_context, static_point
 from nemo_nutp.layout import (
     ClusterSpec,
@@ -62,7 +62,8 @@ def test_capacity_matches_build_plan(tp: int, pp: int, domains: int, spare: int,
     """For random failure states the simulator's throughput equals build_plan's capacity."""
     dims = _dims()
     cfg = _small(num_gpus=8 * domains, tp_base=tp, pp=pp, spare_domains=spare,
-                 policies=[policy], min_tp=2 if seed % 2 else 1)
+                 policies=["nutp-restart" if policy == "nutp" else policy],
+                 min_tp=2 if seed % 2 else 1)
     ctx = make_context(cfg, dims=dims, hw=HW)
     rng = np.random.default_rng(seed)
     failed = np.unique(rng.integers(0, ctx.n_gpus, size=n_fail))
@@ -82,7 +83,7 @@ def test_capacity_matches_build_plan(tp: int, pp: int, domains: int, spare: int,
 
 
 def test_seed_reproducible_and_sensitive() -> None:
-    cfg = _small(policies=["drop", "nutp", "stop-wait"], fractions=[2e-3, 4e-3])
+    cfg = _small(policies=["drop", "nutp-restart", "stop-wait"], fractions=[2e-3, 4e-3])
     a = simulate(cfg, directory=None)
     b = simulate(cfg)
     c = simulate(dataclasses.replace(cfg, seed=1))
@@ -129,14 +130,14 @@ def test_trace_loading_and_replay(tmp_path: Path) -> None:
     bad.write_text("time_h,gpu,duration_h\n1,999,1\n")
     with pytest.raises(ValueError, match="row 0"):
         load_trace(bad, 256, {"gpu": 1, "node": 4, "domain": 8})
-    cfg = _small(policies=["drop", "nutp"], failures=dataclasses.replace(
+    cfg = _small(policies=["drop", "nutp-restart"], failures=dataclasses.replace(
         _small().failures, trace=str(csv)))
     tl = simulate(cfg, sweep=False)["timeline"]
     assert tl["trials"] == 1 and tl["events"] == 3
     # drop: GPU 3 down [1,11) h, node 16-19 down [5,7) h, domain 200-207 down [30,48) h.
     hours = 48.0
     expected = (10 + 2 + 18) / hours / 32  # one of 32 replicas out for those hours
-    assert tl["policies"]["drop"]["mean"] == pytest.approx(expected, rel=1e-9)
+    assert tl["policies"]["drop"]["throughput_loss"] == pytest.approx(expected, rel=1e-9)
 
 
 def test_poisson_rate_and_stop_wait() -> None:
@@ -148,15 +149,27 @@ def test_poisson_rate_and_stop_wait() -> None:
     assert abs(len(ev) - expect) < 4 * np.sqrt(expect)
     # one failure at t=10 h, 0.5 h wait + 0.25 h restart + 0.25 h lost work = 1 h of 100
     from nemo_nutp.goodput.failures import Events
+    from nemo_nutp.goodput.transitions import (
+        Costs,
+        failure_transitions,
+        slice_load,
+        stall_fraction,
+    )
 
     one = Events(np.array([0]), np.array([10.0]), np.array([200.0]), np.array([0]),
                  np.array([1]), np.array([True]))
-    assert pause_fraction(one, 1, 100.0, 0.5, 0.25, 0.25)[0] == pytest.approx(0.01)
+    costs = Costs(detect_s=0.0, restart_s=900.0, planned_restart_s=0.0, straggler_restart_s=0.0,
+                  live_s=0.0, planned_live_s=0.0, live_lost_s=0.0, interval_s=1800.0,
+                  save_s=0.0, max_wait_s=1800.0, fit=(0.0, 0.0), source="test")
+    load = slice_load(one.trial, one.lo, one.size, one.start, one.end, np.zeros(1, np.int64))
+    tr = failure_transitions("stop-wait", one, load, n_used_slices=1, num_gpus=1, tp=1,
+                             best=np.arange(2), costs=costs)
+    assert stall_fraction(tr, 1, 100.0)[0] == pytest.approx(0.01)
 
 
 def _ratio_and_order(shard_balance: str) -> tuple[list[float], dict[str, list[float]]]:
     cfg = load_sim_config(["sim.trials=60", f"sim.cost.shard_balance={shard_balance}",
-                           "sim.policies=[drop,uniform-reduce,nutp,nutp+boost]"])
+                           "sim.policies=[drop,uniform-reduce,nutp-restart,nutp+boost]"])
     res = simulate(cfg, timeline=False)
     pts = res["sweep"]["points"]
     ratios = [p["policies"]["nutp"]["mean"] / p["fraction"] for p in pts]

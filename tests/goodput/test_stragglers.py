@@ -37,7 +37,7 @@ def test_straggler_policies_match_build_plan(tp: int, pp: int, domains: int, see
     exclude per stage), ``ignore`` that plan's slowest replica, ``drop`` the unaffected share."""
     dims = _dims()
     cfg = SimConfig(name="t", num_gpus=8 * domains, domain_size=8, gpus_per_node=4, tp_base=tp,
-                    pp=pp, trials=1, policies=["nutp"], cost=CostConfig(mode="compute"),
+                    pp=pp, trials=1, policies=["nutp-restart"], cost=CostConfig(mode="compute"),
                     min_tp=2 if seed % 2 else 1)
     ctx = make_context(cfg, dims=dims, hw=HardwareSpec())
     rng = np.random.default_rng(seed)
@@ -63,14 +63,19 @@ def test_straggler_policies_match_build_plan(tp: int, pp: int, domains: int, see
 
 
 def test_paper_scenario_straggler_policies() -> None:
-    """``nutp simulate``'s paper scenario holds the four policies side by side; their order
-    follows from the definitions (exclude >= rebalance >= ignore), computed, not hard-coded."""
+    """``nutp simulate``'s paper scenario holds the straggler policies side by side; their
+    throughput order follows from the definitions (exclude >= rebalance >= ignore), computed,
+    not hard-coded; exclusions cost transitions, live ones less than restarts."""
     cfg = load_sim_config(["sim.trials=20", "sim.days=3"])
     assert cfg.stragglers.rate_per_gpu_day > 0
     res = simulate(cfg, sweep=False)
     pol = res["stragglers"]["policies"]
-    assert list(pol) == ["ignore", "rebalance", "exclude", "drop"]
-    assert pol["exclude"]["mean"] <= pol["rebalance"]["mean"] <= pol["ignore"]["mean"]
+    assert list(pol) == ["ignore", "rebalance", "exclude", "exclude-live", "drop"]
+    tl = [pol[p]["throughput_loss"] for p in ("exclude", "rebalance", "ignore")]
+    assert tl[0] <= tl[1] <= tl[2]
+    assert pol["ignore"]["transition_loss"] == pol["rebalance"]["transition_loss"] == 0.0
+    assert 0 < pol["exclude-live"]["transition_loss"] < pol["exclude"]["transition_loss"]
+    assert pol["exclude-live"]["throughput_loss"] == pol["exclude"]["throughput_loss"]
     assert res["stragglers"]["events"] > 0
     from rich.console import Console
 

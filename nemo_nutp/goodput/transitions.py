@@ -1,0 +1,313 @@
+"""What changing the layout costs: one mechanism for every timeline and straggler policy.
+
+Contract:
+* An *event* changes a policy's layout or not (``changes``): failures (start of a down
+  interval, unplanned) and repairs (its end, planned) in the timeline; straggler exclusions and
+  returns (planned) in the straggler table. The rule looks at the slice the event hits and how
+  many GPUs of that slice other events hold down at that moment: ``nutp``-like layouts change
+  when the slice's best degree changes; ``drop`` layouts when the slice turns degraded or whole
+  again (a failure inside an already dropped replica changes nothing). Not modelled: failures
+  in unused slices (spare domains of ``drop+spares``) and blasts spanning several slices (the
+  first slice counts).
+* Each change becomes a *transition* ``(trial, t, hold, lost)`` (hours): the job stands still
+  for ``hold`` from ``t`` and redoes ``lost`` of work (``Costs``):
+
+  ==============  =================================  ==========================================
+  mode            unplanned (failure)                planned (GPU back, straggler)
+  ==============  =================================  ==========================================
+  ``restart``     detect + restart(N); lost: half a  restart(N) at a save; lost 0
+                  checkpoint interval
+  ``live``        detect + live; lost: the           live; lost 0
+                  in-flight step
+  ``stop-wait``   detect + min(down, max_wait) +     (none: the job ran on a hot-swapped GPU)
+                  restart(N); lost: half an interval
+  ==============  =================================  ==========================================
+
+  ``restart(N) = a * N ** k`` fitted in log space to published checkpoint-restart times
+  (``transitions.restart_points``); ``live = live_base_s + (pp + tp_base) * live_group_s +
+  bytes / live_gbps`` with ``bytes`` a rank's whole new shard of weights (an upper bound on what
+  it must receive). With ``transitions.measured`` the measured tiny-job numbers replace them,
+  scaled: restart ``transition_s * (N / processes_started) ** k`` plus the scenario's
+  checkpoint read at ``storage_gbps``; live ``transition_s`` plus the scenario's bytes; detection
+  as measured (does not grow with N); lost steps x the scenario's step time.
+* ``stall_fraction``: per trial the union of ``[t, t + hold)`` clipped to the horizon, plus per
+  merged block the ``lost`` of the transition that opened it, at most the time the job ran
+  since the previous block (work done since the last resume is all there is to lose; a
+  failure during a stall loses nothing more). Raising any cost never lowers it; more events
+  can (a planned restart saves a checkpoint a later failure would otherwise have needed), so
+  monotonicity in the event rate holds for the mean, not per draw. The save stall ``save_s``
+  every interval comes on top; ``transition_loss = throughput x min(1, stall + save)`` (the
+  time standing still is worth what the job would have done then), so ``loss =
+  throughput_loss + transition_loss``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .config import MODE_OF, SimConfig
+from .cost import _max_rank_params
+from .failures import Events
+
+H = 3600.0
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Seconds per transition of each kind in one scenario (module docstring)."""
+
+    detect_s: float
+    restart_s: float  # unplanned: detected -> training again
+    planned_restart_s: float  # GPU back: stopped at a save -> training again
+    straggler_restart_s: float  # straggler exclusion / return
+    live_s: float
+    planned_live_s: float
+    live_lost_s: float  # unplanned live: the in-flight step
+    interval_s: float
+    save_s: float
+    max_wait_s: float | None
+    fit: tuple[float, float]  # restart model a, k
+    source: str
+
+    @property
+    def save_fraction(self) -> float:
+        return self.save_s / self.interval_s if self.interval_s > 0 else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"detect_s": self.detect_s, "restart_s": self.restart_s,
+                "planned_restart_s": self.planned_restart_s,
+                "straggler_restart_s": self.straggler_restart_s, "live_s": self.live_s,
+                "planned_live_s": self.planned_live_s, "live_lost_s": self.live_lost_s,
+                "checkpoint_interval_s": self.interval_s, "save_s": self.save_s,
+                "max_wait_s": self.max_wait_s, "restart_fit": {"a": self.fit[0],
+                                                               "k": self.fit[1]},
+                "source": self.source}
+
+
+def restart_fit(points: list[Any], exponent: float | None) -> tuple[float, float]:
+    """(a, k) of ``seconds = a * gpus ** k``: least squares in log space (k fixed if given)."""
+    x = np.log([float(p.gpus) for p in points])
+    y = np.log([max(float(p.seconds), 1e-12) for p in points])
+    if exponent is None:
+        k = float(np.polyfit(x, y, 1)[0])
+    else:
+        k = float(exponent)
+    a = float(np.exp(np.mean(y - k * x)))
+    if all(float(p.seconds) == 0 for p in points):
+        a = 0.0
+    return a, k
+
+
+def _state_bytes(cfg: SimConfig, dims: Any, n_replicas: int) -> tuple[float, float]:
+    """(checkpoint bytes the whole job reads in a restart, weight bytes a rank of a shrinking
+    stage receives at most in a live re-layout)."""
+    t, layers = cfg.transitions, dims.num_layers // cfg.pp
+    tb = cfg.tp_base
+    stage_params = [_max_rank_params(dims, tb, layers, s == cfg.pp - 1) * tb
+                    for s in range(cfg.pp)]
+    total = float(sum(stage_params))
+    read = t.weight_bytes * total * n_replicas + t.optimizer_bytes * total
+    new = max(1, tb - 1)
+    live = max(t.weight_bytes * _max_rank_params(dims, new, layers, s == cfg.pp - 1)
+               for s in range(cfg.pp))
+    return read, float(live)
+
+
+def scenario_costs(cfg: SimConfig, dims: Any, hw: Any, step_s: float, n_replicas: int
+                   ) -> Costs:
+    """The transition costs of a scenario (published calibration or measured, scaled)."""
+    t = cfg.transitions
+    a, k = restart_fit(t.restart_points, t.restart_exponent)
+    if t.calibration == "warm_standby":
+        a, _ = restart_fit(t.warm_standby_points, k)
+    n = float(cfg.num_gpus)
+    restart = a * n ** k
+    read_bytes, live_bytes = _state_bytes(cfg, dims, n_replicas)
+    bw = (t.live_gbps or hw.network_gbps) * 1e9
+    live = t.live_base_s + (cfg.pp + cfg.tp_base) * t.live_group_s + live_bytes / bw
+    live_lost = t.live_lost_steps * step_s
+    det, planned, strag, planned_live = t.detect_s, restart, restart, live
+    source = f"published fit ({t.calibration})"
+    if t.measured:
+        r, lv = (_read_measured(t.measured).get(x, {}) for x in ("restart", "live"))
+        load = read_bytes / (t.storage_gbps * 1e9)
+
+        def scaled(e: dict[str, Any]) -> float:
+            procs = max(1, int(e["processes_started"]))
+            return float(e["transition_s"]) * (n / procs) ** k + load
+
+        if "kill" in r:
+            det, restart = float(r["kill"]["detect_s"]), scaled(r["kill"])
+        planned = scaled(r["gpu_back"]) if "gpu_back" in r else restart
+        strag = scaled(r["straggler"]) if "straggler" in r else planned
+        if "kill" in lv:
+            live = float(lv["kill"]["transition_s"]) + live_bytes / bw
+            live_lost = float(lv["kill"]["lost_steps"]) * step_s  # measured, not the setting
+            det = det if "kill" in r else float(lv["kill"]["detect_s"])
+        planned_live = (float(lv["gpu_back"]["transition_s"]) + live_bytes / bw
+                        if "gpu_back" in lv else live)
+        source = f"measured {t.measured} (scaled)"
+    return Costs(detect_s=det, restart_s=restart, planned_restart_s=planned,
+                 straggler_restart_s=strag, live_s=live, planned_live_s=planned_live,
+                 live_lost_s=live_lost, interval_s=t.checkpoint_interval_hours * H,
+                 save_s=t.save_s,
+                 max_wait_s=None if t.max_wait_hours is None else t.max_wait_hours * H,
+                 fit=(a, k), source=source)
+
+
+def _read_measured(path: str) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"sim.transitions.measured={path!r}: file not found")
+    try:
+        data = json.loads(p.read_text())
+        paths = data["paths"]
+        for evs in paths.values():
+            for entry in evs.values():
+                for key in ("detect_s", "transition_s", "lost_steps", "processes_started"):
+                    float(entry[key])
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"sim.transitions.measured={path!r}: not a transitions.json of "
+                         f"benchmarks/transition_cost.py ({e!r})") from None
+    return dict(paths)
+
+
+# ------------------------------------------------------------------ which events change layouts
+
+@dataclass(frozen=True)
+class SliceLoad:
+    """Per event: its slice (-1: none) and the GPUs other events hold down in that slice at
+    its start and at its end."""
+
+    slice: np.ndarray
+    at_start: np.ndarray
+    at_end: np.ndarray
+
+
+def slice_load(trial: np.ndarray, lo: np.ndarray, size: np.ndarray, start: np.ndarray,
+               end: np.ndarray, slice_of: np.ndarray) -> SliceLoad:
+    sl = slice_of[lo]
+    n = len(sl)
+    d0, d1 = np.zeros(n, np.int64), np.zeros(n, np.int64)
+    if n == 0:
+        return SliceLoad(sl, d0, d1)
+    n_sl = int(slice_of.max()) + 2
+    key = trial * n_sl + (sl + 1)
+    order = np.argsort(key, kind="stable")
+    k = key[order]
+    first = np.flatnonzero(np.concatenate([[True], k[1:] != k[:-1]]))
+    cnt = np.diff(np.concatenate([first, [n]]))
+    group = np.repeat(np.arange(len(first)), cnt)
+    multi = cnt[group] > 1
+    pos = np.flatnonzero(multi)  # positions (in sorted order) sharing a slice with others
+    if len(pos):
+        c = cnt[group[pos]]
+        i = np.repeat(pos, c)
+        j = np.repeat(first[group[pos]], c) + (np.arange(len(i)) - np.repeat(np.cumsum(c) - c, c))
+        other = i != j
+        i, j = order[i[other]], order[j[other]]
+        act0 = (start[j] <= start[i]) & (start[i] < end[j])
+        act1 = (start[j] <= end[i]) & (end[i] < end[j])
+        np.add.at(d0, i, size[j] * act0)
+        np.add.at(d1, i, size[j] * act1)
+    return SliceLoad(sl, d0, d1)
+
+
+def changes(capacity: str, before: np.ndarray, after: np.ndarray, best: np.ndarray, tp: int
+            ) -> np.ndarray:
+    """Does going from ``before`` to ``after`` healthy GPUs in a slice change the layout?"""
+    before, after = np.clip(before, 0, tp), np.clip(after, 0, tp)
+    if capacity in ("drop", "drop+spares"):
+        return (before == tp) != (after == tp)
+    return np.asarray(best[before] != best[after])
+
+
+@dataclass(frozen=True)
+class Transitions:
+    trial: np.ndarray
+    t: np.ndarray  # hours
+    hold: np.ndarray  # hours standing still
+    lost: np.ndarray  # hours recomputed
+
+    @staticmethod
+    def concat(parts: list[Transitions]) -> Transitions:
+        return Transitions(*(np.concatenate([getattr(p, f) for p in parts])
+                             for f in ("trial", "t", "hold", "lost")))
+
+
+def failure_transitions(policy: str, ev: Events, load: SliceLoad, *, n_used_slices: int,
+                        num_gpus: int, tp: int, best: np.ndarray, costs: Costs,
+                        lost_h: float | None = None) -> Transitions:
+    """The transitions of ``policy`` for the failure timeline (failures and repairs)."""
+    mode = MODE_OF[policy]
+    lost_unplanned = costs.interval_s / 2 / H if lost_h is None else lost_h
+    if mode == "stop-wait":
+        m = ev.lo < num_gpus
+        down = ev.end[m] - ev.start[m]
+        wait = down if costs.max_wait_s is None else np.minimum(down, costs.max_wait_s / H)
+        hold = (costs.detect_s + costs.restart_s) / H + wait
+        return Transitions(ev.trial[m], ev.start[m], hold, np.full(m.sum(), lost_unplanned))
+    from .config import CAPACITY_OF
+
+    cap = CAPACITY_OF[policy]
+    used = (load.slice >= 0) & (load.slice < n_used_slices)
+    fail = used & changes(cap, tp - load.at_start, tp - load.at_start - ev.size, best, tp)
+    back = used & changes(cap, tp - load.at_end - ev.size, tp - load.at_end, best, tp)
+    if mode == "restart":
+        f_hold, f_lost, b_hold = costs.detect_s + costs.restart_s, lost_unplanned * H, \
+            costs.planned_restart_s
+    else:
+        f_hold, f_lost, b_hold = costs.detect_s + costs.live_s, costs.live_lost_s, \
+            costs.planned_live_s
+    nf, nb = int(fail.sum()), int(back.sum())
+    return Transitions(np.concatenate([ev.trial[fail], ev.trial[back]]),
+                       np.concatenate([ev.start[fail], ev.end[back]]),
+                       np.concatenate([np.full(nf, f_hold / H), np.full(nb, b_hold / H)]),
+                       np.concatenate([np.full(nf, f_lost / H), np.zeros(nb)]))
+
+
+def stall_fraction(tr: Transitions, trials: int, hours: float) -> np.ndarray:
+    """Per trial: fraction of the horizon standing still or recomputing (module docstring).
+    Transitions before the horizon merge like any other (they end the previous run of the
+    job) but only their part inside it counts; a block opened before t = 0 recomputes
+    nothing inside the horizon."""
+    keep = tr.t < hours
+    trial, s, lost = tr.trial[keep], tr.t[keep], tr.lost[keep]
+    e = s + tr.hold[keep]
+    if len(trial) == 0:
+        return np.zeros(trials)
+    order = np.lexsort((s, trial))
+    trial, s, e, lost = trial[order], s[order], e[order], lost[order]
+    lo = float(min(s.min(), 0.0))
+    big = 4.0 * (float(e.max()) - lo + 1.0)
+    run_end = np.maximum.accumulate(e - lo + trial * big) - trial * big + lo
+    new_trial = np.concatenate([[True], trial[1:] != trial[:-1]])
+    prev_end = np.where(new_trial, -np.inf, np.concatenate([[-np.inf], run_end[:-1]]))
+    new_block = new_trial | (s > prev_end)
+    block_id = np.cumsum(new_block) - 1
+    b_end = np.full(int(block_id[-1]) + 1, -np.inf)
+    np.maximum.at(b_end, block_id, e)  # exact (run_end carries the offsets' rounding)
+    b_trial, b_start = trial[new_block], s[new_block]
+    b_prev = np.where(new_trial[new_block], -np.inf, np.concatenate([[-np.inf], b_end[:-1]]))
+    inside = np.clip(b_end, 0, hours) - np.clip(b_start, 0, hours)
+    b_lost = np.where(b_start >= 0, np.minimum(lost[new_block], b_start - b_prev), 0.0)
+    paused = np.bincount(b_trial, weights=inside + b_lost, minlength=trials)
+    return np.minimum(paused / hours, 1.0)
+
+
+def event_stats(tr: Transitions, trials: int, hours: float) -> dict[str, float]:
+    """Transitions per day inside the horizon and their mean cost (hold + lost, seconds)."""
+    inside = (tr.t >= 0) & (tr.t < hours)
+    n = int(inside.sum())
+    return {"events_per_day": n / trials / (hours / 24.0),
+            "mean_event_s": float((tr.hold[inside] + tr.lost[inside]).mean() * H) if n else 0.0}
+
+
+def young_daly_interval_s(save_s: float, mttf_s: float) -> float:
+    """Young's first-order optimal checkpoint interval sqrt(2 * save * MTTF)."""
+    return float(np.sqrt(2.0 * save_s * mttf_s))
