@@ -79,6 +79,8 @@ class NUTPDistributedDataParallel(DistributedDataParallel):
         for bucket_group in self.bucket_groups:
             bucket_group.__class__ = NUTPBucketGroup
             bucket_group.nutp_engine = self.nutp_engine
+        # Communicators now, before the first step's heartbeat (issue #22 finding 7).
+        self.nutp_engine.warm_up()
 
     def finish_grad_sync(self, *args: Any, **kwargs: Any) -> None:
         """megatron's per-bucket-group finish, then the whole step's sync, strictly: a

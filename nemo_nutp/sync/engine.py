@@ -64,6 +64,7 @@ import torch.distributed as dist
 
 from ..layout import PARAM_KINDS, SPACES, Plan
 from ..parallel.groups import NUTPGroups
+from . import p2p
 from .descriptors import (
     BucketSpec,
     MessageSpec,
@@ -102,6 +103,12 @@ class _Msg:
     buf: torch.Tensor | None = None
     work: Any = None
     done: bool = False  # incoming: received and scattered into its buckets
+    sender: int = -1  # global rank of the forward sender (pair_order)
+
+    @property
+    def key(self) -> tuple[int, int, int]:
+        """Its place in the pair's sequence, the same on both sides (``p2p.pair_order``)."""
+        return p2p.pair_order(self.spec.pieces[-1][0], self.sender, self.spec.index)
 
 
 @dataclass
@@ -165,7 +172,7 @@ class GradSyncEngine:
         # they ride in the grad-norm all-reduce, the others adding zeros (exact).
         self.shared = ([e for e in self.order if e.kind is None]
                        if not self.stage_mode and self.ctx.degree > 1 else [])
-        self.grad_sumsq = float("nan")  # of the last finished step (see module docstring)
+        self._sumsq: torch.Tensor | float = float("nan")  # see grad_sumsq
         # The distributed optimizer (zero.py) reads the reduced buckets after ``finish``: it
         # sets this and calls ``release_buckets`` once it has taken its slices.
         self.keep_buckets = False
@@ -234,16 +241,21 @@ class GradSyncEngine:
             outs += [(dst, i, lo, hi, (hi - lo) * u) for dst, lo, hi in e.sends]
             for sh in self.sync.spaces[PARAM_KINDS[e.kind].space].owned:
                 ins += [(src, i, lo, hi, (hi - lo) * u) for src, lo, hi in sh.recvs]
-        self.out_msgs = [_Msg(m) for m in plan_messages(outs, self.bucket_size)]
-        self.in_msgs = [_Msg(m) for m in plan_messages(ins, self.bucket_size)]
-        self.closing: dict[int, list[_Msg]] = {}  # param -> outgoing messages it completes
-        self.opening: dict[int, list[_Msg]] = {}  # param -> incoming messages it starts
+        me = self.ctx.rank
+        self.out_msgs = [_Msg(m, sender=me) for m in plan_messages(outs, self.bucket_size)]
+        self.in_msgs = [_Msg(m, sender=m.peer) for m in plan_messages(ins, self.bucket_size)]
+        # Per peer, both directions' messages in the order both sides agree on (p2p.py): the
+        # forward reshard posts each pair's operations in this order only.
+        self.pairs: dict[int, list[tuple[p2p.Kind, _Msg]]] = {}
+        for kind, msgs in (("send", self.out_msgs), ("recv", self.in_msgs)):
+            for m in msgs:
+                self.pairs.setdefault(m.spec.peer, []).append((kind, m))  # type: ignore[arg-type]
+        for seq in self.pairs.values():
+            seq.sort(key=lambda km: km[1].key)
         for m in self.out_msgs:
-            self.closing.setdefault(m.spec.pieces[-1][0], []).append(m)
             for item in m.spec.pieces:
                 self.order[item[0]].out_pieces.append((m, item))
         for m in self.in_msgs:
-            self.opening.setdefault(m.spec.pieces[0][0], []).append(m)
             for param, lo, _hi, _off, _n in m.spec.pieces:
                 e = self.order[param]
                 b, piece = next((b, p) for b, p in e.pieces if p.lo <= lo < p.hi)
@@ -258,6 +270,7 @@ class GradSyncEngine:
         self.launched = 0  # position in buckets (the launch order)
         self.ready = [False] * len(self.order)
         self.done = False
+        self.pair_pos = dict.fromkeys(self.pairs, 0)  # per peer: operations posted this step
 
     def mark_ready(self, params: Any) -> None:
         """Called from megatron's bucket readiness (backward hooks): post what is in order."""
@@ -266,7 +279,31 @@ class GradSyncEngine:
         while self.posted < len(self.order) and self.ready[self.posted]:
             self._post(self.order[self.posted])
             self.posted += 1
+        self._advance()
         self._launch(block=False)
+
+    def _advance(self) -> None:
+        """Post each pair's next operations in the pair's order: a receive at once, a send once
+        its message is filled (its last parameter posted). Never blocks."""
+        for peer, seq in self.pairs.items():
+            i = self.pair_pos[peer]
+            while i < len(seq):
+                kind, m = seq[i]
+                if kind == "recv":
+                    m.buf = self._msg_buf(m)
+                    m.work = p2p.backend().irecv(m.buf, peer)
+                elif m.spec.pieces[-1][0] < self.posted:
+                    assert m.buf is not None
+                    m.work = p2p.backend().isend(m.buf, peer)
+                    self.sent_bytes += m.buf.numel() * m.buf.element_size()
+                else:
+                    break
+                i += 1
+            self.pair_pos[peer] = i
+
+    def _msg_buf(self, m: _Msg) -> torch.Tensor:
+        like = self.order[m.spec.pieces[0][0]].param.main_grad  # type: ignore[attr-defined]
+        return torch.empty(m.spec.numel, dtype=like.dtype, device=like.device)
 
     def _units(self, e: _Param, lo: int, hi: int, t: torch.Tensor | None = None
                ) -> torch.Tensor:
@@ -340,17 +377,10 @@ class GradSyncEngine:
             return
         grad.mul_(w)
         u = e.numel_unit
-        i = self.index[id(e.param)]
-        for m in self.opening.get(i, ()):
-            m.buf = torch.empty(m.spec.numel, dtype=grad.dtype, device=grad.device)
-            m.work = dist.irecv(m.buf, m.spec.peer)
-        for m, (_, lo, hi, off, n) in e.out_pieces:
+        for m, (_, lo, hi, off, n) in e.out_pieces:  # sent by _advance once filled
             if m.buf is None:
                 m.buf = torch.empty(m.spec.numel, dtype=grad.dtype, device=grad.device)
             self._read(e, lo, hi, m.buf[off:off + n])
-        for m in self.closing.get(i, ()):
-            m.work = dist.isend(m.buf, m.spec.peer)  # type: ignore[arg-type]
-            self.sent_bytes += m.spec.numel * grad.element_size()
         for b, pc in e.pieces:
             seg = self._buffer(b, grad)[pc.offset:pc.offset + pc.numel]
             lo, hi = max(pc.lo, e.units[0]), min(pc.hi, e.units[1])  # type: ignore[index]
@@ -363,7 +393,8 @@ class GradSyncEngine:
             b = self.buckets[self.launched]
             if b.spec.ready_at >= self.posted:
                 return
-            if not block and not all(m.done or m.work.is_completed() for m in b.in_msgs):
+            if not block and not all(m.done or (m.work is not None and m.work.is_completed())
+                                     for m in b.in_msgs):
                 return
             for m in b.in_msgs:
                 self._scatter_in(m)
@@ -380,11 +411,24 @@ class GradSyncEngine:
         """Wait for an incoming message and copy its pieces into their buckets (once)."""
         if m.done:
             return
+        assert m.work is not None, "a bucket's message was never posted"
         m.work.wait()
         assert m.buf is not None
         for (b, off), (_, _, _, moff, n) in zip(m.targets, m.spec.pieces, strict=True):
             self._buffer(b, m.buf)[off:off + n].copy_(m.buf[moff:moff + n])
         m.done = True
+
+    @property
+    def grad_sumsq(self) -> float:
+        """Squared grad norm of the last finished step (module docstring); reading it is the
+        step's one host sync of the norm."""
+        if isinstance(self._sumsq, torch.Tensor):
+            self._sumsq = float(self._sumsq)
+        return self._sumsq
+
+    @grad_sumsq.setter
+    def grad_sumsq(self, value: float) -> None:
+        self._sumsq = value
 
     def name_of(self, param: torch.nn.Parameter) -> str:
         return self.order[self.index[id(param)]].name
@@ -406,6 +450,7 @@ class GradSyncEngine:
                     f"backward (no gradient hook fired), e.g. {missing[:5]}; every parameter "
                     "must take part in the loss on every rank")
             return
+        self._advance()  # everything is posted now: every message is filled
         self._launch(block=True)
         device = self.order[0].param.device if self.order else torch.device("cpu")
         shared = sum(e.param.numel() for e in self.shared)
@@ -429,7 +474,7 @@ class GradSyncEngine:
             grad.view(-1).copy_(tp_buf[off:off + grad.numel()])
             off += grad.numel()
         self.sumsq_slots = sumsq
-        self.grad_sumsq = float(sumsq.sum())
+        self._sumsq = sumsq.sum()  # read (one host sync) only when the norm is asked for
         self._clear()
         self.done = True
 
@@ -449,11 +494,10 @@ class GradSyncEngine:
 
     def _finish_sharded(self, sumsq: torch.Tensor) -> None:
         """Wait for the buckets; owners return reduced pieces to their holders in the same
-        coalesced messages (buffers reused), after every forward message (one order per pair
-        in both directions)."""
+        coalesced messages (buffers reused): one exchange, after every forward message, each
+        pair's messages in the pair's order (``back_ops``)."""
         for m in self.out_msgs:  # forward sent: the buffer now receives the way back
             m.work.wait()
-            m.work = dist.irecv(m.buf, m.spec.peer)  # type: ignore[arg-type]
         for b in self.buckets:
             if b.work is not None:
                 b.work.wait()
@@ -468,19 +512,36 @@ class GradSyncEngine:
                 lo, hi = max(pc.lo, e.units[0]), min(pc.hi, e.units[1])  # type: ignore[index]
                 if hi > lo:
                     self._write(e, lo, hi, seg[(lo - pc.lo) * u:(hi - pc.lo) * u])
-        backs = []
         for m in self.in_msgs:
             assert m.buf is not None
             for (b, off), (_, _, _, moff, n) in zip(m.targets, m.spec.pieces, strict=True):
                 m.buf[moff:moff + n].copy_(b.buf[off:off + n])  # type: ignore[index]
-            backs.append(dist.isend(m.buf, m.spec.peer))
             self.sent_bytes += m.buf.numel() * m.buf.element_size()
+        ops = self.back_ops([m.buf for m in self.out_msgs], [m.buf for m in self.in_msgs])
+        works = p2p.backend().exchange(ops)
         for m in self.out_msgs:
-            m.work.wait()  # type: ignore[union-attr]
+            m.work = None
+        for work in works:
+            work.wait()
+        for m in self.out_msgs:
             for param, lo, hi, off, n in m.spec.pieces:
                 self._write(self.order[param], lo, hi, m.buf[off:off + n])  # type: ignore
-        for work in backs:
-            work.wait()  # type: ignore[union-attr]
+
+    def pair_ops(self, outs: list[Any], ins: list[Any], *, back: bool) -> list[p2p.Op]:
+        """One exchange over the reshard messages with one buffer per message (``outs``: per
+        ``out_msgs``, ``ins``: per ``in_msgs``), per peer in the pair's order: forward
+        (holders send, owners receive) or back (owners send, holders receive)."""
+        seq = []
+        for kind, msgs, bufs in (("send", self.out_msgs, outs), ("recv", self.in_msgs, ins)):
+            if back:
+                kind = "recv" if kind == "send" else "send"
+            seq += [(m.spec.peer, m.key, kind, buf)
+                    for m, buf in zip(msgs, bufs, strict=True)]
+        seq.sort(key=lambda x: (x[0], x[1]))
+        return [p2p.Op(kind, buf, peer) for peer, _, kind, buf in seq]  # type: ignore[arg-type]
+
+    def back_ops(self, outs: list[Any], ins: list[Any]) -> list[p2p.Op]:
+        return self.pair_ops(outs, ins, back=True)
 
     def _finish_scattered(self, sumsq: torch.Tensor) -> None:
         """Reduce-scatter mode: wait; each piece's sum of squares from its members' slices.
@@ -518,6 +579,38 @@ class GradSyncEngine:
                     sumsq[e.slot + pc.k] = totals[r]
                 elif self.ctx.tp_rank == 0:
                     sumsq[e.slot] = totals[r]
+
+    def warm_up(self) -> None:
+        """Initialise every communicator the sync uses now, not lazily inside step 0 under the
+        step heartbeat (NCCL creates a communicator at its first collective, a pair's at its
+        first un-batched p2p). Collective over this rank's groups, each visited in one global
+        order (sorted by member ranks: no two ranks wait on each other's first use), then one
+        element per reshard message in the step's own pair order, un-batched (the forward
+        path) and as one exchange (the return path)."""
+        device = self.order[0].param.device if self.order else torch.device("cpu")
+        named: dict[int, tuple[tuple[int, ...], str, Any]] = {}
+        candidates = [("tp", self.groups.tp), ("stage", self.groups.stage),
+                      ("leaders", self.leaders), ("replica", self.groups.replica)]
+        candidates += [("sync", b.group) for b in self.buckets]
+        for label, g in candidates:
+            if g is not None and id(g) not in named:
+                named[id(g)] = (tuple(dist.get_process_group_ranks(g)), label, g)
+        for _, _, g in sorted(named.values(), key=lambda x: (x[0], x[1])):
+            dist.all_reduce(torch.zeros(1, device=device), group=g)
+        if not self.pairs:
+            return
+        works = []
+        for peer in sorted(self.pairs):
+            for kind, _ in self.pairs[peer]:
+                t = torch.zeros(1, device=device)
+                works.append(p2p.backend().isend(t, peer) if kind == "send"
+                             else p2p.backend().irecv(t, peer))
+        for w in works:
+            w.wait()
+        ones = [torch.zeros(1, device=device) for _ in self.out_msgs]
+        back = self.back_ops(ones, [torch.zeros(1, device=device) for _ in self.in_msgs])
+        for w in p2p.backend().exchange(back):
+            w.wait()
 
     def nonfinite_params(self) -> list[str]:
         """Parameters whose reduced gradient holds NaN/Inf (the same list on every rank)."""

@@ -54,6 +54,7 @@ import torch.distributed as dist
 from megatron.core.optimizer import OptimizerConfig, get_standard_config_overrides
 from megatron.core.optimizer import _get_param_groups as megatron_param_groups
 
+from . import p2p
 from .engine import GradSyncEngine, _Bucket, _Param
 
 
@@ -103,53 +104,49 @@ class BucketMover:
         eng = self.engine
         bufs = [torch.zeros(b.spec.numel, dtype=dtype, device=_device(tensors))
                 for b in eng.buckets]
-        recvs = []
-        for m in eng.in_msgs:
-            buf = torch.empty(m.spec.numel, dtype=dtype, device=bufs[0].device if bufs else None)
-            recvs.append((m, buf, dist.irecv(buf, m.spec.peer)))
-        sends = []
+        ins = [torch.empty(m.spec.numel, dtype=dtype, device=_device(tensors))
+               for m in eng.in_msgs]
+        outs = []
         for m in eng.out_msgs:
             buf = torch.empty(m.spec.numel, dtype=dtype, device=_device(tensors))
             for param, lo, hi, off, n in m.spec.pieces:
                 eng._read(eng.order[param], lo, hi, buf[off:off + n], tensors[param])
-            sends.append(dist.isend(buf, m.spec.peer))
+            outs.append(buf)
+        works = p2p.backend().exchange(eng.pair_ops(outs, ins, back=False))
         for i, e in enumerate(eng.order):
             for b, pc in e.pieces:
                 seg = bufs[self.where[id(b)]][pc.offset:pc.offset + pc.numel]
                 self._local(e, pc, seg, tensors[i], write=False)
-        for m, buf, work in recvs:
-            work.wait()  # type: ignore[union-attr]
+        for work in works:
+            work.wait()
+        for m, buf in zip(eng.in_msgs, ins, strict=True):
             for (b, off), (_, _, _, moff, n) in zip(m.targets, m.spec.pieces, strict=True):
                 bufs[self.where[id(b)]][off:off + n].copy_(buf[moff:moff + n])
-        for work in sends:
-            work.wait()  # type: ignore[union-attr]
         return bufs
 
     def from_buckets(self, bufs: list[torch.Tensor | None], tensors: list[torch.Tensor]) -> None:
         """Write full bucket buffers into ``tensors``: owners write their own units and return
         the others to their holders; replicated values reach the leader's TP group."""
         eng = self.engine
-        recvs = []
-        for m in eng.out_msgs:
-            buf = torch.empty(m.spec.numel, dtype=tensors[0].dtype, device=tensors[0].device)
-            recvs.append((m, buf, dist.irecv(buf, m.spec.peer)))
-        sends = []
+        dtype, device = tensors[0].dtype, tensors[0].device
+        outs = [torch.empty(m.spec.numel, dtype=dtype, device=device) for m in eng.out_msgs]
+        ins = []
         for m in eng.in_msgs:
-            buf = torch.empty(m.spec.numel, dtype=tensors[0].dtype, device=tensors[0].device)
+            buf = torch.empty(m.spec.numel, dtype=dtype, device=device)
             for (b, off), (_, _, _, moff, n) in zip(m.targets, m.spec.pieces, strict=True):
                 buf[moff:moff + n].copy_(bufs[self.where[id(b)]][off:off + n])  # type: ignore
-            sends.append(dist.isend(buf, m.spec.peer))
+            ins.append(buf)
+        works = p2p.backend().exchange(eng.back_ops(outs, ins))
         for i, e in enumerate(eng.order):
             for b, pc in e.pieces:
                 src = bufs[self.where[id(b)]]
                 assert src is not None
                 self._local(e, pc, src[pc.offset:pc.offset + pc.numel], tensors[i], write=True)
-        for m, buf, work in recvs:
-            work.wait()  # type: ignore[union-attr]
+        for work in works:
+            work.wait()
+        for m, buf in zip(eng.out_msgs, outs, strict=True):
             for param, lo, hi, off, n in m.spec.pieces:
                 eng._write(eng.order[param], lo, hi, buf[off:off + n], tensors[param])
-        for work in sends:
-            work.wait()  # type: ignore[union-attr]
         self._share_replicated(tensors)
 
     def _local(self, e: _Param, pc: Any, seg: torch.Tensor, t: torch.Tensor, *,

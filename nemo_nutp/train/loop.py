@@ -28,28 +28,28 @@ from ..goodput.accounting import GoodputLedger
 from ..layout import Plan
 
 
-def _gather_times(session: Any, times: dict[str, float], step_s: float) -> list[list[float]]:
-    ctx = session.groups.ctx
+def _gather_times(session: Any, times: dict[str, float], step_s: float
+                  ) -> tuple[float, list[tuple[int, float, float, float]]]:
+    """Step wall time (slowest rank) and per replica (GPUs of all its stages, compute, sync,
+    optimizer: maxima over its ranks), the same on every rank.
+
+    One fixed-size all-reduce (MAX) of ``3 x replicas + 1`` elements and one host sync per
+    step: O(replicas) whatever the world size (each rank fills its replica's row; times are
+    >= 0, so the zeros elsewhere never win)."""
+    plan, ctx = session.plan, session.groups.ctx
     # On the parameters' device: NCCL groups only move device tensors.
     device = next(session.model.parameters()).device
-    mine = torch.tensor([ctx.replica, ctx.degree, times["compute_s"], times["sync_s"],
-                         times["optimizer_s"], step_s], dtype=torch.float64, device=device)
-    out = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, mine)
-    return [t.tolist() for t in out]
-
-
-def _replica_times(rows: list[list[float]], plan: Plan
-                   ) -> tuple[float, list[tuple[int, float, float, float]]]:
-    """Step wall time (slowest rank) and per replica (GPUs, compute, sync, opt): the GPUs of
-    all its stages and the maxima over its ranks."""
-    step_s = max(r[5] for r in rows)
-    reps = []
-    for i, rep in enumerate(plan.replicas):
-        mine = [r for r in rows if int(r[0]) == i]
-        reps.append((sum(rep.tp), max(r[2] for r in mine), max(r[3] for r in mine),
-                     max(r[4] for r in mine)))
-    return step_s, reps
+    n = len(plan.replicas)
+    buf = torch.zeros(3 * n + 1, dtype=torch.float64)
+    buf[3 * ctx.replica:3 * ctx.replica + 3] = torch.tensor(
+        [times["compute_s"], times["sync_s"], times["optimizer_s"]], dtype=torch.float64)
+    buf[-1] = step_s
+    buf = buf.to(device)
+    dist.all_reduce(buf, op=dist.ReduceOp.MAX)
+    vals = buf.tolist()
+    reps = [(sum(rep.tp), vals[3 * i], vals[3 * i + 1], vals[3 * i + 2])
+            for i, rep in enumerate(plan.replicas)]
+    return vals[-1], reps
 
 
 class _Outputs:
@@ -152,8 +152,7 @@ def train_rank(cfg: JobConfig, plan: Plan, *, device: torch.device | None = None
             live.before_step(step)
             t0 = time.perf_counter()
             res = session.step(step)
-            rows = _gather_times(session, res.times, time.perf_counter() - t0)
-            step_s, reps = _replica_times(rows, plan)
+            step_s, reps = _gather_times(session, res.times, time.perf_counter() - t0)
             shares = live.after_step(step, reps)  # this step's shares; may change the next's
             step_goodput = ledger.add_step(step_s, reps, inside=live.inside_speeds())
             if out is not None and progress is not None:

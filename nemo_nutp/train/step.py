@@ -176,8 +176,8 @@ def train_step(model: Any, optimizer: Any, batches: list[MicroBatch], mask: torc
     optimizer.zero_grad()
     n = len(batches)
     scale = loss_scale(optimizer)
-    total = 0.0
     device = next(model.parameters()).device
+    total = torch.zeros((), dtype=torch.float64, device=device)  # one host sync, at the end
     for i, mb in enumerate(batches):
         ctx = model.no_sync() if i < n - 1 else contextlib.nullcontext()
         t_mb = time.perf_counter()
@@ -187,8 +187,9 @@ def train_step(model: Any, optimizer: Any, batches: list[MicroBatch], mask: torc
                          labels=mb.labels.to(device)).float().mean()
             scaled = loss / n
             (scaled * scale if scale != 1.0 else scaled).backward()
-        total += float(loss.detach())
+        total += loss.detach()
         if opts.slow_factor > 1.0:  # real wall time, proportional to this rank's work
+            total.item()  # fault injection only: wait for the device to time the work
             time.sleep((opts.slow_factor - 1.0) * (time.perf_counter() - t_mb))
     t1 = time.perf_counter()
     model.finish_grad_sync()
@@ -198,4 +199,4 @@ def train_step(model: Any, optimizer: Any, batches: list[MicroBatch], mask: torc
     ok, grad_norm = optimizer_step(model, optimizer, opts, checks, step=step)
     t3 = time.perf_counter()
     times = {"compute_s": t1 - t0, "sync_s": t2 - t1, "optimizer_s": t3 - t2}
-    return total / n, grad_norm, times, not ok
+    return float(total) / n, grad_norm, times, not ok
