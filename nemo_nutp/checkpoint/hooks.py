@@ -26,8 +26,19 @@ import torch.distributed as dist
 
 from .events import log_event
 from .faults import Fault
+from .interval import AutoInterval
 from .megatron_format import describe, restore_asides, sources
 from .store import CheckpointError, load_newest_valid, save_checkpoint
+
+SAVE_ERRORS: tuple[type[BaseException], ...] = (OSError, CheckpointError)
+"""What a failed save raises (extended with megatron's and torch DCP's exception types)."""
+
+
+def save_errors() -> tuple[type[BaseException], ...]:
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (*SAVE_ERRORS, CheckpointingException, CheckpointException)
 
 
 def resume_candidates(cfg: Any) -> list[Path]:
@@ -67,6 +78,27 @@ class CheckpointHooks:
         self.fault = Fault.from_env_or_config(cfg)
         hb = os.environ.get("NUTP_HEARTBEAT_DIR")
         self.heartbeat = Path(hb) / f"rank{self.rank}" if hb else None
+        ck = cfg.checkpoint
+        self.saving = self.root is not None and ck.saves
+        self.auto: AutoInterval | None = None
+        if self.saving and ck.interval == "auto":
+            self.auto = AutoInterval(cfg.recovery.rate_per_gpu_day,
+                                     session.plan.request.cluster.num_gpus,
+                                     ck.interval_min, ck.interval_max)
+            self._say(self.auto.start_line())
+        self.saves: Any = None
+        if self.saving:
+            from ..procs import start_results_queue
+
+            start_results_queue()  # the first save's one-time cost, overlapped with the first steps
+            if ck.async_save:
+                from .background import BackgroundSaves
+
+                self.saves = BackgroundSaves(on_done=self._completed, on_failed=self._failed)
+        self.ledger: Any = None
+        self.last_save = 0  # step of the newest save scheduled (or the resume step)
+        self.last_end: float | None = None
+        self.step_times: list[float] = []
 
     def _beat(self, phase: str, step: int) -> None:
         if self.heartbeat is not None:
@@ -124,21 +156,107 @@ class CheckpointHooks:
         if self.fault is not None:
             self.fault.at_step(self.rank, step)
 
+    def interval(self) -> int:
+        """Steps between saves now (``checkpoint.interval``, or the auto interval)."""
+        return self.auto.steps if self.auto is not None else int(self.cfg.checkpoint.interval)
+
+    def due(self, step: int) -> bool:
+        """Save after ``step`` steps? A fixed interval saves at its multiples; ``auto`` counts
+        from the previous save (or the step the run started at)."""
+        if self.auto is None:
+            return step % self.interval() == 0
+        return step - self.last_save >= self.auto.steps
+
     def after_step(self, step: int, ledger: Any) -> None:
         self._beat("done", step)
-        interval = self.cfg.checkpoint.interval
-        if self.root is None or interval <= 0 or (step + 1) % interval:
+        now = time.perf_counter()
+        if self.last_end is not None:
+            self.step_times.append(now - self.last_end)
+        else:
+            self.last_save = step  # the run started at this step (fresh or resumed)
+        if not self.saving:
             return
+        self.ledger = ledger
+        if self.saves is not None and self.saves.pending is not None:
+            t0 = time.perf_counter()
+            self.saves.poll()  # collective: finalises the save in flight once all writes ended
+            ledger.add_pause("checkpoint", time.perf_counter() - t0)
+        if self.due(step + 1):
+            self._save(step + 1, ledger)
+        self.last_end = time.perf_counter()
+
+    def _save(self, step: int, ledger: Any) -> None:
         t0 = time.time()
         extra = {"ledger": {**ledger.snapshot(), "saved_at": t0}}
         fault = self.fault
-        hook = None if fault is None else (lambda: fault.in_save(self.rank, step + 1))
-        path = save_checkpoint(self.session, self.root, step=step + 1, extra=extra, fault=hook)
-        seconds = time.time() - t0
-        ledger.add_pause("checkpoint", seconds)
+        hook = None if fault is None else (lambda: fault.in_save(self.rank, step))
+        self.last_save = step
+        try:
+            path = save_checkpoint(self.session, self.root, step=step, extra=extra, fault=hook,
+                                   background=self.saves)
+        except save_errors() as e:  # e.g. no space left: the save is aborted
+            self._failed(None, f"checkpoint: save of step {step} under {self.root} failed "
+                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                         "the previous complete checkpoint stays the one to resume from")
+            return
+        stall = time.time() - t0
+        ledger.add_pause("checkpoint", stall)
+        self._rederive(stall)
+        if self.saves is None:
+            from .background import Pending
+
+            self._completed(Pending(step, path, path, t0, stall, 0), stall)
+        elif self.saves.pending is not None:
+            self.saves.pending.stall_s = stall
+
+    def _rederive(self, stall: float) -> None:
+        """``interval=auto``: the same new interval on every rank (the slowest rank's stall and
+        step time, one all-reduce per save)."""
+        if self.auto is None:
+            return
+        import torch
+
+        from .integrity import control_group
+
+        recent = self.step_times[-8:]
+        mine = torch.tensor([stall, sorted(recent)[len(recent) // 2] if recent else 0.0],
+                            dtype=torch.float64)
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=control_group())
+        self.auto.observe(float(mine[0]), float(mine[1]))
+        self._say(self.auto.line())
+
+    def _completed(self, p: Any, seconds: float) -> None:
+        """A save is complete (published, tracker updated): the save line and the event."""
+        background = self.saves is not None
+        write_s = seconds if background else p.stall_s
+        if background and self.ledger is not None:
+            self.ledger.add_background("checkpoint_write", write_s)
         plan = self.session.plan
-        self._say(f"checkpoint: saved {path} (step {step + 1}, layout "
-                  f"{layout_of({'plan': {'replica_tp': [list(r.tp) for r in plan.replicas]}})}"
-                  f", {seconds:.2f} s)")
+        layout = layout_of({"plan": {"replica_tp": [list(r.tp) for r in plan.replicas]}})
+        how = (f"stall {p.stall_s:.2f} s, background write {write_s:.2f} s, snapshot "
+               f"{p.snapshot_bytes / 2**20:.1f} MiB on rank 0" if background
+               else f"{p.stall_s:.2f} s")
+        self._say(f"checkpoint: saved {p.final} (step {p.step}, layout {layout}, {how})")
         if self.rank == 0:
-            log_event("checkpoint", step=step + 1, path=str(path), seconds=seconds)
+            log_event("checkpoint", step=p.step, path=str(p.final), seconds=p.stall_s,
+                      stall_s=p.stall_s, write_s=write_s, background=background,
+                      snapshot_bytes=p.snapshot_bytes)
+
+    def _failed(self, p: Any, line: str) -> None:
+        self._say(line)
+        if self.rank == 0:
+            log_event("checkpoint_failed", step=None if p is None else p.step, message=line)
+
+    def wait_for_save(self) -> None:
+        """Block until the save in flight is complete (a planned layout change, the end of the
+        run); its wait is charged to ``checkpoint``. Collective."""
+        if self.saves is None or self.saves.pending is None:
+            return
+        t0 = time.perf_counter()
+        self.saves.wait()
+        if self.ledger is not None:
+            self.ledger.add_pause("checkpoint", time.perf_counter() - t0)
+
+    def finish(self) -> None:
+        """End of the run (every rank): the save in flight completes."""
+        self.wait_for_save()

@@ -1,10 +1,12 @@
 """Checksums that scale: every rank hashes what it wrote; loads verify in parallel.
 
 * ``hash_own_files(directory, rank)``: sha256 of the files ``rank`` wrote in a torch_dist save
-  (``__{rank}_*.distcp``; rank 0 also the small ``common.pt``, ``metadata.json``, ``.metadata``),
-  on a thread pool (hashlib releases the GIL on large buffers, so files hash concurrently).
-  ``gather_checksums`` collects them on rank 0: rank 0's busy time is its own shards, not the
-  whole checkpoint.
+  (``__{rank}_{k}.distcp`` for ``k`` below the strategy's writer count, found by name, never by
+  listing the directory, which holds O(world) files; rank 0 also the small ``common.pt``,
+  ``metadata.json``, ``.metadata``), on a thread pool (hashlib releases the GIL on large
+  buffers, so files hash concurrently). ``gather_checksums`` collects them on rank 0 (one
+  ``gather_object`` on the control group): rank 0's busy time is its own shards, not the whole
+  checkpoint.
 * ``verify_parallel(files, directory)``: the files are split among the ranks by size
   (largest first onto the least loaded rank, the same split on every rank), each rank checks its
   share on a thread pool, and every rank gets the same list of problems.
@@ -19,17 +21,16 @@ from __future__ import annotations
 import hashlib
 import heapq
 import os
-import re
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 
 CHUNK = 8 << 20
 SMALL = 4 << 20  # bytes below which files are hashed inline
 RANK0_FILES = ("common.pt", "metadata.json", ".metadata")
-_SHARD = re.compile(r"__(\d+)_\d+\.distcp$")
 
 
 def sha256_file(path: Path) -> str:
@@ -54,27 +55,53 @@ def hash_files(directory: Path, names: Iterable[str]) -> dict[str, str]:
     return dict(zip(names, digests, strict=True))
 
 
-def own_files(directory: Path, rank: int) -> list[str]:
-    """Names of the files ``rank`` wrote in a torch_dist save under ``directory``."""
-    out = []
-    for p in directory.iterdir():
-        m = _SHARD.match(p.name)
-        if (m and int(m.group(1)) == rank) or (rank == 0 and p.name in RANK0_FILES):
-            out.append(p.name)
-    return out
+WRITERS = 2
+"""Files per rank of a torch_dist save: megatron's ``TorchDistSaveShardedStrategy``
+``thread_count`` (default 2; ``FileSystemWriterAsync`` names them ``__{rank}_{k}.distcp``)."""
 
 
-def hash_own_files(directory: Path, rank: int) -> dict[str, str]:
-    return hash_files(directory, own_files(directory, rank))
+def shard_names(rank: int, *, rank0_files: bool = True) -> list[str]:
+    """Names ``rank`` may have written (a few stats, whatever the world size)."""
+    names = [f"__{rank}_{k}.distcp" for k in range(WRITERS)]
+    return names + (list(RANK0_FILES) if rank == 0 and rank0_files else [])
+
+
+def own_files(directory: Path, rank: int, *, rank0_files: bool = True) -> list[str]:
+    """Names of the files ``rank`` wrote in a torch_dist save under ``directory`` (by name)."""
+    return [n for n in shard_names(rank, rank0_files=rank0_files) if (directory / n).is_file()]
+
+
+def hash_own_files(directory: Path, rank: int, *, rank0_files: bool = True) -> dict[str, str]:
+    return hash_files(directory, own_files(directory, rank, rank0_files=rank0_files))
+
+
+def control_group() -> Any:
+    """The process group for checkpoint object collectives and barriers: the default group
+    under gloo, else one gloo group over all ranks (created once, collectively, on first use:
+    object collectives on NCCL pickle to device tensors and serialise per rank)."""
+    global _CONTROL
+    if _CONTROL is None:
+        _CONTROL = (dist.group.WORLD if dist.get_backend() == "gloo"
+                    else dist.new_group(backend="gloo"))
+    return _CONTROL
+
+
+_CONTROL: Any = None
+
+
+def gather_to_rank0(obj: Any) -> list[Any] | None:
+    """``obj`` of every rank on rank 0 (None elsewhere), over ``control_group``. Collective.
+    Rank 0 receives one small object per rank; the others send one."""
+    group = control_group()
+    box: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(obj, box, dst=0, group=group)
+    return box
 
 
 def gather_checksums(directory: Path) -> dict[str, str] | None:
     """Every rank hashes its own files; rank 0 gets the union (others: None). Collective."""
-    mine = hash_own_files(directory, dist.get_rank())
-    world = dist.get_world_size()
-    box: list[dict[str, str] | None] = [None] * world if dist.get_rank() == 0 else []
-    dist.gather_object(mine, box if dist.get_rank() == 0 else None, dst=0)
-    if dist.get_rank() != 0:
+    box = gather_to_rank0(hash_own_files(directory, dist.get_rank()))
+    if box is None:
         return None
     out: dict[str, str] = {}
     for part in box:
@@ -117,16 +144,30 @@ def verify_serial(expected: dict[str, str], directory: Path) -> list[str]:
     return problems(expected, directory, expected)
 
 
-def verify_parallel(expected: dict[str, str], directory: Path) -> list[str]:
-    """Problems found by all ranks together (the same sorted list on every rank). Collective."""
-    sizes = {}
-    for n in expected:
-        try:
-            sizes[n] = (directory / n).stat().st_size
-        except OSError:
-            sizes[n] = 0
+def verify_parallel(expected: dict[str, str], directory: Path,
+                    sizes: dict[str, int] | None = None) -> list[str]:
+    """Problems found by all ranks together (the same sorted list on every rank). Collective.
+
+    ``sizes`` (recorded at save time) splits the work without a stat per file on every rank;
+    without it (older checkpoints) every rank stats every file. One integer all-reduce tells
+    whether any rank found a problem; only then are the problems gathered and broadcast."""
+    import torch
+
+    if sizes is None or set(sizes) != set(expected):
+        sizes = {}
+        for n in expected:
+            try:
+                sizes[n] = (directory / n).stat().st_size
+            except OSError:
+                sizes[n] = 0
     share = split_by_size(sizes, dist.get_world_size())[dist.get_rank()]
     mine = problems(expected, directory, share)
-    box: list[list[str] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(box, mine)
-    return sorted(p for part in box for p in (part or []))
+    group = control_group()
+    count = torch.tensor([len(mine)], dtype=torch.int64)
+    dist.all_reduce(count, group=group)
+    if int(count.item()) == 0:
+        return []
+    box = gather_to_rank0(mine)
+    found = [sorted(p for part in box for p in (part or []))] if box is not None else [None]
+    dist.broadcast_object_list(found, src=0, group=group)
+    return list(found[0] or [])

@@ -95,20 +95,24 @@ def _rng_object(plan: Any, data: Any) -> Any:
 
 def _broadcast(obj: Any) -> Any:
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=integrity.control_group())
     return box[0]
 
 
 def save_checkpoint(session: Any, root: str | Path, *, step: int,
                     extra: dict[str, Any] | None = None, fault: Any = None,
-                    hashing: str = "parallel") -> Path:
+                    hashing: str = "parallel", background: Any = None) -> Path:
     """Save model, optimizer, ``step`` (steps completed = next step to run), RNG and ``extra``
     (JSON-able, taken from rank 0) atomically as ``root/iter_{step:07d}``; returns that path.
 
-    ``fault`` (tests): run by every rank after its shards are written and before the
-    checkpoint is published (a crash there must leave the previous one valid).
+    ``background`` (a ``background.BackgroundSaves``): snapshot the state and return; the
+    writing, hashing, publishing and tracker update finish in the background (the path exists
+    once ``background`` finalised the save; see there). Without it the save is synchronous.
+    ``fault`` (tests): run by every rank after its shards are written (with ``background``:
+    right after the background write started) and before the checkpoint is published (a crash
+    there must leave the previous one valid).
     ``hashing``: 'parallel' (every rank its own files) or 'rank0' (rank 0 reads every file
-    after a barrier: the former behaviour, kept for ``benchmarks/checkpoint_save.py``).
+    after a barrier: the former behaviour, kept for comparison).
     """
     from megatron.core import dist_checkpointing
 
@@ -117,11 +121,18 @@ def save_checkpoint(session: Any, root: str | Path, *, step: int,
     results_queue_dies_with_rank()  # no orphaned helper holds the job's output after a crash
     root = Path(root)
     rank0 = dist.get_rank() == 0
-    tmp = root / f"iter_{step:07d}.tmp-{_broadcast(secrets.token_hex(4))}"
-    if rank0:
-        tmp.mkdir(parents=True)
-        restore_asides(root)
-    dist.barrier()
+    made: Any = None
+    if rank0:  # a failure here is every rank's (no rank is left waiting in a collective)
+        try:
+            made = root / f"iter_{step:07d}.tmp-{secrets.token_hex(4)}"
+            made.mkdir(parents=True)
+            restore_asides(root)
+        except OSError as e:
+            made = f"cannot create a checkpoint directory under {root}: {e}"
+    made = _broadcast(made)
+    if isinstance(made, str):
+        raise CheckpointError(made)
+    tmp = Path(made)
     model = _model_state(session)
     state: dict[str, Any] = {"model": model,
                              "optimizer": session.optimizer.sharded_state_dict(model)}
@@ -131,44 +142,59 @@ def save_checkpoint(session: Any, root: str | Path, *, step: int,
                                             "rng": torch.get_rng_state()}}
                             if rank0 else None))
     state["nutp_rng_state"] = _rng_object(session.plan, _rng_states())
+    final = iter_dir(root, step)
+    meta = {"format": FORMAT, "step": step, "model": _dims(session.model_cfg),
+            "plan": _plan_summary(session.plan), "rng_per_rank": True}
+    shapes = _my_global_shapes(session)
+    if background is not None:
+        request = dist_checkpointing.save(state, str(tmp), async_sharded_save=True)
+        background.schedule(request, tmp, final, step,
+                            lambda digests: _publish(tmp, final, step, meta, shapes, digests))
+        if fault is not None:
+            fault()
+        return final
     dist_checkpointing.save(state, str(tmp))
     if fault is not None:
         fault()
     if hashing == "parallel":
-        files = integrity.gather_checksums(tmp)
+        mine = integrity.hash_own_files(tmp, dist.get_rank())
     else:
-        dist.barrier()
-        files = integrity.checksums_serial(tmp, skip=(META,)) if rank0 else None
-    final = iter_dir(root, step)
-    shapes = _all_global_shapes(session)
-    if rank0:
-        assert files is not None
-        meta = {"format": FORMAT, "step": step, "model": _dims(session.model_cfg),
-                "plan": _plan_summary(session.plan), "global_shapes": shapes,
-                "files": files, "rng_per_rank": True}
-        write_atomic(tmp / META, json_dumps(meta))
-        publish(tmp, final)
-        write_tracker(root, step)
-    dist.barrier()
+        dist.barrier(group=integrity.control_group())
+        mine = integrity.checksums_serial(tmp, skip=(META,)) if rank0 else {}
+    _publish(tmp, final, step, meta, shapes, mine)
     return final
 
 
-def _all_global_shapes(session: Any) -> dict[str, list[int]] | None:
-    """Every key's global shape (on rank 0; None elsewhere): with pipeline stages each stage
-    holds other keys, so replica 0's TP-rank-0 of every stage sends its own."""
+def _publish(tmp: Path, final: Path, step: int, meta: dict[str, Any],
+             shapes: dict[str, list[int]] | None, digests: dict[str, str]) -> None:
+    """Collective: every rank sends rank 0 its files' digests and sizes (and, for one rank per
+    pipeline stage, its keys' global shapes) in one ``gather_object`` on the control group;
+    rank 0 writes ``nutp_checkpoint.json``, publishes ``tmp`` as ``final`` and replaces the
+    tracker; a barrier ends it. No rank lists the directory."""
+    sizes = {n: (tmp / n).stat().st_size for n in digests}
+    box = integrity.gather_to_rank0({"files": digests, "sizes": sizes, "shapes": shapes})
+    if box is not None:
+        files: dict[str, str] = {}
+        all_sizes: dict[str, int] = {}
+        all_shapes: dict[str, list[int]] = {}
+        for part in box:
+            files.update(part["files"])
+            all_sizes.update(part["sizes"])
+            all_shapes.update(part["shapes"] or {})
+        full = {**meta, "global_shapes": all_shapes, "files": dict(sorted(files.items())),
+                "sizes": dict(sorted(all_sizes.items()))}
+        write_atomic(tmp / META, json_dumps(full))
+        publish(tmp, final)
+        write_tracker(final.parent, step)
+    dist.barrier(group=integrity.control_group())
+
+
+def _my_global_shapes(session: Any) -> dict[str, list[int]] | None:
+    """This rank's keys' global shapes if it speaks for its pipeline stage (replica 0, TP rank
+    0: each stage holds other keys), else None."""
     ctx = session.groups.ctx
-    mine = (expected_global_shapes(session.gpt, session.model_cfg)
+    return (expected_global_shapes(session.gpt, session.model_cfg)
             if ctx.replica == 0 and ctx.tp_rank == 0 else None)
-    if session.plan.pp == 1:
-        return mine if dist.get_rank() == 0 else None
-    box: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(mine, box, dst=0)
-    if box is None:
-        return None
-    out: dict[str, list[int]] = {}
-    for part in box:
-        out.update(part or {})
-    return out
 
 
 def json_dumps(obj: Any) -> str:
@@ -279,7 +305,7 @@ def verify_checkpoint(path: Path, marker: dict[str, Any] | None) -> str | None:
         return f"checkpoint {path} is incomplete ({describe(path)})"
     if marker is None or "files" not in marker:
         return None
-    bad = integrity.verify_parallel(marker["files"], path)
+    bad = integrity.verify_parallel(marker["files"], path, marker.get("sizes"))
     return f"checkpoint {path} is corrupt: {'; '.join(bad)}" if bad else None
 
 

@@ -282,9 +282,18 @@ class CheckpointConfig:
     """Layout-portable checkpoints (``nemo_nutp.checkpoint``)."""
 
     dir: str | None = None
-    """Checkpoint root; None = ``<output.dir>/checkpoints`` when ``interval`` > 0."""
-    interval: int = 0
-    """Save every this many steps (0 disables saving)."""
+    """Checkpoint root; None = ``<output.dir>/checkpoints`` when saving."""
+    interval: Any = 0
+    """Save every this many steps (0 disables saving), or ``auto``: Young/Daly from the
+    measured save stall and ``recovery.rate_per_gpu_day`` x the job's GPUs, clamped to
+    ``[interval_min, interval_max]`` (``checkpoint/interval.py``)."""
+    interval_min: int = 2
+    """``interval=auto``: fewest steps between saves (also the first save's step)."""
+    interval_max: int = 1000
+    """``interval=auto``: most steps between saves."""
+    async_save: bool = False
+    """Snapshot the state to host memory and write, hash and publish in the background
+    (megatron-core's async save); at most one save in flight."""
     resume: str = "auto"
     """'auto' (newest valid checkpoint, if any), 'required' (error if none) or 'never';
     true/false are aliases of auto/never."""
@@ -297,13 +306,26 @@ class CheckpointConfig:
     """A newest checkpoint that fails verification is an error, not a fallback to an older one."""
 
     def __post_init__(self) -> None:
-        if self.interval < 0:
-            raise _bad("checkpoint.interval", self.interval, "must be >= 0")
+        iv = self.interval
+        if isinstance(iv, str) and iv.strip().lower() == "auto":
+            object.__setattr__(self, "interval", "auto")
+        elif isinstance(iv, bool) or not isinstance(iv, int) or iv < 0:
+            raise _bad("checkpoint.interval", iv, "must be an integer >= 0 or auto")
+        if self.interval_min < 1:
+            raise _bad("checkpoint.interval_min", self.interval_min, "must be >= 1")
+        if self.interval_max < self.interval_min:
+            raise _bad("checkpoint.interval_max", self.interval_max,
+                       f"must be >= checkpoint.interval_min ({self.interval_min})")
         mode = RESUME_ALIASES.get(str(self.resume).lower(), str(self.resume).lower())
         if mode not in ("auto", "required", "never"):
             raise _bad("checkpoint.resume", self.resume,
                        "must be auto, required or never (true/false: auto/never)")
         object.__setattr__(self, "resume", mode)
+
+    @property
+    def saves(self) -> bool:
+        """Whether the job saves checkpoints (``interval`` > 0 or auto)."""
+        return self.interval == "auto" or int(self.interval) > 0
 
 
 @dataclass(frozen=True)
@@ -345,8 +367,14 @@ class RecoveryConfig:
     """Under a launcher: time a worker's device probe may take before its GPU counts as failed."""
     fault: FaultConfig = field(default_factory=FaultConfig)
     """Fault injection."""
+    rate_per_gpu_day: float = 419 / (54 * 16384)
+    """Expected failures per GPU-day (the simulator's ``sim.failures.rate_per_gpu_day``: Llama 3
+    405B's 419 in 54 days on 16,384 GPUs); ``checkpoint.interval=auto`` scales it by the job's
+    GPU count."""
 
     def __post_init__(self) -> None:
+        if not self.rate_per_gpu_day >= 0:
+            raise _bad("recovery.rate_per_gpu_day", self.rate_per_gpu_day, "must be >= 0")
         if self.max_restarts < 0:
             raise _bad("recovery.max_restarts", self.max_restarts, "must be >= 0")
         for name in ("heartbeat_timeout_s", "startup_timeout_s", "probe_timeout_s"):
@@ -411,10 +439,13 @@ class JobConfig:
     def __post_init__(self) -> None:
         _resolve_grad_reduce(self.train, self.sync)
         _check_layout(self)
-        if self.recovery.enabled and self.checkpoint.interval <= 0:
+        if self.recovery.enabled and not self.checkpoint.saves:
             raise _bad("checkpoint.interval", self.checkpoint.interval,
                        "must be > 0 when recovery.enabled is true")
-        if self.nutp.exclude_stragglers and self.checkpoint.interval <= 0:
+        if self.nutp.exclude_stragglers and not isinstance(self.checkpoint.interval, int):
+            raise _bad("checkpoint.interval", self.checkpoint.interval,
+                       "must be a fixed number of steps when nutp.exclude_stragglers is true")
+        if self.nutp.exclude_stragglers and not self.checkpoint.saves:
             raise _bad("checkpoint.interval", self.checkpoint.interval,
                        "must be > 0 when nutp.exclude_stragglers is true")
 
@@ -423,7 +454,7 @@ class JobConfig:
         """The checkpoint root in use (None: checkpointing off)."""
         if self.checkpoint.dir:
             return self.checkpoint.dir
-        return f"{self.output.dir}/checkpoints" if self.checkpoint.interval > 0 else None
+        return f"{self.output.dir}/checkpoints" if self.checkpoint.saves else None
 
 
 CPU_CLUSTER = "cpu_local"

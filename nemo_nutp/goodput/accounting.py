@@ -12,7 +12,10 @@ Per step of wall time ``T`` on a cluster of ``N`` GPUs, ``N * T`` GPU-seconds sp
   ``degree_r * compute_r * (1 - v_r)`` of the compute is waiting, not work (``useful`` keeps
   ``degree_r * compute_r * v_r``);
 * ``failed``  — failed GPUs idle; ``idle`` — healthy GPUs the plan does not use;
-* ``checkpoint`` and ``restart`` — time spent saving or restarting (charged to all GPUs).
+* ``checkpoint`` and ``restart`` — time spent saving or restarting (charged to all GPUs). With
+  asynchronous saves ``checkpoint`` is only the stall (snapshot, waits, finalisation); the
+  background write time is kept beside the parts (``background``, not part of the total: the
+  GPUs trained meanwhile).
 
 By construction the parts add up to the total; ``GoodputLedger.check()`` verifies it (a test
 does too). Goodput is ``useful / total``. A resumed run continues the saved ledger
@@ -40,6 +43,7 @@ class GoodputLedger:
     wall_s: float = 0.0  # this run's accounted wall time
     carried_gpu_s: float = 0.0  # allocated GPU-seconds of earlier runs (restored)
     carried_wall_s: float = 0.0
+    background: dict[str, float] = field(default_factory=dict)  # e.g. checkpoint_write: s
 
     def add_step(self, step_s: float, replicas: list[tuple[int, float, float, float]], *,
                  inside: Sequence[float] | None = None) -> float:
@@ -69,6 +73,11 @@ class GoodputLedger:
         parts[cause] = self.cluster_gpus * seconds
         self._add(parts, seconds)
 
+    def add_background(self, name: str, seconds: float) -> None:
+        """Wall time of work beside training (an asynchronous checkpoint write): reported,
+        never part of the GPU-time total."""
+        self.background[name] = self.background.get(name, 0.0) + seconds
+
     def _add(self, parts: dict[str, float], seconds: float) -> None:
         self.wall_s += seconds
         for c, v in parts.items():
@@ -87,7 +96,7 @@ class GoodputLedger:
     def snapshot(self) -> dict[str, Any]:
         """What a checkpoint keeps so that a resumed run continues this ledger."""
         return {"totals": dict(self.totals), "total_gpu_s": self.total,
-                "wall_s": self.run_wall_s}
+                "wall_s": self.run_wall_s, "background": dict(self.background)}
 
     def restore(self, saved: Mapping[str, Any]) -> None:
         """Continue a saved ledger (``snapshot``; older checkpoints lack ``total_gpu_s``: their
@@ -96,6 +105,7 @@ class GoodputLedger:
         self.carried_gpu_s = float(saved.get("total_gpu_s", sum(self.totals.values())))
         self.carried_wall_s = float(saved["wall_s"])
         self.wall_s = 0.0
+        self.background = {k: float(v) for k, v in saved.get("background", {}).items()}
 
     @property
     def goodput(self) -> float:
@@ -110,4 +120,5 @@ class GoodputLedger:
     def as_dict(self) -> dict[str, float]:
         out = {f"{c}_gpu_s": v for c, v in self.totals.items()}
         out.update(total_gpu_s=self.total, wall_s=self.run_wall_s, goodput=self.goodput)
+        out.update({f"{k}_s": v for k, v in self.background.items()})
         return out

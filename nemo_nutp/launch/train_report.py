@@ -41,6 +41,9 @@ def print_goodput(ledger: GoodputLedger, console: Console | None = None, *,
     for c in CAUSES:
         v = ledger.totals[c]
         t.add_row(_LABELS[c], f"{v:.2f}", f"{v / ledger.total:.1%}" if ledger.total else "-")
+        if c == "checkpoint" and "checkpoint_write" in ledger.background:
+            t.add_row("  beside it: background checkpoint writes (wall s, not charged)",
+                      f"({ledger.background['checkpoint_write']:.2f} s)", "")
     t.add_row("[bold]total", f"{ledger.total:.2f}", "100.0%")
     t.add_row("[bold]goodput[/] (useful share)", "", f"[bold]{ledger.goodput:.1%}")
     (console or make_console()).print(t)

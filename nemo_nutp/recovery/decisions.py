@@ -203,7 +203,7 @@ def returned_gpus(current: frozenset[int], reported: frozenset[int] | None) -> f
 
 def scale_up_blocker(cfg: Any) -> str | None:
     """Why the job cannot restart for returned GPUs without losing steps (None: it can)."""
-    if cfg.checkpoint_dir is None or cfg.checkpoint.interval <= 0:
+    if cfg.checkpoint_dir is None or not cfg.checkpoint.saves:
         return "checkpointing is off"
     if cfg.checkpoint.resume == "never":
         return "checkpoint.resume is false"

@@ -174,6 +174,7 @@ def train_rank(cfg: JobConfig, plan: Plan, *, device: torch.device | None = None
             hooks.after_step(step, ledger)
             if live.should_stop(step):  # nutp.exclude_stragglers: saved; relaunch re-plans
                 break
+        hooks.finish()  # a background save in flight completes before the run ends
     finally:
         if progress:
             progress.stop()
