@@ -50,13 +50,16 @@ finalisation (never part of a published checkpoint)."""
 
 
 def snapshot_bytes(request: Any) -> int:
-    """Bytes of tensor data this rank's request stages to host memory (its snapshot)."""
+    """Bytes this rank's request stages to host memory (its snapshot): tensor data plus the
+    serialised objects (RNG, extra state)."""
     args: Any = getattr(request, "async_fn_args", None) or ()
     if len(args) < 2:
         return 0
     total = 0
-    for _path, _name, (_bytes_data, tensor_data) in args[1]:
+    for _path, _name, (bytes_data, tensor_data) in args[1]:
         total += sum(t.numel() * t.element_size() for _item, t in tensor_data)
+        total += sum(len(b.getbuffer()) if hasattr(b, "getbuffer") else 0
+                     for _item, b in bytes_data)
     return total
 
 
@@ -132,6 +135,7 @@ class BackgroundSaves:
         self.pending: Pending | None = None
         self.on_done, self.on_failed = on_done, on_failed
         self.rank = dist.get_rank()
+        self.last_snapshot_bytes = 0
 
     def schedule(self, request: Any, tmp: Path, final: Path, step: int,
                  publish: Callable[[dict[str, str]], None]) -> None:
@@ -144,6 +148,7 @@ class BackgroundSaves:
                                                         self.rank))
         request.add_finalize_fn(lambda: publish(_own_digests(tmp, self.rank)))
         self.pending = Pending(step, tmp, final, t0, 0.0, snapshot_bytes(request))
+        self.last_snapshot_bytes = self.pending.snapshot_bytes
         self.queue.schedule_async_request(request)
 
     def poll(self) -> bool:

@@ -41,6 +41,34 @@ def save_errors() -> tuple[type[BaseException], ...]:
     return (*SAVE_ERRORS, CheckpointingException, CheckpointException)
 
 
+def check_writable(field: str, path: str | Path) -> None:
+    """``path`` can be created and written (a file written, fsynced and removed): else a
+    ``ValueError`` naming ``field`` and the path (a read-only mount, no permission, ``/proc``,
+    a file in the way). Pure filesystem, before any process exists."""
+    import secrets
+
+    p = Path(path)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        probe = p / f".nutp-write-probe-{os.getpid()}-{secrets.token_hex(3)}"
+        with probe.open("w") as f:
+            f.write("ok\n")
+            f.flush()
+            os.fsync(f.fileno())
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"{field}={path}: cannot be created or written "
+                         f"({e.strerror or type(e).__name__})") from None
+
+
+def check_output_dirs(cfg: Any) -> None:
+    """``output.dir`` and, when the job saves, the checkpoint root are writable."""
+    check_writable("output.dir", cfg.output.dir)
+    if cfg.checkpoint.saves and cfg.checkpoint_dir is not None:
+        field = "checkpoint.dir" if cfg.checkpoint.dir else "output.dir"
+        check_writable(field, cfg.checkpoint_dir)
+
+
 def resume_candidates(cfg: Any) -> list[Path]:
     """Checkpoints to try, in the loader's order ([] = start fresh). Pure filesystem."""
     ck = cfg.checkpoint

@@ -31,8 +31,12 @@ def _launcher_env() -> tuple[int, int, int] | None:
 
 def preflight(cfg: Any, plan: Any = None) -> None:
     """Checks done before any process or group exists: what the runtime cannot train yet; the
-    data path opens and fits the vocabulary; a checkpoint to resume from matches the model."""
+    data path opens and fits the vocabulary; a checkpoint to resume from matches the model;
+    where results and checkpoints go can be created and written."""
     check_inputs(cfg, plan)
+    from ..checkpoint.hooks import check_output_dirs
+
+    check_output_dirs(cfg)
 
 
 def check_inputs(cfg: Any, plan: Any = None) -> None:

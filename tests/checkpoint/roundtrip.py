@@ -25,7 +25,7 @@ class Job:
     save: bool = False  # train SAVE_AT steps from scratch and save
     reference: bool = False  # train SAVE_AT + AFTER steps uninterrupted
     extra: dict[str, Any] = field(default_factory=dict)  # precision, clip_grad, model,
-    # distributed_optimizer
+    # distributed_optimizer, async_save
     pp: int = 1
 
 
@@ -54,11 +54,42 @@ def _session(job: Job) -> Any:
                          distributed_optimizer=job.extra.get("distributed_optimizer", False))
 
 
+def save(s: Any, root: str, step: int, *, background: bool,
+         during: Any = None) -> dict[str, Any]:
+    """``save_checkpoint``; with ``background`` an asynchronous save: ``during()`` (e.g. a
+    training step that changes every parameter) runs while the write is in flight, and the
+    loader must not see the checkpoint before it completes. Returns what was checked."""
+    from nemo_nutp.checkpoint import find_latest, save_checkpoint
+    from nemo_nutp.checkpoint.background import BackgroundSaves
+
+    if not background:
+        save_checkpoint(s, root, step=step)
+        return {}
+    before = find_latest(root) if os.path.isdir(root) else None
+    saves = BackgroundSaves()
+    final = save_checkpoint(s, root, step=step, background=saves)
+    assert saves.pending is not None
+    invisible = not final.exists() and find_latest(root) == before  # in flight: not loadable
+    if during is not None:
+        during()
+    saves.wait()
+    assert saves.pending is None
+    done = final.is_dir() and find_latest(root) == final
+    return {"async_invisible_in_flight": _all(invisible), "async_complete": _all(done),
+            "async_snapshot_bytes": saves_max(saves)}
+
+
+def saves_max(saves: Any) -> int:
+    from nemo_nutp.checkpoint.background import host_snapshot_bytes_all
+
+    return host_snapshot_bytes_all(saves.last_snapshot_bytes)
+
+
 def run_job(job: Job, outdir: str, index: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from nemo_nutp.checkpoint import load_checkpoint, save_checkpoint
+    from nemo_nutp.checkpoint import load_checkpoint
 
     rank0 = dist.get_rank() == 0
     res: dict[str, Any] = {}
@@ -79,7 +110,11 @@ def run_job(job: Job, outdir: str, index: str) -> None:
         res["fresh"] = [s.step(k).loss for k in range(SAVE_AT)]
         torch.manual_seed(1000 + dist.get_rank())  # per-rank RNG states differ
         saved_rng = torch.get_rng_state()
-        save_checkpoint(s, os.path.join(outdir, f"ckpt_{job.layout}"), step=SAVE_AT)
+        # With async_save: a step runs while the write is in flight (every parameter and Adam
+        # state changes); the checkpoint must hold the state at the save.
+        res.update(save(s, os.path.join(outdir, f"ckpt_{job.layout}"), SAVE_AT,
+                        background=job.extra.get("async_save", False),
+                        during=lambda: s.step(SAVE_AT)))
         torch.manual_seed(0)
         # Self round trip in the same session object: load over the trained state.
         info = load_checkpoint(s, os.path.join(outdir, f"ckpt_{job.layout}",

@@ -11,7 +11,8 @@ Worlds (spawned by ``test_megatron_format``), every check computed here, nothing
   of the TP1 step-0 checkpoint), save like Megatron-LM (``iter_N`` + tracker, megatron's
   optimizer state), continue ``AFTER`` steps (full reference), and train ``AFTER`` steps from the
   saved weights with a fresh optimizer (weights-only reference).
-* ``nutp_resume`` (NUTP layout): load each stock root, full and weights-only, train ``AFTER``.
+* ``nutp_resume`` (NUTP layout): load each stock root (and NUTP roots saved asynchronously in
+  another layout), full and weights-only, train ``AFTER``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import torch
 
 SAVE_AT, AFTER, SEED, LR, GLOBAL_BATCH, MBS = 3, 2, 1234, 1e-3, 8, 2
 MODEL = dict(add_bias=True, vocab_size=104)  # vocab divisible by 2: stock TP2 needs it
+ASYNC = ("tp3_tp2_tp2",)
+"""NUTP layouts whose checkpoint is saved asynchronously (``checkpoint.async_save``)."""
 
 
 def dims() -> Any:
@@ -82,15 +85,18 @@ def nutp_logits(s: Any) -> torch.Tensor | None:
 def nutp_save(layouts: dict[str, tuple[int, ...]], out: str) -> None:
     import torch.distributed as dist
 
-    from nemo_nutp.checkpoint import save_checkpoint
+    from .roundtrip import save
 
     for name, replicas in layouts.items():
         s = nutp_session(replicas)
         losses = [s.step(k).loss for k in range(SAVE_AT)]
-        save_checkpoint(s, os.path.join(out, f"nutp_{name}"), step=SAVE_AT)
-        logits = nutp_logits(s)
+        logits = nutp_logits(s)  # of the saved state
+        # ASYNC layouts save in the background while a step changes every parameter.
+        checks = save(s, os.path.join(out, f"nutp_{name}"), SAVE_AT, background=name in ASYNC,
+                      during=lambda s=s: s.step(SAVE_AT))
         if dist.get_rank() == 0:
-            torch.save({"losses": losses, "logits": logits}, os.path.join(out, f"nutp_{name}.pt"))
+            torch.save({"losses": losses, "logits": logits, **checks},
+                       os.path.join(out, f"nutp_{name}.pt"))
         dist.barrier()
 
 
@@ -105,7 +111,8 @@ def nutp_resume(replicas: tuple[int, ...], roots: list[str], out: str) -> None:
         for full in (True, False):
             s = nutp_session(replicas)  # fresh weights: everything comes from the checkpoint
             info = load_newest_valid(s, sources(Path(out) / root), load_optimizer=full)
-            assert info is not None and info["marker"] is None, info
+            assert info is not None, root
+            assert (info["marker"] is None) == root.startswith("stock_"), info
             start = info["step"]
             res[f"{root}/{'full' if full else 'weights'}"] = {
                 "start": start, "optimizer": info["optimizer"],

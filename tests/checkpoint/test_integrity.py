@@ -149,3 +149,26 @@ def test_parallel_hashing_fallback_strict_and_resave(tmp_path: Path) -> None:
     assert warning.startswith("WARNING: checkpoint") and "iter_0000004 is corrupt" in warning
     assert resumed.startswith("checkpoint: resumed") and "iter_0000002 (step 2, saved by TP2)" \
         in resumed, resumed
+
+
+@pytest.mark.parametrize("key", ["output.dir", "checkpoint.dir"])
+@pytest.mark.parametrize("where", ["proc", "file_in_the_way"])
+def test_unwritable_output_or_checkpoint_dir_exits_2_before_any_process(
+        tmp_path: Path, key: str, where: str, capsys: Any) -> None:
+    """One line naming the key and the path, exit 2, nothing spawned (issue 25 item 5)."""
+    import multiprocessing as mp
+
+    from nemo_nutp.launch.nutp_train import main
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    bad = "/proc/nutp_x" if where == "proc" else str(blocker / "sub")
+    args = ([f"output.dir={bad}"] if key == "output.dir" else
+            [f"output.dir={tmp_path / 'out'}", f"checkpoint.dir={bad}", "checkpoint.interval=2"])
+    rc = main([*args, "train.steps=1"])
+    err = capsys.readouterr()
+    text = (err.out + err.err).strip()
+    assert rc == 2, text
+    assert f"{key}={bad}: cannot be created or written" in text, text
+    assert len(text.splitlines()) == 1 and "Traceback" not in text, text
+    assert mp.active_children() == []

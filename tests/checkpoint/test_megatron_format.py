@@ -47,7 +47,7 @@ def test_megatron_format_both_ways(tmp_path: Path) -> None:
     _run(7, "nutp_save", (LAYOUTS,), tmp_path)
     _run(1, "stock", (1, list(LAYOUTS)), tmp_path)
     _run(2, "stock", (2, list(LAYOUTS)), tmp_path)
-    _run(7, "nutp_resume", ((4, 3), ["stock_tp1", "stock_tp2"]), tmp_path)
+    _run(7, "nutp_resume", ((4, 3), ["stock_tp1", "stock_tp2", "nutp_tp3_tp2_tp2"]), tmp_path)
     stock = {tp: torch.load(tmp_path / f"stock_tp{tp}.pt", weights_only=False) for tp in (1, 2)}
     # Out: same keys, global shapes, dtypes as stock's own checkpoint (optimizer included);
     # NUTP adds only its per-rank RNG object.
@@ -77,6 +77,17 @@ def test_megatron_format_both_ways(tmp_path: Path) -> None:
                   _loss_rel(weights["losses"], stock[tp]["weights"]))
         print(f"stock TP{tp} -> NUTP TP4+TP3: full loss rel {rf:.1e}, weights-only {rw:.1e}")
         assert rf <= LOSS_TOL and rw <= LOSS_TOL, (tp, full, weights, stock[tp])
+    # An asynchronously saved NUTP TP3+TP2+TP2 checkpoint (a step ran during its write) resumes
+    # in TP4+TP3 like the uninterrupted stock TP1 run continues (full) / restarts (weights).
+    saved = torch.load(tmp_path / "nutp_tp3_tp2_tp2.pt", weights_only=False)
+    assert saved["async_invisible_in_flight"] is True and saved["async_complete"] is True
+    full, weights = res["nutp_tp3_tp2_tp2/full"], res["nutp_tp3_tp2_tp2/weights"]
+    assert (full["start"], weights["start"]) == (SAVE_AT, 0), (full, weights)
+    rf, rw = (_loss_rel(full["losses"], stock[1]["full"]),
+              _loss_rel(weights["losses"], stock[1]["weights"]))
+    print(f"async NUTP TP3+TP2+TP2 -> NUTP TP4+TP3 vs uninterrupted stock TP1: full loss rel "
+          f"{rf:.1e}, weights-only {rw:.1e}")
+    assert rf <= LOSS_TOL and rw <= LOSS_TOL, (full, weights, stock[1])
     # the optimizer state matters: weights-only continues differently from a full resume
     assert stock[1]["weights"][1] != stock[1]["full"][1]
     _check_preflight_dims(tmp_path / "stock_tp2" / f"iter_{SAVE_AT:07d}")

@@ -42,6 +42,20 @@ changes and CPU use seen by each rank's watcher, so saves and the end-of-run rep
 seconds on a loaded 2-core machine) do not count; detection takes about this long."""
 
 
+def _session_pids(sid: int) -> list[int]:
+    """Live (not zombie) processes of session ``sid``."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+                if int(fields[3]) == sid and fields[0] != "Z":
+                    out.append(int(d.name))
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
 def _kill_session(sid: int) -> None:
     """SIGKILL every process of session ``sid`` (the job and the ranks it spawned, which run
     in process groups of their own)."""
@@ -86,6 +100,7 @@ class _Job:
             rc = self.proc.wait(timeout=max(1.0, self.deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             rc = -1
+        self.left = _session_pids(self.proc.pid)  # after a clean exit: orphans
         return rc, self.log.read_text()
 
 
@@ -180,6 +195,36 @@ def test_crash_during_save_resumes_previous_checkpoint(tmp_path: Path,
     ckpts = sorted(p.name for p in (out / "checkpoints").iterdir() if p.is_dir())
     assert any(".tmp-" in n and n.startswith("iter_0000004") for n in ckpts), ckpts
     assert "iter_0000006" in ckpts
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(600)
+def test_rank_killed_during_async_save_resumes_previous_checkpoint(
+        tmp_path: Path, reference: list[float]) -> None:
+    """checkpoint.async_save: rank 1 is SIGKILLed right after its background write of step 4
+    started (training had resumed). Its writers die with it (no process of the job is left
+    after it exits); the restart loads step 2 (the half-written directory is never loaded);
+    the losses equal the reference; goodput charges the stall, the write time beside it."""
+    out = tmp_path / "asynccrash"
+    with _Job(out, "nutp.replicas=[2,1]", "checkpoint.interval=2", "checkpoint.async_save=true",
+              "recovery.enabled=true", "recovery.fault.kind=save_crash",
+              "recovery.fault.rank=1", "recovery.fault.step=4") as job:
+        rc, log = job.wait()
+        left = job.left
+    assert rc == 0, log[-6000:]
+    assert left == [], f"processes outlived the job: {left}"
+    (s,) = _check(out, reference)
+    assert s["resume_step"] == 2
+    ckpts = sorted(p.name for p in (out / "checkpoints").iterdir() if p.is_dir())
+    assert any(".tmp-" in n and n.startswith("iter_0000004") for n in ckpts), ckpts
+    assert "iter_0000006" in ckpts
+    events = _events(out)
+    saved = [e for e in events if e["event"] == "checkpoint"]
+    assert saved and all(e["background"] for e in saved), saved
+    fault_t = next(e["t"] for e in events if e["event"] == "fault")
+    assert not any(e["step"] == 4 and e["t"] < fault_t for e in saved), saved  # never completed
+    good = json.loads((out / "goodput.json").read_text())
+    assert good["checkpoint_write_s"] > 0, good
 
 
 @pytest.mark.dist

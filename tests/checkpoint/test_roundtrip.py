@@ -20,10 +20,12 @@ from tests._dist import spawn
 from .roundtrip import Job
 
 TOL = 1e-5
+ASYNC = {"async_save": True}
+"""TP4+TP3 saves asynchronously (a step runs during the write); every other layout loads it."""
 LAYOUTS = {"tp1": (1,), "tp2_dp2": (2, 2), "tp4_tp3": (4, 3), "tp3_tp2_tp2": (3, 2, 2)}
 QUICK: list[tuple[int, list[Job]]] = [
     (1, [Job("tp1", (1,), save=True, reference=True)]),
-    (7, [Job("tp4_tp3", (4, 3), load=("tp1",), save=True),
+    (7, [Job("tp4_tp3", (4, 3), load=("tp1",), save=True, extra=ASYNC),
          Job("tp3_tp2_tp2", (3, 2, 2), load=("tp4_tp3",), save=True),
          Job("tp4_tp3", (4, 3), load=("tp3_tp2_tp2",))]),
     (4, [Job("tp2_dp2", (2, 2), load=("tp4_tp3", "tp3_tp2_tp2"))]),
@@ -32,7 +34,7 @@ QUICK: list[tuple[int, list[Job]]] = [
 TP1 -> NUTP -> uniform TP2xDP2, replica counts 1 -> 2 -> 3 -> 2."""
 FULL: list[tuple[int, list[Job]]] = [
     (1, [Job("tp1", (1,), save=True, reference=True)]),
-    (7, [Job("tp4_tp3", (4, 3), load=("tp1",), save=True),
+    (7, [Job("tp4_tp3", (4, 3), load=("tp1",), save=True, extra=ASYNC),
          Job("tp3_tp2_tp2", (3, 2, 2), load=("tp1", "tp4_tp3"), save=True),
          Job("tp4_tp3", (4, 3), load=("tp3_tp2_tp2",))]),
     (4, [Job("tp2_dp2", (2, 2), load=("tp1", "tp4_tp3", "tp3_tp2_tp2"), save=True)]),
@@ -59,6 +61,9 @@ def test_round_trip_every_layout_pair(tmp_path: Path) -> None:
     for f in tmp_path.glob("*.json"):
         results.setdefault(f.stem.split("@")[0], {}).update(json.loads(f.read_text()))
     ref = results["tp1"]["reference"]
+    assert results["tp4_tp3"]["async_invisible_in_flight"] is True
+    assert results["tp4_tp3"]["async_complete"] is True
+    assert results["tp4_tp3"]["async_snapshot_bytes"] > 0
     worst = 0.0
     pairs = 0
     for dst, res in results.items():

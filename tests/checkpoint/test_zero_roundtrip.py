@@ -21,13 +21,14 @@ C = {"clip_grad": 0.05}
 Z = {**C, "distributed_optimizer": True}
 PHASES: list[tuple[int, list[Job]]] = [
     (1, [Job("tp1", (1,), save=True, reference=True, extra=C)]),
-    (7, [Job("tp4_tp3_zero", (4, 3), load=("tp1",), save=True, extra=Z),
+    (7, [Job("tp4_tp3_zero", (4, 3), load=("tp1",), save=True, extra={**Z, "async_save": True}),
          Job("tp3_tp2_tp2", (3, 2, 2), load=("tp4_tp3_zero",), save=True, extra=C),
          Job("tp3_tp2_tp2_zero", (3, 2, 2), load=("tp4_tp3_zero",), extra=Z),
          Job("tp4_tp3_zero", (4, 3), load=("tp3_tp2_tp2",), extra=Z)]),
     (1, [Job("tp1_stock_opt", (1,), load=("tp4_tp3_zero",), extra=C)]),
 ]
-"""not -> dist (TP1 -> TP4+TP3, TP3+TP2+TP2 -> TP4+TP3), dist -> not (TP4+TP3 -> TP3+TP2+TP2,
+"""TP4+TP3 with the distributed optimizer saves asynchronously (a step runs during the write).
+not -> dist (TP1 -> TP4+TP3, TP3+TP2+TP2 -> TP4+TP3), dist -> not (TP4+TP3 -> TP3+TP2+TP2,
 -> TP1), dist -> dist (same layout, and TP4+TP3 -> TP3+TP2+TP2)."""
 BF16 = {"precision": "bf16", "clip_grad": 0.05, "model": {"add_bias": True}}
 
@@ -62,6 +63,8 @@ def test_zero_checkpoints_load_with_and_without_it(tmp_path: Path) -> None:
                 assert rel <= TOL, (key, dst, losses, ref[3:])
                 pairs += 1
     assert pairs == 8, pairs
+    z = res["tp4_tp3_zero"]
+    assert z["async_invisible_in_flight"] is True and z["async_complete"] is True, z
 
 
 def _bf16_worker(rank: int, world: int, port: int, outdir: str) -> None:

@@ -23,7 +23,8 @@ TOL = 1e-5
 TIED = {"extra": {"model": dict(add_bias=True, tie_embeddings=True), "clip_grad": 0.05}}
 STEPS: list[tuple[int, list[Job]]] = [
     (1, [Job("tp1", (1,), reference=True, **TIED)]),
-    (7, [Job("pp2_a", ((2, 1), (2, 2)), pp=2, save=True, **TIED)]),
+    (7, [Job("pp2_a", ((2, 1), (2, 2)), pp=2, save=True,
+              extra={**TIED["extra"], "async_save": True})]),  # asynchronous save
     (3, [Job("tp2_tp1", (2, 1), load=("pp2_a",), save=True, **TIED)]),
     (6, [Job("pp2_b", ((1, 2), (2, 1)), pp=2, load=("tp2_tp1", "pp2_a"), **TIED)]),
 ]
@@ -52,3 +53,5 @@ def test_checkpoints_across_pipeline_layouts(tmp_path: Path) -> None:
     assert sorted(checked) == sorted([("self", "pp2_a"), ("from_pp2_a", "tp2_tp1"),
                                       ("self", "tp2_tp1"), ("from_tp2_tp1", "pp2_b"),
                                       ("from_pp2_a", "pp2_b")]), checked
+    assert results["pp2_a"]["async_invisible_in_flight"] is True
+    assert results["pp2_a"]["async_complete"] is True
