@@ -1,0 +1,129 @@
+"""Import Megatron-Bridge (0.6.2) without Transformer Engine / NVRx, and run its ``train()`` on CPU.
+
+Contract:
+- :func:`install_import_shim` (always, CUDA or not, when TE / NVRx are absent) gives exactly the
+  modules in ``SCOPED_STUBS`` stub names for the packages they import at module level only as
+  type hints or ``isinstance`` targets. The stubs are visible only inside those modules' globals
+  (their ``__import__``), never in ``sys.modules``: a global ``transformer_engine`` would switch
+  ~15 megatron-core modules onto TE code paths.
+- :func:`apply_bridge_cpu_patches` does nothing where CUDA is available. Without CUDA it
+  redirects Bridge's CUDA-only calls, each named by module and function in ``CPU_PATCHES``
+  (the test ``tests/integrations/test_bridge_shim.py`` fails when the pinned Bridge no longer
+  has a patched function, or the function no longer contains the CUDA call the patch is for).
+"""
+
+from __future__ import annotations
+
+import builtins
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+import types
+from collections.abc import Sequence
+from typing import Any
+
+SCOPED_STUBS: dict[str, tuple[str, ...]] = {
+    # ``te.ops.Sequential`` etc. in return annotations, ``te.Linear`` in isinstance checks (LoRA).
+    "megatron.bridge.peft.lora_layers": ("transformer_engine",),
+    # ``CallWrapper`` is a type hint of ``_pretrain``.
+    "megatron.bridge.training.pretrain": ("nvidia_resiliency_ext",),
+    # ``get_tensor_shapes_adjust_fn_for_distillation`` (modelopt distillation only).
+    "megatron.bridge.training.train": ("modelopt",),
+    # Energon (multimodal webdataset loaders) classes as base classes / type hints only; the
+    # package chain ``megatron.bridge.data`` -> ``builders`` -> ``energon`` imports them.
+    "megatron.bridge.data.energon.base_energon_datamodule": ("megatron.energon",),
+    "megatron.bridge.data.energon.hf_task_encoder": ("megatron.energon",),
+    "megatron.bridge.data.energon.metadata": ("megatron.energon",),
+    "megatron.bridge.data.energon.task_encoder_utils": ("megatron.energon",),
+}
+"""Module -> top-level packages it sees as stubs (when they are not installed)."""
+
+
+class _Stub(types.ModuleType):
+    """A placeholder package: every attribute is a sub-stub, callable as a class that is never
+    instantiated by the code paths used here (``isinstance`` against it is False)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name, "nemo_nutp.compat.bridge_cpu stub (not installed)")
+        self.__path__: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        if name[:1].isupper():
+            value: Any = type(name, (), {"__module__": self.__name__,
+                                         "__init__": _not_installed(self.__name__, name)})
+        else:
+            value = _Stub(f"{self.__name__}.{name}")
+        setattr(self, name, value)
+        return value
+
+
+def _not_installed(module: str, name: str) -> Any:
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError(f"{module}.{name}: {module.split('.')[0]} is not installed")
+    return init
+
+
+def _is_installed(package: str) -> bool:
+    try:
+        return importlib.util.find_spec(package) is not None
+    except ModuleNotFoundError:  # its parent package is missing
+        return False
+
+
+def _scoped_import(stubs: dict[str, _Stub]) -> Any:
+    real = builtins.__import__
+
+    def imp(name: str, globals: Any = None, locals: Any = None,
+            fromlist: Sequence[str] = (), level: int = 0) -> Any:
+        for package, stub in stubs.items():
+            if level == 0 and (name == package or name.startswith(package + ".")):
+                if not fromlist and "." not in package:
+                    return stub  # ``import a.b`` binds ``a``
+                out: Any = stub
+                for part in name[len(package):].split(".")[1:]:
+                    out = getattr(out, part)
+                return out
+        return real(name, globals, locals, fromlist, level)
+
+    return imp
+
+
+class _ScopedLoader(importlib.abc.Loader):
+    def __init__(self, inner: Any, packages: tuple[str, ...]) -> None:
+        self.inner, self.packages = inner, packages
+
+    def create_module(self, spec: Any) -> Any:
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        stubs = {p: _Stub(p) for p in self.packages}
+        scoped = dict(vars(builtins))
+        scoped["__import__"] = _scoped_import(stubs)
+        module.__dict__["__builtins__"] = scoped
+        self.inner.exec_module(module)
+
+
+class _ScopedFinder(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        packages = tuple(p for p in SCOPED_STUBS.get(fullname, ()) if not _is_installed(p))
+        if not packages:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
+        if spec is None or spec.loader is None:
+            return None
+        spec.loader = _ScopedLoader(spec.loader, packages)
+        return spec
+
+
+_FINDER = _ScopedFinder()
+
+
+def install_import_shim() -> None:
+    """Make the modules in ``SCOPED_STUBS`` importable without their missing packages
+    (idempotent; modules already imported are not re-imported)."""
+    if _FINDER not in sys.meta_path:
+        sys.meta_path.insert(0, _FINDER)
