@@ -31,14 +31,9 @@ SCOPED_STUBS: dict[str, tuple[str, ...]] = {
     "megatron.bridge.training.pretrain": ("nvidia_resiliency_ext",),
     # ``get_tensor_shapes_adjust_fn_for_distillation`` (modelopt distillation only).
     "megatron.bridge.training.train": ("modelopt",),
-    # Energon (multimodal webdataset loaders) classes as base classes / type hints only; the
-    # package chain ``megatron.bridge.data`` -> ``builders`` -> ``energon`` imports them.
-    "megatron.bridge.data.energon.base_energon_datamodule": ("megatron.energon",),
-    "megatron.bridge.data.energon.hf_task_encoder": ("megatron.energon",),
-    "megatron.bridge.data.energon.metadata": ("megatron.energon",),
-    "megatron.bridge.data.energon.task_encoder_utils": ("megatron.energon",),
 }
-"""Module -> top-level packages it sees as stubs (when they are not installed)."""
+"""Module (``pkg.*``: every module under ``pkg``) -> packages it sees as stubs when they are not
+installed."""
 
 
 class _Stub(types.ModuleType):
@@ -59,6 +54,12 @@ class _Stub(types.ModuleType):
             value = _Stub(f"{self.__name__}.{name}")
         setattr(self, name, value)
         return value
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """A lower-case name used as a decorator (``@stateless``, ``@stateless(...)``): identity."""
+        if len(args) == 1 and callable(args[0]) and not kwargs:
+            return args[0]
+        return lambda fn: fn
 
 
 def _not_installed(module: str, name: str) -> Any:
@@ -109,7 +110,9 @@ class _ScopedLoader(importlib.abc.Loader):
 
 class _ScopedFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        packages = tuple(p for p in SCOPED_STUBS.get(fullname, ()) if not _is_installed(p))
+        wanted = [p for key, pkgs in SCOPED_STUBS.items() for p in pkgs
+                  if key == fullname or (key.endswith(".*") and fullname.startswith(key[:-1]))]
+        packages = tuple(p for p in dict.fromkeys(wanted) if not _is_installed(p))
         if not packages:
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
