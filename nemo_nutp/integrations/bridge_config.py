@@ -1,0 +1,133 @@
+"""``nutp-bridge``'s configuration: a Megatron-Bridge recipe, its YAML/CLI overrides, NUTP's keys.
+
+* The recipe is ``module:function`` (e.g.
+  ``megatron.bridge.recipes.gpt.vanilla_gpt:vanilla_gpt_pretrain_config``) returning Bridge's
+  ``ConfigContainer``.
+* One YAML file (``--config-file``) and ``a.b=c`` arguments override it with Bridge's own
+  ``process_config_with_overrides`` (``megatron/bridge/training/utils/omegaconf_utils.py``).
+* NUTP's settings use the names and validation of ``nutp-train`` (``nemo_nutp/config/schema.py``,
+  composed by ``load_job``): the YAML's top-level ``nutp:``, ``failures:`` and ``cluster:`` blocks
+  and the arguments that start with ``nutp.``, ``failures.``, ``cluster.`` (or select a group:
+  ``cluster=node_pair``) are taken out before Bridge sees the rest. A bad key or value is a
+  ``ValueError`` naming it, raised before anything distributed exists.
+
+Importing this module imports neither Bridge nor megatron-core.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+NUTP_SECTIONS = ("nutp", "failures", "cluster")
+"""Top-level keys that belong to NUTP (the schema of ``nutp-train``), not to Bridge."""
+
+
+@dataclass
+class BridgeJob:
+    """A Bridge ``ConfigContainer`` and NUTP's validated settings (``JobConfig``)."""
+
+    bridge: Any
+    nutp: Any
+    nutp_overrides: list[str]
+
+
+def _value(v: Any) -> str:
+    """A YAML value as a Hydra override value (lists/dicts as JSON flow, which Hydra parses)."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (list, dict)):
+        return json.dumps(v)
+    return str(v)
+
+
+def _flatten(prefix: str, node: Any) -> list[str]:
+    if isinstance(node, dict):
+        out: list[str] = []
+        for k, v in node.items():
+            out += _flatten(f"{prefix}.{k}", v)
+        return out
+    return [f"{prefix}={_value(node)}"]
+
+
+def is_nutp_override(arg: str) -> bool:
+    key = arg.split("=", 1)[0].lstrip("+~")
+    return key.split(".", 1)[0] in NUTP_SECTIONS
+
+
+def split_yaml(path: str | Path) -> tuple[dict[str, Any], list[str]]:
+    """(Bridge's part of the YAML file, NUTP's part as overrides). A top-level scalar of a NUTP
+    section selects its config group (``cluster: node_pair``)."""
+    from omegaconf import OmegaConf
+
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"--config-file={path}: no such file")
+    raw = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    if not isinstance(raw, dict):
+        raise ValueError(f"--config-file={path}: must be a mapping of config keys")
+    nutp: list[str] = []
+    for section in NUTP_SECTIONS:
+        if section in raw:
+            node = raw.pop(section)
+            nutp += _flatten(section, node) if isinstance(node, dict) else [
+                f"{section}={_value(node)}"]
+    return raw, nutp
+
+
+def load_recipe(spec: str) -> Any:
+    """Call a recipe ``module:function`` (Bridge's import shim installed first)."""
+    from ..compat.bridge_cpu import install_import_shim
+
+    module, sep, func = spec.partition(":")
+    if not sep or not module or not func:
+        raise ValueError(f"--recipe={spec}: expected module:function, e.g. "
+                         "megatron.bridge.recipes.gpt.vanilla_gpt:vanilla_gpt_pretrain_config")
+    install_import_shim()
+    try:
+        fn = getattr(importlib.import_module(module), func)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"--recipe={spec}: {e}") from None
+    return fn()
+
+
+def load_nutp(overrides: list[str], *, tp: int) -> Any:
+    """NUTP's ``JobConfig`` exactly as ``nutp-train`` composes and validates it, with the healthy
+    degree from Bridge's ``model.tensor_model_parallel_size``."""
+    from ..config.recipes import load_job
+
+    return load_job([f"parallel.tp_base={tp}", *overrides])
+
+
+def load_bridge_job(recipe: str, config_file: str | None, overrides: list[str]) -> BridgeJob:
+    """Recipe + YAML + CLI overrides -> (Bridge config, NUTP config). NUTP's keys are validated
+    before the recipe is even called (a typo costs no Bridge import)."""
+    yaml_bridge, nutp = split_yaml(config_file) if config_file else ({}, [])
+    nutp += [o for o in overrides if is_nutp_override(o)]
+    rest = [o for o in overrides if not is_nutp_override(o)]
+    load_nutp(nutp, tp=1)  # keys and values; the degree is checked again below
+    from ..compat.bridge_cpu import install_import_shim
+
+    install_import_shim()
+    from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
+
+    cfg = load_recipe(recipe)
+    with tempfile.TemporaryDirectory(prefix="nutp_bridge_") as tmp:
+        path = None
+        if yaml_bridge:
+            from omegaconf import OmegaConf
+
+            path = str(Path(tmp) / "bridge_overrides.yaml")
+            OmegaConf.save(OmegaConf.create(yaml_bridge), path)
+        try:
+            cfg = process_config_with_overrides(cfg, config_filepath=path, cli_overrides=rest)
+        except Exception as e:  # omegaconf / hydra errors: one line
+            raise ValueError(f"bridge override: {' '.join(str(e).split())}") from None
+    job = load_nutp(nutp, tp=int(cfg.model.tensor_model_parallel_size))
+    return BridgeJob(bridge=cfg, nutp=job, nutp_overrides=nutp)
