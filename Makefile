@@ -17,7 +17,13 @@ TESTS_312 ?= tests/runtime tests/checkpoint/test_roundtrip.py tests/train \
 	tests/pipeline/test_pipeline_parity.py tests/optim tests/checkpoint/test_zero_roundtrip.py \
 	tests/launch/test_configs.py tests/launch/test_docker.py
 
-.PHONY: demo test test-311 test-312 lint venv bench sim clean
+# Megatron-Bridge (Python 3.12 only): Bridge --no-deps plus the pinned list of what its imports
+# need (requirements-bridge.txt); its full dependency set does not build here.
+BRIDGE ?= megatron-bridge==0.6.2
+STAMPBRIDGE := $(VENV312)/.bridge-installed
+TESTS_BRIDGE ?= tests/integrations/test_bridge_shim.py
+
+.PHONY: demo test test-311 test-312 test-bridge lint venv bench sim clean
 
 $(STAMP): setup.py
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -36,6 +42,11 @@ $(STAMP312): setup.py
 	$(VENV312)/bin/pip install -q -e ".[test]"
 	touch $(STAMP312)
 
+$(STAMPBRIDGE): $(STAMP312) requirements-bridge.txt
+	$(VENV312)/bin/pip install -q --no-deps "$(BRIDGE)"
+	$(VENV312)/bin/pip install -q -r requirements-bridge.txt
+	touch $(STAMPBRIDGE)
+
 venv: $(STAMP)
 
 demo: $(STAMP)
@@ -48,13 +59,16 @@ lint: $(STAMP)
 	$(BIN)/ruff check nemo_nutp tests benchmarks
 	$(BIN)/mypy nemo_nutp
 
-test: lint test-311 test-312
+test: lint test-311 test-312 test-bridge
 
 test-311: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 test-312: $(STAMP312)
 	$(VENV312)/bin/python -m pytest -q $(TESTS_312)
+
+test-bridge: $(STAMPBRIDGE)
+	$(VENV312)/bin/python -m pytest -q $(TESTS_BRIDGE)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/plan_scale.py

@@ -29,8 +29,6 @@ SCOPED_STUBS: dict[str, tuple[str, ...]] = {
     "megatron.bridge.peft.lora_layers": ("transformer_engine",),
     # ``CallWrapper`` is a type hint of ``_pretrain``.
     "megatron.bridge.training.pretrain": ("nvidia_resiliency_ext",),
-    # ``get_tensor_shapes_adjust_fn_for_distillation`` (modelopt distillation only).
-    "megatron.bridge.training.train": ("modelopt",),
 }
 """Module (``pkg.*``: every module under ``pkg``) -> packages it sees as stubs when they are not
 installed."""

@@ -69,7 +69,7 @@ def split_yaml(path: str | Path) -> tuple[dict[str, Any], list[str]]:
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"--config-file={path}: no such file")
-    raw = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    raw: Any = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
     if not isinstance(raw, dict):
         raise ValueError(f"--config-file={path}: must be a mapping of config keys")
     nutp: list[str] = []

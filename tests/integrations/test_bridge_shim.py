@@ -1,0 +1,88 @@
+"""Megatron-Bridge 0.6.2 on CPU (Python 3.12 / megatron-core 0.19.2, ``make test-bridge``): the
+scoped import shim, the recipe + YAML/CLI override path, NUTP key validation. Skipped, by name,
+where Bridge is not installed (the Python 3.11 suite)."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+if importlib.util.find_spec("megatron.bridge") is None:
+    pytest.skip("megatron-bridge is not installed (make test-bridge installs it)",
+                allow_module_level=True)
+
+from nemo_nutp.compat.bridge_cpu import SCOPED_STUBS, install_import_shim
+from nemo_nutp.integrations.bridge_config import load_bridge_job
+
+RECIPE = "megatron.bridge.recipes.gpt.vanilla_gpt:vanilla_gpt_pretrain_config"
+TINY = Path(__file__).parent / "data" / "bridge_tiny.yaml"
+
+
+def test_shim_targets_still_import_what_is_stubbed() -> None:
+    """Each module given stub names still imports the stubbed package at module level, and the
+    package is still missing here: when a pinned Bridge changes either, the shim is stale."""
+    install_import_shim()  # find_spec imports the parent packages
+    for module, packages in SCOPED_STUBS.items():
+        spec = importlib.util.find_spec(module)
+        assert spec is not None and spec.origin, f"{module}: gone from the pinned Bridge"
+        source = Path(spec.origin).read_text()
+        for package in packages:
+            pattern = rf"^(import|from) {re.escape(package)}[ .]"
+            assert re.search(pattern, source, re.M), (
+                f"{module} no longer imports {package} at module level: drop its stub")
+            assert importlib.util.find_spec(package) is None, (
+                f"{package} is installed now: its stub in {module} is not needed")
+
+
+def test_bridge_imports_without_a_global_transformer_engine() -> None:
+    install_import_shim()
+    import megatron.bridge.recipes.gpt.vanilla_gpt
+    import megatron.bridge.training.pretrain
+    import megatron.bridge.training.train  # noqa: F401
+    from megatron.core.extensions import transformer_engine as mte
+
+    leaked = [m for m in sys.modules
+              if m.split(".")[0] in ("transformer_engine", "nvidia_resiliency_ext")]
+    assert leaked == []
+    assert not getattr(mte, "HAVE_TE", False)  # megatron-core still on its local code paths
+
+
+def test_recipe_yaml_and_cli_overrides_apply() -> None:
+    job = load_bridge_job(RECIPE, str(TINY), ["model.tensor_model_parallel_size=2",
+                                             "mixed_precision=null", "train.train_iters=5",
+                                             "cluster.gpus_per_node=8"])
+    m = job.bridge.model
+    assert (m.num_layers, m.hidden_size, m.ffn_hidden_size, m.num_attention_heads) == (2, 64,
+                                                                                      128, 4)
+    assert (m.hidden_dropout, m.attention_dropout, m.tensor_model_parallel_size) == (0.0, 0.0, 2)
+    assert job.bridge.train.train_iters == 5 and job.bridge.mixed_precision is None
+    assert job.nutp.nutp.replicas == [2, 1] and job.nutp.parallel.tp_base == 2
+    assert job.nutp.cluster.gpus_per_node == 8
+    assert not hasattr(job.bridge, "nutp")
+
+
+@pytest.mark.parametrize("override, key", [
+    ("nutp.replicaz=[2,1]", "nutp.replicaz"),
+    ("nutp.rebalance_smoothing=2.0", "nutp.rebalance_smoothing"),
+    ("failures.failed_gpus=oops", "failures.failed_gpus"),
+])
+def test_bad_nutp_key_is_one_line_before_any_group(override: str, key: str,
+                                                   tmp_path: Path) -> None:
+    import torch.distributed as dist
+
+    bad = tmp_path / "bad.yaml"
+    name, value = override.split("=", 1)
+    section, field = name.split(".", 1)
+    bad.write_text(TINY.read_text().replace("nutp:\n  replicas: [2, 1]\n", "")
+                   + f"{section}:\n  {field}: {value}\n")
+    with pytest.raises(ValueError) as e:
+        load_bridge_job(RECIPE, str(bad), [])
+    msg = str(e.value)
+    assert key in msg and "\n" not in msg, msg
+    with pytest.raises(ValueError, match=re.escape(key)):
+        load_bridge_job(RECIPE, str(TINY), [override])
+    assert not dist.is_initialized()
