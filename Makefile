@@ -23,7 +23,8 @@ BRIDGE ?= megatron-bridge==0.6.2
 STAMPBRIDGE := $(VENV312)/.bridge-installed
 TESTS_BRIDGE ?= tests/integrations/test_bridge_shim.py
 
-.PHONY: demo test test-311 test-312 test-bridge lint venv bench sim clean
+.PHONY: demo test test-311 test-312 test-bridge lint venv bench sim clean gpu-check-prepare \
+	gpu-check
 
 $(STAMP): setup.py
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -79,6 +80,16 @@ sim: $(STAMP)
 	$(BIN)/nutp simulate sim=nvl72_gb200
 	$(BIN)/nutp simulate sim=scale_131k
 	$(BIN)/python benchmarks/sim_scale.py
+
+# GPU checks (never needed by CI; README "What is verified where"). On a CPU machine with
+# network: gather the wheels (< 64 MiB, .gpu-check/, ignored). On the GPU machine (Python 3.12
+# with its own torch, no network): install them beside that torch, run the gpu-marked tests
+# (< 8 min), write runs/gpu_check/gpu_check.json + .log ($$GPU_CHECK_OUT); skips without CUDA.
+gpu-check-prepare: $(STAMP312)
+	$(PY) tests/gpu/check.py prepare --python $(VENV312)/bin/python
+
+gpu-check:
+	python3 tests/gpu/check.py run
 
 clean:
 	rm -rf $(VENV) $(VENV312) runs .pytest_cache .mypy_cache .ruff_cache .hypothesis

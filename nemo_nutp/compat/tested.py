@@ -44,7 +44,24 @@ def main() -> int:
         return 1
     print(f"nemo_nutp: Python {sys.version.split()[0]}, megatron-core "
           f"{installed or 'not installed (will be installed)'}: tested")
+    note = torch_note(sys.version_info[:2])
+    if note:
+        print(f"nemo_nutp: {note}")
     return 0
+
+
+def torch_note(python: tuple[int, int]) -> str | None:
+    """A container keeps its own CUDA torch (never replaced); say when CI does not test it."""
+    try:
+        have = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return None
+    want = TESTED.get(python, {}).get("torch")
+    if want is None or have.split("+")[0] == want:
+        return None
+    return (f"torch {have} is kept (the image's CUDA build) but CI tests torch {want} on CPU; "
+            "on a GPU node run `python tests/gpu/check.py run` in this image (the gpu-marked "
+            "tests against this torch)")
 
 
 if __name__ == "__main__":

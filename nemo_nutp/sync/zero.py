@@ -242,7 +242,9 @@ class ZeroOptimizer:
             self._free_masters()
         torch_groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [m]}
                         for g, m in zip(groups, self.masters, strict=True)]
-        self.optimizer = _inner_optimizer(config, torch_groups)
+        dev = self._dev()
+        self.optimizer = _inner_optimizer(config, torch_groups,
+                                          cuda=dev is not None and dev.type == "cuda")
 
     # ---------------------------------------------------------------- layout
     def _dev(self) -> torch.device | None:
@@ -474,13 +476,26 @@ class ZeroOptimizer:
             self.reload_model_params()
 
 
-def _inner_optimizer(config: OptimizerConfig, groups: list[dict[str, Any]]
-                     ) -> torch.optim.Optimizer:
-    """The torch optimizer ``get_megatron_optimizer`` builds without TE/apex, same kwargs."""
+def _inner_optimizer(config: OptimizerConfig, groups: list[dict[str, Any]], *,
+                     cuda: bool = False) -> torch.optim.Optimizer:
+    """The Adam/SGD ``get_megatron_optimizer`` builds, same kwargs: on CUDA megatron's own
+    choice (``megatron.core.optimizer.Adam``: TE's or apex's FusedAdam, adam_w_mode as
+    megatron sets it) or, without TE/apex, torch's fused CUDA Adam(W); on CPU torch's."""
     if config.optimizer == "adam":
+        kw: dict[str, Any] = dict(lr=config.lr, weight_decay=config.weight_decay,
+                                  betas=(config.adam_beta1, config.adam_beta2),
+                                  eps=config.adam_eps)
+        if cuda:
+            from megatron.core import optimizer as mopt
+
+            fused = getattr(mopt, "Adam", None)
+            if fused is not None and fused.__module__.split(".")[0] in ("transformer_engine",
+                                                                         "apex"):
+                return fused(groups, adam_w_mode=config.decoupled_weight_decay,  # type: ignore
+                             **kw)
+            kw["fused"] = True  # torch's single-kernel CUDA Adam(W)
         cls = torch.optim.AdamW if config.decoupled_weight_decay else torch.optim.Adam
-        return cls(groups, lr=config.lr, weight_decay=config.weight_decay,
-                   betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
+        return cls(groups, **kw)
     if config.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=config.lr, weight_decay=config.weight_decay,
                                momentum=config.sgd_momentum)

@@ -24,6 +24,7 @@ from .step import (
     StepOptions,
     StepResult,
     build_optimizer,
+    clock,
     loss_scale,
     optimizer_step,
     reduce_replica_loss,
@@ -107,11 +108,12 @@ class RankSession:
         if self.opts.slow_factor > 1.0:  # injected straggler: compute x factor
             time.sleep((self.opts.slow_factor - 1.0) * compute_s)
             compute_s *= self.opts.slow_factor
-        t = time.perf_counter()
+        device = next(self.model.parameters()).device
+        t = clock(device)
         ok, grad_norm = optimizer_step(self.model, self.optimizer, self.opts, self.checks,
                                        step=step)
         times = {"compute_s": compute_s, "sync_s": sync_s,
-                 "optimizer_s": time.perf_counter() - t}
+                 "optimizer_s": clock(device) - t}
         return loss, grad_norm, times, not ok
 
 

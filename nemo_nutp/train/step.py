@@ -160,6 +160,16 @@ def optimizer_step(model: Any, optimizer: Any, opts: StepOptions, checks: GradCh
     return True, grad_norm
 
 
+def clock(device: torch.device | None) -> float:
+    """``perf_counter`` once the device has finished its queued work: CUDA kernels run
+    asynchronously, so without the sync a phase's GPU time (the optimizer's, the sync's) lands
+    in whichever later phase first waits for the device (the next step's compute), and goodput
+    and rebalancing read wrong times. One sync per phase boundary, three per step."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 def train_step(model: Any, optimizer: Any, batches: list[MicroBatch], mask: torch.Tensor | None,
                *, opts: StepOptions | None = None, checks: GradChecks | None = None,
                step: int | None = None, after_sync: Callable[[], None] | None = None
@@ -171,12 +181,12 @@ def train_step(model: Any, optimizer: Any, batches: list[MicroBatch], mask: torc
     optimizer (tests read the synchronised gradients there).
     """
     opts = opts or StepOptions()
-    t0 = time.perf_counter()
+    device = next(model.parameters()).device
+    t0 = clock(device)
     model.zero_grad_buffer()
     optimizer.zero_grad()
     n = len(batches)
     scale = loss_scale(optimizer)
-    device = next(model.parameters()).device
     total = torch.zeros((), dtype=torch.float64, device=device)  # one host sync, at the end
     for i, mb in enumerate(batches):
         ctx = model.no_sync() if i < n - 1 else contextlib.nullcontext()
@@ -189,14 +199,13 @@ def train_step(model: Any, optimizer: Any, batches: list[MicroBatch], mask: torc
             (scaled * scale if scale != 1.0 else scaled).backward()
         total += loss.detach()
         if opts.slow_factor > 1.0:  # real wall time, proportional to this rank's work
-            total.item()  # fault injection only: wait for the device to time the work
-            time.sleep((opts.slow_factor - 1.0) * (time.perf_counter() - t_mb))
-    t1 = time.perf_counter()
+            time.sleep((opts.slow_factor - 1.0) * (clock(device) - t_mb))
+    t1 = clock(device)
     model.finish_grad_sync()
     if after_sync is not None:
         after_sync()
-    t2 = time.perf_counter()
+    t2 = clock(device)
     ok, grad_norm = optimizer_step(model, optimizer, opts, checks, step=step)
-    t3 = time.perf_counter()
+    t3 = clock(device)
     times = {"compute_s": t1 - t0, "sync_s": t2 - t1, "optimizer_s": t3 - t2}
     return float(total) / n, grad_norm, times, not ok

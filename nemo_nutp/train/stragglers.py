@@ -28,6 +28,24 @@ import torch.distributed as dist
 from ..checkpoint.events import log_event
 
 
+def probe_workload(device: torch.device | None) -> tuple[torch.Tensor, int]:
+    """(matrix, chained products) of the probe. On CUDA: bf16 4096 x 4096 products, each
+    ~0.14 TFLOP (~0.2-0.3 ms on an H100), 16 of them: compute-bound, so the time scales with
+    the GPU's tensor-core speed (a 192 x 192 product is ~us of launch overhead on an H100 and
+    cannot tell a slow GPU from a fast one). On CPU: fp32 192 x 192, 6 products (~ms)."""
+    gen = torch.Generator().manual_seed(0)
+    if device is not None and device.type == "cuda":
+        a = torch.randn(4096, 4096, generator=gen) / 64.0
+        return a.to(device, torch.bfloat16), 16
+    return torch.randn(192, 192, generator=gen).to(device), 6
+
+
+def _clock(device: torch.device | None) -> float:
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 class StragglerDetector:
     def __init__(self, cfg: Any, plan: Any, *, rank: int, events: str,
                  device: torch.device | None = None) -> None:
@@ -43,20 +61,19 @@ class StragglerDetector:
         self.speed = [1.0] * plan.world_size  # latest probe: speed vs its peers if slow, else 1
         self.peers = {r: [x for x in g if x != r] for g in plan.tp_groups() for r in g}
         self.stop_pending = False
-        gen = torch.Generator().manual_seed(0)
-        self.a = torch.randn(192, 192, generator=gen).to(device)
+        self.a, self.iters = probe_workload(device)
 
     def probe(self, slow_factor: float, repeats: int = 5) -> float:
         """Seconds of a fixed local workload on this rank (x the injected slowdown): the
-        fastest of ``repeats`` runs, so a preempted run (a shared host) does not count."""
+        fastest of ``repeats`` runs, so a preempted run (a shared host) does not count. The
+        device is idle at the start (queued work of the step is not timed) and at the end."""
         best = float("inf")
         for _ in range(repeats):
-            t0 = time.perf_counter()
+            t0 = _clock(self.device)
             x = self.a
-            for _ in range(6):
+            for _ in range(self.iters):
                 x = torch.tanh(x @ self.a)
-            float(x.sum())  # waits for the device
-            dt = time.perf_counter() - t0
+            dt = _clock(self.device) - t0
             if slow_factor > 1.0:
                 time.sleep((slow_factor - 1.0) * dt)
             best = min(best, time.perf_counter() - t0)

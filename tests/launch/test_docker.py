@@ -8,6 +8,8 @@ import re
 import shlex
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "Dockerfile"
 
@@ -116,3 +118,15 @@ def test_image_problem_messages() -> None:
     assert msg is not None and "0.15.0" in msg and "0.19.2" in msg
     msg = image_problem((3, 10), None)
     assert msg is not None and "Python 3.10" in msg
+
+
+def test_image_torch_that_ci_does_not_test_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    from nemo_nutp.compat import tested
+
+    monkeypatch.setattr(tested.metadata, "version",
+                        lambda name: "2.6.0a0+ecf3bae40a" if name == "torch" else "0")
+    note = tested.torch_note((3, 12))  # NGC 25.01's torch
+    assert note is not None and "torch 2.6.0a0+ecf3bae40a" in note and "2.13.0" in note
+    assert "tests/gpu/check.py run" in note
+    monkeypatch.setattr(tested.metadata, "version", lambda name: "2.13.0+cpu")
+    assert tested.torch_note((3, 12)) is None
