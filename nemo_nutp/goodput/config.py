@@ -252,6 +252,8 @@ class TransitionConfig:
     repair_batch_hours: list[float] = field(default_factory=lambda: [0.0, 24.0])
     """Take repaired GPUs back at once (0) or every N hours (one transition per batch). The
     first entry drives the timeline rows; every entry is compared in ``repair_batching``."""
+    repair_batch_trials: int = 200
+    """Trials the batching comparison runs on (the first ones of the timeline's draws)."""
     measured: str | None = None
     """``runs/bench/transitions.json`` of ``benchmarks/transition_cost.py``: replaces detect,
     restart and live times by measured ones, scaled to the scenario (``transitions.py``)."""
@@ -286,6 +288,7 @@ class TransitionConfig:
         if self.restart_exponent is None and len({p.gpus for p in self.restart_points}) < 2:
             raise _bad("sim.transitions.restart_exponent", None,
                        "needed when restart_points has fewer than two GPU counts")
+        _positive("sim.transitions.repair_batch_trials", self.repair_batch_trials)
         if not self.repair_batch_hours or any(not h >= 0 for h in self.repair_batch_hours):
             raise _bad("sim.transitions.repair_batch_hours", self.repair_batch_hours,
                        "needs at least one entry, each >= 0")

@@ -74,7 +74,8 @@ def transitions_line(res: dict[str, Any]) -> str:
 
 def batching_table(res: dict[str, Any]) -> Table:
     b = res["timeline"]["repair_batching"]
-    t = Table(title="Repaired GPUs taken back at once (0 h) or in batches: loss mean %")
+    t = Table(title="Repaired GPUs taken back at once (0 h) or in batches: loss mean % "
+                    f"(first {b['trials']} trials)")
     for col in ("policy", *[f"every {h:g} h" for h in b["hours"]], "best"):
         t.add_column(col, justify="right")
     for pol, v in b["loss"].items():

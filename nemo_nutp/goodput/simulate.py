@@ -243,8 +243,10 @@ def run_timeline(ctx: Context, rng: np.random.Generator, progress: Progress | No
     rows = _loss_rows(ctx, main_ev, trials, hours, acc, ctx.costs, list(cfg.policies))
     gpu_hours = cfg.num_gpus * hours
     out: dict[str, Any] = {}
+    per_trial: dict[str, np.ndarray] = {}
     for p, row in rows.items():
         loss, still = row.pop("_loss"), row.pop("_still")
+        per_trial[p] = loss
         if p == "stop-wait":
             row.update(rigid_paused=float(still.mean()), spare_domains_zero_pause=None,
                        boost_power=0.0)
@@ -276,24 +278,27 @@ def run_timeline(ctx: Context, rng: np.random.Generator, progress: Progress | No
            "events": len(ev), "mean_failed_fraction": _mean_failed_fraction(ev, trials,
                                                                            cfg.num_gpus, hours),
            "transitions": ctx.costs.as_dict(), "daly": daly}
-    res["repair_batching"] = _batching(ctx, ev, trials, hours, n_steps, rows, progress)
+    res["repair_batching"] = _batching(ctx, ev, trials, hours, n_steps, per_trial, progress)
     return res
 
 
 def _batching(ctx: Context, ev: Events, trials: int, hours: float, n_steps: int,
-              main: dict[str, dict[str, Any]], progress: Progress | None) -> dict[str, Any]:
-    """Loss of every policy with each ``transitions.repair_batch_hours`` entry; the best."""
+              main: dict[str, np.ndarray], progress: Progress | None) -> dict[str, Any]:
+    """Mean loss of every policy for each ``transitions.repair_batch_hours`` entry on the same
+    draws: the first ``transitions.repair_batch_trials`` trials (the first entry is the main
+    timeline's, restricted to them); the best entry per policy."""
     cfg = ctx.cfg
     batches = list(cfg.transitions.repair_batch_hours)
-    loss = {p: [main[p]["loss"]] for p in cfg.policies}
+    n = min(trials, cfg.transitions.repair_batch_trials)
+    loss = {p: [float(main[p][:n].mean())] for p in cfg.policies}
+    sub = ev.select(ev.trial < n)
     for h in batches[1:]:
-        bev = batched(ev, h)
-        acc = _capacity(ctx, bev, trials, n_steps, progress, f"repairs every {h:g} h")
-        for p, r in _loss_rows(ctx, bev, trials, hours, acc, ctx.costs,
-                               list(cfg.policies)).items():
+        bev = batched(sub, h)
+        acc = _capacity(ctx, bev, n, n_steps, progress, f"repairs every {h:g} h")
+        for p, r in _loss_rows(ctx, bev, n, hours, acc, ctx.costs, list(cfg.policies)).items():
             loss[p].append(r["loss"])
     best = {p: batches[int(np.argmin(v))] for p, v in loss.items()}
-    return {"hours": batches, "loss": loss, "best_hours": best}
+    return {"hours": batches, "trials": n, "loss": loss, "best_hours": best}
 
 
 def _mean_failed_fraction(ev: Events, trials: int, n_gpus: int, hours: float) -> float:
