@@ -294,7 +294,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--out", default="runs/bench/transitions.json")
     ap.add_argument("--work", default=None, help="scratch dir of the jobs (default: a temp dir)")
     a = ap.parse_args(argv)
-    console = Console()
+    console = Console(width=max(Console().width, 120))
     paths = [p for p in a.paths.split(",") if p]
     events = [e for e in a.events.split(",") if e]
     for name, known in (("--paths", list(PATHS)), ("--events", list(EVENTS))):
