@@ -81,7 +81,7 @@ sim: $(STAMP)
 	$(BIN)/nutp simulate sim=scale_131k
 	$(BIN)/python benchmarks/sim_scale.py
 	$(BIN)/python benchmarks/transition_cost.py
-	$(BIN)/nutp simulate sim=paper_32k --no-sweep sim.transitions.measured=runs/bench/transitions.json sim.name=paper_32k_measured sim.output_dir=runs/sim/paper_32k_measured
+	$(BIN)/nutp simulate sim=paper_32k sim.transitions.measured=runs/bench/transitions.json sim.name=paper_32k_measured sim.output_dir=runs/sim/paper_32k_measured --no-sweep
 
 # GPU checks (never needed by CI; README "What is verified where"). On a CPU machine with
 # network: gather the wheels (< 64 MiB, .gpu-check/, ignored). On the GPU machine (Python 3.12
