@@ -37,6 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..model.te_names import read_back_on_load
 from . import integrity
 from .megatron_format import (
     META,
@@ -344,9 +345,8 @@ def _load(session: Any, path: Path, marker: dict[str, Any] | None, *,
     from megatron.core import dist_checkpointing
 
     model = _model_state(session)
-    # Empty extra state (megatron's local linears: None) is not read back; TE's is.
-    state: dict[str, Any] = {"model": {k: v for k, v in model.items()
-                                       if not (k.endswith("_extra_state") and v.data is None)}}
+    # Extra state is not read back (model/te_names.py: local <-> TE checkpoints interchange).
+    state: dict[str, Any] = {"model": {k: v for k, v in model.items() if read_back_on_load(k)}}
     if load_optimizer:
         state["optimizer"] = session.optimizer.sharded_state_dict(model, is_loading=True)
     # Per-rank RNG states come back only into the same plan (rank r is the same GPU and role);
