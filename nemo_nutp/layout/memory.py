@@ -208,10 +208,10 @@ MEMORY_FIELDS = ("parallel.tp_base", "parallel.pp", "train.distributed_optimizer
 """What a user changes to make a stage fit (named in the planner's errors)."""
 
 
-def why_not(dims: ModelDims, t: int, spec: MemorySpec, *, pp: int, balance: str = "work"
-            ) -> str:
-    """One-line reason degree ``t`` does not fit ('' when it fits every stage)."""
-    for s in range(pp):
+def why_not(dims: ModelDims, t: int, spec: MemorySpec, *, pp: int, balance: str = "work",
+            stage: int | None = None) -> str:
+    """One-line reason degree ``t`` does not fit ('' when it fits every stage, or ``stage``)."""
+    for s in range(pp) if stage is None else (stage,):
         m = stage_memory(dims, t, spec, stage=s, pp=pp, balance=balance)
         if not m.fits:
             return (f"stage {s} at degree {t} needs {m.total / GIB:.1f} GiB per GPU (weights "

@@ -237,8 +237,8 @@ def _check_memory(req: PlanRequest) -> None:
             if 0 < t <= p.tp_base and not stage_memory(m, t, mem, stage=s, pp=p.pp,
                                                        balance=p.unit_balance).fits:
                 raise _bad("nutp.replicas", [list(r) for r in req.replicas or ()],
-                           f"replica {k} stage {s}: " + why_not(m, t, mem, pp=p.pp,
-                                                                balance=p.unit_balance))
+                           f"replica {k}: " + why_not(m, t, mem, pp=p.pp, stage=s,
+                                                      balance=p.unit_balance))
 
 
 def _slices(req: PlanRequest) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

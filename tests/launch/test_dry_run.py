@@ -61,6 +61,8 @@ def test_per_stage_replicas_size_the_cpu_cluster(capsys: pytest.CaptureFixture[s
     (["cluster=node_pair", "nutp.replicas=[4,4,4,4,4]", "failures=none"],
      "cluster.num_gpus=24"),  # not the CPU cluster (16 GPUs): the error names the size to set
     (["cluster.hardware=tpu_v9"], "cluster.hardware='tpu_v9'"),
+    (["recipe=llama3_8b_h100", "nutp.replicas=[4,2]"],  # TP2 needs ~97 GiB of 79.6
+     "nutp.replicas=[[4], [2]]: replica 1: stage 0 at degree 2 needs"),
 ])
 def test_dry_run_rejects_what_cannot_run(overrides: list[str], key: str,
                                          capsys: pytest.CaptureFixture[str]) -> None:

@@ -101,8 +101,9 @@ def test_planner_never_plans_a_degree_that_does_not_fit() -> None:
 
 
 def test_explicit_degrees_that_do_not_fit_name_the_fields() -> None:
-    with pytest.raises(ValueError, match=r"nutp\.replicas=\[\[4\], \[2\]\]: replica 1 stage 0"
-                       r".*GiB.*hardware\.gpu_memory_gib=79\.6.*train\.distributed_optimizer"):
+    with pytest.raises(ValueError, match=r"nutp\.replicas=\[\[4\], \[2\]\]: replica 1: "
+                       r"stage 0 at degree 2 .*GiB.*hardware\.gpu_memory_gib=79\.6"
+                       r".*train\.distributed_optimizer"):
         build_plan(_req(None, replicas=(4, 2)))
     with pytest.raises(ValueError, match=r"parallel\.tp_base=2: stage 0 at degree 2 needs .*"
                        r"model\.recompute_granularity=full"):
