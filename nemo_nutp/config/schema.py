@@ -356,6 +356,10 @@ class RecoveryConfig:
 
     enabled: bool = False
     """Run the ranks under the recovery supervisor (needs ``checkpoint.interval`` > 0)."""
+    mode: str = "restart"
+    """On a failure: ``restart`` (stop every rank, re-plan, resume from the newest checkpoint)
+    or ``live`` (survivors keep their processes: re-plan, new groups, state moved in memory;
+    see ``recovery/commit.py``; falls back to restart, with the reason logged, where it can't)."""
     max_restarts: int = 3
     """Give up after this many restarts."""
     heartbeat_timeout_s: float = 60.0
@@ -377,6 +381,8 @@ class RecoveryConfig:
             raise _bad("recovery.rate_per_gpu_day", self.rate_per_gpu_day, "must be >= 0")
         if self.max_restarts < 0:
             raise _bad("recovery.max_restarts", self.max_restarts, "must be >= 0")
+        if self.mode not in ("restart", "live"):
+            raise _bad("recovery.mode", self.mode, "must be restart or live")
         for name in ("heartbeat_timeout_s", "startup_timeout_s", "probe_timeout_s"):
             if not getattr(self, name) > 0:
                 raise _bad(f"recovery.{name}", getattr(self, name), "must be > 0")

@@ -30,7 +30,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-CAUSES = ("useful", "sync", "slack", "straggler", "failed", "idle", "checkpoint", "restart")
+CAUSES = ("useful", "sync", "slack", "straggler", "failed", "idle", "checkpoint", "restart",
+          "relayout")
 
 
 @dataclass
@@ -66,9 +67,9 @@ class GoodputLedger:
         return parts["useful"] / (self.cluster_gpus * step_s) if step_s > 0 else 0.0
 
     def add_pause(self, cause: str, seconds: float) -> None:
-        """Whole-cluster pause (checkpoint save, restart)."""
-        if cause not in ("checkpoint", "restart"):
-            raise ValueError(f"cause={cause!r}: must be checkpoint or restart")
+        """Whole-cluster pause (checkpoint save, restart, live re-layout)."""
+        if cause not in ("checkpoint", "restart", "relayout"):
+            raise ValueError(f"cause={cause!r}: must be checkpoint, restart or relayout")
         parts = {c: 0.0 for c in CAUSES}
         parts[cause] = self.cluster_gpus * seconds
         self._add(parts, seconds)

@@ -18,7 +18,7 @@ _LABELS = {"useful": "useful work", "sync": "exposed sync (reshard + reduce) + o
            "straggler": "straggler inside a replica (peers wait for its slow rank)",
            "failed": "failed GPUs idle",
            "idle": "healthy GPUs unused", "checkpoint": "checkpoint time",
-           "restart": "restart time"}
+           "restart": "restart time", "relayout": "live re-layout time"}
 
 
 def print_goodput(ledger: GoodputLedger, console: Console | None = None, *,

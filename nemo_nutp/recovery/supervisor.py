@@ -109,6 +109,10 @@ def _stop(procs: list[Any]) -> None:
 
 def _run_world(cfg: Any, job: Any, plan: Any, failed: frozenset[int], attempt: int, rdir: Path,
                console: Any) -> Attempt:
+    if job.recovery.mode == "live":  # survivors keep their processes (recovery/control.py)
+        from .control import run_world
+
+        return run_world(cfg, job, plan, failed, attempt, rdir, console)
     from ..launch.ports import free_port
 
     hb = rdir / f"heartbeats.{attempt}"

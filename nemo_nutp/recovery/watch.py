@@ -246,7 +246,19 @@ def summary(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
             t = e.get("detected_at", e["t"])
             out.append({"detected_at": t, "cause": e.get("cause"), "ranks": e["ranks"],
                         "gpus": e["gpus"], "reason": e["reason"], "lost_steps": e["lost_steps"],
-                        "detect_s": None if fault_t is None else t - fault_t})
+                        "detect_s": None if fault_t is None else t - fault_t,
+                        "mode": "restart"})
+            fault_t = None
+        elif e["event"] == "live_relayout":  # recovery.mode=live: same processes, no rollback
+            t = e["detected_at"]
+            out.append({"detected_at": t, "cause": e.get("cause"), "ranks": e["ranks"],
+                        "gpus": e["gpus"], "reason": e["reason"], "lost_steps": e["lost_steps"],
+                        "detect_s": None if fault_t is None else t - fault_t, "mode": "live",
+                        "restart_s": e["relayout_s"], "resume_step": e["resume_step"],
+                        "replica_tp": e["replica_tp"],
+                        **{k: e[k] for k in ("relayout_s", "unblock_s", "recomputed_steps",
+                                             "bytes_received_rank_max", "lower_bound_rank_max",
+                                             "peak_memory_ratio", "committed_step")}})
             fault_t = None
         elif e["event"] == "scale_up":
             t = e.get("detected_at", e["t"])

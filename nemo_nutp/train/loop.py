@@ -115,74 +115,121 @@ def _earlier_rows(path: Path, start_step: int) -> list[dict[str, Any]]:
     return [r for r in rows if r["step"] < start_step]
 
 
-def train_rank(cfg: JobConfig, plan: Plan, *, device: torch.device | None = None
-               ) -> list[dict[str, Any]] | None:
-    """Run the whole job on this rank (process group already initialised)."""
+def _build(cfg: JobConfig, plan: Plan, device: torch.device | None) -> Any:
     from ..train.session import build_session, precision_of
     from ..train.step import step_options
 
     t = cfg.train
-    session = build_session(plan, cfg.model, lr=t.lr, seed=t.seed,
-                            micro_batch_size=t.micro_batch_size, optimizer=t.optimizer,
-                            weight_decay=t.weight_decay, opts=step_options(t),
-                            precision=precision_of(t), device=device, data_path=t.data_path,
-                            bucket_size=cfg.sync.bucket_size,
-                            distributed_optimizer=t.distributed_optimizer)
-    from ..checkpoint.hooks import CheckpointHooks
+    return build_session(plan, cfg.model, lr=t.lr, seed=t.seed,
+                         micro_batch_size=t.micro_batch_size, optimizer=t.optimizer,
+                         weight_decay=t.weight_decay, opts=step_options(t),
+                         precision=precision_of(t), device=device, data_path=t.data_path,
+                         bucket_size=cfg.sync.bucket_size,
+                         distributed_optimizer=t.distributed_optimizer)
 
-    rank0 = dist.get_rank() == 0
-    ledger = GoodputLedger(cluster_gpus=plan.request.cluster.num_gpus,
-                           failed_gpus=len(plan.request.health.failed_gpus),
-                           idle_gpus=plan.idle_healthy_gpus)
-    hooks = CheckpointHooks(cfg, session)
-    from ..train.rebalance import LiveBalance
 
-    live = LiveBalance(cfg, session, fault=hooks.fault, rank=dist.get_rank())  # nutp.rebalance
-    start = hooks.resume(ledger)
-    out = _Outputs(cfg, plan, start_step=start) if rank0 else None
-    tokens = t.global_batch_size * cfg.model.seq_length
-    progress = _progress() if rank0 else None
-    task = (progress.add_task("train", total=t.steps, completed=start, info="")
-            if progress else None)
-    if progress:
-        progress.start()
+class _Run:
+    """What a rank trains with in one world (a live re-layout replaces it)."""
+
+    def __init__(self, cfg: JobConfig, plan: Plan, session: Any, *, start: int | None = None,
+                 ledger: GoodputLedger | None = None) -> None:
+        from ..checkpoint.hooks import CheckpointHooks
+        from ..train.rebalance import LiveBalance
+
+        self.cfg, self.plan, self.session = cfg, plan, session
+        self.last: Any = None  # the newest step's StepResult
+        self.rank0 = dist.get_rank() == 0
+        self.ledger = ledger or GoodputLedger(cluster_gpus=plan.request.cluster.num_gpus,
+                                              failed_gpus=len(plan.request.health.failed_gpus),
+                                              idle_gpus=plan.idle_healthy_gpus)
+        self.hooks = CheckpointHooks(cfg, session)
+        self.live = LiveBalance(cfg, session, fault=self.hooks.fault,
+                                rank=dist.get_rank())  # nutp.rebalance
+        if start is None:
+            start = self.hooks.resume(self.ledger)
+        else:  # live re-layout: NUTP_FAULT is for the first world only
+            self.hooks.fault = None
+        self.start = start
+        self.out = _Outputs(cfg, plan, start_step=start) if self.rank0 else None
+        self.progress = _progress() if self.rank0 else None
+        self.task = (self.progress.add_task("train", total=cfg.train.steps, completed=start,
+                                            info="") if self.progress else None)
+        if self.progress:
+            self.progress.start()
+
+    def step(self, step: int) -> bool:
+        """One step and its bookkeeping; False: stop here (``nutp.exclude_stragglers``)."""
+        t, session, ledger, out = self.cfg.train, self.session, self.ledger, self.out
+        tokens = t.global_batch_size * self.cfg.model.seq_length
+        self.hooks.before_step(step)
+        self.live.before_step(step)
+        t0 = time.perf_counter()
+        res = self.last = session.step(step)
+        step_s, reps = _gather_times(session, res.times, time.perf_counter() - t0)
+        shares = self.live.after_step(step, reps)  # this step's shares; may change the next's
+        step_goodput = ledger.add_step(step_s, reps, inside=self.live.inside_speeds())
+        if out is not None and self.progress is not None:
+            goodput = ledger.goodput  # the run's so far (this step's save: the next row's)
+            row = {"step": step, "loss": res.loss,
+                   "grad_norm": None if res.skipped else res.grad_norm,
+                   "skipped": res.skipped,
+                   "loss_scale": float(session.optimizer.get_loss_scale()),
+                   "tokens": tokens, "step_time_s": step_s, "tokens_per_s": tokens / step_s,
+                   "goodput": goodput, "step_goodput": step_goodput,
+                   "microbatches": shares,
+                   "replica_tp": [list(r.tp) for r in self.plan.replicas],
+                   "reshard_bytes_rank0": session.model.nutp_engine.sent_bytes}
+            out.write(row)
+            self.progress.update(self.task, advance=1, info=f"loss {res.loss:.4f}  "
+                                 f"{tokens / step_s:,.0f} tok/s  goodput {goodput:.1%}")
+        # The row is on disk before the save: a world stopped right after a checkpoint
+        # completes (planned restart) has every row up to it.
+        self.hooks.after_step(step, ledger)
+        return not self.live.should_stop(step)  # nutp.exclude_stragglers: saved; relaunch
+
+    def close(self) -> None:
+        if self.progress:
+            self.progress.stop()
+
+
+def train_rank(cfg: JobConfig, plan: Plan, *, device: torch.device | None = None,
+               link: Any = None) -> list[dict[str, Any]] | None:
+    """Run the whole job on this rank (process group already initialised). ``link``: the
+    rank's ``recovery.live.LiveRank`` (``recovery.mode=live``), which a failure of a peer
+    turns into a live re-layout (``recovery/live.py``) instead of an error."""
+    run = _Run(cfg, plan, _build(cfg, plan, device))
+    if link is not None:
+        from ..recovery.relayout import arm
+
+        arm(run, link)
+    step = run.start
     try:
-        for step in range(start, t.steps):
-            hooks.before_step(step)
-            live.before_step(step)
-            t0 = time.perf_counter()
-            res = session.step(step)
-            step_s, reps = _gather_times(session, res.times, time.perf_counter() - t0)
-            shares = live.after_step(step, reps)  # this step's shares; may change the next's
-            step_goodput = ledger.add_step(step_s, reps, inside=live.inside_speeds())
-            if out is not None and progress is not None:
-                goodput = ledger.goodput  # the run's so far (this step's save: the next row's)
-                row = {"step": step, "loss": res.loss,
-                       "grad_norm": None if res.skipped else res.grad_norm,
-                       "skipped": res.skipped,
-                       "loss_scale": float(session.optimizer.get_loss_scale()),
-                       "tokens": tokens, "step_time_s": step_s, "tokens_per_s": tokens / step_s,
-                       "goodput": goodput, "step_goodput": step_goodput,
-                       "microbatches": shares,
-                       "replica_tp": [list(r.tp) for r in plan.replicas],
-                       "reshard_bytes_rank0": session.model.nutp_engine.sent_bytes}
-                out.write(row)
-                progress.update(task, advance=1, info=f"loss {res.loss:.4f}  "
-                                f"{tokens / step_s:,.0f} tok/s  goodput {goodput:.1%}")
-            # The row is on disk before the save: a world stopped right after a checkpoint
-            # completes (planned restart) has every row up to it.
-            hooks.after_step(step, ledger)
-            if live.should_stop(step):  # nutp.exclude_stragglers: saved; relaunch re-plans
-                break
-        hooks.finish()  # a background save in flight completes before the run ends
+        while step < cfg.train.steps:
+            try:
+                if link is not None:
+                    link.begin(step)
+                if not run.step(step):
+                    break
+            except Exception as e:
+                from ..recovery.live import is_stop
+
+                if link is None or not is_stop(e):
+                    raise
+                from ..recovery.relayout import relayout
+
+                run.close()
+                run, step = relayout(cfg, run, link, e, device=device, make_run=_Run,
+                                     build=_build)
+                continue
+            step += 1
+        run.hooks.finish()  # a background save in flight completes before the run ends
     finally:
-        if progress:
-            progress.stop()
-    if out is None:
+        run.close()
+    if run.out is None:
         return None
-    out.close(final_goodput=ledger.goodput)
-    ledger.check()
-    return _finish(cfg, out.rows, ledger)
+    run.out.close(final_goodput=run.ledger.goodput)
+    run.ledger.check()
+    return _finish(cfg, run.out.rows, run.ledger)
 
 
 def _progress() -> Any:

@@ -66,6 +66,14 @@ class RankSession:
     opts: StepOptions = field(default_factory=StepOptions)
     checks: GradChecks | None = None
     pipeline: PipelineRunner | None = None  # pp > 1
+    precision: str = "fp32"
+    vote: Any = None  # recovery.mode=live: called with the global loss before the update
+
+    def _global_loss(self, replica_loss: float) -> float:
+        ctx = self.groups.ctx
+        return reduce_replica_loss(replica_loss, weight=ctx.weight, degree=ctx.degree,
+                                   stage_group=self.groups.stage,
+                                   device=next(self.model.parameters()).device)
 
     def batches(self, step: int) -> list[MicroBatch]:
         """This replica's micro-batches of the step's global batch."""
@@ -83,22 +91,28 @@ class RankSession:
                                     vocab_size=self.model_cfg.vocab_size)
 
     def step(self, step: int, *, after_sync: Any = None) -> StepResult:
-        """Train one step; the loss is the global-batch mean (a collective over the stage)."""
+        """Train one step; the loss is the global-batch mean (a collective over the stage).
+        With ``vote``, the loss is reduced before the update and the vote follows it."""
+        losses: list[float] = []
+
+        def before_update(replica_loss: float) -> None:
+            losses.append(self._global_loss(replica_loss))
+            self.vote(losses[0])
+
+        hook = None if self.vote is None else before_update
         if self.pipeline is None:
             replica_loss, grad_norm, times, skipped = train_step(
                 self.model, self.optimizer, self.batches(step), self.mask, opts=self.opts,
-                checks=self.checks, step=step, after_sync=after_sync)
+                checks=self.checks, step=step, after_sync=after_sync, before_update=hook)
         else:
-            replica_loss, grad_norm, times, skipped = self._pipeline_step(step, after_sync)
-        ctx = self.groups.ctx
-        loss = reduce_replica_loss(replica_loss, weight=ctx.weight, degree=ctx.degree,
-                                   stage_group=self.groups.stage,
-                                   device=next(self.model.parameters()).device)
+            replica_loss, grad_norm, times, skipped = self._pipeline_step(step, after_sync,
+                                                                          hook)
+        loss = losses[0] if losses else self._global_loss(replica_loss)
         return StepResult(loss=loss, replica_loss=replica_loss, grad_norm=grad_norm, times=times,
                           skipped=skipped)
 
-    def _pipeline_step(self, step: int, after_sync: Any) -> tuple[float, float,
-                                                                  dict[str, float], bool]:
+    def _pipeline_step(self, step: int, after_sync: Any, before_update: Any = None
+                       ) -> tuple[float, float, dict[str, float], bool]:
         """``train_step`` for pipeline stages: megatron's 1F1B schedule, then the same
         optimizer step."""
         assert self.pipeline is not None
@@ -108,6 +122,8 @@ class RankSession:
         if self.opts.slow_factor > 1.0:  # injected straggler: compute x factor
             time.sleep((self.opts.slow_factor - 1.0) * compute_s)
             compute_s *= self.opts.slow_factor
+        if before_update is not None:
+            before_update(loss)
         device = next(self.model.parameters()).device
         t = clock(device)
         ok, grad_norm = optimizer_step(self.model, self.optimizer, self.opts, self.checks,
@@ -181,4 +197,4 @@ def build_session(plan: Plan, model_cfg: Any, *, lr: float, seed: int, micro_bat
     return RankSession(plan=plan, groups=groups, model=model, optimizer=opt, model_cfg=model_cfg,
                        micro_batch_size=micro_batch_size, seed=seed, gpt=gpt,
                        mask=_mask(model_cfg, device), source=source, opts=opts,
-                       checks=checks, pipeline=pipeline)
+                       checks=checks, pipeline=pipeline, precision=prec.precision)

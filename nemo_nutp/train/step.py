@@ -172,13 +172,15 @@ def clock(device: torch.device | None) -> float:
 
 def train_step(model: Any, optimizer: Any, batches: list[MicroBatch], mask: torch.Tensor | None,
                *, opts: StepOptions | None = None, checks: GradChecks | None = None,
-               step: int | None = None, after_sync: Callable[[], None] | None = None
+               step: int | None = None, after_sync: Callable[[], None] | None = None,
+               before_update: Callable[[float], None] | None = None
                ) -> tuple[float, float, dict[str, float], bool]:
     """Forward/backward this replica's micro-batches, sync, update.
 
     Returns (replica mean loss, grad norm, seconds in compute / exposed sync / optimizer,
     whether the update was skipped). ``after_sync`` runs between the gradient sync and the
-    optimizer (tests read the synchronised gradients there).
+    optimizer (tests read the synchronised gradients there); then ``before_update`` with the
+    replica mean loss (the live path's commit vote, ``recovery/commit.py``).
     """
     opts = opts or StepOptions()
     device = next(model.parameters()).device
@@ -204,6 +206,8 @@ def train_step(model: Any, optimizer: Any, batches: list[MicroBatch], mask: torc
     model.finish_grad_sync()
     if after_sync is not None:
         after_sync()
+    if before_update is not None:
+        before_update(float(total) / n)
     t2 = clock(device)
     ok, grad_norm = optimizer_step(model, optimizer, opts, checks, step=step)
     t3 = clock(device)

@@ -96,10 +96,18 @@ def run_rank(rank: int, world: int, local_rank: int, cfg: Any, plan: Any,
         torch.set_num_threads(1)
         backend = "gloo"
     try:
-        dist.init_process_group(backend, rank=rank, world_size=world)
+        link = _live_link(rank, world, backend, cfg)
+        if link is None:
+            dist.init_process_group(backend, rank=rank, world_size=world)
         from .loop import train_rank
 
-        train_rank(cfg, plan, device=device)
+        train_rank(cfg, plan, device=device, link=link)
+        if link is not None:
+            # Abandoned worlds' groups are kept alive (recovery/backend.py): their destructors
+            # would wait for peers doing the same.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
         dist.destroy_process_group()
     except Exception as e:
         if os.environ.get("NUTP_DEBUG") == "1":
@@ -107,6 +115,22 @@ def run_rank(rank: int, world: int, local_rank: int, cfg: Any, plan: Any,
         code = report_error(cfg.output.dir, rank, e)
         sys.stdout.flush()
         os._exit(code)
+
+
+def _live_link(rank: int, world: int, backend: str, cfg: Any) -> Any:
+    """``recovery.mode=live`` under the supervisor: world 0 on the control process's store."""
+    from ..recovery.live import LiveRank, control_address
+
+    addr = control_address()
+    if addr is None:
+        return None
+    from ..recovery import backend as live_backend
+
+    link = LiveRank(addr[0], addr[1], slot=rank, timeout_s=cfg.recovery.startup_timeout_s)
+    link.start()
+    live_backend.join(link.store, gen=0, rank=rank, world=world, backend=backend,
+                      timeout_s=1800.0)
+    return link
 
 
 def spawned(rank: int, world: int, cfg: Any, plan: Any, port: int) -> None:

@@ -1,0 +1,264 @@
+"""The control process of ``recovery.mode=live``: it outlives every rank.
+
+Runs inside the CPU supervisor (``supervisor.py``). It hosts the one ``TCPStore`` every world
+of the job is built on (``world<gen>/`` prefixes; no rank hosts it, so rank 0 may die), watches
+the ranks as the restart path does (exit codes every ``POLL_S``, step heartbeats) and makes
+every decision of a live re-layout; ranks only report and follow (``live.py``):
+
+1. failure found (a rank died, or hung: the hung rank is killed, it is not trusted to rejoin);
+   ``commit.live_blocker`` says whether it can be handled live, else the restart path takes it;
+2. ``abort<gen>`` is set: every survivor's control thread wakes (one blocking wait each, no
+   polling), its current ``Work.wait`` raises (``backend.py``), the survivor reports
+   ``(step, phase)``;
+3. with every survivor's report: ``commit.decide`` (last committed step, who still applies it),
+   the same planner and policy as a restart re-plan for the failed GPUs, ``decision<gen>``
+   posted (new failed GPUs, rank -> GPU, the committed step);
+4. the new world's rank 0 posts ``started<gen+1>`` when the state is moved (bytes, peak memory):
+   the event ``live_relayout`` is logged (``unblock_s``: detected -> every survivor out of its
+   step; ``relayout_s``: detected -> the first step of the new layout starts).
+
+Fallbacks (each logged as ``live_fallback`` with its reason, then the restart path): the
+``live_blocker`` reasons (distributed optimizer, ...), a survivor that does not report within
+``REPORT_TIMEOUT_S``, a second failure during the re-layout, a broken commit invariant, no
+valid plan for the survivors (the restart path then stops with the planner's one-line error).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from ..checkpoint.events import log_event
+from . import watch
+from .commit import Report, decide, live_blocker, renumber
+from .decisions import Failure, blame_exits, blame_hang, job_for, next_failed
+
+POLL_S = 0.01  # while a re-layout waits for reports / the new world
+REPORT_TIMEOUT_S = 60.0
+START_TIMEOUT_S = 300.0
+
+
+def host_store() -> tuple[Any, int]:
+    """The control process's store (this process serves it)."""
+    import torch.distributed as dist
+
+    from ..launch.ports import free_port
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=START_TIMEOUT_S), use_libuv=True)
+    return store, port
+
+
+@dataclass
+class World:
+    """The running world as the control process sees it."""
+
+    job: Any
+    plan: Any
+    procs: list[Any]  # by current rank
+    slots: list[int]  # current rank -> the process's rank in world 0
+    failed: frozenset[int]
+    gen: int
+    hb: Path  # heartbeat directory of this world
+
+    def alive(self) -> list[int]:
+        return [r for r, p in enumerate(self.procs) if p.exitcode is None]
+
+
+class Fallback(Exception):
+    """This failure goes to the restart path (the message is the reason)."""
+
+
+def _kill(p: Any) -> None:
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError, TypeError):
+        p.kill()
+    p.join()
+
+
+def _wait_keys(store: Any, keys: list[str], w: World, watched: list[int], timeout_s: float,
+               what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not store.check(keys):
+        for r in watched:
+            if w.procs[r].exitcode not in (None, 0):
+                raise Fallback(f"second failure during the re-layout: rank {r} exited "
+                               f"({w.procs[r].exitcode}) while {what}")
+        if time.monotonic() > deadline:
+            raise Fallback(f"timed out after {timeout_s:.0f} s while {what}")
+        time.sleep(POLL_S)
+
+
+def relayout(store: Any, cfg: Any, w: World, failure: Failure, *, detected: float,
+             rdir: Path, attempt: int) -> tuple[World, dict[str, Any]]:
+    """Steps 2-4 of the module docstring. Returns the new world and the event's fields;
+    raises ``Fallback``."""
+    from ..config import plan_request
+    from ..layout import build_plan
+
+    for r in failure.ranks:  # a hung rank is not trusted to rejoin
+        _kill(w.procs[r])
+    survivors = [r for r in w.alive() if r not in failure.ranks]
+    store.set(f"abort{w.gen}", failure.reason)
+    keys = [f"report{w.gen}/{w.slots[r]}" for r in survivors]
+    _wait_keys(store, keys, w, survivors, REPORT_TIMEOUT_S, "waiting for survivors' reports")
+    posts = {r: json.loads(store.get(k)) for r, k in zip(survivors, keys, strict=True)}
+    out_at = max(p["out_at"] for p in posts.values())
+    try:
+        dec = decide({r: Report(p["step"], p["phase"]) for r, p in posts.items()})
+    except RuntimeError as e:
+        raise Fallback(str(e)) from None
+    gpus = tuple(w.plan.rank_to_gpu[r] for r in failure.ranks)
+    failed = next_failed(w.failed, gpus, watch.read_health(rdir / "health.json"))
+    job = job_for(cfg, failed)
+    try:
+        plan = build_plan(plan_request(job))
+    except ValueError as e:
+        raise Fallback(f"no valid plan for the survivors: {e}") from None
+    from ..relayout.plan import plan_move
+
+    rank_map = {o: n for o, n in renumber(tuple(w.plan.rank_to_gpu),
+                                          tuple(plan.rank_to_gpu)).items()
+                if n is not None and o not in failure.ranks}
+    mv = plan_move(w.plan, plan, rank_map)
+    if not mv.possible:
+        raise Fallback(f"state cannot move: {mv.reason}")
+    watch.write_health(rdir / "health.json", failed)
+    gen = w.gen + 1
+    hb = rdir / f"heartbeats.{attempt}.live{gen}"
+    hb.mkdir(parents=True, exist_ok=True)
+    store.set(f"decision{w.gen}", json.dumps({
+        "action": "live", "step": dec.step, "apply": [w.slots[r] for r in dec.apply],
+        "failed_gpus": sorted(failed), "rank_to_gpu": list(plan.rank_to_gpu),
+        "dead_ranks": list(failure.ranks), "detected_at": detected, "heartbeat_dir": str(hb)}))
+    new_procs, new_slots = [], []
+    for g in plan.rank_to_gpu:
+        old = list(w.plan.rank_to_gpu).index(g)
+        new_procs.append(w.procs[old])
+        new_slots.append(w.slots[old])
+    nw = World(job, plan, new_procs, new_slots, failed, gen, hb)
+    _wait_keys(store, [f"started{gen}"], nw, list(range(len(new_procs))), START_TIMEOUT_S,
+               "the new world was being built")
+    started = json.loads(store.get(f"started{gen}"))
+    for r in survivors:  # healthy GPUs the new layout does not use leave by themselves
+        if w.plan.rank_to_gpu[r] not in plan.rank_to_gpu:
+            w.procs[r].join(timeout=30)
+    fields = {"attempt": attempt, "gen": gen, "ranks": list(failure.ranks), "gpus": list(gpus),
+              "reason": failure.reason, "detected_at": detected,
+              "unblock_s": max(0.0, out_at - detected),
+              "relayout_s": started["t"] - detected, "committed_step": dec.step,
+              "resume_step": started["resume_step"], "lost_steps": 0,
+              "recomputed_steps": max(p["step"] for p in posts.values()) - dec.step,
+              "applied_by": [w.slots[r] for r in dec.apply],
+              "bytes_received_rank_max": started["bytes_received_rank_max"],
+              "lower_bound_rank_max": started["lower_bound_rank_max"],
+              "peak_memory_ratio": started["peak_memory_ratio"], "move_s": started["move_s"],
+              "checkpoint_bytes_read": 0, "processes_started": 0,
+              "world_size": plan.world_size, "replica_tp": watch.layout_of(plan),
+              "pids": [p.pid for p in new_procs]}
+    return nw, fields
+
+
+def find_failure(w: World, *, now: float, started: float, rec: Any) -> tuple[Failure | None,
+                                                                             str]:
+    """A dead or hung rank of the running world (the restart path's rules)."""
+    codes = {r: p.exitcode for r, p in enumerate(w.procs)}
+    failure = blame_exits(codes)
+    if failure is not None:
+        return failure, "exit"
+    first = w.gen == 0  # stack watcher files are named by world-0 rank
+    n = w.plan.world_size
+    hb0 = w.hb
+    return blame_hang(watch.read_progress(w.hb, n), now=now, timeout_s=rec.heartbeat_timeout_s,
+                      started_at=started, startup_timeout_s=rec.startup_timeout_s,
+                      activity=watch.read_activity(hb0, n) if first else None,
+                      collectives=watch.read_collectives(hb0, n) if first else None), "hang"
+
+
+def handle(store: Any, cfg: Any, w: World, failure: Failure, cause: str, *, detected: float,
+           rdir: Path, attempt: int, console: Any) -> World | str:
+    """A failure of the running world: the next world (live) or the fallback reason."""
+    events = rdir / "events.jsonl"
+    reason = live_blocker(w.job, failure, survivors=len(w.alive()) - len(failure.ranks))
+    if reason is None:
+        try:
+            nw, fields = relayout(store, cfg, w, failure, detected=detected, rdir=rdir,
+                                  attempt=attempt)
+        except Fallback as e:
+            reason = str(e)
+        else:
+            log_event("live_relayout", file=events, cause=cause, **fields)
+            console.print(f"[yellow]recovery:[/] ranks {fields['ranks']} (GPUs "
+                          f"{fields['gpus']}) failed: {failure.reason}; live re-layout to "
+                          f"{fields['replica_tp']} in {fields['relayout_s']:.2f} s (unblock "
+                          f"{fields['unblock_s']:.2f} s), continuing at step "
+                          f"{fields['resume_step']}")
+            return nw
+    if not failure.bad_input:
+        store.set(f"decision{w.gen}", json.dumps({"action": "restart", "reason": reason}))
+        log_event("live_fallback", file=events, attempt=attempt, gen=w.gen,
+                  ranks=list(failure.ranks), reason=reason)
+        console.print(f"[yellow]recovery:[/] live re-layout not possible ({reason}): "
+                      "restarting from the newest checkpoint")
+    return reason
+
+
+def run_world(cfg: Any, job: Any, plan: Any, failed: frozenset[int], attempt: int, rdir: Path,
+              console: Any) -> Any:
+    """``supervisor._run_world`` for ``recovery.mode=live``: one world of processes through any
+    number of live re-layouts; returns the supervisor's ``Attempt`` when the job ends or a
+    failure falls back to the restart path."""
+    import multiprocessing as mp
+
+    from .supervisor import HANG_POLL_S, PRELOAD, Attempt, _rank_main, _stop
+
+    store, port = host_store()
+    hb = rdir / f"heartbeats.{attempt}"
+    hb.mkdir(parents=True, exist_ok=True)
+    env = {"NUTP_ATTEMPT": str(attempt), "NUTP_HEARTBEAT_DIR": str(hb),
+           "NUTP_EVENTS": str(rdir / "events.jsonl"), "NUTP_CONTROL": f"127.0.0.1:{port}"}
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))
+    procs = [ctx.Process(target=_rank_main, args=(r, plan.world_size, job, plan, 0, env))
+             for r in range(plan.world_size)]
+    for p in procs:
+        p.start()
+    log_event("live_world", file=rdir / "events.jsonl", attempt=attempt, gen=0,
+              pids=[p.pid for p in procs])
+    w = World(job, plan, procs, list(range(plan.world_size)), failed, 0, hb)
+    started = next_hang = time.time()
+    health_watch = watch.HealthWatch(cfg, job, plan, failed, rdir, console)
+    while True:
+        time.sleep(0.05)
+        now = time.time()
+        if all(p.exitcode == 0 for p in w.procs):
+            return Attempt(True, None, None, None, now, None, tuple(w.plan.rank_to_gpu), {},
+                           0.0)
+        failure, cause = blame_exits({r: p.exitcode for r, p in enumerate(w.procs)}), "exit"
+        if failure is None and now >= next_hang:
+            next_hang = now + HANG_POLL_S
+            failure, cause = find_failure(w, now=now, started=started, rec=job.recovery)
+        scale = health_watch.poll(now) if failure is None and w.gen == 0 else None
+        if failure is None and scale is None:
+            continue
+        detected = time.time()
+        if failure is not None:
+            res = handle(store, cfg, w, failure, cause, detected=detected, rdir=rdir,
+                         attempt=attempt, console=console)
+            if isinstance(res, World):
+                w, started = res, time.time()
+                continue
+        where = {r: watch.read_where(hb, w.slots[r])
+                 for r in (failure.ranks if failure is not None else ())}
+        last = watch.last_done(w.hb, w.plan.world_size)
+        _stop(w.procs)
+        return Attempt(False, failure, None if failure is None else cause, scale, detected,
+                       last, tuple(w.plan.rank_to_gpu), where, time.time() - detected)

@@ -1,0 +1,95 @@
+"""Fault injection at each phase of a step, for the live path's tests and demos.
+
+``NUTP_LIVE_FAULT=kind:SLOT:STEP:PHASE[:GEN]`` (several separated by commas): ``kind`` kill
+(SIGKILL) or hang (sleep forever); ``SLOT`` the process's rank in world 0 (its identity through
+re-layouts); ``PHASE`` one of ``PHASES``; ``GEN`` the world (0: the first, 1: after one live
+re-layout, ...; default 0). ``relayout`` fires inside the re-layout that leaves world ``GEN``
+(after the rank's report, before it joins the next world), whatever ``STEP``. Each fault fires
+once. ``NUTP_FAULT`` (``checkpoint/faults.py``: start of a step, or inside a save) keeps working
+in world 0.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ..checkpoint.events import log_event
+
+PHASES = ("forward", "backward", "sync", "vote", "optimizer", "relayout")
+
+
+@dataclass(frozen=True)
+class PhaseFault:
+    kind: str
+    slot: int
+    step: int
+    phase: str
+    gen: int = 0
+
+
+def parse(spec: str) -> list[PhaseFault]:
+    """Faults of ``NUTP_LIVE_FAULT``; ValueError naming it."""
+    out = []
+    for part in filter(None, spec.split(",")):
+        f = part.split(":")
+        try:
+            if len(f) not in (4, 5) or f[0] not in ("kill", "hang") or f[3] not in PHASES:
+                raise ValueError(part)
+            out.append(PhaseFault(f[0], int(f[1]), int(f[2]), f[3],
+                                  int(f[4]) if len(f) == 5 else 0))
+        except ValueError:
+            raise ValueError(f"NUTP_LIVE_FAULT={spec!r}: each fault must be "
+                             f"kill|hang:SLOT:STEP:PHASE[:GEN], PHASE in {PHASES}") from None
+    return out
+
+
+class Injector:
+    def __init__(self, slot: int, faults: list[PhaseFault]) -> None:
+        self.slot = slot
+        self.faults = [f for f in faults if f.slot == slot]
+        self.fired: set[PhaseFault] = set()
+
+    @classmethod
+    def from_env(cls, slot: int) -> Injector | None:
+        spec = os.environ.get("NUTP_LIVE_FAULT")
+        return cls(slot, parse(spec)) if spec else None
+
+    def fire(self, phase: str, *, step: int, gen: int) -> None:
+        for f in self.faults:
+            if f in self.fired or f.phase != phase or f.gen != gen:
+                continue
+            if phase != "relayout" and f.step != step:
+                continue
+            self.fired.add(f)
+            log_event("fault", kind=f.kind, rank=self.slot, step=step, phase=phase, gen=gen,
+                      pid=os.getpid())
+            if f.kind == "hang":
+                while True:
+                    time.sleep(3600)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def arm(self, session: Any, where: Any) -> None:
+        """Hook the phases into ``session``; ``where()`` gives (step, gen) now."""
+        def at(phase: str) -> None:
+            step, gen = where()
+            self.fire(phase, step=step, gen=gen)
+
+        session.gpt.register_forward_pre_hook(lambda *_: at("forward"))
+        session.gpt.register_full_backward_pre_hook(lambda *_: at("backward"))
+        model, opt = session.model, session.optimizer
+        finish, update = model.finish_grad_sync, opt.step_with_ready_grads
+
+        def finish_grad_sync(*a: Any, **k: Any) -> Any:
+            at("sync")  # the buckets are posted (backward hooks), not finished
+            return finish(*a, **k)
+
+        def step_with_ready_grads(*a: Any, **k: Any) -> Any:
+            at("optimizer")  # after the vote, before the update
+            return update(*a, **k)
+
+        model.finish_grad_sync = finish_grad_sync
+        opt.step_with_ready_grads = step_with_ready_grads

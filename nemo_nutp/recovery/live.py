@@ -1,0 +1,199 @@
+"""Rank side of a live re-layout (``recovery.mode=live``): vote, stop, report, rebuild, move.
+
+The control process (``control.py``, in the supervisor) hosts the store every world is built
+on (``world<gen>/`` prefixes) and makes every decision; a rank only reports and follows. The
+protocol and its invariants are in ``commit.py``. Per rank and per step this costs one
+all-reduce of one number (the vote) and nothing else: no store traffic, no polling; between
+failures the rank's control thread sits in one blocking ``TCPStore.wait`` on the key
+``abort<gen>``.
+
+A re-layout on a rank, after its step failed (``backend.Aborted``, or gloo's error when a peer
+died):
+
+1. wait (bounded) until the control process has aborted the world: a rank that fails without
+   an abort re-raises its error (an ordinary bug stays one);
+2. report ``(step, phase)`` (``report<gen>/<slot>``) and wait for ``decision<gen>``;
+3. apply the step's update if the decision says so (voted, result unknown, step committed);
+4. abandon the old world, join ``world<gen+1>`` at the new rank (``slot``: the process's
+   rank in world 0, its identity to the control process; new ranks follow the GPUs);
+5. build the new session (the same builder as at start-up), move the state in memory
+   (``nemo_nutp.relayout.move_state``: weights, fp32 masters, Adam moments from a survivor that
+   holds them), carry the RNG state over.
+
+Never imported by the launcher side, and it imports nothing of it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import backend
+from .commit import Report
+
+ABORT_WAIT_S = 30.0
+"""How long a rank whose collective failed waits for the control process's abort."""
+
+
+def control_address() -> tuple[str, int] | None:
+    """``NUTP_CONTROL=host:port`` (set by the supervisor in live mode), or None."""
+    spec = os.environ.get("NUTP_CONTROL")
+    if not spec:
+        return None
+    host, port = spec.rsplit(":", 1)
+    return host, int(port)
+
+
+def connect(host: str, port: int, timeout_s: float) -> Any:
+    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s),
+                         use_libuv=True)
+
+
+@dataclass
+class Committed:
+    """The newest committed step as this rank knows it (its metrics row, if the world stopped
+    before rank 0 wrote it)."""
+
+    step: int = -1
+    loss: float = float("nan")
+    grad_norm: float | None = None
+
+
+@dataclass
+class LiveRank:
+    """This process's link to the control process."""
+
+    host: str
+    port: int
+    slot: int
+    timeout_s: float
+    gen: int = 0
+    step: int = 0
+    phase: str = "compute"
+    loss: float = float("nan")
+    committed: Committed = field(default_factory=Committed)
+    store: Any = None
+    injector: Any = None  # recovery/inject.py (NUTP_LIVE_FAULT), tests
+    old_replica_tp: Any = None  # the stopped world's replicas (its missing metrics row)
+    _rejoined: threading.Event = field(default_factory=threading.Event)
+
+    def start(self) -> None:
+        from .inject import Injector
+
+        self.injector = Injector.from_env(self.slot)
+        backend.install()
+        self.store = connect(self.host, self.port, self.timeout_s)
+        watcher = connect(self.host, self.port, self.timeout_s)
+        threading.Thread(target=self._watch, args=(watcher,), name="nutp-live-control",
+                         daemon=True).start()
+
+    def _watch(self, store: Any) -> None:
+        """Control thread: one blocking wait per world; sets the abort flag."""
+        gen = 0
+        while True:
+            key = f"abort{gen}"
+            try:
+                store.wait([key], timedelta(hours=24))
+                why = store.get(key).decode()
+            except Exception as e:  # the control process is gone: nobody can re-plan
+                if "timeout" in str(e).lower():
+                    continue
+                print(f"nutp: rank slot {self.slot}: control store lost ({e}); exiting",
+                      flush=True)
+                os._exit(3)
+            backend.FLAG.set(why)
+            self._rejoined.wait()
+            self._rejoined.clear()
+            gen += 1
+
+    # -- the step's protocol ---------------------------------------------------------------
+
+    def begin(self, step: int) -> None:
+        self.step, self.phase = step, "compute"
+
+    def vote(self, loss: float) -> None:
+        """After the gradient reduction (global ``loss`` in hand), before any optimizer state
+        changes: one all-reduce over the world; the step is committed when it returns the
+        world size."""
+        self.loss = loss
+        self.phase = "voting"
+        t = torch.ones(1, dtype=torch.int32)
+        dist.all_reduce(t)
+        if int(t.item()) != dist.get_world_size():
+            raise RuntimeError(f"vote of step {self.step}: {int(t.item())} of "
+                               f"{dist.get_world_size()} ranks")
+        self.phase = "committed"
+        self.committed = Committed(self.step, loss)
+
+    def stepped(self, grad_norm: float | None) -> None:
+        self.committed.grad_norm = grad_norm
+
+    # -- stopping ------------------------------------------------------------------------
+
+    def stop(self, error: BaseException) -> tuple[Report, float]:
+        """Called with the error that ended this rank's step: wait for the abort, report.
+        Returns the report and when this rank got out of the step."""
+        out_at = time.time()
+        deadline = time.monotonic() + ABORT_WAIT_S
+        while not backend.FLAG.is_set():
+            if time.monotonic() > deadline:
+                raise error  # no abort: an ordinary error of this rank
+            time.sleep(0.005)
+        rep = Report(self.step, self.phase)
+        self.store.set(f"report{self.gen}/{self.slot}", json.dumps(
+            {"step": rep.step, "phase": rep.phase, "out_at": out_at, "pid": os.getpid(),
+             "error": f"{type(error).__name__}: {str(error)[:200]}"}))
+        return rep, out_at
+
+    def decision(self) -> dict[str, Any]:
+        key = f"decision{self.gen}"
+        self.store.wait([key], timedelta(seconds=self.timeout_s))
+        return dict(json.loads(self.store.get(key)))
+
+    def rejoin(self, *, rank: int, world: int, device: torch.device | None) -> None:
+        """Leave the old world, join the next one (the control thread then watches its
+        abort key)."""
+        backend.abandon()
+        backend.FLAG.clear()
+        self.gen += 1
+        self._rejoined.set()
+        backend.join(self.store, gen=self.gen, rank=rank, world=world,
+                     backend="nccl" if device is not None and device.type == "cuda"
+                     else "gloo", timeout_s=self.timeout_s)
+
+    def post(self, key: str, value: dict[str, Any]) -> None:
+        self.store.set(f"{key}{self.gen}", json.dumps(value))
+
+
+def is_stop(error: BaseException) -> bool:
+    """Whether a step's error may be a stopped world (then ``LiveRank.stop`` decides)."""
+    return isinstance(error, (backend.Aborted, RuntimeError, dist.DistBackendError))
+
+
+def move(old: Any, new: Any, *, rank_map: dict[int, int]) -> dict[str, Any]:
+    """Move the old session's state into the new one (collective over the new world). Returns
+    this rank's figures: bytes received, its lower bound, peak memory ratio, seconds."""
+    from ..relayout.move import move_state
+    from ..relayout.plan import plan_move
+
+    prec = getattr(new, "precision", "fp32")
+    per_elem = 12 if prec == "fp32" else 14
+    mv = plan_move(old.plan, new.plan, rank_map, bytes_per_elem=per_elem)
+    rep = move_state(mv, old=old, new=new, group=dist.group.WORLD)
+    return {"received_bytes": int(rep.received_bytes),
+            "lower_bound_bytes": int(rep.lower_bound_bytes),
+            "peak_memory_ratio": float(rep.peak_memory_ratio), "move_s": float(rep.seconds)}
+
+
+def reduce_max(values: list[float], device: torch.device | None) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [float(x) for x in t.tolist()]
