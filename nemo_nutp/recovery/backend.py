@@ -12,10 +12,12 @@ Design (gloo, measured by ``tests/recovery``):
   the replacement is seen by *every* wait, the blocking collectives' own ``work.wait()`` in
   ``distributed_c10d``, megatron's TP collectives, the sync engine's async works and the
   pipeline's p2p included) by a wait in slices of ``SLICE_S`` that raises ``Aborted`` once the
-  rank's abort flag is set. The flag is set by the rank's control thread when the control
-  process posts an abort (``live.py``); a completed work returns at once, so a healthy step pays
-  nothing but one Python frame per wait. A peer that died closes its sockets: gloo then fails
-  the work by itself (``RuntimeError``), which the live path treats like ``Aborted``.
+  rank's abort flag is set (collectives; a gloo send/recv is waited on a helper thread
+  instead, since a timed-out p2p wait closes gloo's pair). The flag is set by the rank's
+  control thread when the control process posts an abort (``live.py``); a completed work
+  returns at once, so a healthy step pays nothing but one Python frame per wait. A peer that
+  died closes its sockets: gloo then fails the work by itself (``RuntimeError``), which the
+  live path treats like ``Aborted``.
 * **Dropping the old world.** The posted operations of an aborted step are still queued in the
   old groups' gloo worker threads; destroying such a group joins those threads, i.e. waits for
   the peers. ``abandon()`` therefore unregisters every group (``destroy_process_group``) but
@@ -82,11 +84,53 @@ FLAG = AbortFlag()
 _ORIGINAL_WAIT: Any = None
 
 
+def _p2p(work: Any) -> bool:
+    from torch._C._distributed_c10d import OpType  # type: ignore[attr-defined]
+
+    try:
+        return work._get_op_type() in (OpType.SEND, OpType.RECV, OpType.RECVANYSOURCE)
+    except Exception:
+        return False
+
+
+def _wait_on_thread(work: Any, timeout: timedelta | None) -> bool:
+    """A gloo send/recv must not be waited in slices: a timed-out ``wait(timeout)`` closes the
+    pair ("Application timeout caused pair closure"). A helper thread waits for it without a
+    timeout; this thread watches the flag. An aborted wait leaves the helper blocked until the
+    pair closes (the peer died or left), on a daemon thread nobody joins."""
+    original = _ORIGINAL_WAIT
+    assert original is not None
+    done = threading.Event()
+    box: list[BaseException | bool] = []
+
+    def run() -> None:
+        try:
+            box.append(bool(original(work)))
+        except BaseException as e:  # handed to the waiting thread
+            box.append(e)
+        done.set()
+
+    threading.Thread(target=run, name="nutp-p2p-wait", daemon=True).start()
+    deadline = None if timeout is None or timeout == timedelta(0) else \
+        time.monotonic() + timeout.total_seconds()
+    while not done.wait(SLICE_S):
+        if FLAG.is_set():
+            raise Aborted(FLAG.why)
+        if deadline is not None and time.monotonic() > deadline:
+            raise RuntimeError(f"work did not complete within {timeout}")
+    (res,) = box
+    if isinstance(res, BaseException):
+        raise res
+    return res
+
+
 def _abortable_wait(self: Any, timeout: timedelta | None = None) -> bool:
     original = _ORIGINAL_WAIT
     assert original is not None
     if FLAG.is_set():
         raise Aborted(FLAG.why)
+    if _p2p(self):
+        return _wait_on_thread(self, timeout)
     deadline = None if timeout is None or timeout == timedelta(0) else \
         time.monotonic() + timeout.total_seconds()
     step = timedelta(seconds=SLICE_S)

@@ -2,7 +2,7 @@
 
 ``NUTP_LIVE_FAULT=kind:SLOT:STEP:PHASE[:GEN]`` (several separated by commas): ``kind`` kill
 (SIGKILL) or hang (sleep forever); ``SLOT`` the process's rank in world 0 (its identity through
-re-layouts); ``PHASE`` one of ``PHASES``; ``GEN`` the world (0: the first, 1: after one live
+re-layouts); fired in the supervisor's first attempt only; ``PHASE`` one of ``PHASES``; ``GEN`` the world (0: the first, 1: after one live
 re-layout, ...; default 0). ``relayout`` fires inside the re-layout that leaves world ``GEN``
 (after the rank's report, before it joins the next world), whatever ``STEP``. Each fault fires
 once. ``NUTP_FAULT`` (``checkpoint/faults.py``: start of a step, or inside a save) keeps working
@@ -56,7 +56,9 @@ class Injector:
     @classmethod
     def from_env(cls, slot: int) -> Injector | None:
         spec = os.environ.get("NUTP_LIVE_FAULT")
-        return cls(slot, parse(spec)) if spec else None
+        if not spec or os.environ.get("NUTP_ATTEMPT", "0") not in ("", "0"):
+            return None  # like NUTP_FAULT: the first attempt only (a restart runs through)
+        return cls(slot, parse(spec))
 
     def fire(self, phase: str, *, step: int, gen: int) -> None:
         for f in self.faults:

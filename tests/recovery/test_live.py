@@ -27,7 +27,7 @@ import pytest
 from nemo_nutp.config import load_config, plan_request
 from nemo_nutp.layout import build_plan
 from tests.checkpoint.test_recovery import _kill_session
-from tests.runtime.parity import BF16_TOL, Case, run_references  # noqa: F401
+from tests.runtime.parity import BF16_TOL, Case, run_references
 
 TOL = 1e-5
 BASE = ("train.seed=7", "train.global_batch_size=12", "train.micro_batch_size=2",
@@ -159,3 +159,46 @@ def test_live_relayout_tp4_tp3_phases_rank0_and_twice(tmp_path: Path) -> None:
         assert e["relayout_s"] < 10 and e["unblock_s"] < 1.0, e
     print("live (relayout_s, unblock_s):", [(round(e["relayout_s"], 3),
                                               round(e["unblock_s"], 3)) for e in lives])
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(JOB_TIMEOUT_S + 120)
+def test_live_relayout_pp2_bf16_sp(tmp_path: Path) -> None:
+    """Pipeline stages (pp=2, [[2,2],[2,1]]), bf16, sequence parallelism, clipping: a rank
+    killed in its backward, then another inside the sync buckets (buckets posted, not
+    finished); both live, the continuation equals stock bf16 within the bf16 tolerance."""
+    steps = 5
+    over = (*BASE, "parallel.pp=2", "parallel.tp_base=2", "parallel.sequence_parallel=true",
+            "train.precision=bf16", "checkpoint.interval=100", f"train.steps={steps}")
+    out = tmp_path / "pp2"
+    rc, log = _run(out, over, {"NUTP_LIVE_FAULT": "kill:1:1:backward:0,kill:4:3:sync:1",
+                               "NUTP_LIVE_DIGEST": "1"})
+    assert rc == 0, log[-6000:]
+    ref = _reference(over, steps, tmp_path)
+    rows = _check_parity(out, ref, BF16_TOL)
+    assert rows[0]["replica_tp"] == [[2, 2], [2, 1]]
+    back, sync = _check_live(_events(out), relayouts=2)
+    assert (back["committed_step"], back["recomputed_steps"]) == (0, 1), back
+    assert (sync["committed_step"], sync["recomputed_steps"]) == (2, 1), sync
+    assert [r["replica_tp"] for r in rows][-1] == sync["replica_tp"]
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(JOB_TIMEOUT_S + 120)
+def test_distributed_optimizer_falls_back_to_restart(tmp_path: Path) -> None:
+    """The distributed optimizer's dead slices exist nowhere else: the failure takes the restart
+    path with its reason logged, and the continuation is exact."""
+    steps = 4
+    over = (*BASE, "nutp.replicas=[2,1]", "train.distributed_optimizer=true",
+            "checkpoint.interval=2", f"train.steps={steps}")
+    out = tmp_path / "zero"
+    rc, log = _run(out, over, {"NUTP_LIVE_FAULT": "kill:1:3:forward:0"})
+    assert rc == 0, log[-6000:]
+    ref = _reference(over, steps, tmp_path)
+    _check_parity(out, ref, TOL)
+    ev = _events(out)
+    (fb,) = [e for e in ev if e["event"] == "live_fallback"]
+    assert "train.distributed_optimizer" in fb["reason"], fb
+    assert not [e for e in ev if e["event"] == "live_relayout"]
+    summary = json.loads((out / "recovery" / "summary.json").read_text())
+    assert [s["mode"] for s in summary] == ["restart"] and summary[0]["resume_step"] == 2
