@@ -84,11 +84,22 @@ FLAG = AbortFlag()
 _ORIGINAL_WAIT: Any = None
 
 
-def _p2p(work: Any) -> bool:
-    from torch._C._distributed_c10d import OpType  # type: ignore[attr-defined]
+_SLICEABLE = ("BROADCAST", "ALLREDUCE", "ALLREDUCE_COALESCED", "REDUCE", "ALLGATHER",
+              "_ALLGATHER_BASE", "ALLGATHER_COALESCED", "GATHER", "SCATTER", "REDUCE_SCATTER",
+              "_REDUCE_SCATTER_BASE", "ALLTOALL_BASE", "ALLTOALL", "BARRIER")
+"""Collectives whose ``wait(timeout)`` only times out the wait (c10d's condition variable);
+anything else (send, recv, coalesced, unknown) is waited on a helper thread."""
+_SLICE_OPS: set[int] = set()
 
+
+def _sliceable(work: Any) -> bool:
+    if not _SLICE_OPS:
+        from torch._C._distributed_c10d import OpType  # type: ignore[attr-defined]
+
+        _SLICE_OPS.update(int(OpType.__members__[n].value) for n in _SLICEABLE
+                          if n in OpType.__members__)
     try:
-        return work._get_op_type() in (OpType.SEND, OpType.RECV, OpType.RECVANYSOURCE)
+        return int(work._get_op_type()) in _SLICE_OPS
     except Exception:
         return False
 
@@ -129,7 +140,7 @@ def _abortable_wait(self: Any, timeout: timedelta | None = None) -> bool:
     assert original is not None
     if FLAG.is_set():
         raise Aborted(FLAG.why)
-    if _p2p(self):
+    if not _sliceable(self):
         return _wait_on_thread(self, timeout)
     deadline = None if timeout is None or timeout == timedelta(0) else \
         time.monotonic() + timeout.total_seconds()

@@ -131,3 +131,33 @@ def test_abortable_wait_unblocks_a_blocked_collective() -> None:
     finally:
         backend.FLAG.clear()
         backend.uninstall()
+
+
+def test_abortable_wait_unblocks_a_blocked_recv() -> None:
+    """A gloo receive whose sender never sends is left on the flag too, without closing the
+    pair (a timed-out p2p wait would: it is waited on a helper thread)."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    backend.install()
+    try:
+        def peer() -> None:
+            g = dist.ProcessGroupGloo(store, 1, 2, datetime.timedelta(seconds=60))
+            time.sleep(1.5)
+            del g
+
+        threading.Thread(target=peer, daemon=True).start()
+        g0 = dist.ProcessGroupGloo(store, 0, 2, datetime.timedelta(seconds=60))
+        work = g0.recv([torch.zeros(2)], 1, 0)
+        assert not backend._sliceable(work)
+        threading.Timer(0.3, lambda: backend.FLAG.set("test")).start()
+        t0 = time.monotonic()
+        with pytest.raises(backend.Aborted):
+            work.wait()
+        assert time.monotonic() - t0 < 0.3 + 5 * backend.SLICE_S + 0.5
+    finally:
+        backend.FLAG.clear()
+        backend.uninstall()
