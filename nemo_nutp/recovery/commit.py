@@ -109,3 +109,16 @@ def renumber(old_rank_to_gpu: tuple[int, ...], new_rank_to_gpu: tuple[int, ...]
     """Old rank -> new rank (None: its GPU is not used by the new plan) by GPU identity."""
     new = {g: r for r, g in enumerate(new_rank_to_gpu)}
     return {r: new.get(g) for r, g in enumerate(old_rank_to_gpu)}
+
+
+def replan(old: Any, job: Any) -> Any:
+    """The planner's plan for ``job`` (its failed GPUs), with every replica stage kept on the
+    GPUs it had where the planner's degrees allow (``relayout.stable_replan``: otherwise the
+    replicas behind a degraded one shift and their whole state moves). The control process
+    and every rank compute it alike."""
+    from ..config import plan_request
+    from ..layout import build_plan
+    from ..relayout import stable_replan
+
+    plan = build_plan(plan_request(job))
+    return stable_replan(old, plan) or plan

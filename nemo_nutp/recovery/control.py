@@ -36,7 +36,7 @@ from typing import Any
 
 from ..checkpoint.events import log_event
 from . import watch
-from .commit import Report, decide, live_blocker, renumber
+from .commit import Report, decide, live_blocker, renumber, replan
 from .decisions import Failure, blame_exits, blame_hang, job_for, next_failed
 
 POLL_S = 0.01  # while a re-layout waits for reports / the new world
@@ -101,9 +101,6 @@ def relayout(store: Any, cfg: Any, w: World, failure: Failure, *, detected: floa
              rdir: Path, attempt: int) -> tuple[World, dict[str, Any]]:
     """Steps 2-4 of the module docstring. Returns the new world and the event's fields;
     raises ``Fallback``."""
-    from ..config import plan_request
-    from ..layout import build_plan
-
     for r in failure.ranks:  # a hung rank is not trusted to rejoin
         _kill(w.procs[r])
     survivors = [r for r in w.alive() if r not in failure.ranks]
@@ -120,7 +117,7 @@ def relayout(store: Any, cfg: Any, w: World, failure: Failure, *, detected: floa
     failed = next_failed(w.failed, gpus, watch.read_health(rdir / "health.json"))
     job = job_for(cfg, failed)
     try:
-        plan = build_plan(plan_request(job))
+        plan = replan(w.plan, job)
     except ValueError as e:
         raise Fallback(f"no valid plan for the survivors: {e}") from None
     from ..relayout.plan import plan_move

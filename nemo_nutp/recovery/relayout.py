@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .commit import renumber
+from .commit import renumber, replan
 from .live import Committed, LiveRank, move, reduce_max
 
 EXIT_FALLBACK = 3
@@ -104,8 +104,6 @@ def relayout(cfg: Any, run: Any, link: LiveRank, error: BaseException, *,
     """The world this rank trained in stopped (``error``): report, follow the control
     process's decision, join the next world with the state moved. Returns the new run and
     the step it starts at (last committed + 1)."""
-    from ..config import plan_request
-    from ..layout import build_plan
     from .decisions import job_for
 
     link.stop(error)
@@ -119,7 +117,7 @@ def relayout(cfg: Any, run: Any, link: LiveRank, error: BaseException, *,
     if link.slot in d["apply"]:
         _apply(old, link, d["step"])
     job = job_for(cfg, frozenset(d["failed_gpus"]))
-    plan = build_plan(plan_request(job))
+    plan = replan(old.plan, job)
     if list(plan.rank_to_gpu) != d["rank_to_gpu"]:
         raise RuntimeError(f"re-planned rank_to_gpu={list(plan.rank_to_gpu)} but the control "
                            f"process decided {d['rank_to_gpu']} (same code and config?)")
