@@ -13,8 +13,10 @@ writes ``runs/bench/transitions.json``::
 the scenario (``nemo_nutp/goodput/transitions.py``). A path that does not exist is absent.
 
 Paths are a registry: ``PATHS[name] = fn`` with ``fn(event, opts) -> dict | None`` (None: the
-path cannot handle that event). Another path (e.g. live in-process re-layout) is added by
-writing one such function and decorating it with ``@path("live")``.
+path cannot handle that event). ``live`` (``recovery.mode=live``, kill and hang only) is one
+such function: its entry comes from the run's ``live_relayout`` event (``transition_s`` =
+``relayout_s``; also ``unblock_s``, ``recomputed_steps``, bytes received vs the lower bound,
+``peak_memory_ratio``).
 
 ``restart`` (what the recovery supervisor does today, ``nemo_nutp/recovery/supervisor.py``):
 numbers come from the run's own ``recovery/events.jsonl`` / ``recovery/summary.json``:
@@ -235,6 +237,50 @@ def restart(event: str, opts: Options) -> dict[str, Any] | None:
     else:
         return None
     return _restart_entry(out, event)
+
+
+# --------------------------------------------------------------------------- live path
+
+def _live_entry(out: Path) -> dict[str, Any]:
+    """The measured entry of one live re-layout from the run's own records: ``transition_s``
+    is ``relayout_s`` (detected -> first step of the new layout started), no checkpoint read,
+    no process started (survivors' pids kept)."""
+    (s,) = json.loads((out / "recovery" / "summary.json").read_text())
+    ev = _events(out)
+    (e,) = [x for x in ev if x["event"] == "live_relayout"]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    times = [r["step_time_s"] for r in rows if r.get("step_time_s") is not None]
+    if s["mode"] != "live":
+        raise RuntimeError(f"{out}: the failure was not handled live: {s}")
+    return {
+        "detect_s": float(s["detect_s"]), "transition_s": float(e["relayout_s"]),
+        "lost_steps": int(e["lost_steps"]), "recomputed_steps": int(e["recomputed_steps"]),
+        "step_s": float(statistics.median(times)),
+        "checkpoint_bytes_read": int(e["checkpoint_bytes_read"]),
+        "processes_started": int(e["processes_started"]),
+        "bytes_received_rank_max": int(e["bytes_received_rank_max"]),
+        "lower_bound_rank_max": int(e["lower_bound_rank_max"]),
+        "peak_memory_ratio": float(e["peak_memory_ratio"]), "unblock_s": float(e["unblock_s"]),
+        "relayout_s": float(e["relayout_s"]), "move_s": float(e["move_s"]),
+        "resume_step": int(e["resume_step"]), "replica_tp_after": e["replica_tp"],
+        "cause": e["cause"],
+    }
+
+
+@path("live")
+def live(event: str, opts: Options) -> dict[str, Any] | None:
+    """``recovery.mode=live``: survivors keep their processes, re-plan, new groups, state moved
+    in memory (``nemo_nutp/recovery/control.py``). GPU back and straggler exclusion are not live
+    yet (follow-up issue): absent."""
+    if event not in ("kill", "hang"):
+        return None
+    out = opts.work / f"live_{event}"
+    over = [*JOB, "recovery.mode=live", f"train.steps={opts.steps}"]
+    if event == "hang":
+        over.append(f"recovery.heartbeat_timeout_s={opts.hang_timeout_s}")
+    with Job(out, over, env={"NUTP_FAULT": f"{event}:1:{opts.fault_step}"}) as job:
+        job.wait()
+    return _live_entry(out)
 
 
 # --------------------------------------------------------------------------- report

@@ -445,6 +445,11 @@ def run_worker(cfg: Any, env: LauncherEnv, console: Any) -> int:
     rdir.mkdir(parents=True, exist_ok=True)
     exits = ExitRecorder(rdir / f"exits.{env.attempt}", env.slot)
     exits.install()
+    if cfg.recovery.mode == "live" and env.rank == 0 and env.attempt == 0:
+        # Never silent: torchrun/ft_launcher/srun restart the whole worker group.
+        note = ("recovery.mode=live needs the CPU supervisor's control process; under an "
+               "external launcher failures take the restart path")
+        console.print(f"[yellow]recovery:[/] {note}")  # (events.jsonl is archived later)
     control: Control | None = None
     try:
         timeout = timedelta(seconds=cfg.recovery.startup_timeout_s)
