@@ -24,12 +24,21 @@ _LABELS = {"useful": "useful work", "sync": "exposed sync (reshard + reduce) + o
 def print_goodput(ledger: GoodputLedger, console: Console | None = None, *,
                   restarts: Sequence[dict[str, Any]] = ()) -> None:
     caption = None
+    lives = [r for r in restarts if r.get("mode") == "live"]  # recovery.mode=live
+    restarts = [r for r in restarts if r.get("mode") != "live"]
+    parts = []
     if restarts:
         lost = sum(r.get("lost_steps", 0) for r in restarts)
         secs = [r["restart_s"] for r in restarts if r.get("restart_s") is not None]
-        caption = (f"{len(restarts)} restart(s): {lost} step(s) recomputed, "
-                   f"{sum(secs):.1f} s from failure to resumed training"
-                   " (charged to restart time)")
+        parts.append(f"{len(restarts)} restart(s): {lost} step(s) recomputed, "
+                     f"{sum(secs):.1f} s from failure to resumed training"
+                     " (charged to restart time)")
+    if lives:
+        redo = sum(r.get("recomputed_steps", 0) for r in lives)
+        parts.append(f"{len(lives)} live re-layout(s): {redo} in-flight step(s) recomputed, "
+                     f"{sum(r['relayout_s'] for r in lives):.1f} s from failure to the new "
+                     "layout's first step (charged to live re-layout time)")
+    caption = "; ".join(parts) or None
     title = (f"Goodput report: {ledger.cluster_gpus} GPUs x {ledger.wall_s:.1f} s"
              if not ledger.carried_gpu_s else
              f"Goodput report: {ledger.carried_gpu_s:.1f} GPU-s before the resume + "

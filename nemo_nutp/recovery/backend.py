@@ -194,6 +194,9 @@ def abandon() -> int:
                 pass
     _GRAVEYARD.extend(groups)
     dist.destroy_process_group()
+    from ..checkpoint import integrity
+
+    integrity._CONTROL = None  # its cached object-collective group was the old world's
     return len(groups)
 
 
