@@ -252,7 +252,7 @@ class TransitionConfig:
     repair_batch_hours: list[float] = field(default_factory=lambda: [0.0, 24.0])
     """Take repaired GPUs back at once (0) or every N hours (one transition per batch). The
     first entry drives the timeline rows; every entry is compared in ``repair_batching``."""
-    repair_batch_trials: int = 200
+    repair_batch_trials: int = 100
     """Trials the batching comparison runs on (the first ones of the timeline's draws)."""
     measured: str | None = None
     """``runs/bench/transitions.json`` of ``benchmarks/transition_cost.py``: replaces detect,
