@@ -99,7 +99,7 @@ def straggler_policies(res: dict[str, Any], path: Path) -> Path:
     hi = np.array([pols[p]["p95"] for p in names]) * 100 - mean
     fig, ax = plt.subplots(figsize=(6, 3.6))
     ax.bar(names, mean, yerr=np.vstack([lo.clip(0), hi.clip(0)]), capsize=4, color="#4c72b0")
-    ax.set_ylabel("throughput loss to stragglers %")
+    ax.set_ylabel("loss to stragglers % (throughput + transitions)")
     ax.set_title(_title(res) + ": straggler policies", fontsize=9)
     ax.grid(alpha=0.3, axis="y")
     return _save(fig, path)
