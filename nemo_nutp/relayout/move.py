@@ -55,6 +55,7 @@ class MoveReport:
     seconds: float
     old_state_bytes: int
     new_state_bytes: int
+    posted: list[tuple[int, int, str, int]]  # (round, peer new rank, send|recv, bytes)
 
     @property
     def peak_memory_ratio(self) -> float:
@@ -64,7 +65,9 @@ class MoveReport:
         return peak / max(1, self.new_state_bytes)
 
     def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "peak_memory_ratio": self.peak_memory_ratio}
+        """The figures (without the posted-op log)."""
+        out = {k: v for k, v in asdict(self).items() if k != "posted"}
+        return {**out, "peak_memory_ratio": self.peak_memory_ratio}
 
 
 @dataclass
@@ -180,9 +183,10 @@ def _digest(move: MovePlan, fields: list[str]) -> int:
     return int.from_bytes(h.digest()[:6], "little")
 
 
-def _agree(move: MovePlan, group: Any, rounds: int, fields: list[str]) -> int:
+def _agree(move: MovePlan, group: Any, rounds: int, fields: list[str],
+           device: torch.device) -> int:
     d = _digest(move, fields)
-    t = torch.tensor([d, -d, rounds], dtype=torch.int64)
+    t = torch.tensor([d, -d, rounds], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     if int(t[0]) != -int(t[1]):
         raise RuntimeError("relayout: ranks hold different move plans or state fields "
@@ -200,7 +204,8 @@ def _pack(chunk: list[tuple[Any, int, int]], where: dict[Any, Piece], params: di
             if flat.stride(-1) != 1:  # a one-element view keeps its parent's stride
                 flat = flat.clone(memory_format=torch.contiguous_format)
             parts.append(flat.view(torch.uint8))
-    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+    assert parts, "a chunk is never empty (split_stream)"
+    return torch.cat(parts)
 
 
 def _chunk_bytes(chunk: list[tuple[Any, int, int]], where: dict[Any, Piece],
@@ -260,21 +265,26 @@ def move_state(move: MovePlan, *, old: Any, new: Any, group: Any,
     out_chunks = {d: _stream(move, ps, src, dims, bucket_bytes) for d, ps in sends.items()}
     in_chunks = {s: _stream(move, ps, dst, dims, bucket_bytes) for s, ps in recvs.items()}
     mine = max([len(c) for c, _ in (*out_chunks.values(), *in_chunks.values())], default=0)
-    rounds = _agree(move, group, mine, [str(f) for f in fields])
+    device = next(iter(dst.values())).fields[0].device  # NCCL: buffers on the GPU
+    rounds = _agree(move, group, mine, [str(f) for f in fields], device)
     local_bytes = _local_copy(local, src, dst, dims)
     received = sent = peak = 0
+    posted: list[tuple[int, int, str, int]] = []
     for r in range(rounds):
         ops, got, size = [], [], 0
         for d, (chunks, where) in sorted(out_chunks.items()):
             if r < len(chunks):
                 buf = _pack(chunks[r], where, src, dims)
                 ops.append(dist.P2POp(dist.isend, buf, group=group, group_peer=d))
+                posted.append((r, d, "send", buf.numel()))
                 sent += buf.numel()
                 size += buf.numel()
         for s, (chunks, where) in sorted(in_chunks.items()):
             if r < len(chunks):
-                buf = torch.empty(_chunk_bytes(chunks[r], where, dst, dims), dtype=torch.uint8)
+                buf = torch.empty(_chunk_bytes(chunks[r], where, dst, dims), dtype=torch.uint8,
+                                  device=device)
                 ops.append(dist.P2POp(dist.irecv, buf, group=group, group_peer=s))
+                posted.append((r, s, "recv", buf.numel()))
                 got.append((buf, chunks[r], where))
                 size += buf.numel()
         peak = max(peak, size)
@@ -288,7 +298,8 @@ def move_state(move: MovePlan, *, old: Any, new: Any, group: Any,
     return MoveReport(received_bytes=received, lower_bound_bytes=move.lower_bound_bytes[me_new],
                       sent_bytes=sent, local_bytes=local_bytes, rounds=rounds,
                       peak_buffer_bytes=peak, seconds=time.perf_counter() - t0,
-                      old_state_bytes=_state_bytes(src), new_state_bytes=_state_bytes(dst))
+                      old_state_bytes=_state_bytes(src), new_state_bytes=_state_bytes(dst),
+                      posted=posted)
 
 
 @torch.no_grad()

@@ -36,13 +36,15 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import numpy as np
 
 from ..layout.cost import stage_layers
 from ..layout.plan import Plan, _slices, build_plan
+from ..layout.specs import ModelDims
 from ..layout.units import PARAM_KINDS, layer_kinds, space_bounds, unit_numel
 
 REP = "rep"
@@ -122,29 +124,24 @@ def stable_replan(old: Plan, new: Plan) -> Plan | None:
         return None
 
 
-def stage_vocab_params(plan: Plan, stage: int) -> int:
-    """Vocab-sharded parameters a stage holds: the embedding on the first, the output layer
-    (or a tied copy of the embedding) on the last; one tensor when pp == 1 and tied."""
-    dims, pp = plan.request.model, plan.pp
-    n = int(stage == 0)
-    if stage == pp - 1 and not (pp == 1 and dims.tie_embeddings):
-        n += 1
-    return n
-
-
 def unit_elems(plan: Plan, stage: int, space: str) -> int:
     """Elements per unit of ``space`` summed over the stage's parameters (``rep``: all the
     stage's replicated elements)."""
-    dims = plan.request.model
-    first, last = stage_layers(dims.num_layers, plan.pp)[stage]
+    return _unit_elems(plan.request.model, plan.pp, stage, space)
+
+
+@lru_cache(maxsize=4096)
+def _unit_elems(dims: ModelDims, pp: int, stage: int, space: str) -> int:
+    first, last = stage_layers(dims.num_layers, pp)[stage]
     layers = last - first
     if space == "vocab":
-        return stage_vocab_params(plan, stage) * unit_numel("word_embedding", dims)
+        n = int(stage == 0) + int(stage == pp - 1 and not (pp == 1 and dims.tie_embeddings))
+        return n * unit_numel("word_embedding", dims)
     if space == REP:
         h = dims.hidden_size
         ln = 2 if getattr(dims, "normalization", "RMSNorm") == "LayerNorm" else 1
         per_layer = 2 * ln * h + (2 * h if dims.add_bias else 0)
-        out = layers * per_layer + (ln * h if stage == plan.pp - 1 else 0)
+        out = layers * per_layer + (ln * h if stage == pp - 1 else 0)
         if stage == 0 and getattr(dims, "position_embedding", "rope") == "learned_absolute":
             out += dims.seq_length * h
         return out
@@ -289,6 +286,38 @@ def _missing(need: tuple[int, int], own: tuple[int, int] | None) -> list[tuple[i
     return [(a, b) for a, b in ((lo, max(lo, own[0])), (min(hi, own[1]), hi)) if b > a]
 
 
+def _unchanged(old: Plan, new: Plan) -> Callable[[int, int], bool]:
+    """Whether old rank o and new rank n sit at the same (stage, degree, TP index)."""
+    def where(plan: Plan, r: int) -> tuple[int, int, int]:
+        i, s, j = plan.rank_index[r]
+        return s, plan.replicas[i].tp[s], j
+
+    return lambda o, n: where(old, o) == where(new, n)
+
+
+def _ranges(plan: Plan, rank: int) -> list[tuple[str, int, int, int]]:
+    """(space, lo, hi, elements per unit) of everything ``rank`` holds."""
+    i, s, j = plan.rank_index[rank]
+    return _ranges_at(plan.request.model, plan.pp, plan.request.parallel.unit_balance, s,
+                      plan.replicas[i].tp[s], j)
+
+
+@lru_cache(maxsize=65536)
+def _ranges_at(dims: ModelDims, pp: int, balance: str, stage: int, degree: int, j: int
+               ) -> list[tuple[str, int, int, int]]:
+    out = []
+    for space in MOVE_SPACES:
+        e = _unit_elems(dims, pp, stage, space)
+        if e == 0:
+            continue
+        if space == REP:
+            out.append((space, 0, 1, e))
+        else:
+            b = space_bounds(dims, space, degree, balance)
+            out.append((space, int(b[j]), int(b[j + 1]), e))
+    return out
+
+
 def plan_move(old: Plan, new: Plan, rank_map: Mapping[int, int], *, bytes_per_elem: int = 12,
               max_sources: int = 8) -> MovePlan:
     """The move plan from ``old`` to ``new`` (see the module docstring). ``bytes_per_elem``:
@@ -300,11 +329,17 @@ def plan_move(old: Plan, new: Plan, rank_map: Mapping[int, int], *, bytes_per_el
     src = _Sources(old, set(rmap), max_sources)
     pieces: list[Piece] = []
     lower: dict[int, int] = {}
+    same = _unchanged(old, new)
     for n in range(new.world_size):
         o = inv[n]
         lower[n] = 0
-        for space in stage_spaces(new, new.rank_index[n][1]):
-            _, s, lo, hi = holding(new, n, space)
+        s = new.rank_index[n][1]
+        if same(o, n):  # holds exactly what it held: local copies only (the common case)
+            pieces += [Piece(n, o, s, sp, lo, hi, (hi - lo) * e) for sp, lo, hi, e in
+                       _ranges(new, n)]
+            continue
+        for space in stage_spaces(new, s):
+            _, _, lo, hi = holding(new, n, space)
             orep, os_, olo, ohi = holding(old, o, space)
             own = (olo, ohi) if os_ == s else None
             elems = unit_elems(new, s, space)

@@ -5,14 +5,14 @@ One spawned world of 7 processes runs every scenario:
 1. (world of 7, old plan) per scenario: train ``SAVE_AT`` steps, save a checkpoint at that step
    and keep the session in memory;
 2. the default group is destroyed; the rank on the dead GPU stops taking part (returns); the six
-   survivors initialise a new world on a new port (new rank = ``survivor_rank_map``) in the same
+   survivors initialise a new world on a new port (new rank = ``rank_map``) in the same
    processes;
 3. (world of 6, new plan) per scenario: build session A and ``move_state`` the old session into
-   it; build session B and ``load_checkpoint`` the saved checkpoint into it; build session C
-   (fresh, untouched: the negative control). Compare A with B field by field, bitwise (params,
-   fp32 masters, exp_avg, exp_avg_sq, step, param groups); C must differ from B. Then A and B
-   each train one more step (same loss and grad-norm bits), and A's replicas are assembled into
-   global tensors for the test to compare with stock megatron-core.
+   it; build session B and ``load_checkpoint`` the saved checkpoint into it. Compare A with B
+   field by field, bitwise (params, fp32 masters, exp_avg, exp_avg_sq, step, param groups); A as
+   built, before the move, must differ from B (negative control). Then A and B each train one
+   more step (same loss and grad-norm bits), and A's replicas are assembled into global tensors
+   for the test to compare with stock megatron-core.
 """
 
 from __future__ import annotations
@@ -44,6 +44,19 @@ SCENARIOS = [Scenario("tp4_tp3_to_tp3_tp3"),
 """pp=1: 8 GPUs in 2 domains of 4, GPU 7 failed (TP4+TP3), then GPU 2 fails (TP3+TP3).
 pp=2: 8 GPUs in domains of 2, tp_base 2, GPU 7 failed ([[2,2],[2,1]]), then GPU 4 fails
 ([[2,2],[1,1]]). In both the dead GPU is old rank 2, so one new world serves all."""
+
+SWAP = (2, 5)
+"""New ranks 2 and 5 trade places in the rank map (a CPU process is not tied to a GPU): with
+pp=2 the two change pipeline stage (stage 0 <-> 1), so they receive a whole stage's state,
+replicated parameters included; with pp=1 they change replica."""
+
+
+def rank_map(sc: Scenario) -> dict[int, int]:
+    from nemo_nutp.relayout import survivor_rank_map
+
+    a, b = SWAP
+    swap = {a: b, b: a}
+    return {o: swap.get(n, n) for o, n in survivor_rank_map(*plans(sc)).items()}
 
 
 def plans(sc: Scenario) -> tuple[Any, Any]:
@@ -100,6 +113,22 @@ def _mismatches(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     return bad
 
 
+def unmatched(posted: list[list[tuple[int, int, str, int]]]) -> list[str]:
+    """NCCL's rule for batched rounds, checked on what every rank posted: in each round, every
+    send from a to b has exactly one receive of the same size posted by b from a in the SAME
+    round (a round is one ``batch_isend_irecv``, waited before the next; gloo would also
+    complete a receive posted a round later, NCCL would not)."""
+    from collections import Counter
+
+    sends = Counter((r, a, peer, n) for a, ops in enumerate(posted)
+                    for r, peer, kind, n in ops if kind == "send")
+    recvs = Counter((r, peer, b, n) for b, ops in enumerate(posted)
+                    for r, peer, kind, n in ops if kind == "recv")
+    return [f"round {r}: {a}->{b} {n} B x{sends[(r, a, b, n)]} vs {recvs[(r, a, b, n)]}"
+            for r, a, b, n in sorted(set(sends) | set(recvs)) if sends[(r, a, b, n)]
+            != recvs[(r, a, b, n)]]
+
+
 def _train_old(sc: Scenario, outdir: str) -> tuple[Any, list[tuple[float, float]]]:
     from nemo_nutp.checkpoint import save_checkpoint
 
@@ -118,27 +147,27 @@ def _after(sc: Scenario, old_s: Any, hist: list[tuple[float, float]], outdir: st
     import torch.distributed as dist
 
     from nemo_nutp.checkpoint import load_checkpoint
-    from nemo_nutp.relayout import plan_move, survivor_rank_map
+    from nemo_nutp.relayout import plan_move
     from nemo_nutp.relayout.move import move_state
     from tests.runtime.parity import _gather_replicas
 
     old, new = plans(sc)
     bpe = 12 if sc.precision == "fp32" else 14
-    move = plan_move(old, new, survivor_rank_map(old, new), bytes_per_elem=bpe)
+    move = plan_move(old, new, rank_map(sc), bytes_per_elem=bpe)
     a = _session(new, sc)
+    fresh = {k: v.clone() if torch.is_tensor(v) else v for k, v in _fields(a).items()}
     rep = move_state(move, old=old_s, new=a, group=dist.group.WORLD, bucket_bytes=16 << 10)
     b = _session(new, sc)
     load_checkpoint(b, os.path.join(outdir, f"ckpt_{sc.name}", f"iter_{SAVE_AT:07d}"))
-    c = _session(new, sc)
     fb = _fields(b)
-    bad, control = _mismatches(_fields(a), fb), _mismatches(_fields(c), fb)
+    bad, control = _mismatches(_fields(a), fb), _mismatches(fresh, fb)
     ra, rb = a.step(SAVE_AT), b.step(SAVE_AT)
     same_step = repr((ra.loss, ra.grad_norm)) == repr((rb.loss, rb.grad_norm))
     params = _gather_replicas(a)
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, {"bad": bad[:8], "n_bad": len(bad), "n_control": len(control),
                                    "n_fields": len(fb), "same_step": same_step,
-                                   "report": rep.as_dict()})
+                                   "report": rep.as_dict(), "posted": rep.posted})
     if dist.get_rank() != 0:
         return
     equal = all(torch.equal(p[k], params[0][k]) for p in params[1:] for k in params[0])
@@ -146,7 +175,10 @@ def _after(sc: Scenario, old_s: Any, hist: list[tuple[float, float]], outdir: st
     res = {"ranks": every, "losses": [h[0] for h in hist] + [ra.loss],
            "norms": [h[1] for h in hist] + [ra.grad_norm], "replicas_equal": equal,
            "plan_received": move.received_bytes, "plan_lower_bound": move.lower_bound_bytes,
-           "plan_sent": move.sent_bytes}
+           "plan_sent": move.sent_bytes,
+           "unmatched": unmatched([e["posted"] for e in every]),
+           "rep_moved": sorted({p.dst for p in move.pieces
+                                if p.space == "rep" and not move.is_local(p)})}
     with open(os.path.join(outdir, f"move_{sc.name}.json"), "w") as f:
         json.dump(res, f)
 
@@ -170,15 +202,13 @@ def _body(rank: int, world: int, port: int, port2: int, outdir: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from nemo_nutp.relayout import survivor_rank_map
-
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     kept = {sc.name: _train_old(sc, outdir) for sc in SCENARIOS}
-    maps = {repr(sorted(survivor_rank_map(*plans(sc)).items())) for sc in SCENARIOS}
+    maps = {repr(sorted(rank_map(sc).items())) for sc in SCENARIOS}
     assert len(maps) == 1, maps
-    rmap = survivor_rank_map(*plans(SCENARIOS[0]))
+    rmap = rank_map(SCENARIOS[0])
     dist.destroy_process_group()
     if rank not in rmap:  # the dead rank: takes no further part
         return

@@ -7,7 +7,8 @@ of the same step into the new layout gives (a fresh session differs: negative co
 step gives the same bits from both; losses and grad norms of all 4 steps and the final
 parameters match stock single-process megatron-core (``tests/runtime/reference.py``); every new
 rank received exactly its lower bound of bytes (the units it did not hold), over several rounds
-(16 KiB buckets).
+(16 KiB buckets). Two new ranks swap places in the rank map (``harness.SWAP``): with pp=2 they
+change pipeline stage and receive everything of their new stage, replicated parameters too.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 from tests._dist import free_port, spawn
 from tests.runtime.parity import BF16_TOL, TENSOR_TOL, TOL, Case, _rel, run_references
 
-from .harness import CLIP, MODEL, SAVE_AT, SCENARIOS
+from .harness import CLIP, MODEL, SAVE_AT, SCENARIOS, unmatched
 
 REFS = {"fp32": Case("relayout_fp32", (1,), model=MODEL, steps=SAVE_AT + 1, clip_grad=CLIP),
         "bf16": Case("relayout_bf16", (1,), model=MODEL, steps=SAVE_AT + 1, clip_grad=CLIP,
@@ -49,6 +50,9 @@ def test_live_move_equals_checkpoint_load_and_stock_megatron(tmp_path: Path) -> 
         moved = [r["report"] for r in ranks if r["report"]["received_bytes"]]
         assert moved and max(r["rounds"] for r in moved) > 1, sc.name
         assert res["replicas_equal"], sc.name
+        assert res["unmatched"] == [], res["unmatched"][:4]  # NCCL-safe rounds (harness)
+        if sc.pp == 2:  # the swapped ranks changed stage: replicated params moved too
+            assert res["rep_moved"] == [2, 5], res["rep_moved"]
         ref = torch.load(tmp_path / f"ref_{REFS[sc.precision].name}.pt")
         tol = TOL if sc.precision == "fp32" else BF16_TOL
         for got, want in ((res["losses"], ref["losses"]), (res["norms"], ref["grad_norms"])):
@@ -62,3 +66,12 @@ def test_live_move_equals_checkpoint_load_and_stock_megatron(tmp_path: Path) -> 
         if sc.precision == "fp32":
             worst = max(_rel(params[k], ref["params"][k]) for k in keys)
             assert worst <= TENSOR_TOL, (sc.name, worst)
+
+
+def test_unmatched_catches_a_receive_posted_a_round_late() -> None:
+    ok = [[(0, 1, "send", 8), (1, 1, "send", 4)], [(0, 0, "recv", 8), (1, 0, "recv", 4)]]
+    assert unmatched(ok) == []
+    late = [[(0, 1, "send", 8)], [(1, 0, "recv", 8)]]
+    assert len(unmatched(late)) == 2
+    size = [[(0, 1, "send", 8)], [(0, 0, "recv", 4)]]
+    assert len(unmatched(size)) == 2
