@@ -214,6 +214,9 @@ def _body(rank: int, world: int, port: int, port2: int, outdir: str) -> None:
         return
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port2}", rank=rmap[rank],
                             world_size=NEW_WORLD)
+    from nemo_nutp.checkpoint import integrity
+
+    integrity._CONTROL = None  # it cached the old world's group (the live path resets it too)
     for sc in SCENARIOS:
         _after(sc, *kept[sc.name], outdir)
     dist.destroy_process_group()

@@ -49,6 +49,10 @@ def test_live_move_equals_checkpoint_load_and_stock_megatron(tmp_path: Path) -> 
             assert rep["received_bytes"] == res["plan_received"][str(k)], (sc.name, k)
         moved = [r["report"] for r in ranks if r["report"]["received_bytes"]]
         assert moved and max(r["rounds"] for r in moved) > 1, sc.name
+        print(f"{sc.name}: received max {max(r['received_bytes'] for r in moved)} B "
+              f"(= lower bound), rounds {moved[0]['rounds']}, peak memory ratio max "
+              f"{max(r['peak_memory_ratio'] for r in moved):.3f}, move s max "
+              f"{max(r['seconds'] for r in moved):.3f}")
         assert res["replicas_equal"], sc.name
         assert res["unmatched"] == [], res["unmatched"][:4]  # NCCL-safe rounds (harness)
         if sc.pp == 2:  # the swapped ranks changed stage: replicated params moved too
