@@ -56,6 +56,22 @@ def _session_pids(sid: int) -> list[int]:
     return out
 
 
+def _leftovers(sid: int, grace_s: float = 20.0) -> list[str]:
+    """Processes of session ``sid`` still alive ``grace_s`` after its leader exited (their
+    command lines)."""
+    deadline = time.monotonic() + grace_s
+    while (pids := _session_pids(sid)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    out = []
+    for pid in pids:
+        try:
+            out.append(f"{pid}: " + Path(f"/proc/{pid}/cmdline").read_bytes()
+                       .replace(b"\0", b" ").decode(errors="replace")[:200])
+        except OSError:
+            pass
+    return out
+
+
 def _kill_session(sid: int) -> None:
     """SIGKILL every process of session ``sid`` (the job and the ranks it spawned, which run
     in process groups of their own)."""
@@ -100,7 +116,7 @@ class _Job:
             rc = self.proc.wait(timeout=max(1.0, self.deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             rc = -1
-        self.left = _session_pids(self.proc.pid)  # after a clean exit: orphans
+        self.left = _leftovers(self.proc.pid)  # after a clean exit: orphans
         return rc, self.log.read_text()
 
 
