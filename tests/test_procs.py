@@ -78,3 +78,53 @@ def test_memfd_results_queue_starts_no_process_and_crosses_fork() -> None:
         q.get_nowait()
     q.put(3)  # same process (synchronous saves): put, then get
     assert q.get_nowait() == 3
+
+
+WRITER = textwrap.dedent("""
+    import os, time, functools
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{port}")
+    from nemo_nutp.compat.cpu import apply_cpu_patches
+    apply_cpu_patches()
+    import torch.distributed as dist
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    from megatron.core.dist_checkpointing.strategies.async_utils import (
+        AsyncCallsQueue, AsyncRequest)
+    from nemo_nutp.checkpoint.background import BackgroundSaves
+    request = AsyncRequest(async_fn=functools.partial(time.sleep, 600), async_fn_args=(),
+                           finalize_fns=[])
+    if {ours}:
+        saves = BackgroundSaves()
+        saves.schedule(request, "/nonexistent", "/nonexistent", 1, lambda digests: None)
+        queue = saves.queue
+    else:
+        queue = AsyncCallsQueue()
+        queue.schedule_async_request(request)
+    print(queue.async_calls[0].async_caller.process.pid, flush=True)
+    time.sleep(600)
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux")
+def test_background_checkpoint_writer_dies_with_the_rank() -> None:
+    """A rank SIGKILLed while its background writer runs (here a write that would take 10
+    minutes) takes the writer with it; megatron's own writer outlives the rank (control)."""
+    from nemo_nutp.launch.ports import free_port
+
+    def orphans(ours: bool) -> list[int]:
+        p = subprocess.Popen([sys.executable, "-c", WRITER.format(ours=ours, port=free_port())],
+                             stdout=subprocess.PIPE, text=True, start_new_session=True)
+        assert p.stdout is not None
+        writer = int(p.stdout.readline())
+        assert _alive(writer)
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=30)
+        deadline = time.time() + 10
+        while time.time() < deadline and _alive(writer):
+            time.sleep(0.1)
+        if _alive(writer):
+            os.kill(writer, signal.SIGKILL)
+            return [writer]
+        return []
+
+    assert orphans(ours=True) == []
+    assert orphans(ours=False) != []
