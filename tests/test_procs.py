@@ -128,3 +128,59 @@ def test_background_checkpoint_writer_dies_with_the_rank() -> None:
 
     assert orphans(ours=True) == []
     assert orphans(ours=False) != []
+
+
+NO_SPACE = textwrap.dedent("""
+    import errno, json, os, sys
+    from pathlib import Path
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{port}")
+    from nemo_nutp.compat.cpu import apply_cpu_patches
+    apply_cpu_patches()
+    import torch
+    import torch.distributed as dist
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+    from nemo_nutp.checkpoint.background import BackgroundSaves
+    from nemo_nutp.procs import results_queue_dies_with_rank
+    results_queue_dies_with_rank()
+    root = Path(sys.argv[1])
+    lines, done = [], []
+    saves = BackgroundSaves(on_done=lambda p, s: done.append(p.step),
+                            on_failed=lambda p, line: lines.append(line))
+
+    def save(step):
+        tmp = root / f"iter_{{step}}.tmp-x"
+        tmp.mkdir(parents=True)
+        state = {{"w": ShardedTensor.from_rank_offsets("w", torch.full((1000,), float(step)))}}
+        req = dist_checkpointing.save(state, str(tmp), async_sharded_save=True)
+        saves.schedule(req, tmp, root / f"iter_{{step}}", step,
+                       lambda digests: os.rename(tmp, root / f"iter_{{step}}"))
+        saves.wait()
+
+    save(1)
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    fa._write_item = full  # inside megatron's writer: the error reaches its results
+    save(2)
+    print(json.dumps({{"done": done, "lines": lines,
+                      "dirs": sorted(p.name for p in root.iterdir())}}), flush=True)
+""")
+
+
+def test_failed_background_write_aborts_the_save_with_one_line(tmp_path) -> None:
+    """A background write that fails (no space left) aborts that save: one line naming its
+    directory, the directory removed, the previous checkpoint untouched."""
+    import json
+
+    from nemo_nutp.launch.ports import free_port
+
+    out = subprocess.run([sys.executable, "-c", NO_SPACE.format(port=free_port()),
+                          str(tmp_path)], capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["done"] == [1] and res["dirs"] == ["iter_1"], res
+    (line,) = res["lines"]
+    assert "iter_2.tmp-x" in line and "No space left" in line and "\n" not in line, line
+    assert "previous complete checkpoint" in line, line

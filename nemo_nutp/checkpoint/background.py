@@ -110,6 +110,18 @@ def _own_digests(directory: Path, rank: int) -> dict[str, str]:
     return digests
 
 
+def _why(e: BaseException) -> str:
+    """One line: torch DCP's ``CheckpointException`` names only the failed ranks; their first
+    error (e.g. ``[Errno 28] No space left on device``) is in ``failures``."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, f = sorted(failures.items())[0]
+        exc = f[0] if isinstance(f, tuple) else f
+        cause = getattr(exc, "__cause__", None) or exc
+        return f"rank {rank}: {type(cause).__name__}: {cause}".splitlines()[0]
+    return f"{type(e).__name__}: {e}".splitlines()[0]
+
+
 @dataclass
 class Pending:
     """The save in flight."""
@@ -171,7 +183,7 @@ class BackgroundSaves:
         except (Exception, CheckpointException) as e:  # a writer failed (any rank): abort
             self.pending = None
             self.queue = type(self.queue)(persistent=False)
-            self._abort(p, f"{type(e).__name__}: {e}")
+            self._abort(p, _why(e))
             return True
         if not done:
             return False

@@ -223,9 +223,11 @@ class CheckpointHooks:
             path = save_checkpoint(self.session, self.root, step=step, extra=extra, fault=hook,
                                    background=self.saves)
         except save_errors() as e:  # e.g. no space left: the save is aborted
+            from .background import _why
+
             self._failed(None, f"checkpoint: save of step {step} under {self.root} failed "
-                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
-                         "the previous complete checkpoint stays the one to resume from")
+                         f"({_why(e)}); the previous complete checkpoint stays the one to "
+                         "resume from")
             return
         stall = time.time() - t0
         ledger.add_pause("checkpoint", stall)
