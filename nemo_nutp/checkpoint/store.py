@@ -148,7 +148,8 @@ def save_checkpoint(session: Any, root: str | Path, *, step: int,
             "plan": _plan_summary(session.plan), "rng_per_rank": True}
     shapes = _my_global_shapes(session)
     if background is not None:
-        request = dist_checkpointing.save(state, str(tmp), async_sharded_save=True)
+        request = dist_checkpointing.save(state, str(tmp), async_sharded_save=True,
+                                          **_mcore_async())
         background.schedule(request, tmp, final, step,
                             lambda digests: _publish(tmp, final, step, meta, shapes, digests))
         if fault is not None:
@@ -164,6 +165,17 @@ def save_checkpoint(session: Any, root: str | Path, *, step: int,
         mine = integrity.checksums_serial(tmp, skip=(META,)) if rank0 else {}
     _publish(tmp, final, step, meta, shapes, mine)
     return final
+
+
+def _mcore_async() -> dict[str, Any]:
+    """megatron-core >= 0.17 picks an async implementation (default ``nvrx``, which needs
+    nvidia-resiliency-ext); NUTP uses megatron's own (``mcore``: ``AsyncCallsQueue``)."""
+    import inspect
+
+    from megatron.core import dist_checkpointing
+
+    params = inspect.signature(dist_checkpointing.save).parameters
+    return {"async_strategy": "mcore"} if "async_strategy" in params else {}
 
 
 def _publish(tmp: Path, final: Path, step: int, meta: dict[str, Any],
