@@ -38,59 +38,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .specs import ModelDims, _bad
+from .specs import MemorySpec, ModelDims
 from .units import PARAM_KINDS, layer_kinds, replicated_shapes, space_bounds, unit_numel
 
 GIB = 1024 ** 3
-RECOMPUTE_GRANULARITIES = (None, "selective", "full")
-RECOMPUTE_METHODS = (None, "uniform", "block")
-
-
-@dataclass(frozen=True)
-class MemorySpec:
-    """What the memory model needs besides the model shape and the degree."""
-
-    gpu_memory_gib: float
-    """Usable memory of one GPU (the hardware file's ``gpu_memory_gib``)."""
-    param_bytes: int = 2
-    """Bytes per weight element (bf16/fp16: 2, fp32: 4)."""
-    grad_bytes: int = 4
-    """Bytes per gradient element (megatron ``main_grad``: 4 in fp32, 2 reduced in bf16)."""
-    optimizer: str = "adam"
-    """'adam' or 'sgd'."""
-    distributed_optimizer: bool = False
-    """Optimizer state sharded over the replicas (``train.distributed_optimizer``)."""
-    replicas: int = 1
-    """Replicas the distributed optimizer shards over."""
-    micro_batch_size: int = 1
-    """Samples per micro-batch."""
-    sequence_parallel: bool = False
-    """megatron sequence parallelism (unsharded activations divided by the degree)."""
-    flash_attention: bool = True
-    """Core attention without ``[s, s]`` scores (SDPA / TE); False: megatron's local one."""
-    dropout: bool = False
-    """Hidden or attention dropout on (its masks are saved)."""
-    recompute_granularity: str | None = None
-    """None, 'selective' (core attention) or 'full' (megatron's recompute settings)."""
-    recompute_method: str | None = None
-    """With 'full': 'uniform' or 'block'."""
-    recompute_num_layers: int = 1
-    """With 'full': layers per recompute chunk (uniform) or recomputed layers (block)."""
-    reserve_gib: float = 4.0
-    """Set aside for the CUDA context, NCCL and sync buffers, fragmentation."""
-
-    def __post_init__(self) -> None:
-        if not self.gpu_memory_gib > 0:
-            raise _bad("hardware.gpu_memory_gib", self.gpu_memory_gib, "must be > 0")
-        if self.recompute_granularity not in RECOMPUTE_GRANULARITIES:
-            raise _bad("model.recompute_granularity", self.recompute_granularity,
-                       "must be null, selective or full")
-        if self.recompute_method not in RECOMPUTE_METHODS:
-            raise _bad("model.recompute_method", self.recompute_method,
-                       "must be null, uniform or block")
-        if self.replicas < 1 or self.micro_batch_size < 1 or self.recompute_num_layers < 1:
-            raise _bad("memory", (self.replicas, self.micro_batch_size,
-                                  self.recompute_num_layers), "counts must be >= 1")
 
 
 @dataclass(frozen=True)
