@@ -89,7 +89,7 @@ def _wait_keys(store: Any, keys: list[str], w: World, watched: list[int], timeou
     deadline = time.monotonic() + timeout_s
     while not store.check(keys):
         for r in watched:
-            if w.procs[r].exitcode not in (None, 0):
+            if w.procs[r].exitcode is not None:
                 raise Fallback(f"second failure during the re-layout: rank {r} exited "
                                f"({w.procs[r].exitcode}) while {what}")
         if time.monotonic() > deadline:
@@ -104,6 +104,8 @@ def relayout(store: Any, cfg: Any, w: World, failure: Failure, *, detected: floa
     for r in failure.ranks:  # a hung rank is not trusted to rejoin
         _kill(w.procs[r])
     survivors = [r for r in w.alive() if r not in failure.ranks]
+    if not survivors:
+        raise Fallback("no survivor left to re-lay out")
     store.set(f"abort{w.gen}", failure.reason)
     keys = [f"report{w.gen}/{w.slots[r]}" for r in survivors]
     _wait_keys(store, keys, w, survivors, REPORT_TIMEOUT_S, "waiting for survivors' reports")

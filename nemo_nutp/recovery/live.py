@@ -65,6 +65,7 @@ class Committed:
     step: int = -1
     loss: float = float("nan")
     grad_norm: float | None = None
+    step_s: float = 0.0  # this rank's time from the step's start to the vote
 
 
 @dataclass
@@ -78,6 +79,7 @@ class LiveRank:
     gen: int = 0
     step: int = 0
     phase: str = "compute"
+    began: float = 0.0
     loss: float = float("nan")
     committed: Committed = field(default_factory=Committed)
     store: Any = None
@@ -118,6 +120,7 @@ class LiveRank:
 
     def begin(self, step: int) -> None:
         self.step, self.phase = step, "compute"
+        self.began = time.perf_counter()
 
     def vote(self, loss: float) -> None:
         """After the gradient reduction (global ``loss`` in hand), before any optimizer state
@@ -131,7 +134,7 @@ class LiveRank:
             raise RuntimeError(f"vote of step {self.step}: {int(t.item())} of "
                                f"{dist.get_world_size()} ranks")
         self.phase = "committed"
-        self.committed = Committed(self.step, loss)
+        self.committed = Committed(self.step, loss, step_s=time.perf_counter() - self.began)
 
     def stepped(self, grad_norm: float | None) -> None:
         self.committed.grad_norm = grad_norm

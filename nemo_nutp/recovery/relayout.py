@@ -46,7 +46,8 @@ def _apply(old: Any, link: LiveRank, step: int) -> None:
     from ..train.step import optimizer_step
 
     ok, norm = optimizer_step(old.model, old.optimizer, old.opts, old.checks, step=step)
-    link.committed = Committed(step, link.loss, norm if ok else None)
+    link.committed = Committed(step, link.loss, norm if ok else None,
+                               step_s=time.perf_counter() - link.began)
 
 
 def _missing_row(run: Any, link: LiveRank, step: int) -> None:
@@ -58,10 +59,12 @@ def _missing_row(run: Any, link: LiveRank, step: int) -> None:
     c = link.committed
     assert c.step == step, (c, step)
     tokens = run.cfg.train.global_batch_size * run.cfg.model.seq_length
+    step_s = max(c.step_s, 1e-9)  # this rank's own time to the vote: the world is gone
     out.write({"step": step, "loss": c.loss, "grad_norm": c.grad_norm,
                "skipped": c.grad_norm is None, "loss_scale": 1.0, "tokens": tokens,
-               "step_time_s": None, "tokens_per_s": None, "goodput": run.ledger.goodput,
-               "step_goodput": None, "microbatches": None,
+               "step_time_s": step_s, "tokens_per_s": tokens / step_s,
+               "goodput": run.ledger.goodput, "step_goodput": 0.0,
+               "microbatches": [r.microbatches for r in link.old_replica_tp],
                "replica_tp": [list(r.tp) for r in link.old_replica_tp], "reshard_bytes_rank0": 0,
                "recovered_row": True})
 
