@@ -281,12 +281,13 @@ def print_summary(console: Any, summary: list[dict[str, Any]]) -> None:
     if not summary:
         return
     t = Table(title="Recovery")
-    for col in ("GPUs", "reason", "detect s", "restart s", "lost steps", "new TP"):
+    for col in ("GPUs", "reason", "mode", "detect s", "restart s", "lost steps", "new TP"):
         t.add_column(col)
-    for s in summary:
+    for s in summary:  # live: "restart s" is relayout_s (detected -> new layout's first step)
         det = "-" if s["detect_s"] is None else f"{s['detect_s']:.2f}"
-        t.add_row(str(s["gpus"]), s["reason"], det, f"{s.get('restart_s', float('nan')):.2f}",
-                  str(s["lost_steps"]), str(s.get("replica_tp")))
+        t.add_row(str(s["gpus"]), s["reason"], s.get("mode", "restart"), det,
+                  f"{s.get('restart_s', float('nan')):.2f}", str(s["lost_steps"]),
+                  str(s.get("replica_tp")))
     console.print(t)
 
 
