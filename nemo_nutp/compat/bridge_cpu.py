@@ -128,3 +128,68 @@ def install_import_shim() -> None:
     (idempotent; modules already imported are not re-imported)."""
     if _FINDER not in sys.meta_path:
         sys.meta_path.insert(0, _FINDER)
+
+
+TORCH_PROXY_MODULES: tuple[tuple[str, str], ...] = (
+    # (module, the functions whose CUDA calls need the CPU ``torch`` proxy of compat.cpu)
+    ("megatron.bridge.training.utils.train_utils",
+     "reduce_max_stat_across_model_parallel_group logical_and_across_model_parallel_group "
+     "training_log"),  # current_device() / device="cuda" scalars, total_loss_dict
+    ("megatron.bridge.training.train", "train maybe_synchronize_training_step "
+     "checkpoint_and_decide_exit"),  # empty_cache, synchronize, device="cuda" exit flag
+    ("megatron.core.timers", "_Timer.start _Timer.stop"),  # synchronize() with barrier=True
+    ("megatron.bridge.data.loaders", "setup_data_iterators"),  # device="cuda" flags
+)
+"""Modules whose global ``torch`` becomes compat.cpu's proxy without CUDA; the named functions
+are what needs it (checked to still exist and still call CUDA, tests/integrations)."""
+
+CUDA_TENSOR_FUNCS: tuple[tuple[str, str], ...] = (
+    # ``val.cuda(non_blocking=True)`` per batch tensor: identity on CPU while it runs.
+    ("megatron.bridge.training.gpt_step", "get_batch_from_iterator"),
+)
+
+_bridge_patched: list[str] = []
+
+
+def _tensor_cuda_is_identity(fn: Any) -> Any:
+    import functools
+
+    import torch
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        real = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign, assignment]
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.Tensor.cuda = real  # type: ignore[method-assign]
+
+    wrapper.__nutp_cpu_patch__ = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+def apply_bridge_cpu_patches() -> list[str]:
+    """Redirect Bridge's CUDA-only calls to CPU (nothing where CUDA is available); returns what
+    was patched. megatron-core's own patches (compat.cpu) are applied first."""
+    import torch
+
+    from .cpu import _TorchProxy, apply_cpu_patches
+
+    if torch.cuda.is_available():
+        return []
+    if _bridge_patched:
+        return list(_bridge_patched)
+    install_import_shim()
+    done = apply_cpu_patches()
+    proxy = _TorchProxy()
+    for modname, _funcs in TORCH_PROXY_MODULES:
+        module = importlib.import_module(modname)
+        module.torch = proxy  # type: ignore[attr-defined]
+        done.append(f"{modname}.torch")
+    for modname, func in CUDA_TENSOR_FUNCS:
+        module = importlib.import_module(modname)
+        setattr(module, func, _tensor_cuda_is_identity(getattr(module, func)))
+        done.append(f"{modname}.{func}")
+    _bridge_patched.extend(done)
+    return list(done)

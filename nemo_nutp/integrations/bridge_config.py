@@ -129,5 +129,22 @@ def load_bridge_job(recipe: str, config_file: str | None, overrides: list[str]) 
             cfg = process_config_with_overrides(cfg, config_filepath=path, cli_overrides=rest)
         except Exception as e:  # omegaconf / hydra errors: one line
             raise ValueError(f"bridge override: {' '.join(str(e).split())}") from None
-    job = load_nutp(nutp, tp=int(cfg.model.tensor_model_parallel_size))
+    job = load_nutp([*bridge_keys(cfg), *nutp], tp=int(cfg.model.tensor_model_parallel_size))
     return BridgeJob(bridge=cfg, nutp=job, nutp_overrides=nutp)
+
+
+def bridge_keys(cfg: Any) -> list[str]:
+    """The recipe's model and batch as ``nutp-train`` overrides (``model.*``, ``train.*``), so
+    the plan is made, and validated, by the same schema."""
+    from dataclasses import asdict
+
+    from .bridge_run import model_config_of, precision_of
+
+    vocab = cfg.model.vocab_size or cfg.tokenizer.vocab_size
+    model = model_config_of(cfg.model, vocab_size=int(vocab))
+    t = cfg.train
+    return [*(f"model.{k}={_value(v)}" for k, v in asdict(model).items()),
+            f"train.global_batch_size={t.global_batch_size}",
+            f"train.micro_batch_size={t.micro_batch_size}", f"train.steps={t.train_iters}",
+            f"train.clip_grad={cfg.optimizer.clip_grad}", f"train.seed={cfg.rng.seed}",
+            f"train.precision={precision_of(cfg)}"]
