@@ -41,6 +41,7 @@ setup(
         "console_scripts": [
             "nutp=nemo_nutp.launch.nutp_cli:main",
             "nutp-train=nemo_nutp.launch.nutp_train:main",
+            "nutp-bridge=nemo_nutp.integrations.bridge_cli:main",
         ],
     },
 )

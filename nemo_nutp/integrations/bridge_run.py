@@ -126,6 +126,7 @@ def train_rank(job: Any, plan: Any, out_dir: str, *, seed: int) -> dict[str, Any
 
     from ..compat.bridge_cpu import apply_bridge_cpu_patches
     from ..parallel import build_groups
+    from ..train.step import reduce_replica_loss
     from .bridge import exact_grad_norm, nutp_ddp, nutp_provider
 
     apply_bridge_cpu_patches()
@@ -163,12 +164,36 @@ def train_rank(job: Any, plan: Any, out_dir: str, *, seed: int) -> dict[str, Any
     destroy_num_microbatches_calculator()
     init_num_microbatches_calculator(ctx.rank, None, ctx.microbatches * mbs, mbs, 1)
     record: list[dict[str, float]] = []
+    losses: list[float] = []
     step = optimizer.step
 
     def recorded_step(*args: Any, **kwargs: Any) -> Any:
         out = step(*args, **kwargs)
-        record.append({"grad_norm": float(out[1]) if out[1] is not None else float("nan")})
+        replica = sum(losses) / len(losses)  # this replica's mean over its micro-batches
+        losses.clear()
+        loss = reduce_replica_loss(replica, weight=ctx.weight, degree=ctx.degree,
+                                   stage_group=groups.stage)
+        norm = float(out[1]) if out[1] is not None else float("nan")
+        record.append({"loss": loss, "grad_norm": norm})
         return out
+
+    def recorded_forward(state: Any, data_iterator: Any, model: Any,
+                         return_schedule_plan: bool = False) -> Any:
+        output, loss_fn = forward_step(state, data_iterator, model, return_schedule_plan)
+
+        def loss_func(*args: Any, **kwargs: Any) -> Any:
+            out = loss_fn(*args, **kwargs)
+            losses.append(float(out[0].detach().sum()) / float(out[1]))
+            return out
+        return output, loss_func
+
+    optimizer.step = recorded_step
+    data = _batches(plan, ctx, dims, seed=seed, mbs=mbs, steps=cfg.train.train_iters)
+    bridge_train.train(recorded_forward, model, optimizer, scheduler, data, None, state,
+                       create_checkpoint_manager(cfg.checkpoint), groups.pgs)
+    out = {"rank": ctx.rank, "replica": ctx.replica, "steps": record}
+    Path(out_dir, f"bridge_rank{ctx.rank}.json").write_text(json.dumps(out))
+    return {**out, "model": model[0], "groups": groups}
 
     optimizer.step = recorded_step
     data = _batches(plan, ctx, dims, seed=seed, mbs=mbs, steps=cfg.train.train_iters)

@@ -86,3 +86,11 @@ def test_bad_nutp_key_is_one_line_before_any_group(override: str, key: str,
     with pytest.raises(ValueError, match=re.escape(key)):
         load_bridge_job(RECIPE, str(TINY), [override])
     assert not dist.is_initialized()
+
+
+def test_nutp_bridge_cli_bad_key_exits_2_with_one_line(capfd: pytest.CaptureFixture[str]) -> None:
+    from nemo_nutp.integrations.bridge_cli import main
+
+    assert main(["--recipe", RECIPE, "--config-file", str(TINY), "nutp.replicaz=[2,1]"]) == 2
+    err = [line for line in capfd.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(err) == 1 and "nutp.replicaz" in err[0], err
