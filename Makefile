@@ -21,7 +21,7 @@ TESTS_312 ?= tests/runtime tests/checkpoint/test_roundtrip.py tests/train \
 # need (requirements-bridge.txt); its full dependency set does not build here.
 BRIDGE ?= megatron-bridge==0.6.2
 STAMPBRIDGE := $(VENV312)/.bridge-installed
-TESTS_BRIDGE ?= tests/integrations/test_bridge_shim.py
+TESTS_BRIDGE ?= tests/integrations/test_bridge_shim.py tests/integrations/test_bridge_train.py
 
 .PHONY: demo test test-311 test-312 test-bridge lint venv bench sim clean gpu-check-prepare \
 	gpu-check

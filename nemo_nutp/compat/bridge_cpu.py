@@ -135,10 +135,10 @@ TORCH_PROXY_MODULES: tuple[tuple[str, str], ...] = (
     ("megatron.bridge.training.utils.train_utils",
      "reduce_max_stat_across_model_parallel_group logical_and_across_model_parallel_group "
      "training_log"),  # current_device() / device="cuda" scalars, total_loss_dict
-    ("megatron.bridge.training.train", "train maybe_synchronize_training_step "
-     "checkpoint_and_decide_exit"),  # empty_cache, synchronize, device="cuda" exit flag
-    ("megatron.core.timers", "_Timer.start _Timer.stop"),  # synchronize() with barrier=True
-    ("megatron.bridge.data.loaders", "setup_data_iterators"),  # device="cuda" flags
+    ("megatron.bridge.training.train", "train_step maybe_synchronize_training_step "
+     "save_checkpoint_and_time checkpoint_and_decide_exit"),  # empty_cache, synchronize, flags
+    ("megatron.core.timers", "Timer.start Timer.stop Timers._get_elapsed_time_all_ranks"),
+    ("megatron.bridge.data.loaders", "build_train_valid_test_data_loaders"),  # "cuda" flags
 )
 """Modules whose global ``torch`` becomes compat.cpu's proxy without CUDA; the named functions
 are what needs it (checked to still exist and still call CUDA, tests/integrations)."""

@@ -15,7 +15,12 @@ if importlib.util.find_spec("megatron.bridge") is None:
     pytest.skip("megatron-bridge is not installed (make test-bridge installs it)",
                 allow_module_level=True)
 
-from nemo_nutp.compat.bridge_cpu import SCOPED_STUBS, install_import_shim
+from nemo_nutp.compat.bridge_cpu import (
+    CUDA_TENSOR_FUNCS,
+    SCOPED_STUBS,
+    TORCH_PROXY_MODULES,
+    install_import_shim,
+)
 from nemo_nutp.integrations.bridge_config import load_bridge_job
 
 RECIPE = "megatron.bridge.recipes.gpt.vanilla_gpt:vanilla_gpt_pretrain_config"
@@ -94,3 +99,26 @@ def test_nutp_bridge_cli_bad_key_exits_2_with_one_line(capfd: pytest.CaptureFixt
     assert main(["--recipe", RECIPE, "--config-file", str(TINY), "nutp.replicaz=[2,1]"]) == 2
     err = [line for line in capfd.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(err) == 1 and "nutp.replicaz" in err[0], err
+
+
+def test_cpu_patch_targets_still_exist_and_call_cuda() -> None:
+    """Every function the CPU redirections are for still exists in the pinned Bridge /
+    megatron-core and still makes the CUDA call the patch redirects."""
+    import importlib
+    import inspect
+
+    install_import_shim()
+    for modname, funcs in TORCH_PROXY_MODULES:
+        module = importlib.import_module(modname)
+        assert isinstance(getattr(module, "torch", None), type(sys)), modname
+        for qual in funcs.split():
+            owner: object = module
+            for part in qual.split("."):
+                owner = getattr(owner, part, None)
+                assert owner is not None, f"{modname}.{qual}: gone from the pinned version"
+            source = inspect.getsource(owner)  # type: ignore[arg-type]
+            assert re.search(r"torch\.cuda\.|device=\"cuda\"", source), (
+                f"{modname}.{qual} no longer calls CUDA: drop its redirection")
+    for modname, func in CUDA_TENSOR_FUNCS:
+        source = inspect.getsource(getattr(importlib.import_module(modname), func))
+        assert ".cuda(" in source, f"{modname}.{func} no longer calls .cuda(): drop the patch"
