@@ -178,6 +178,10 @@ class GradSyncEngine:
         self.keep_buckets = False
         self.scattering = False  # see use_reduce_scatter
         self.sumsq_slots: torch.Tensor | None = None
+        # Sync buffers beyond megatron's DDP (which reduces its grad buffer in place), bytes:
+        # bucket and message buffers, reduce-scatter slices, the norm vector; measured at the
+        # step's peak (end of ``finish``: they only grow until then), max over steps.
+        self.peak_bytes = 0
         self.reset()
 
     # ---------------------------------------------------------------- setup
@@ -473,6 +477,7 @@ class GradSyncEngine:
             grad = e.param.main_grad  # type: ignore[attr-defined]
             grad.view(-1).copy_(tp_buf[off:off + grad.numel()])
             off += grad.numel()
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes() + _nbytes(tp_buf))
         self.sumsq_slots = sumsq
         self._sumsq = sumsq.sum()  # read (one host sync) only when the norm is asked for
         self._clear()
@@ -630,10 +635,19 @@ class GradSyncEngine:
             m.buf, m.work, m.done = None, None, False
 
 
+    def live_bytes(self) -> int:
+        """Bytes of the sync's buffers alive now (buckets, slices, messages)."""
+        return (sum(_nbytes(b.buf) + _nbytes(b.out) for b in self.buckets)
+                + sum(_nbytes(m.buf) for m in self.out_msgs + self.in_msgs))
+
     def release_buckets(self) -> None:
         """Free the reduced bucket buffers kept for the distributed optimizer."""
         for b in self.buckets:
             b.buf, b.out = None, None
+
+
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
 
 
 def _sumsq(t: torch.Tensor) -> torch.Tensor:

@@ -29,9 +29,9 @@ import torch
 import nemo_nutp.sync.engine as engine_mod
 import nemo_nutp.sync.zero as zero_mod
 from nemo_nutp.layout import SPACES, Plan
-from nemo_nutp.layout.cost import stage_layers
 from nemo_nutp.parallel.groups import NUTPGroups, rank_context
-from nemo_nutp.sync.descriptors import rank_sync, stage_params
+from nemo_nutp.sync.descriptors import rank_sync
+from nemo_nutp.sync.shapes import stage_parameters
 
 Record = tuple[int, str, int]  # (peer, "send" | "recv", elements)
 
@@ -118,32 +118,6 @@ def fake_groups(plan: Plan, rank: int) -> NUTPGroups:
                       sync=sync)
 
 
-def meta_params(plan: Plan, rank: int, *, layers: int | None = None
-                ) -> list[tuple[str, torch.nn.Parameter]]:
-    """The stage's parameters in megatron's order, real local shapes, on ``meta``, tagged as
-    ``model.build`` tags them, each with a ``main_grad``. ``layers``: fewer layers (the
-    message and bucket structure repeats per layer)."""
-    rs = rank_sync(plan, rank)
-    dims = plan.request.model
-    lo, hi = stage_layers(dims.num_layers, plan.pp)[rs.stage]
-    n = hi - lo if layers is None else min(layers, hi - lo)
-    units = {k: v.units for k, v in rs.kinds.items()}
-    out = []
-    sp = plan.request.parallel.sequence_parallel
-    for i, (kind, shape) in enumerate(stage_params(
-            dims, rs.degree, units, layers=n, embedding=rs.stage == 0,
-            output=rs.stage == plan.pp - 1)):
-        p = torch.nn.Parameter(torch.empty(shape, device="meta"))
-        p.main_grad = torch.empty(shape, device="meta")  # type: ignore[attr-defined]
-        if kind is not None:
-            p.nutp_kind = kind  # type: ignore[attr-defined]
-            p.nutp_units = units[kind]  # type: ignore[attr-defined]
-        elif sp:
-            p.sequence_parallel = True  # type: ignore[attr-defined]
-        out.append((f"p{i}.{kind}", p))
-    return out
-
-
 def replay_ranks(plan: Plan, ranks: list[int], *, bucket_size: int, layers: int | None = None,
                  step: bool = True, mover: bool = True) -> dict[int, list[Record]]:
     """Every rank's recorded p2p of one step (``step``) and of the distributed optimizer's
@@ -152,7 +126,7 @@ def replay_ranks(plan: Plan, ranks: list[int], *, bucket_size: int, layers: int 
         for r in ranks:
             rec.rank = r
             eng = engine_mod.GradSyncEngine(plan, fake_groups(plan, r),
-                                            meta_params(plan, r, layers=layers),
+                                            stage_parameters(plan, r, layers=layers),
                                             bucket_size=bucket_size)
             if step:
                 for e in eng.order:  # backward order, one readiness call per parameter

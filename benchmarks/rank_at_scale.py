@@ -1,0 +1,219 @@
+"""One rank of a huge job, on this machine (issue #22, What to build 4).
+
+One process plays rank ``r`` of a ``W``-rank job on torch's fake process-group backend
+(``torch.testing._internal.distributed.fake_pg``: collectives and p2p return at once, no data
+moves; torchtitan's fake-backend dry run does the same): the plan (Llama-3-70B width, one layer
+per pipeline stage, TP8 with one failed GPU so one replica stage runs TP7), every process group
+of ``build_groups`` (``new_group`` calls counted), the sync descriptors, the real
+``GradSyncEngine`` (its communicator warm-up included) over the rank's real shard shapes on the
+``meta`` device (no memory, no arithmetic: the fake backend delivers no data anyway, so NaN /
+large-grad checks do not apply), then ``--steps`` steps of the per-step control code itself:
+
+* the engine's per-step bookkeeping (``reset``, ``mark_ready`` per parameter in backward order,
+  ``finish``: descriptors walked, buffers sliced, collectives and p2p launched on the fake
+  backend; the copies are free on ``meta``), the step metrics reduction of ``train/loop.py``
+  (``_gather_times``: one O(replicas) all-reduce and its host read) and the rank's heartbeat
+  write (``checkpoint/hooks.py``): ``control_s_per_step`` is their sum, median over steps;
+* ``watchdog_poll_s``: one poll of the recovery watchdog as it runs today on every rank
+  (``watchdog_poll``: ``recovery/elastic.py``'s loop body over W ranks' heartbeat and stack
+  files in a temporary directory); ``aggregator_poll_s`` if a job-level aggregator exists;
+* ``extra_grad_bytes``: the engine's own accounting of its live buffers at their peak
+  (``GradSyncEngine.peak_bytes``; megatron's DDP reduces its grad buffer in place, so that is
+  all beyond it), beside ``fp32_grad_bytes`` (the rank's gradients in fp32);
+* ``setup_s``: plan + groups + engine; ``rss_bytes``: the process's peak RSS.
+
+Each (W, pp, rank kind) runs in its own process (a fresh fake world). Usage:
+    python benchmarks/rank_at_scale.py [--worlds 1024 8192 32768] [--pps 1 4] [--steps 5]
+Writes runs/bench/rank_at_scale.json (``runs``: one entry per (W, pp) and rank kind) and
+prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "runs" / "bench" / "rank_at_scale.json"
+
+
+def _plan(world: int, pp: int) -> Any:
+    import yaml
+
+    from nemo_nutp.config import ModelConfig
+    from nemo_nutp.layout import ClusterSpec, HealthReport, ParallelSpec, PlanRequest, build_plan
+
+    raw = yaml.safe_load((ROOT / "configs" / "model" / "llama3_70b.yaml").read_text())
+    model = ModelConfig(**{**raw, "num_layers": pp, "seq_length": 256})
+    return build_plan(PlanRequest(
+        cluster=ClusterSpec(num_gpus=world, domain_size=8, gpus_per_node=8), model=model,
+        parallel=ParallelSpec(tp_base=8, pp=pp), health=HealthReport(failed_gpus=(7,)),
+        global_batch=world // 8 * 2))
+
+
+def _rank(plan: Any, kind: str) -> int:
+    """A healthy rank (TP8 replica) or one of a TP7 replica stage."""
+    for rep in plan.replicas:
+        for ranks in rep.ranks:
+            if (len(ranks) < 8) == (kind == "degraded"):
+                return int(ranks[0])
+    raise ValueError(f"no {kind} rank in the plan")
+
+
+def watchdog_poll(hb_dir: Path, world: int, started: float) -> float:
+    """Seconds of one poll of the recovery watchdog over ``world`` ranks (the one place to
+    repoint when the watchdog changes)."""
+    from nemo_nutp.recovery import watch
+    from nemo_nutp.recovery.decisions import blame_hang
+
+    t0 = time.perf_counter()
+    blame_hang(watch.read_progress(hb_dir, world), now=time.time(), timeout_s=60.0,
+               started_at=started, startup_timeout_s=300.0,
+               activity=watch.read_activity(hb_dir, world),
+               collectives=watch.read_collectives(hb_dir, world))
+    return time.perf_counter() - t0
+
+
+def _heartbeat_files(hb_dir: Path, world: int) -> None:
+    """What W ranks' step heartbeats and stack watchers leave (their formats)."""
+    now = time.time()
+    for r in range(world):
+        (hb_dir / f"rank{r}").write_text(f"step 3 {now}\n")
+        (hb_dir / f"rank{r}.stack").write_text(
+            f"0 {now} {now}\nloop.py:1 in train_rank\n" + json.dumps({"tp:0": 12, "dp:0": 40})
+            + "\n")
+
+
+def one(world: int, pp: int, kind: str, steps: int) -> dict[str, Any]:
+    """One (W, pp, rank kind) in this process."""
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import nemo_nutp.parallel.groups as groups_mod
+    from nemo_nutp.sync.engine import DEFAULT_BUCKET_SIZE, GradSyncEngine
+    from nemo_nutp.sync.shapes import stage_parameters
+    from nemo_nutp.train.loop import _gather_times
+
+    t0 = time.perf_counter()
+    plan = _plan(world, pp)
+    rank = _rank(plan, kind)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=plan.world_size)
+    calls = [0]
+    real_new_group = dist.new_group
+
+    def counted(*args: Any, **kw: Any) -> Any:
+        calls[0] += 1
+        return real_new_group(*args, **kw)
+
+    groups_mod.dist.new_group = counted  # type: ignore[attr-defined]
+    try:
+        groups = groups_mod.build_groups(plan)
+    finally:
+        groups_mod.dist.new_group = real_new_group  # type: ignore[attr-defined]
+    params = stage_parameters(plan, rank)
+    engine = GradSyncEngine(plan, groups, params, bucket_size=DEFAULT_BUCKET_SIZE)
+    engine.warm_up()
+    setup_s = time.perf_counter() - t0
+    model = SimpleNamespace(parameters=lambda: iter([torch.zeros(1)]))
+    session = SimpleNamespace(plan=plan, groups=groups, model=model)
+    times = {"compute_s": 1.0, "sync_s": 0.1, "optimizer_s": 0.05}
+    with tempfile.TemporaryDirectory() as tmp:
+        hb = Path(tmp)
+        per_step, parts = [], []
+        for step in range(steps):
+            t = time.perf_counter()
+            engine.reset()
+            for e in engine.order:  # backward order, one readiness call per parameter
+                engine.mark_ready([e.param])
+            engine.finish(strict=True)
+            t1 = time.perf_counter()
+            _gather_times(session, times, 1.2)
+            t2 = time.perf_counter()
+            (hb / f"rank{rank}").write_text(f"step {step} {time.time()}\n")
+            t3 = time.perf_counter()
+            per_step.append(t3 - t)
+            parts.append((t1 - t, t2 - t1, t3 - t2))
+        _heartbeat_files(hb, plan.world_size)
+        poll = watchdog_poll(hb, plan.world_size, time.time())
+    fp32 = sum(p.numel() for _, p in params) * 4
+    dist.destroy_process_group()
+    return {"world": world, "plan_ranks": plan.world_size, "pp": pp, "tp": 8, "rank": rank,
+            "rank_kind": kind, "degree": engine.ctx.degree, "setup_s": setup_s,
+            "new_group_calls": calls[0],
+            "control_s_per_step": statistics.median(per_step),
+            "engine_s_per_step": statistics.median(x[0] for x in parts),
+            "metrics_s_per_step": statistics.median(x[1] for x in parts),
+            "heartbeat_s_per_step": statistics.median(x[2] for x in parts),
+            "watchdog_poll_s": poll, "aggregator_poll_s": None,
+            "extra_grad_bytes": engine.peak_bytes, "fp32_grad_bytes": fp32,
+            "extra_grad_ratio": engine.peak_bytes / fp32,
+            "rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "buckets": len(engine.buckets),
+            "messages": len(engine.out_msgs) + len(engine.in_msgs)}
+
+
+def _table(runs: list[dict[str, Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="one rank of a W-rank job (fake process group; TP8, one TP7 replica stage)")
+    for c in ("W", "pp", "rank", "setup s", "new_group", "control ms/step", "watchdog poll s",
+              "extra grad / fp32 grad", "RSS MiB"):
+        t.add_column(c, justify="right")
+    for r in runs:
+        t.add_row(f"{r['world']:,}", str(r["pp"]), f"{r['rank_kind']} (TP{r['degree']})",
+                  f"{r['setup_s']:.1f}", f"{r['new_group_calls']:,}",
+                  f"{1e3 * r['control_s_per_step']:.2f}", f"{r['watchdog_poll_s']:.3f}",
+                  f"{r['extra_grad_ratio']:.2f}", f"{r['rss_bytes'] / 2**20:,.0f}")
+    Console().print(t)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--worlds", type=int, nargs="+", default=[1024, 8192, 32768])
+    ap.add_argument("--pps", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--kinds", nargs="+", default=["healthy", "degraded"])
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--one", nargs=3, metavar=("W", "PP", "KIND"), help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.one:
+        print("RESULT " + json.dumps(one(int(a.one[0]), int(a.one[1]), a.one[2], a.steps)))
+        return
+    runs = []
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    for w in a.worlds:
+        for pp in a.pps:
+            for kind in a.kinds:
+                print(f"W={w:,} pp={pp} {kind} ...", flush=True)
+                p = subprocess.run([sys.executable, __file__, "--one", str(w), str(pp), kind,
+                                    "--steps", str(a.steps)], env=env, capture_output=True,
+                                   text=True, check=False)
+                line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+                if p.returncode or not line:
+                    raise RuntimeError(f"W={w} pp={pp} {kind} failed:\n{p.stderr[-3000:]}")
+                runs.append(json.loads(line[0][7:]))
+                r = runs[-1]
+                print(f"  setup {r['setup_s']:.1f} s, control {1e3 * r['control_s_per_step']:.2f}"
+                      f" ms/step, watchdog poll {r['watchdog_poll_s']:.3f} s", flush=True)
+    from nemo_nutp.layout.serialize import write_json_atomic
+
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic({"runs": runs, "steps": a.steps}, a.out)
+    _table(runs)
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
