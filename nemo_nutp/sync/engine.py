@@ -91,6 +91,7 @@ class _Bucket:
     work: Any = None
     scatter: tuple[int, int, int] | None = None  # reduce-scatter: (members, my index, chunk)
     out: torch.Tensor | None = None  # reduce-scatter: my reduced slice (chunk elements)
+    retired: bool = False  # reduced, written back and its buffer freed (this step)
 
 
 @dataclass(eq=False)
@@ -182,6 +183,8 @@ class GradSyncEngine:
         # bucket and message buffers, reduce-scatter slices, the norm vector; measured at the
         # step's peak (end of ``finish``: they only grow until then), max over steps.
         self.peak_bytes = 0
+        self._live = 0  # bytes of those buffers alive now
+        self._tp: torch.Tensor | None = None  # this step's norm slots + shared replicated grads
         self.reset()
 
     # ---------------------------------------------------------------- setup
@@ -272,6 +275,9 @@ class GradSyncEngine:
         self.sent_bytes = 0  # reshard bytes this rank sent this step (there and back)
         self.posted = 0  # params whose p2p / bucket pieces are posted (canonical prefix)
         self.launched = 0  # position in buckets (the launch order)
+        self.retired = 0  # buckets [0, retired) are reduced, written back and freed
+        for b in self.buckets:
+            b.retired = False
         self.ready = [False] * len(self.order)
         self.done = False
         self.pair_pos = dict.fromkeys(self.pairs, 0)  # per peer: operations posted this step
@@ -307,7 +313,13 @@ class GradSyncEngine:
 
     def _msg_buf(self, m: _Msg) -> torch.Tensor:
         like = self.order[m.spec.pieces[0][0]].param.main_grad  # type: ignore[attr-defined]
-        return torch.empty(m.spec.numel, dtype=like.dtype, device=like.device)
+        return self._alloc(torch.empty(m.spec.numel, dtype=like.dtype, device=like.device))
+
+    def _alloc(self, t: torch.Tensor) -> torch.Tensor:
+        """Account a new sync buffer (``peak_bytes``)."""
+        self._live += _nbytes(t)
+        self.peak_bytes = max(self.peak_bytes, self._live)
+        return t
 
     def _units(self, e: _Param, lo: int, hi: int, t: torch.Tensor | None = None
                ) -> torch.Tensor:
@@ -344,14 +356,15 @@ class GradSyncEngine:
         else:
             self._units(e, lo, hi, t).copy_(src.view(hi - lo, e.view[0], e.view[2]))  # type: ignore
 
-    @staticmethod
-    def _buffer(b: _Bucket, like: torch.Tensor) -> torch.Tensor:
+    def _buffer(self, b: _Bucket, like: torch.Tensor) -> torch.Tensor:
         if b.buf is None:
+            assert not b.retired, "a retired bucket is written again"
             if b.scatter is None:
                 b.buf = torch.empty(b.spec.numel, dtype=like.dtype, device=like.device)
             else:  # padded to members x chunk; the padding reduces to zeros
                 size, _, chunk = b.scatter
                 b.buf = torch.zeros(size * chunk, dtype=like.dtype, device=like.device)
+            self._alloc(b.buf)
         return b.buf
 
     def use_reduce_scatter(self, slices: list[tuple[int, int, int]]) -> None:
@@ -383,7 +396,8 @@ class GradSyncEngine:
         u = e.numel_unit
         for m, (_, lo, hi, off, n) in e.out_pieces:  # sent by _advance once filled
             if m.buf is None:
-                m.buf = torch.empty(m.spec.numel, dtype=grad.dtype, device=grad.device)
+                m.buf = self._alloc(torch.empty(m.spec.numel, dtype=grad.dtype,
+                                                device=grad.device))
             self._read(e, lo, hi, m.buf[off:off + n])
         for b, pc in e.pieces:
             seg = self._buffer(b, grad)[pc.offset:pc.offset + pc.numel]
@@ -406,10 +420,62 @@ class GradSyncEngine:
                 b.work = dist.all_reduce(b.buf, group=b.group, async_op=True)
             else:
                 assert b.buf is not None
-                b.out = torch.empty(b.scatter[2], dtype=b.buf.dtype, device=b.buf.device)
+                b.out = self._alloc(torch.empty(b.scatter[2], dtype=b.buf.dtype,
+                                                device=b.buf.device))
                 b.work = dist.reduce_scatter_tensor(b.out, b.buf, group=b.group,
                                                     async_op=True)
             self.launched += 1
+        self._retire(block=block)
+
+    def _retire(self, *, block: bool) -> None:
+        """Retire launched buckets in launch order: wait, write the reduced values back (own
+        units into the gradient, returned units into their messages' buffers, the norm slots)
+        and free the buffer, so the step's extra memory is the buckets in flight, not a second
+        copy of the gradient. From the hooks (``block=False``) only those already complete:
+        nothing ever waits there."""
+        while self.retired < self.launched:
+            b = self.buckets[self.retired]
+            if not block and b.work is not None and not b.work.is_completed():
+                return
+            self._retire_one(b)
+            self.retired += 1
+
+    def _retire_one(self, b: _Bucket) -> None:
+        if b.work is not None:
+            b.work.wait()
+            b.work = None
+        assert b.buf is not None
+        if b.scatter is None:
+            sumsq = self._tp_buffer(b.buf.device)[:self.n_slots]
+            for pc in b.spec.pieces:
+                e = self.order[pc.param]
+                seg = b.buf[pc.offset:pc.offset + pc.numel]
+                if e.kind is None:  # replicated: back into the gradient; norm at TP rank 0
+                    grad = e.param.main_grad  # type: ignore[attr-defined]
+                    grad.view(-1).copy_(seg)
+                    if self.ctx.tp_rank == 0:
+                        sumsq[e.slot] = _sumsq(grad)
+                    continue
+                sumsq[e.slot + pc.k] = _sumsq(seg)
+                lo, hi = max(pc.lo, e.units[0]), min(pc.hi, e.units[1])  # type: ignore[index]
+                if hi > lo:
+                    u = e.numel_unit
+                    self._write(e, lo, hi, seg[(lo - pc.lo) * u:(hi - pc.lo) * u])
+            for m in b.in_msgs:  # the way back: reduced units into the message buffers
+                assert m.buf is not None
+                for (tb, off), (_, _, _, moff, n) in zip(m.targets, m.spec.pieces,
+                                                         strict=True):
+                    if tb is b:
+                        m.buf[moff:moff + n].copy_(b.buf[off:off + n])
+        self._live -= _nbytes(b.buf)
+        b.buf, b.retired = None, True  # reduce-scatter: the slice stays in b.out
+
+    def _tp_buffer(self, device: torch.device) -> torch.Tensor:
+        if self._tp is None:
+            shared = sum(e.param.numel() for e in self.shared)
+            self._tp = self._alloc(torch.zeros(self.n_slots + shared, dtype=torch.float64,
+                                               device=device))
+        return self._tp
 
     def _scatter_in(self, m: _Msg) -> None:
         """Wait for an incoming message and copy its pieces into their buckets (once)."""
@@ -455,16 +521,15 @@ class GradSyncEngine:
                     "must take part in the loss on every rank")
             return
         self._advance()  # everything is posted now: every message is filled
-        self._launch(block=True)
+        self._launch(block=True)  # and every bucket reduced and retired
         device = self.order[0].param.device if self.order else torch.device("cpu")
         shared = sum(e.param.numel() for e in self.shared)
-        tp_buf = torch.zeros(self.n_slots + shared, dtype=torch.float64, device=device)
+        tp_buf = self._tp_buffer(device)
         sumsq = tp_buf[:self.n_slots]
         if self.scattering:
             self._finish_scattered(sumsq)
         else:
-            self._finish_replicated(sumsq)
-            self._finish_sharded(sumsq)
+            self._finish_sharded()
         if self.ctx.tp_rank == 0 and shared:
             tp_buf[self.n_slots:].copy_(torch.cat(
                 [e.param.main_grad.reshape(-1) for e in self.shared]))  # type: ignore
@@ -477,50 +542,19 @@ class GradSyncEngine:
             grad = e.param.main_grad  # type: ignore[attr-defined]
             grad.view(-1).copy_(tp_buf[off:off + grad.numel()])
             off += grad.numel()
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes() + _nbytes(tp_buf))
         self.sumsq_slots = sumsq
         self._sumsq = sumsq.sum()  # read (one host sync) only when the norm is asked for
         self._clear()
         self.done = True
 
-    def _finish_replicated(self, sumsq: torch.Tensor) -> None:
-        """Replicated gradients this rank reduced: back from their buckets; norm at TP rank 0."""
-        for e in self.order:
-            if e.kind is not None:
-                continue
-            grad = e.param.main_grad  # type: ignore[attr-defined]
-            for b, pc in e.pieces:
-                if b.work is not None:
-                    b.work.wait()
-                    b.work = None
-                grad.view(-1).copy_(b.buf[pc.offset:pc.offset + pc.numel])  # type: ignore
-                if self.ctx.tp_rank == 0:
-                    sumsq[e.slot] = _sumsq(grad)
-
-    def _finish_sharded(self, sumsq: torch.Tensor) -> None:
-        """Wait for the buckets; owners return reduced pieces to their holders in the same
-        coalesced messages (buffers reused): one exchange, after every forward message, each
-        pair's messages in the pair's order (``back_ops``)."""
+    def _finish_sharded(self) -> None:
+        """Owners return reduced pieces to their holders in the same coalesced messages
+        (buffers reused; ``_retire_one`` filled the incoming ones): one exchange, after every
+        forward message, each pair's messages in the pair's order (``back_ops``)."""
         for m in self.out_msgs:  # forward sent: the buffer now receives the way back
             m.work.wait()
-        for b in self.buckets:
-            if b.work is not None:
-                b.work.wait()
-                b.work = None
-        for e in self.order:
-            if e.kind is None:
-                continue
-            u = e.numel_unit
-            for b, pc in e.pieces:
-                seg = b.buf[pc.offset:pc.offset + pc.numel]  # type: ignore[index]
-                sumsq[e.slot + pc.k] = _sumsq(seg)
-                lo, hi = max(pc.lo, e.units[0]), min(pc.hi, e.units[1])  # type: ignore[index]
-                if hi > lo:
-                    self._write(e, lo, hi, seg[(lo - pc.lo) * u:(hi - pc.lo) * u])
         for m in self.in_msgs:
             assert m.buf is not None
-            for (b, off), (_, _, _, moff, n) in zip(m.targets, m.spec.pieces, strict=True):
-                m.buf[moff:moff + n].copy_(b.buf[off:off + n])  # type: ignore[index]
             self.sent_bytes += m.buf.numel() * m.buf.element_size()
         ops = self.back_ops([m.buf for m in self.out_msgs], [m.buf for m in self.in_msgs])
         works = p2p.backend().exchange(ops)
@@ -633,7 +667,8 @@ class GradSyncEngine:
                 b.out = None
         for m in self.out_msgs + self.in_msgs:
             m.buf, m.work, m.done = None, None, False
-
+        self._tp = None
+        self._live = self.live_bytes()
 
     def live_bytes(self) -> int:
         """Bytes of the sync's buffers alive now (buckets, slices, messages)."""
@@ -644,6 +679,7 @@ class GradSyncEngine:
         """Free the reduced bucket buffers kept for the distributed optimizer."""
         for b in self.buckets:
             b.buf, b.out = None, None
+        self._live = self.live_bytes()
 
 
 def _nbytes(t: torch.Tensor | None) -> int:
