@@ -29,6 +29,30 @@ def _launcher_env() -> tuple[int, int, int] | None:
     return None
 
 
+def check_launch(cfg: Any, plan: Any, env: tuple[int, int, int], environ: dict[str, str]
+                 ) -> None:
+    """Under a plain ``torchrun``/``srun`` (no recovery) the launcher's rank is the plan rank
+    and ``cuda:LOCAL_RANK`` its GPU: refuse (one line, before any process group) unless the
+    plan puts this rank on this worker's GPU slot (node index x gpus_per_node + local rank,
+    ``recovery.elastic.gpu_slot``), so a degraded TP group never straddles nodes or lands on
+    a failed GPU."""
+    from ..recovery.elastic import gpu_slot
+
+    rank, world, local = env
+    if world != plan.world_size:
+        raise ValueError(f"WORLD_SIZE={world}: the plan has {plan.world_size} ranks (launch "
+                         "one worker per planned GPU, or set recovery.enabled=true to map "
+                         "workers to GPU slots)")
+    slot = gpu_slot(environ, world, local, cfg.cluster.gpus_per_node)
+    planned = int(plan.rank_to_gpu[rank])
+    if planned != slot:
+        failed = sorted(plan.request.health.failed_gpus)
+        raise ValueError(f"RANK={rank}: this worker drives GPU slot {slot} but the plan puts "
+                         f"rank {rank} on GPU {planned} (failed GPUs {failed}); launch the "
+                         "workers on the planned GPUs, or set recovery.enabled=true to map "
+                         "them by GPU slot")
+
+
 def preflight(cfg: Any, plan: Any = None) -> None:
     """Checks done before any process or group exists: what the runtime cannot train yet; the
     data path opens and fits the vocabulary; a checkpoint to resume from matches the model;
@@ -95,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
             slot = elastic.gpu_slot(dict(os.environ), env[1], env[2], cfg.cluster.gpus_per_node)
         plan = build_plan(plan_request(cfg, world_size=None if env is None or under_recovery
                                        else env[1]))
+        if env is not None and not under_recovery:
+            check_launch(cfg, plan, env, dict(os.environ))
         preflight(cfg, plan)
         lock = _lock_for(cfg, env)
     except ValueError as e:  # one line, whatever the width; the message is not markup
