@@ -217,7 +217,7 @@ def run_world(cfg: Any, job: Any, plan: Any, failed: frozenset[int], attempt: in
     failure falls back to the restart path."""
     import multiprocessing as mp
 
-    from .supervisor import HANG_POLL_S, PRELOAD, Attempt, _rank_main, _stop
+    from .world import HANG_POLL_S, PRELOAD, Attempt, _rank_main, _stop
 
     store, port = host_store()
     hb = rdir / f"heartbeats.{attempt}"

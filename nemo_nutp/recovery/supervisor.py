@@ -44,17 +44,13 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
-import os
-import signal
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..checkpoint.events import log_event, read_events
 from . import watch
 from .decisions import (
-    Failure,
     blame_exits,
     blame_hang,
     job_for,
@@ -62,51 +58,9 @@ from .decisions import (
     next_failed,
     straggler_relayout,
 )
+from .world import HANG_POLL_S, PRELOAD, Attempt, _rank_main, _stop
 
 POLL_S = 0.05  # exit codes (and, while a planned restart waits, the newest checkpoint)
-HANG_POLL_S = 0.5  # heartbeats and stack watcher reports
-PRELOAD = ("nemo_nutp.recovery.supervisor", "nemo_nutp.train.worker", "nemo_nutp.train.loop",
-           "nemo_nutp.train.session", "nemo_nutp.checkpoint.hooks",
-           "megatron.core.dist_checkpointing")
-"""Imported once by the fork server the ranks start from."""
-
-
-@dataclass
-class Attempt:
-    ok: bool
-    failure: Failure | None
-    cause: str | None  # "exit" or "hang" with a failure
-    scale_up: watch.ScaleUp | None
-    detected_at: float
-    last_done: int | None  # highest completed step index over ranks
-    rank_to_gpu: tuple[int, ...]
-    where: dict[int, str]  # blamed rank -> innermost frame of its main thread
-    stop_s: float  # time taken to kill and reap the world
-
-
-def _rank_main(rank: int, world: int, cfg: Any, plan: Any, port: int,
-               env: dict[str, str]) -> None:
-    os.setpgrp()  # own process group: the supervisor can stop the rank with its helpers
-    os.environ.update(env)
-    watch.start_stack_watcher(Path(env["NUTP_HEARTBEAT_DIR"]) / f"rank{rank}.stack")
-    from ..train.worker import run_rank
-
-    run_rank(rank, world, rank, cfg, plan, port)
-
-
-def _stop(procs: list[Any]) -> None:
-    for p in procs:
-        # Survivors block in collectives with the dead rank; checkpoint writer helpers of a
-        # killed rank would outlive it (and hold the job's stdout), so kill whole groups.
-        if p.pid is not None:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:  # not yet its own group leader (or gone): the process
-                p.kill()
-    for p in procs:
-        p.join()
-
-
 def _run_world(cfg: Any, job: Any, plan: Any, failed: frozenset[int], attempt: int, rdir: Path,
                console: Any) -> Attempt:
     if job.recovery.mode == "live":  # survivors keep their processes (recovery/control.py)

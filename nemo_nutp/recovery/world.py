@@ -1,0 +1,57 @@
+"""The world of rank processes the recovery supervisor and its live control loop share: the
+fork-server preload list, one rank's entry point, how a world is stopped, and what one attempt
+returns. Both ``supervisor`` (restart path) and ``control`` (live path) import it; it imports
+neither."""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import watch
+from .decisions import Failure
+
+HANG_POLL_S = 0.5  # heartbeats and stack watcher reports
+PRELOAD = ("nemo_nutp.recovery.world", "nemo_nutp.train.worker", "nemo_nutp.train.loop",
+           "nemo_nutp.train.session", "nemo_nutp.checkpoint.hooks",
+           "megatron.core.dist_checkpointing")
+"""Imported once by the fork server the ranks start from."""
+
+
+@dataclass
+class Attempt:
+    ok: bool
+    failure: Failure | None
+    cause: str | None  # "exit" or "hang" with a failure
+    scale_up: watch.ScaleUp | None
+    detected_at: float
+    last_done: int | None  # highest completed step index over ranks
+    rank_to_gpu: tuple[int, ...]
+    where: dict[int, str]  # blamed rank -> innermost frame of its main thread
+    stop_s: float  # time taken to kill and reap the world
+
+
+def _rank_main(rank: int, world: int, cfg: Any, plan: Any, port: int,
+               env: dict[str, str]) -> None:
+    os.setpgrp()  # own process group: the supervisor can stop the rank with its helpers
+    os.environ.update(env)
+    watch.start_stack_watcher(Path(env["NUTP_HEARTBEAT_DIR"]) / f"rank{rank}.stack")
+    from ..train.worker import run_rank
+
+    run_rank(rank, world, rank, cfg, plan, port)
+
+
+def _stop(procs: list[Any]) -> None:
+    for p in procs:
+        # Survivors block in collectives with the dead rank; checkpoint writer helpers of a
+        # killed rank would outlive it (and hold the job's stdout), so kill whole groups.
+        if p.pid is not None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:  # not yet its own group leader (or gone): the process
+                p.kill()
+    for p in procs:
+        p.join()
