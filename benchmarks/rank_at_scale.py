@@ -11,7 +11,9 @@ large-grad checks do not apply), then ``--steps`` steps of the per-step control 
 
 * the engine's per-step bookkeeping (``reset``, ``mark_ready`` per parameter in backward order,
   ``finish``: descriptors walked, buffers sliced, collectives and p2p launched on the fake
-  backend; the copies are free on ``meta``), the step metrics reduction of ``train/loop.py``
+  backend; the copies are free on ``meta``, the norm's per-piece kernels are counted, not
+  timed — torch runs them as Python reference kernels on ``meta``), the step metrics
+  reduction of ``train/loop.py``
   (``_gather_times``: one O(replicas) all-reduce and its host read) and the rank's heartbeat
   write (``checkpoint/hooks.py``): ``control_s_per_step`` is their sum, median over steps;
 * ``watchdog_poll_s``: one poll of the recovery watchdog as it runs today on every rank
@@ -19,7 +21,9 @@ large-grad checks do not apply), then ``--steps`` steps of the per-step control 
   files in a temporary directory); ``aggregator_poll_s`` if a job-level aggregator exists;
 * ``extra_grad_bytes``: the engine's own accounting of its live buffers at their peak
   (``GradSyncEngine.peak_bytes``; megatron's DDP reduces its grad buffer in place, so that is
-  all beyond it), beside ``fp32_grad_bytes`` (the rank's gradients in fp32);
+  all beyond it), beside ``fp32_grad_bytes`` (the rank's gradients in fp32). Fake works never
+  report completion, so this is the worst case (no bucket retired before ``finish``);
+  ``extra_grad_bytes_prompt`` is the other bound (every collective done by the next hook);
 * ``setup_s``: plan + groups + engine; ``rss_bytes``: the process's peak RSS.
 
 Each (W, pp, rank kind) runs in its own process (a fresh fake world). Usage:
@@ -101,6 +105,7 @@ def one(world: int, pp: int, kind: str, steps: int) -> dict[str, Any]:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import nemo_nutp.parallel.groups as groups_mod
+    import nemo_nutp.sync.engine as engine_mod
     from nemo_nutp.sync.engine import DEFAULT_BUCKET_SIZE, GradSyncEngine
     from nemo_nutp.sync.shapes import stage_parameters
     from nemo_nutp.train.loop import _gather_times
@@ -125,6 +130,16 @@ def one(world: int, pp: int, kind: str, steps: int) -> dict[str, Any]:
     engine = GradSyncEngine(plan, groups, params, bucket_size=DEFAULT_BUCKET_SIZE)
     engine.warm_up()
     setup_s = time.perf_counter() - t0
+    # The norm's per-piece kernels are device work (one launch each on a GPU); on ``meta``
+    # they run torch's Python reference kernels (~ms each), which is no part of the control
+    # code: counted (``norm_kernels_per_step``), not timed.
+    kernels = [0]
+
+    def sumsq(t: torch.Tensor) -> torch.Tensor:
+        kernels[0] += 1
+        return torch.empty((), dtype=torch.float64, device=t.device)
+
+    engine_mod._sumsq = sumsq  # type: ignore[assignment]
     model = SimpleNamespace(parameters=lambda: iter([torch.zeros(1)]))
     session = SimpleNamespace(plan=plan, groups=groups, model=model)
     times = {"compute_s": 1.0, "sync_s": 0.1, "optimizer_s": 0.05}
@@ -147,6 +162,8 @@ def one(world: int, pp: int, kind: str, steps: int) -> dict[str, Any]:
         _heartbeat_files(hb, plan.world_size)
         poll = watchdog_poll(hb, plan.world_size, time.time())
     fp32 = sum(p.numel() for _, p in params) * 4
+    worst = engine.peak_bytes  # fake works never report completion: retired only in finish
+    prompt = _peak_if_prompt(engine, engine_mod)
     dist.destroy_process_group()
     return {"world": world, "plan_ranks": plan.world_size, "pp": pp, "tp": 8, "rank": rank,
             "rank_kind": kind, "degree": engine.ctx.degree, "setup_s": setup_s,
@@ -156,11 +173,48 @@ def one(world: int, pp: int, kind: str, steps: int) -> dict[str, Any]:
             "metrics_s_per_step": statistics.median(x[1] for x in parts),
             "heartbeat_s_per_step": statistics.median(x[2] for x in parts),
             "watchdog_poll_s": poll, "aggregator_poll_s": None,
-            "extra_grad_bytes": engine.peak_bytes, "fp32_grad_bytes": fp32,
-            "extra_grad_ratio": engine.peak_bytes / fp32,
+            "extra_grad_bytes": worst, "fp32_grad_bytes": fp32,
+            "extra_grad_ratio": worst / fp32,
+            "extra_grad_bytes_prompt": prompt, "extra_grad_ratio_prompt": prompt / fp32,
             "rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "norm_kernels_per_step": kernels[0] // steps,
             "buckets": len(engine.buckets),
             "messages": len(engine.out_msgs) + len(engine.in_msgs)}
+
+
+class _Completed:
+    """A work that reports completion at once (collectives that keep up with backward)."""
+
+    def __init__(self, work: Any) -> None:
+        self.work = work
+
+    def wait(self) -> Any:
+        return self.work.wait()
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def _peak_if_prompt(engine: Any, engine_mod: Any) -> int:
+    """The engine's peak when every bucket's collective completes before the next hook (the
+    other bound: then the hooks retire buckets as they go)."""
+    real = engine_mod.dist
+
+    def wrap(fn: Any) -> Any:
+        return lambda *a, **k: _Completed(fn(*a, **k))
+
+    engine_mod.dist = SimpleNamespace(
+        all_reduce=wrap(real.all_reduce), reduce_scatter_tensor=wrap(real.reduce_scatter_tensor),
+        ProcessGroup=real.ProcessGroup, ReduceOp=real.ReduceOp)
+    try:
+        engine.peak_bytes = 0
+        engine.reset()
+        for e in engine.order:
+            engine.mark_ready([e.param])
+        engine.finish(strict=True)
+        return int(engine.peak_bytes)
+    finally:
+        engine_mod.dist = real
 
 
 def _table(runs: list[dict[str, Any]]) -> None:
@@ -169,13 +223,14 @@ def _table(runs: list[dict[str, Any]]) -> None:
 
     t = Table(title="one rank of a W-rank job (fake process group; TP8, one TP7 replica stage)")
     for c in ("W", "pp", "rank", "setup s", "new_group", "control ms/step", "watchdog poll s",
-              "extra grad / fp32 grad", "RSS MiB"):
+              "extra grad / fp32 grad (worst / prompt)", "RSS MiB"):
         t.add_column(c, justify="right")
     for r in runs:
         t.add_row(f"{r['world']:,}", str(r["pp"]), f"{r['rank_kind']} (TP{r['degree']})",
                   f"{r['setup_s']:.1f}", f"{r['new_group_calls']:,}",
                   f"{1e3 * r['control_s_per_step']:.2f}", f"{r['watchdog_poll_s']:.3f}",
-                  f"{r['extra_grad_ratio']:.2f}", f"{r['rss_bytes'] / 2**20:,.0f}")
+                  f"{r['extra_grad_ratio']:.2f} / {r['extra_grad_ratio_prompt']:.2f}",
+                  f"{r['rss_bytes'] / 2**20:,.0f}")
     Console().print(t)
 
 
@@ -212,7 +267,43 @@ def main() -> None:
     a.out.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic({"runs": runs, "steps": a.steps}, a.out)
     _table(runs)
-    print(f"wrote {a.out}")
+    png = _plot(runs, a.out.with_suffix(".png"))
+    print(f"wrote {a.out} and {png}")
+
+
+def _plot(runs: list[dict[str, Any]], path: Path) -> Path:
+    """Control time per step and watchdog poll vs W, one line per (pp, rank kind)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    keys = sorted({(r["pp"], r["rank_kind"]) for r in runs})
+    for pp, kind in keys:
+        rs = sorted((r for r in runs if r["pp"] == pp and r["rank_kind"] == kind),
+                    key=lambda r: r["world"])
+        w = [r["world"] for r in rs]
+        label = f"PP{pp} {kind}"
+        axes[0].plot(w, [1e3 * r["control_s_per_step"] for r in rs], "o-", label=label)
+        axes[1].plot(w, [r["watchdog_poll_s"] for r in rs], "o-", label=label)
+        axes[2].plot(w, [r["setup_s"] for r in rs], "o-", label=label)
+    for ax, title, target in ((axes[0], "control ms / step", 5.0),
+                              (axes[1], "watchdog poll s (training rank)", 0.01),
+                              (axes[2], "setup s", 30.0)):
+        ax.axhline(target, color="gray", ls="--", lw=1, label="target")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("world size W")
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+    fig.suptitle("one rank of a W-rank job (fake process group, Llama-3-70B width, TP8)")
+    fig.tight_layout()
+    tmp = path.with_name(path.name + ".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path
 
 
 if __name__ == "__main__":

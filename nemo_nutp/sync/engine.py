@@ -406,6 +406,11 @@ class GradSyncEngine:
                 self._read(e, lo, hi, seg[(lo - pc.lo) * u:(hi - pc.lo) * u])
 
     def _launch(self, *, block: bool) -> None:
+        """Launch what is ready, then retire what is reduced (``_retire``)."""
+        self._launch_ready(block=block)
+        self._retire(block=block)
+
+    def _launch_ready(self, *, block: bool) -> None:
         """Launch buckets strictly in order; stop at one not complete or with pieces missing."""
         while self.launched < len(self.buckets):
             b = self.buckets[self.launched]
@@ -425,7 +430,6 @@ class GradSyncEngine:
                 b.work = dist.reduce_scatter_tensor(b.out, b.buf, group=b.group,
                                                     async_op=True)
             self.launched += 1
-        self._retire(block=block)
 
     def _retire(self, *, block: bool) -> None:
         """Retire launched buckets in launch order: wait, write the reduced values back (own

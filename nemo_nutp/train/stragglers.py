@@ -84,9 +84,11 @@ class StragglerDetector:
         if self.interval <= 0 or (step + 1) % self.interval:
             return
         mine = torch.tensor([self.probe(slow_factor)], dtype=torch.float64, device=self.device)
-        out = [torch.zeros_like(mine) for _ in range(self.plan.world_size)]
-        dist.all_gather(out, mine)
-        times = [float(t.item()) for t in out]
+        # One collective into one tensor and one host read (not W tensors and W syncs); W
+        # elements, every ``interval`` steps only.
+        out = torch.empty(self.plan.world_size, dtype=torch.float64, device=mine.device)
+        dist.all_gather_into_tensor(out, mine)
+        times = out.tolist()
         for r, t in enumerate(times):
             others = self.peers[r] or [x for x in range(len(times)) if x != r]
             ref = statistics.median(times[x] for x in others) if others else t
