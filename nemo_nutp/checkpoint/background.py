@@ -205,6 +205,19 @@ class BackgroundSaves:
         """End of the run: finish the save in flight."""
         self.wait()
 
+    def abandon(self) -> None:
+        """Kill this rank's writer of the save in flight and forget the save (local: no
+        collective; for a world that failed)."""
+        if self.pending is None:
+            return
+        for call in list(self.queue.async_calls):
+            process = getattr(call.async_caller, "process", None)
+            if process is not None:
+                process.kill()
+                process.join()
+        self.queue = type(self.queue)(persistent=False)
+        self.pending = None
+
 
 def host_snapshot_bytes_all(local: int) -> int:
     """Largest per-rank snapshot (bytes) over the ranks (one all-reduce on the control group)."""

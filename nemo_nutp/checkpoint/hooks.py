@@ -290,3 +290,10 @@ class CheckpointHooks:
     def finish(self) -> None:
         """End of the run (every rank): the save in flight completes."""
         self.wait_for_save()
+
+    def abandon(self) -> None:
+        """This world is over (a peer failed; a live re-layout or an exit follows): kill this
+        rank's writer of a save still in flight, no collective. Its ``.tmp`` directory is never
+        published; the previous complete checkpoint stays the one to resume from."""
+        if self.saves is not None:
+            self.saves.abandon()

@@ -190,6 +190,7 @@ class _Run:
     def close(self) -> None:
         if self.progress:
             self.progress.stop()
+        self.hooks.abandon()  # a save still in flight (a failed world) can never complete
 
 
 def train_rank(cfg: JobConfig, plan: Plan, *, device: torch.device | None = None,
