@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -80,58 +81,9 @@ def test_memfd_results_queue_starts_no_process_and_crosses_fork() -> None:
     assert q.get_nowait() == 3
 
 
-WRITER = textwrap.dedent("""
-    import os, time, functools
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{port}")
-    from nemo_nutp.compat.cpu import apply_cpu_patches
-    apply_cpu_patches()
-    import torch.distributed as dist
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    from megatron.core.dist_checkpointing.strategies.async_utils import (
-        AsyncCallsQueue, AsyncRequest)
-    from nemo_nutp.checkpoint.background import BackgroundSaves
-    request = AsyncRequest(async_fn=functools.partial(time.sleep, 600), async_fn_args=(),
-                           finalize_fns=[])
-    if {ours}:
-        saves = BackgroundSaves()
-        saves.schedule(request, "/nonexistent", "/nonexistent", 1, lambda digests: None)
-        queue = saves.queue
-    else:
-        queue = AsyncCallsQueue()
-        queue.schedule_async_request(request)
-    print(queue.async_calls[0].async_caller.process.pid, flush=True)
-    time.sleep(600)
-""")
 
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux")
-def test_background_checkpoint_writer_dies_with_the_rank() -> None:
-    """A rank SIGKILLed while its background writer runs (here a write that would take 10
-    minutes) takes the writer with it; megatron's own writer outlives the rank (control)."""
-    from nemo_nutp.launch.ports import free_port
-
-    def orphans(ours: bool) -> list[int]:
-        p = subprocess.Popen([sys.executable, "-c", WRITER.format(ours=ours, port=free_port())],
-                             stdout=subprocess.PIPE, text=True, start_new_session=True)
-        assert p.stdout is not None
-        writer = int(p.stdout.readline())
-        assert _alive(writer)
-        p.send_signal(signal.SIGKILL)
-        p.wait(timeout=30)
-        deadline = time.time() + 10
-        while time.time() < deadline and _alive(writer):
-            time.sleep(0.1)
-        if _alive(writer):
-            os.kill(writer, signal.SIGKILL)
-            return [writer]
-        return []
-
-    assert orphans(ours=True) == []
-    assert orphans(ours=False) != []
-
-
-NO_SPACE = textwrap.dedent("""
-    import errno, json, os, sys
+WRITERS = textwrap.dedent("""
+    import errno, functools, json, os, sys, time
     from pathlib import Path
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{port}")
     from nemo_nutp.compat.cpu import apply_cpu_patches
@@ -142,6 +94,8 @@ NO_SPACE = textwrap.dedent("""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
     from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+    from megatron.core.dist_checkpointing.strategies.async_utils import (
+        AsyncCallsQueue, AsyncRequest)
     from nemo_nutp.checkpoint.background import BackgroundSaves
     from nemo_nutp.procs import results_queue_dies_with_rank
     results_queue_dies_with_rank()
@@ -159,28 +113,67 @@ NO_SPACE = textwrap.dedent("""
                        lambda digests: os.rename(tmp, root / f"iter_{{step}}"))
         saves.wait()
 
-    save(1)
-    def full(*args, **kwargs):
-        raise OSError(errno.ENOSPC, "No space left on device")
-    fa._write_item = full  # inside megatron's writer: the error reaches its results
-    save(2)
-    print(json.dumps({{"done": done, "lines": lines,
-                      "dirs": sorted(p.name for p in root.iterdir())}}), flush=True)
+    if {ours}:  # a save, then one whose write fails for lack of space
+        save(1)
+        write_item = fa._write_item
+        def full(*args, **kwargs):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        fa._write_item = full  # inside megatron's writer: the error reaches its results
+        save(2)
+        fa._write_item = write_item
+        print(json.dumps({{"done": done, "lines": lines,
+                          "dirs": sorted(p.name for p in root.iterdir())}}), flush=True)
+    # a background write that would take 10 minutes; this rank gets SIGKILLed
+    request = AsyncRequest(async_fn=functools.partial(time.sleep, 600), async_fn_args=(),
+                           finalize_fns=[])
+    if {ours}:
+        saves.schedule(request, root / "x", root / "y", 3, lambda digests: None)
+        queue = saves.queue
+    else:
+        print("{{}}", flush=True)
+        queue = AsyncCallsQueue()
+        queue.schedule_async_request(request)
+    print(queue.async_calls[0].async_caller.process.pid, flush=True)
+    time.sleep(600)
 """)
 
 
-def test_failed_background_write_aborts_the_save_with_one_line(tmp_path) -> None:
-    """A background write that fails (no space left) aborts that save: one line naming its
-    directory, the directory removed, the previous checkpoint untouched."""
+def _writers(ours: bool, root: Path) -> tuple[dict, list[int]]:
+    """Run WRITERS; SIGKILL it once its last writer runs. (its first report, orphans)."""
     import json
 
     from nemo_nutp.launch.ports import free_port
 
-    out = subprocess.run([sys.executable, "-c", NO_SPACE.format(port=free_port()),
-                          str(tmp_path)], capture_output=True, text=True, timeout=240)
-    assert out.returncode == 0, out.stderr[-3000:]
-    res = json.loads(out.stdout.strip().splitlines()[-1])
-    assert res["done"] == [1] and res["dirs"] == ["iter_1"], res
-    (line,) = res["lines"]
+    p = subprocess.Popen([sys.executable, "-c", WRITERS.format(ours=ours, port=free_port()),
+                          str(root)], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert p.stdout is not None
+        report = json.loads(p.stdout.readline())
+        writer = int(p.stdout.readline())
+        assert _alive(writer)
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=30)
+    deadline = time.time() + 10
+    while time.time() < deadline and _alive(writer):
+        time.sleep(0.1)
+    if _alive(writer):
+        os.kill(writer, signal.SIGKILL)
+        return report, [writer]
+    return report, []
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux")
+def test_background_writer_failure_aborts_and_writer_dies_with_the_rank(tmp_path: Path) -> None:
+    """A background write that fails (no space left) aborts that save: one line naming its
+    directory and the error, the directory removed, the previous checkpoint untouched. A rank
+    SIGKILLed while its background writer runs takes the writer with it; megatron's own
+    writer outlives the rank (control)."""
+    report, left = _writers(True, tmp_path / "ours")
+    assert left == []
+    assert report["done"] == [1] and report["dirs"] == ["iter_1"], report
+    (line,) = report["lines"]
     assert "iter_2.tmp-x" in line and "No space left" in line and "\n" not in line, line
     assert "previous complete checkpoint" in line, line
+    _, left = _writers(False, tmp_path / "megatron")
+    assert left != []

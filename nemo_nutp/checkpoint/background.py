@@ -8,7 +8,8 @@
 snapshot: copy-on-write pages keep the saved values while training changes the live ones), and a
 forked writer process writes the files while training continues. The writer is NUTP's wrapper
 around megatron's: it asks for SIGKILL when its rank dies (so do the per-file writers it forks),
-runs megatron's writer, then hashes the files this rank wrote (by name) into a small sidecar.
+runs at the lowest CPU priority (``nice 19``: on a busy host the write waits, not the steps), runs
+megatron's writer, then hashes the files this rank wrote (by name) into a small sidecar.
 
 Finalisation (``poll`` each step, ``wait`` before the next save, a planned layout change or the
 end of the run) is collective and runs when every rank's writer has ended (megatron's one-integer
@@ -81,6 +82,9 @@ def _background_write(fn: Callable[..., Any], directory: str, rank: int, *args: 
     from ..procs import die_with_parent
 
     die_with_parent()
+    # Training keeps the CPU: the writer (and the per-file writers it forks, which inherit
+    # this) runs at the lowest CPU priority, so on a busy host the write waits, not the steps.
+    os.nice(19)
     original = FileSystemWriterAsync.write_preloaded_data
     # This process is a fork used for one save: patching its copy of the class touches nothing
     # in the training process (megatron forks one writer per file from here).

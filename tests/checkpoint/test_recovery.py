@@ -220,15 +220,19 @@ def test_rank_killed_during_async_save_resumes_previous_checkpoint(
     """checkpoint.async_save: rank 1 is SIGKILLed right after its background write of step 4
     started (training had resumed). Its writers die with it (no process of the job is left
     after it exits); the restart loads step 2 (the half-written directory is never loaded);
-    the losses equal the reference; goodput charges the stall, the write time beside it."""
+    the losses equal the reference; goodput charges the stall, the write time beside it. The
+    interval is ``auto`` clamped to 2: the auto path runs (start line, re-derivation after
+    each save), the value stays deterministic."""
     out = tmp_path / "asynccrash"
-    with _Job(out, "nutp.replicas=[2,1]", "checkpoint.interval=2", "checkpoint.async_save=true",
+    with _Job(out, "nutp.replicas=[2,1]", "checkpoint.interval=auto", "checkpoint.interval_min=2",
+              "checkpoint.interval_max=2", "checkpoint.async_save=true",
               "recovery.enabled=true", "recovery.fault.kind=save_crash",
               "recovery.fault.rank=1", "recovery.fault.step=4") as job:
         rc, log = job.wait()
         left = job.left
     assert rc == 0, log[-6000:]
     assert left == [], f"processes outlived the job: {left}"
+    assert "interval auto (Young/Daly): 2 steps" in log and "interval auto: 2 steps" in log, log
     (s,) = _check(out, reference)
     assert s["resume_step"] == 2
     ckpts = sorted(p.name for p in (out / "checkpoints").iterdir() if p.is_dir())
