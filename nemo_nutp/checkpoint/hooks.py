@@ -107,7 +107,7 @@ class CheckpointHooks:
         hb = os.environ.get("NUTP_HEARTBEAT_DIR")
         self.heartbeat = Path(hb) / f"rank{self.rank}" if hb else None
         ck = cfg.checkpoint
-        self.saving = self.root is not None and ck.saves
+        self.saving = self.root is not None and (ck.interval == "auto" or int(ck.interval) > 0)
         self.auto: AutoInterval | None = None
         if self.saving and ck.interval == "auto":
             self.auto = AutoInterval(cfg.recovery.rate_per_gpu_day,
@@ -119,7 +119,7 @@ class CheckpointHooks:
             from ..procs import start_results_queue
 
             start_results_queue()  # the first save's one-time cost, overlapped with the first steps
-            if ck.async_save:
+            if getattr(ck, "async_save", False):
                 from .background import BackgroundSaves
 
                 self.saves = BackgroundSaves(on_done=self._completed, on_failed=self._failed)
