@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -60,6 +59,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from nemo_nutp.layout.serialize import write_json_atomic
+from nemo_nutp.procs import kill_session
 
 EVENTS = ("kill", "hang", "gpu_back", "straggler")
 FIELDS = ("detect_s", "transition_s", "lost_steps", "step_s", "checkpoint_bytes_read",
@@ -98,16 +98,6 @@ def path(name: str) -> Callable[[PathFn], PathFn]:
 
 # --------------------------------------------------------------------------- running a job
 
-def _kill_session(sid: int) -> None:
-    """SIGKILL every process of session ``sid`` (the job we started and the ranks it spawned,
-    which run in process groups of their own)."""
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[3]) == sid:
-                    os.kill(int(d.name), signal.SIGKILL)
-            except (OSError, IndexError, ValueError):
-                pass
 
 
 class Job:
@@ -129,7 +119,7 @@ class Job:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        _kill_session(self.proc.pid)
+        kill_session(self.proc.pid)
         self.proc.wait()
 
     def running(self) -> bool:

@@ -23,6 +23,21 @@ import threading
 PR_SET_PDEATHSIG = 1
 
 
+def kill_session(sid: int) -> None:
+    """SIGKILL every process of session ``sid`` (a job started with ``start_new_session`` and
+    the ranks it spawned, which run in process groups of their own). Linux ``/proc`` only."""
+    import os
+    from pathlib import Path
+
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[3]) == sid:
+                    os.kill(int(d.name), signal.SIGKILL)
+            except (OSError, IndexError, ValueError):
+                pass
+
+
 def die_with_parent() -> None:
     """In a child process: ask the kernel for SIGKILL when the parent dies (Linux only)."""
     if sys.platform.startswith("linux"):

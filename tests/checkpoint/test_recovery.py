@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ import pytest
 
 from nemo_nutp.config import load_config, plan_request
 from nemo_nutp.layout import build_plan
+from nemo_nutp.procs import kill_session
 
 TOL = 1e-5
 COMMON = ("train.seed=7", "train.global_batch_size=12", "train.micro_batch_size=2")
@@ -72,16 +72,6 @@ def _leftovers(sid: int, grace_s: float = 20.0) -> list[str]:
     return out
 
 
-def _kill_session(sid: int) -> None:
-    """SIGKILL every process of session ``sid`` (the job and the ranks it spawned, which run
-    in process groups of their own)."""
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[3]) == sid:
-                    os.kill(int(d.name), signal.SIGKILL)
-            except (OSError, IndexError, ValueError):
-                pass
 
 
 class _Job:
@@ -104,7 +94,7 @@ class _Job:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        _kill_session(self.proc.pid)
+        kill_session(self.proc.pid)
         self.proc.wait()
 
     def running(self) -> bool:

@@ -26,7 +26,7 @@ import pytest
 
 from nemo_nutp.config import load_config, plan_request
 from nemo_nutp.layout import build_plan
-from tests.checkpoint.test_recovery import _kill_session
+from nemo_nutp.procs import kill_session
 from tests.runtime.parity import BF16_TOL, Case, run_references
 
 TOL = 1e-5
@@ -49,7 +49,7 @@ def _run(out: Path, overrides: tuple[str, ...], env: dict[str, str]) -> tuple[in
         except subprocess.TimeoutExpired:
             rc = -1
         finally:
-            _kill_session(proc.pid)
+            kill_session(proc.pid)
             proc.wait()
     return rc, log.read_text()
 
