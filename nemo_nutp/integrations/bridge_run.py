@@ -194,11 +194,3 @@ def train_rank(job: Any, plan: Any, out_dir: str, *, seed: int) -> dict[str, Any
     out = {"rank": ctx.rank, "replica": ctx.replica, "steps": record}
     Path(out_dir, f"bridge_rank{ctx.rank}.json").write_text(json.dumps(out))
     return {**out, "model": model[0], "groups": groups}
-
-    optimizer.step = recorded_step
-    data = _batches(plan, ctx, dims, seed=seed, mbs=mbs, steps=cfg.train.train_iters)
-    bridge_train.train(forward_step, model, optimizer, scheduler, data, None, state,
-                       create_checkpoint_manager(cfg.checkpoint), groups.pgs)
-    out = {"rank": ctx.rank, "replica": ctx.replica, "steps": record}
-    Path(out_dir, f"bridge_rank{ctx.rank}.json").write_text(json.dumps(out))
-    return out
