@@ -44,10 +44,13 @@ def save_errors() -> tuple[type[BaseException], ...]:
 def check_writable(field: str, path: str | Path) -> None:
     """``path`` can be created and written (a file written, fsynced and removed): else a
     ``ValueError`` naming ``field`` and the path (a read-only mount, no permission, ``/proc``,
-    a file in the way). Pure filesystem, before any process exists."""
+    a file in the way). Pure filesystem, before any process exists; it leaves nothing behind
+    (directories it had to create are removed again: a run refused later, e.g. by the output
+    lock, must not have written anything)."""
     import secrets
 
     p = Path(path)
+    created = [d for d in (p, *p.parents) if not d.exists()]
     try:
         p.mkdir(parents=True, exist_ok=True)
         probe = p / f".nutp-write-probe-{os.getpid()}-{secrets.token_hex(3)}"
@@ -59,6 +62,12 @@ def check_writable(field: str, path: str | Path) -> None:
     except OSError as e:
         raise ValueError(f"{field}={path}: cannot be created or written "
                          f"({e.strerror or type(e).__name__})") from None
+    finally:
+        for d in created:  # innermost first
+            try:
+                d.rmdir()
+            except OSError:
+                pass
 
 
 def check_output_dirs(cfg: Any) -> None:
