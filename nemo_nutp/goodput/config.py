@@ -227,7 +227,12 @@ class TransitionConfig:
     """'plain' (restart_points) or 'warm_standby' (warm_standby_points, the plain fit's k)."""
     checkpoint_interval_hours: float = 0.5
     """Checkpoint interval; an unplanned restart recomputes half of it on average (at most the
-    time run since the previous transition). 0: no recomputation (needs save_s = 0)."""
+    time run since the previous transition, see ``recompute``). 0: no recomputation (needs
+    save_s = 0)."""
+    recompute: str = "capped"
+    """What an unplanned restart recomputes: 'capped' (half an interval, at most the work run
+    since the job last resumed) or 'half_interval' (always half an interval: the former
+    ``sim.stop_wait`` formula; it can charge work the job never ran)."""
     save_s: float = 20.0
     """Training stall per checkpoint save, charged every interval to every timeline policy
     (all of them checkpoint)."""
@@ -275,6 +280,9 @@ class TransitionConfig:
         if self.checkpoint_interval_hours == 0 and self.save_s > 0:
             raise _bad("sim.transitions.save_s", self.save_s,
                        "must be 0 when sim.transitions.checkpoint_interval_hours is 0")
+        if self.recompute not in ("capped", "half_interval"):
+            raise _bad("sim.transitions.recompute", self.recompute,
+                       "must be 'capped' or 'half_interval'")
         if self.calibration not in ("plain", "warm_standby"):
             raise _bad("sim.transitions.calibration", self.calibration,
                        "must be 'plain' or 'warm_standby'")

@@ -220,7 +220,8 @@ def _loss_rows(ctx: Context, ev: Events, trials: int, hours: float,
             num_gpus=cfg.num_gpus, tp=cfg.tp_base, best=ctx.tables.best, costs=costs,
             lost_h=lost_h)
         thr = np.ones(trials) if p not in CAPACITY_OF else acc[CAPACITY_OF[p]]["thr"]
-        still = np.minimum(1.0, trn.stall_fraction(tr, trials, hours) + save)
+        stall = trn.stall_fraction(tr, trials, hours, costs.recompute)
+        still = np.minimum(1.0, stall + save)
         loss = 1.0 - thr * (1.0 - still)
         out[p] = {**_stats(loss), "mode": MODE_OF[p],
                   "throughput_loss": float((1.0 - thr).mean()),

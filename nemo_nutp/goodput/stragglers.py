@@ -161,7 +161,7 @@ def run_stragglers(ctx: Any, rng: np.random.Generator) -> dict[str, Any]:
     for p in s.policies:
         t = thr[p].reshape(cfg.trials, n_steps).mean(axis=1)
         tr = straggler_transitions(p, ev, costs=ctx.costs, **geometry)  # type: ignore[arg-type]
-        still = trn.stall_fraction(tr, cfg.trials, hours)
+        still = trn.stall_fraction(tr, cfg.trials, hours, ctx.costs.recompute)
         loss = 1.0 - t * (1.0 - still)
         lost = float(loss.mean()) * gpu_hours
         out[p] = {"mean": float(loss.mean()), "p5": float(np.percentile(loss, 5)),

@@ -31,14 +31,25 @@ Contract:
   checkpoint read at ``storage_gbps``; live ``transition_s`` plus the scenario's bytes; detection
   as measured (does not grow with N); lost steps x the scenario's step time.
 * ``stall_fraction``: per trial the union of ``[t, t + hold)`` clipped to the horizon, plus per
-  merged block the ``lost`` of the transition that opened it, at most the time the job ran
-  since the previous block (work done since the last resume is all there is to lose; a
-  failure during a stall loses nothing more). Raising any cost never lowers it; more events
-  can (a planned restart saves a checkpoint a later failure would otherwise have needed), so
-  monotonicity in the event rate holds for the mean, not per draw. The save stall ``save_s``
-  every interval comes on top; ``transition_loss = throughput x min(1, stall + save)`` (the
-  time standing still is worth what the job would have done then), so ``loss =
-  throughput_loss + transition_loss``.
+  merged block reaching into the horizon the ``lost`` of the transition that opened it (the
+  job redoes it after it resumes); ``sim.transitions.recompute='capped'`` (default): at most
+  the time the job ran since the previous block (work done since the last resume is all there
+  is to lose; a failure during a stall loses nothing more); ``'half_interval'``: always the
+  whole ``lost``, the former ``sim.stop_wait`` formula exactly (it charges work the job never
+  ran when stalls come closer than half an interval). The save stall ``save_s`` every
+  interval comes on top; ``transition_loss = throughput x min(1, stall + save)`` (the time
+  standing still is worth what the job would have done then), so ``loss = throughput_loss +
+  transition_loss``.
+* Monotonicity (tests/goodput/test_transitions.py), 'capped': per draw, raising any
+  transition's hold or lost never lowers the stall, and adding transitions whose lost is at
+  least every other one's never lowers it (``min(lost, run)`` is subadditive), so
+  ``stop-wait`` (every failure a transition, all with the same lost) is monotone in the
+  failure rate on coupled (thinned) draws. Not per draw, by the model itself: a planned
+  restart saves a checkpoint a later failure would have needed (an extra failure's repair
+  can lower the total), and a failure bridging two down periods of a ``drop`` replica
+  removes two transitions; these hold for the mean. 'half_interval' is monotone per draw in
+  lost only: a longer or an added stall that merges two stalls drops the second one's half
+  interval while the union grows by less.
 """
 
 from __future__ import annotations
@@ -73,6 +84,7 @@ class Costs:
     max_wait_s: float | None
     fit: tuple[float, float]  # restart model a, k
     source: str
+    recompute: str = "capped"  # sim.transitions.recompute (stall_fraction)
 
     @property
     def save_fraction(self) -> float:
@@ -86,7 +98,7 @@ class Costs:
                 "checkpoint_interval_s": self.interval_s, "save_s": self.save_s,
                 "max_wait_s": self.max_wait_s, "restart_fit": {"a": self.fit[0],
                                                                "k": self.fit[1]},
-                "source": self.source}
+                "recompute": self.recompute, "source": self.source}
 
 
 def restart_fit(points: list[Any], exponent: float | None) -> tuple[float, float]:
@@ -157,7 +169,7 @@ def scenario_costs(cfg: SimConfig, dims: Any, hw: Any, step_s: float, n_replicas
                  live_lost_s=live_lost, interval_s=t.checkpoint_interval_hours * H,
                  save_s=t.save_s,
                  max_wait_s=None if t.max_wait_hours is None else t.max_wait_hours * H,
-                 fit=(a, k), source=source)
+                 fit=(a, k), source=source, recompute=t.recompute)
 
 
 def _read_measured(path: str) -> dict[str, Any]:
@@ -271,11 +283,14 @@ def failure_transitions(policy: str, ev: Events, load: SliceLoad, *, n_used_slic
                        np.concatenate([np.full(nf, f_lost / H), np.zeros(nb)]))
 
 
-def stall_fraction(tr: Transitions, trials: int, hours: float) -> np.ndarray:
+def stall_fraction(tr: Transitions, trials: int, hours: float, recompute: str = "capped"
+                   ) -> np.ndarray:
     """Per trial: fraction of the horizon standing still or recomputing (module docstring).
     Transitions before the horizon merge like any other (they end the previous run of the
-    job) but only their part inside it counts; a block opened before t = 0 recomputes
-    nothing inside the horizon."""
+    job) but only their part inside it counts. A merged block recomputes the ``lost`` of the
+    transition that opened it when the block reaches into the horizon (the job redoes that
+    work after it resumes); ``recompute='capped'``: at most the time the job ran since the
+    previous block, ``'half_interval'``: the whole ``lost`` (the former stop-wait formula)."""
     keep = tr.t < hours
     trial, s, lost = tr.trial[keep], tr.t[keep], tr.lost[keep]
     e = s + tr.hold[keep]
@@ -284,19 +299,25 @@ def stall_fraction(tr: Transitions, trials: int, hours: float) -> np.ndarray:
     order = np.lexsort((s, trial))
     trial, s, e, lost = trial[order], s[order], e[order], lost[order]
     lo = float(min(s.min(), 0.0))
-    big = 4.0 * (float(e.max()) - lo + 1.0)
-    run_end = np.maximum.accumulate(e - lo + trial * big) - trial * big + lo
+    off = trial * (4.0 * (float(e.max()) - lo + 1.0)) - lo  # trials apart, same rounding
+    run_end = np.maximum.accumulate(e + off)  # on both sides: touching spans stay merged
     new_trial = np.concatenate([[True], trial[1:] != trial[:-1]])
-    prev_end = np.where(new_trial, -np.inf, np.concatenate([[-np.inf], run_end[:-1]]))
-    new_block = new_trial | (s > prev_end)
+    new_block = new_trial | (s + off > np.concatenate([[-np.inf], run_end[:-1]]))
     block_id = np.cumsum(new_block) - 1
     b_end = np.full(int(block_id[-1]) + 1, -np.inf)
-    np.maximum.at(b_end, block_id, e)  # exact (run_end carries the offsets' rounding)
+    np.maximum.at(b_end, block_id, e)  # exact (the offsets round)
     b_trial, b_start = trial[new_block], s[new_block]
     b_prev = np.where(new_trial[new_block], -np.inf, np.concatenate([[-np.inf], b_end[:-1]]))
     inside = np.clip(b_end, 0, hours) - np.clip(b_start, 0, hours)
-    b_lost = np.where(b_start >= 0, np.minimum(lost[new_block], b_start - b_prev), 0.0)
-    paused = np.bincount(b_trial, weights=inside + b_lost, minlength=trials)
+    redo = lost[new_block]
+    if recompute == "capped":
+        redo = np.minimum(redo, b_start - b_prev)
+    elif recompute != "half_interval":
+        raise ValueError(f"sim.transitions.recompute={recompute!r}: must be 'capped' or "
+                         "'half_interval'")
+    reaches = (b_start >= 0) | (b_end > 0)  # into the horizon (a zero hold inside counts)
+    paused = np.bincount(b_trial, weights=inside + np.where(reaches, redo, 0.0),
+                         minlength=trials)
     return np.minimum(paused / hours, 1.0)
 
 
