@@ -69,7 +69,7 @@ def transitions_line(res: dict[str, Any]) -> str:
             f"{c['restart_fit']['k']:.3f}), planned restart {c['planned_restart_s']:.0f} s, "
             f"live {c['live_s']:.1f} s (+ in-flight step {c['live_lost_s']:.1f} s), "
             f"checkpoint every {c['checkpoint_interval_s'] / 60:.0f} min, save "
-            f"{c['save_s']:.0f} s{daly}")
+            f"{c['save_s']:.0f} s, recompute {c.get('recompute', 'capped')}{daly}")
 
 
 def batching_table(res: dict[str, Any]) -> Table:
