@@ -67,6 +67,7 @@ class World:
     failed: frozenset[int]
     gen: int
     hb: Path  # heartbeat directory of this world
+    next_slot: int = 0  # the slot a joiner gets (slots: process identities, never reused)
 
     def alive(self) -> list[int]:
         return [r for r, p in enumerate(self.procs) if p.exitcode is None]
@@ -143,7 +144,7 @@ def relayout(store: Any, cfg: Any, w: World, failure: Failure, *, detected: floa
         old = list(w.plan.rank_to_gpu).index(g)
         new_procs.append(w.procs[old])
         new_slots.append(w.slots[old])
-    nw = World(job, plan, new_procs, new_slots, failed, gen, hb)
+    nw = World(job, plan, new_procs, new_slots, failed, gen, hb, w.next_slot)
     _wait_keys(store, [f"started{gen}"], nw, list(range(len(new_procs))), START_TIMEOUT_S,
                "the new world was being built")
     started = json.loads(store.get(f"started{gen}"))
@@ -164,6 +165,151 @@ def relayout(store: Any, cfg: Any, w: World, failure: Failure, *, detected: floa
               "world_size": plan.world_size, "replica_tp": watch.layout_of(plan),
               "pids": [p.pid for p in new_procs]}
     return nw, fields
+
+
+class Finished(Exception):
+    """Every rank ended the job (0) before the grow-back boundary: nothing to re-lay out."""
+
+
+def _wait_boundary(store: Any, keys: list[str], w: World, timeout_s: float) -> None:
+    """Every rank's report at the grow-back boundary; ``Finished`` if they all ended first."""
+    deadline = time.monotonic() + timeout_s
+    while not store.check(keys):
+        codes = [p.exitcode for p in w.procs]
+        if all(c == 0 for c in codes):
+            raise Finished()
+        bad = [r for r, c in enumerate(codes) if c not in (None, 0)]
+        if bad:
+            raise Fallback(f"rank {bad[0]} exited ({codes[bad[0]]}) before the grow-back "
+                           "boundary")
+        if time.monotonic() > deadline:
+            raise Fallback(f"timed out after {timeout_s:.0f} s waiting for the grow-back "
+                           "boundary")
+        time.sleep(POLL_S)
+
+
+def _grow_plan(cfg: Any, w: World, rdir: Path) -> tuple[frozenset[int], Any, Any,
+                                                        dict[int, int], list[int]]:
+    """Failed GPUs, job, plan, survivors' rank map and joiners (new ranks) of a grow back.
+    The health report is read again here: GPUs reported back until every rank stopped at the
+    boundary are taken in by this one re-layout (close returns batched)."""
+    from ..relayout.plan import plan_move, survivor_rank_map
+    from .decisions import returned_gpus
+
+    failed = w.failed - returned_gpus(w.failed, watch.read_health(rdir / "health.json"))
+    job = job_for(cfg, failed)
+    try:
+        plan = replan(w.plan, job)
+    except ValueError as e:
+        raise Fallback(f"no valid plan with the GPUs back: {e}") from None
+    rank_map = survivor_rank_map(w.plan, plan)
+    joiners = sorted(set(range(plan.world_size)) - set(rank_map.values()))
+    mv = plan_move(w.plan, plan, rank_map, joiners=frozenset(joiners))
+    if not mv.possible:
+        raise Fallback(f"state cannot move: {mv.reason}")
+    return failed, job, plan, rank_map, joiners
+
+
+def grow(store: Any, cfg: Any, w: World, back: frozenset[int], *, detected: float, rdir: Path,
+         attempt: int, start_joiner: Any) -> tuple[World, dict[str, Any]]:
+    """GPUs reported back (grow back): every rank stops at the step boundary its vote agrees
+    on (``live.GROW``), reports, the planner re-plans with the GPUs back, one new process per
+    returning GPU is started (``start_joiner(slot, old_plan, gpu, gen, heartbeat_dir)``)
+    and joins the next world, where it receives its state from the survivors. Returns the new
+    world and the event's fields; raises ``Fallback`` or ``Finished``."""
+    from .live import GROW
+
+    ranks = w.alive()
+    store.set(f"abort{w.gen}", f"{GROW}: GPUs {sorted(back)} back")
+    keys = [f"report{w.gen}/{w.slots[r]}" for r in ranks]
+    _wait_boundary(store, keys, w, REPORT_TIMEOUT_S + 30 * w.job.recovery.heartbeat_timeout_s)
+    posts = {r: json.loads(store.get(k)) for r, k in zip(ranks, keys, strict=True)}
+    try:
+        dec = decide({r: Report(p["step"], p["phase"]) for r, p in posts.items()})
+    except RuntimeError as e:
+        raise Fallback(str(e)) from None
+    out_at = max(p["out_at"] for p in posts.values())
+    failed, job, plan, rank_map, joiners = _grow_plan(cfg, w, rdir)
+    watch.write_health(rdir / "health.json", failed)
+    gen = w.gen + 1
+    hb = rdir / f"heartbeats.{attempt}.live{gen}"
+    hb.mkdir(parents=True, exist_ok=True)
+    store.set(f"decision{w.gen}", json.dumps({
+        "action": "live", "step": dec.step, "apply": [], "failed_gpus": sorted(failed),
+        "rank_to_gpu": list(plan.rank_to_gpu), "dead_ranks": [], "joiners": joiners,
+        "detected_at": detected, "heartbeat_dir": str(hb)}))
+    inv = {n: o for o, n in rank_map.items()}
+    procs, slots, nxt = [], [], w.next_slot
+    for n in range(plan.world_size):
+        if n in inv:
+            procs.append(w.procs[inv[n]])
+            slots.append(w.slots[inv[n]])
+            continue
+        procs.append(start_joiner(nxt, w.plan, plan.rank_to_gpu[n], gen, hb))
+        slots.append(nxt)
+        nxt += 1
+    nw = World(job, plan, procs, slots, failed, gen, hb, nxt)
+    _wait_keys(store, [f"started{gen}"], nw, list(range(len(procs))), START_TIMEOUT_S,
+               "the grown world was being built")
+    started = json.loads(store.get(f"started{gen}"))
+    for r in ranks:  # healthy GPUs the new layout does not use leave by themselves
+        if r not in rank_map:
+            w.procs[r].join(timeout=30)
+    gpus = sorted(w.failed - failed)
+    return nw, {"attempt": attempt, "gen": gen, "ranks": [], "gpus": gpus,
+                "reason": "GPU back", "detected_at": detected,
+                "unblock_s": max(0.0, out_at - detected),
+                "relayout_s": started["t"] - detected, "committed_step": dec.step,
+                "resume_step": started["resume_step"], "lost_steps": 0, "recomputed_steps": 0,
+                "applied_by": [], "joiners": joiners,
+                "bytes_received_rank_max": started["bytes_received_rank_max"],
+                "lower_bound_rank_max": started["lower_bound_rank_max"],
+                "peak_memory_ratio": started["peak_memory_ratio"], "move_s": started["move_s"],
+                "checkpoint_bytes_read": 0, "processes_started": len(joiners),
+                "world_size": plan.world_size, "replica_tp": watch.layout_of(plan),
+                "pids": [p.pid for p in procs]}
+
+
+def gpus_back(cfg: Any, w: World, rdir: Path) -> tuple[frozenset[int], str | None]:
+    """GPUs of the running world the health report gives back, and why they are not taken in
+    now (None: grow back live)."""
+    from ..config import plan_request
+    from ..layout import build_plan
+    from .decisions import returned_gpus
+
+    back = returned_gpus(w.failed, watch.read_health(rdir / "health.json"))
+    if not back:
+        return back, None
+    fuller = build_plan(plan_request(job_for(cfg, w.failed - back)))
+    if watch.layout_of(fuller) == watch.layout_of(w.plan):
+        return back, "the layout does not change"
+    return back, None
+
+
+def handle_grow(store: Any, cfg: Any, w: World, back: frozenset[int], *, rdir: Path,
+                attempt: int, console: Any, start_joiner: Any) -> World | str | None:
+    """GPUs back: the grown world, the fallback reason, or None (the job ended first)."""
+    events = rdir / "events.jsonl"
+    detected = time.time()
+    log_event("scale_up_requested", file=events, gpus=sorted(back), mode="live", gen=w.gen)
+    try:
+        nw, fields = grow(store, cfg, w, back, detected=detected, rdir=rdir, attempt=attempt,
+                          start_joiner=start_joiner)
+    except Finished:
+        return None
+    except Fallback as e:
+        store.set(f"decision{w.gen}", json.dumps({"action": "restart", "reason": str(e)}))
+        log_event("live_fallback", file=events, attempt=attempt, gen=w.gen, ranks=[],
+                  reason=str(e))
+        console.print(f"[yellow]recovery:[/] live grow back not possible ({e}): planned "
+                      "restart from the newest checkpoint")
+        return str(e)
+    log_event("live_relayout", file=events, cause="gpu_back", **fields)
+    console.print(f"[green]recovery:[/] GPUs {fields['gpus']} back: live re-layout to "
+                  f"{fields['replica_tp']} in {fields['relayout_s']:.2f} s "
+                  f"({fields['processes_started']} processes started), continuing at step "
+                  f"{fields['resume_step']}")
+    return nw
 
 
 def find_failure(w: World, *, now: float, started: float, rec: Any) -> tuple[Failure | None,
@@ -217,7 +363,7 @@ def run_world(cfg: Any, job: Any, plan: Any, failed: frozenset[int], attempt: in
     failure falls back to the restart path."""
     import multiprocessing as mp
 
-    from .world import HANG_POLL_S, PRELOAD, Attempt, _rank_main, _stop
+    from .world import HANG_POLL_S, PRELOAD, Attempt, _join_main, _rank_main, _stop
 
     store, port = host_store()
     hb = rdir / f"heartbeats.{attempt}"
@@ -232,9 +378,17 @@ def run_world(cfg: Any, job: Any, plan: Any, failed: frozenset[int], attempt: in
         p.start()
     log_event("live_world", file=rdir / "events.jsonl", attempt=attempt, gen=0,
               pids=[p.pid for p in procs])
-    w = World(job, plan, procs, list(range(plan.world_size)), failed, 0, hb)
-    started = next_hang = time.time()
+    w = World(job, plan, procs, list(range(plan.world_size)), failed, 0, hb, plan.world_size)
+
+    def start_joiner(slot: int, old_plan: Any, gpu: int, gen: int, hb: Path) -> Any:
+        p = ctx.Process(target=_join_main, args=(slot, job, old_plan, gpu, gen,
+                                                 {**env, "NUTP_HEARTBEAT_DIR": str(hb)}))
+        p.start()
+        return p
+
     health_watch = watch.HealthWatch(cfg, job, plan, failed, rdir, console)
+    started = next_hang = next_health = time.time()
+    seen: frozenset[int] = frozenset()
     while True:
         time.sleep(0.05)
         now = time.time()
@@ -245,7 +399,25 @@ def run_world(cfg: Any, job: Any, plan: Any, failed: frozenset[int], attempt: in
         if failure is None and now >= next_hang:
             next_hang = now + HANG_POLL_S
             failure, cause = find_failure(w, now=now, started=started, rec=job.recovery)
-        scale = health_watch.poll(now) if failure is None and w.gen == 0 else None
+        scale = None
+        if failure is None and job.train.distributed_optimizer:  # no live moves of its slices
+            scale = health_watch.poll(now) if w.gen == 0 else None  # yet: planned restart
+        elif failure is None and now >= next_health:
+            next_health = now + watch.HEALTH_POLL_S
+            back, why = gpus_back(cfg, w, rdir)
+            if back and back != seen and why is not None:
+                log_event("gpu_back", file=rdir / "events.jsonl", gpus=sorted(back), deferred=why)
+                console.print(f"[yellow]recovery:[/] GPUs {sorted(back)} reported back; {why}: "
+                              "they are used at the next restart")
+            seen = back
+            if back and why is None:
+                res = handle_grow(store, cfg, w, back, rdir=rdir, attempt=attempt,
+                                  console=console, start_joiner=start_joiner)
+                if res is None or isinstance(res, World):
+                    w, started = (w, started) if res is None else (res, time.time())
+                    continue
+                scale = watch.ScaleUp(tuple(sorted(back)), now,
+                                      watch.resume_step(w.job.checkpoint_dir))
         if failure is None and scale is None:
             continue
         detected = time.time()

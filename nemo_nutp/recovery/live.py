@@ -39,6 +39,8 @@ import torch.distributed as dist
 from . import backend
 from .commit import Report
 
+GROW = "grow"
+"""Prefix of an ``abort<gen>`` value that asks for a stop at a step boundary (grow back)."""
 ABORT_WAIT_S = 30.0
 """How long a rank whose collective failed waits for the control process's abort."""
 
@@ -85,21 +87,25 @@ class LiveRank:
     store: Any = None
     injector: Any = None  # recovery/inject.py (NUTP_LIVE_FAULT), tests
     old_replica_tp: Any = None  # the stopped world's replicas (its missing metrics row)
+    grow_agreed: bool = False  # the last vote asked every rank to stop after this step
+    _grow: threading.Event = field(default_factory=threading.Event)
     _rejoined: threading.Event = field(default_factory=threading.Event)
 
-    def start(self) -> None:
+    def start(self, *, gen: int = 0) -> None:
+        """Connect; ``gen``: the first world this process joins (a joiner: not 0)."""
         from .inject import Injector
 
+        self.gen = gen
         self.injector = Injector.from_env(self.slot)
         backend.install()
         self.store = connect(self.host, self.port, self.timeout_s)
         watcher = connect(self.host, self.port, self.timeout_s)
-        threading.Thread(target=self._watch, args=(watcher,), name="nutp-live-control",
+        threading.Thread(target=self._watch, args=(watcher, gen), name="nutp-live-control",
                          daemon=True).start()
 
-    def _watch(self, store: Any) -> None:
-        """Control thread: one blocking wait per world; sets the abort flag."""
-        gen = 0
+    def _watch(self, store: Any, gen: int) -> None:
+        """Control thread: one blocking wait per world; sets the abort flag (a failure) or
+        asks for a stop at the next step boundary (``grow...``: GPUs back, nothing failed)."""
         while True:
             key = f"abort{gen}"
             try:
@@ -111,7 +117,10 @@ class LiveRank:
                 print(f"nutp: rank slot {self.slot}: control store lost ({e}); exiting",
                       flush=True)
                 os._exit(3)
-            backend.FLAG.set(why)
+            if why.startswith(GROW):
+                self._grow.set()
+            else:
+                backend.FLAG.set(why)
             self._rejoined.wait()
             self._rejoined.clear()
             gen += 1
@@ -128,11 +137,14 @@ class LiveRank:
         world size."""
         self.loss = loss
         self.phase = "voting"
-        t = torch.ones(1, dtype=torch.int32)
+        # [1, grow]: a grow-back request seen by any rank's control thread before its vote
+        # stops every rank after this step (the sum is the same on every rank).
+        t = torch.tensor([1, int(self._grow.is_set())], dtype=torch.int32)
         dist.all_reduce(t)
-        if int(t.item()) != dist.get_world_size():
-            raise RuntimeError(f"vote of step {self.step}: {int(t.item())} of "
+        if int(t[0]) != dist.get_world_size():
+            raise RuntimeError(f"vote of step {self.step}: {int(t[0])} of "
                                f"{dist.get_world_size()} ranks")
+        self.grow_agreed = int(t[1]) > 0
         self.phase = "committed"
         self.committed = Committed(self.step, loss, step_s=time.perf_counter() - self.began)
 
@@ -156,6 +168,14 @@ class LiveRank:
              "error": f"{type(error).__name__}: {str(error)[:200]}"}))
         return rep, out_at
 
+    def boundary(self) -> Report:
+        """At the step boundary the vote agreed on (GPUs back): report the committed step."""
+        rep = Report(self.step, "committed")
+        self.store.set(f"report{self.gen}/{self.slot}", json.dumps(
+            {"step": rep.step, "phase": rep.phase, "out_at": time.time(), "pid": os.getpid(),
+             "error": ""}))
+        return rep
+
     def decision(self) -> dict[str, Any]:
         key = f"decision{self.gen}"
         self.store.wait([key], timedelta(seconds=self.timeout_s))
@@ -166,6 +186,8 @@ class LiveRank:
         abort key)."""
         backend.abandon()
         backend.FLAG.clear()
+        self._grow.clear()
+        self.grow_agreed = False
         self.gen += 1
         self._rejoined.set()
         backend.join(self.store, gen=self.gen, rank=rank, world=world,
@@ -181,15 +203,17 @@ def is_stop(error: BaseException) -> bool:
     return isinstance(error, (backend.Aborted, RuntimeError, dist.DistBackendError))
 
 
-def move(old: Any, new: Any, *, rank_map: dict[int, int]) -> dict[str, Any]:
-    """Move the old session's state into the new one (collective over the new world). Returns
-    this rank's figures: bytes received, its lower bound, peak memory ratio, seconds."""
+def move(old: Any | None, new: Any, *, old_plan: Any, rank_map: dict[int, int],
+         joiners: frozenset[int] = frozenset()) -> dict[str, Any]:
+    """Move the old session's state into the new one (collective over the new world;
+    ``old=None``: this rank joins with nothing). Returns this rank's figures: bytes received,
+    its lower bound, peak memory ratio, seconds."""
     from ..relayout.move import move_state
     from ..relayout.plan import plan_move
 
     prec = getattr(new, "precision", "fp32")
     per_elem = 12 if prec == "fp32" else 14
-    mv = plan_move(old.plan, new.plan, rank_map, bytes_per_elem=per_elem)
+    mv = plan_move(old_plan, new.plan, rank_map, bytes_per_elem=per_elem, joiners=joiners)
     rep = move_state(mv, old=old, new=new, group=dist.group.WORLD)
     return {"received_bytes": int(rep.received_bytes),
             "lower_bound_bytes": int(rep.lower_bound_bytes),

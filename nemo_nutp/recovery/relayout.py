@@ -4,6 +4,7 @@ one in the same process (``live.py`` has the protocol, ``commit.py`` its invaria
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from typing import Any
@@ -102,14 +103,18 @@ def _digest(session: Any, gen: int) -> None:
         log_event("live_digest", gen=gen, replica=i, digest=h.hexdigest())
 
 
-def relayout(cfg: Any, run: Any, link: LiveRank, error: BaseException, *,
+def relayout(cfg: Any, run: Any, link: LiveRank, error: BaseException | None, *,
              device: torch.device | None, make_run: Any, build: Any) -> tuple[Any, int]:
-    """The world this rank trained in stopped (``error``): report, follow the control
-    process's decision, join the next world with the state moved. Returns the new run and
-    the step it starts at (last committed + 1)."""
+    """The world this rank trained in stopped (``error``; None: at the step boundary the vote
+    agreed on, GPUs are back): report, follow the control process's decision, join the next
+    world with the state moved. Returns the new run and the step it starts at (last
+    committed + 1)."""
     from .decisions import job_for
 
-    link.stop(error)
+    if error is None:
+        link.boundary()
+    else:
+        link.stop(error)
     inj = link.injector
     if inj is not None:
         inj.fire("relayout", step=link.step, gen=link.gen)
@@ -135,14 +140,40 @@ def relayout(cfg: Any, run: Any, link: LiveRank, error: BaseException, *,
     link.rejoin(rank=rank, world=plan.world_size, device=device)
     os.environ["NUTP_HEARTBEAT_DIR"] = d["heartbeat_dir"]
     session = build(job, plan, device)
-    rank_map = {o: n for o, n in renumber(tuple(old.plan.rank_to_gpu),
-                                          tuple(plan.rank_to_gpu)).items()
-                if n is not None and o not in d["dead_ranks"]}
-    stats = move(old, session, rank_map=rank_map)
+    rank_map = _rank_map(old.plan, plan, d)
+    stats = move(old, session, old_plan=old.plan, rank_map=rank_map,
+                 joiners=frozenset(d.get("joiners", ())))
     del old
     run.session = None
+    ledger, rng = _share(d, rank_map, run.ledger, rng)
     torch.set_rng_state(rng)
-    ledger = run.ledger
+    return _start(job, plan, session, d, link, ledger, stats, device=device, make_run=make_run)
+
+
+def _rank_map(old_plan: Any, plan: Any, d: dict[str, Any]) -> dict[int, int]:
+    """Old rank -> new rank of the survivors (by GPU identity)."""
+    return {o: n for o, n in renumber(tuple(old_plan.rank_to_gpu),
+                                      tuple(plan.rank_to_gpu)).items()
+            if n is not None and o not in d["dead_ranks"]}
+
+
+def _share(d: dict[str, Any], rank_map: dict[int, int], ledger: Any, rng: torch.Tensor
+           ) -> tuple[Any, torch.Tensor]:
+    """Joiners (grow back) take the goodput ledger and the RNG state from the lowest new rank
+    of a survivor (one broadcast over the new world, only when the decision has joiners)."""
+    if not d.get("joiners"):
+        return ledger, rng
+    box = [ledger, rng]
+    dist.broadcast_object_list(box, src=min(rank_map.values()))
+    if ledger is None:
+        return box[0], box[1]
+    return ledger, rng
+
+
+def _start(job: Any, plan: Any, session: Any, d: dict[str, Any], link: LiveRank, ledger: Any,
+           stats: dict[str, Any], *, device: torch.device | None, make_run: Any
+           ) -> tuple[Any, int]:
+    """The new world's run from the moved state; rank 0 posts ``started<gen>``."""
     ledger.failed_gpus = len(plan.request.health.failed_gpus)
     ledger.idle_gpus = plan.idle_healthy_gpus
     ledger.add_pause("relayout", max(0.0, time.time() - d["detected_at"]))
@@ -154,8 +185,38 @@ def relayout(cfg: Any, run: Any, link: LiveRank, error: BaseException, *,
         _digest(session, link.gen)
     mx = reduce_max([stats["received_bytes"], stats["lower_bound_bytes"],
                      stats["peak_memory_ratio"], stats["move_s"]], device)
-    if rank == 0:
+    if dist.get_rank() == 0:
         link.post("started", {"t": time.time(), "bytes_received_rank_max": int(mx[0]),
                               "lower_bound_rank_max": int(mx[1]), "peak_memory_ratio": mx[2],
                               "move_s": mx[3], "resume_step": start})
     return new, start
+
+
+def join(cfg: Any, old_plan: Any, link: LiveRank, gpu: int, *, device: torch.device | None,
+         make_run: Any, build: Any) -> tuple[Any, int]:
+    """A returning GPU's new process (grow back): join world ``link.gen`` at the rank the
+    control process's decision gives this GPU, build the session, receive weights, masters and
+    optimizer state from the survivors (no checkpoint read), the ledger and RNG state from a
+    survivor. Returns the run and the step it starts at. ``old_plan``: the stopped world's;
+    ``gpu``: this process's GPU."""
+    from .decisions import job_for
+
+    d = json.loads(link.store.get(f"decision{link.gen - 1}"))
+    job = job_for(cfg, frozenset(d["failed_gpus"]))
+    plan = replan(old_plan, job)
+    if list(plan.rank_to_gpu) != d["rank_to_gpu"]:
+        raise RuntimeError(f"re-planned rank_to_gpu={list(plan.rank_to_gpu)} but the control "
+                           f"process decided {d['rank_to_gpu']} (same code and config?)")
+    rank = list(plan.rank_to_gpu).index(gpu)
+    from . import backend
+
+    backend.join(link.store, gen=link.gen, rank=rank, world=plan.world_size,
+                 backend="nccl" if device is not None and device.type == "cuda" else "gloo",
+                 timeout_s=link.timeout_s)
+    session = build(job, plan, device)
+    rank_map = _rank_map(old_plan, plan, d)
+    stats = move(None, session, old_plan=old_plan, rank_map=rank_map,
+                 joiners=frozenset(d["joiners"]))
+    ledger, rng = _share(d, rank_map, None, torch.get_rng_state())
+    torch.set_rng_state(rng)
+    return _start(job, plan, session, d, link, ledger, stats, device=device, make_run=make_run)

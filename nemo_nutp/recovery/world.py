@@ -44,6 +44,16 @@ def _rank_main(rank: int, world: int, cfg: Any, plan: Any, port: int,
     run_rank(rank, world, rank, cfg, plan, port)
 
 
+def _join_main(slot: int, cfg: Any, old_plan: Any, gpu: int, gen: int,
+               env: dict[str, str]) -> None:
+    """A returning GPU's process (live grow back): joins world ``gen`` of a running job."""
+    os.setpgrp()
+    os.environ.update(env)
+    from ..train.worker import join_rank
+
+    join_rank(slot, cfg, old_plan, gpu, gen)
+
+
 def _stop(procs: list[Any]) -> None:
     for p in procs:
         # Survivors block in collectives with the dead rank; checkpoint writer helpers of a

@@ -162,7 +162,7 @@ def _stream(move: MovePlan, pieces: list[Piece], params: dict[str, _Param], dims
     return split_stream(items, bucket), where
 
 
-def _pair_pieces(move: MovePlan, me_old: int, me_new: int
+def _pair_pieces(move: MovePlan, me_old: int | None, me_new: int
                  ) -> tuple[dict[int, list[Piece]], dict[int, list[Piece]], list[Piece]]:
     sends: dict[int, list[Piece]] = {}
     recvs: dict[int, list[Piece]] = {}
@@ -245,19 +245,23 @@ def _state_bytes(params: dict[str, _Param]) -> int:
     return sum(f.numel() * f.element_size() for p in params.values() for f in p.fields)
 
 
-def move_state(move: MovePlan, *, old: Any, new: Any, group: Any,
+def move_state(move: MovePlan, *, old: Any | None, new: Any, group: Any,
                bucket_bytes: int = 32 << 20) -> MoveReport:
     """Fill ``new`` (a session of the new plan) from the survivors' old sessions; collective
-    over ``group``. See the module docstring for what is moved and how."""
+    over ``group``. See the module docstring for what is moved and how. ``old=None``: this
+    rank is a joiner (a returning GPU's new process, ``plan_move(joiners=...)``): it sends
+    nothing and receives everything it holds."""
     if not move.possible:
         raise MoveImpossible(move.reason)
     t0 = time.perf_counter()
-    me_new, me_old = new.groups.ctx.rank, old.groups.ctx.rank
-    if group.rank() != me_new or move.rank_map.get(me_old) != me_new:
+    me_new = new.groups.ctx.rank
+    me_old = None if old is None else old.groups.ctx.rank
+    if group.rank() != me_new or (me_old is not None and move.rank_map.get(me_old) != me_new) \
+            or (me_old is None and me_new in move.rank_map.values()):
         raise ValueError(f"relayout: group rank {group.rank()}, new rank {me_new}, old rank "
                          f"{me_old}: the group's rank must be the new rank of this survivor")
     dims = new.plan.request.model
-    src, step_old = _params(old)
+    src, step_old = _params(old) if old is not None else ({}, None)
     dst, step_new = _params(new)
     fields = sorted({(p.space, len(p.fields), str([f.dtype for f in p.fields]))
                      for p in (*src.values(), *dst.values())})
@@ -294,7 +298,8 @@ def move_state(move: MovePlan, *, old: Any, new: Any, group: Any,
         for buf, chunk, where in got:
             _unpack(buf, chunk, where, dst, dims)
             received += buf.numel()
-    _carry_scalars(old, new, step_old, step_new)
+    _carry_scalars(old, new, step_old, step_new, group=group, device=device,
+                   joining=len(move.rank_map) < len(move.lower_bound_bytes))
     return MoveReport(received_bytes=received, lower_bound_bytes=move.lower_bound_bytes[me_new],
                       sent_bytes=sent, local_bytes=local_bytes, rounds=rounds,
                       peak_buffer_bytes=peak, seconds=time.perf_counter() - t0,
@@ -302,17 +307,53 @@ def move_state(move: MovePlan, *, old: Any, new: Any, group: Any,
                       posted=posted)
 
 
+def _scalars(optimizer: Any, step: torch.Tensor | None) -> tuple[list[float], list[Any]]:
+    """The per-parameter Adam ``step`` and every loss scaler's state as one float list (a
+    fixed length for a given config), and the scalers' state dicts (their keys)."""
+    vals = [float(step) if step is not None else -1.0]
+    dicts = []
+    for inner in _inner(optimizer):
+        gs = getattr(inner, "grad_scaler", None)
+        sd = gs.state_dict() if gs is not None else {}
+        dicts.append(sd)
+        vals += [float(sd[k]) for k in sorted(sd)]
+    return vals, dicts
+
+
 @torch.no_grad()
-def _carry_scalars(old: Any, new: Any, step_old: torch.Tensor | None,
-                   step_new: torch.Tensor | None) -> None:
+def _carry_scalars(old: Any | None, new: Any, step_old: torch.Tensor | None,
+                   step_new: torch.Tensor | None, *, group: Any, device: torch.device,
+                   joining: bool) -> None:
     """The per-parameter Adam ``step`` (equal for every parameter of every rank: megatron
-    checkpoints keep one ``common_step``) and the fp16 loss scaler: this rank's own values."""
+    checkpoints keep one ``common_step``) and the fp16 loss scaler: this rank's own values; a
+    joiner takes them from the survivors (one MAX all-reduce of a few numbers over the new
+    world, posted only when the move has joiners: every rank knows that from the plan)."""
+    if joining:
+        vals, dicts = _scalars(new.optimizer if old is None else old.optimizer, step_old)
+        if old is None:
+            vals = [-1.0] * len(vals)
+        t = torch.tensor(vals, dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        got = [float(x) for x in t.tolist()]
+        if old is None:
+            if got[0] >= 0:
+                step_old = torch.tensor(got[0], dtype=torch.float32)
+            pos = 1
+            for inner, sd in zip(_inner(new.optimizer), dicts, strict=True):
+                gs = getattr(inner, "grad_scaler", None)
+                if gs is None:
+                    continue
+                gs.load_state_dict({k: torch.tensor(got[pos + i], dtype=sd[k].dtype)
+                                    if torch.is_tensor(sd[k]) else type(sd[k])(got[pos + i])
+                                    for i, k in enumerate(sorted(sd))})
+                pos += len(sd)
     if step_old is not None:
         for inner in _inner(new.optimizer):
             for st in inner.optimizer.state.values():
                 st["step"] = step_old.clone()
-    for a, b in zip(_inner(old.optimizer), _inner(new.optimizer), strict=True):
-        ga, gb = getattr(a, "grad_scaler", None), getattr(b, "grad_scaler", None)
-        if ga is not None and gb is not None:
-            gb.load_state_dict(ga.state_dict())
+    if old is not None:
+        for a, b in zip(_inner(old.optimizer), _inner(new.optimizer), strict=True):
+            ga, gb = getattr(a, "grad_scaler", None), getattr(b, "grad_scaler", None)
+            if ga is not None and gb is not None:
+                gb.load_state_dict(ga.state_dict())
     del step_new

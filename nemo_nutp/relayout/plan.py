@@ -163,7 +163,8 @@ def holding(plan: Plan, rank: int, space: str) -> tuple[int, int, int, int]:
     return i, s, int(b[j]), int(b[j + 1])
 
 
-def _check(old: Plan, new: Plan, rank_map: Mapping[int, int]) -> None:
+def _check(old: Plan, new: Plan, rank_map: Mapping[int, int], joiners: frozenset[int]
+           ) -> None:
     if old.pp != new.pp:
         raise ValueError(f"parallel.pp={new.pp}: a live re-layout keeps the pipeline depth "
                          f"(old plan pp={old.pp})")
@@ -175,10 +176,11 @@ def _check(old: Plan, new: Plan, rank_map: Mapping[int, int]) -> None:
     bad = [o for o in rank_map if not 0 <= o < old.world_size]
     if bad:
         raise ValueError(f"rank_map: old ranks {bad[:4]} are not in the old plan")
-    targets = sorted(rank_map.values())
+    targets = sorted([*rank_map.values(), *joiners])
     if targets != list(range(new.world_size)):
         raise ValueError(f"rank_map: must map survivors one-to-one onto new ranks "
-                         f"0..{new.world_size - 1}, got {targets[:8]}...")
+                         f"0..{new.world_size - 1} (with the joiners {sorted(joiners)[:8]}), "
+                         f"got {targets[:8]}...")
 
 
 class _Sources:
@@ -319,11 +321,13 @@ def _ranges_at(dims: ModelDims, pp: int, balance: str, stage: int, degree: int, 
 
 
 def plan_move(old: Plan, new: Plan, rank_map: Mapping[int, int], *, bytes_per_elem: int = 12,
-              max_sources: int = 8) -> MovePlan:
+              max_sources: int = 8, joiners: frozenset[int] = frozenset()) -> MovePlan:
     """The move plan from ``old`` to ``new`` (see the module docstring). ``bytes_per_elem``:
     bytes of all moved fields per parameter element (fp32 + Adam 12; bf16 + master + Adam 14),
-    for the byte figures only. Deterministic: every rank computes the same plan."""
-    _check(old, new, rank_map)
+    for the byte figures only. ``joiners``: new ranks without an old rank (a returning GPU's new
+    process, grow back): they hold nothing, so everything they hold comes from survivors
+    (their replica's old TP peers first). Deterministic: every rank computes the same plan."""
+    _check(old, new, rank_map, frozenset(joiners))
     rmap = dict(rank_map)
     inv = {n: o for o, n in rmap.items()}
     src = _Sources(old, set(rmap), max_sources)
@@ -331,20 +335,23 @@ def plan_move(old: Plan, new: Plan, rank_map: Mapping[int, int], *, bytes_per_el
     lower: dict[int, int] = {}
     same = _unchanged(old, new)
     for n in range(new.world_size):
-        o = inv[n]
+        o = inv.get(n)
         lower[n] = 0
         s = new.rank_index[n][1]
-        if same(o, n):  # holds exactly what it held: local copies only (the common case)
+        if o is not None and same(o, n):  # holds exactly what it held: local copies only
             pieces += [Piece(n, o, s, sp, lo, hi, (hi - lo) * e) for sp, lo, hi, e in
                        _ranges(new, n)]
             continue
         for space in stage_spaces(new, s):
             _, _, lo, hi = holding(new, n, space)
-            orep, os_, olo, ohi = holding(old, o, space)
-            own = (olo, ohi) if os_ == s else None
+            if o is None:  # a joiner: its new replica's old ranks are its nearest sources
+                orep, own = min(new.rank_index[n][0], len(old.replicas) - 1), None
+            else:
+                orep, os_, olo, ohi = holding(old, o, space)
+                own = (olo, ohi) if os_ == s else None
             elems = unit_elems(new, s, space)
-            if own is not None and min(hi, ohi) > max(lo, olo):
-                a, b = max(lo, olo), min(hi, ohi)
+            if o is not None and own is not None and min(hi, own[1]) > max(lo, own[0]):
+                a, b = max(lo, own[0]), min(hi, own[1])
                 pieces.append(Piece(n, o, s, space, a, b, (b - a) * elems))
             for a, b in _missing((lo, hi), own):
                 lower[n] += (b - a) * elems * bytes_per_elem

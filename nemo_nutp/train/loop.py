@@ -194,16 +194,23 @@ class _Run:
 
 
 def train_rank(cfg: JobConfig, plan: Plan, *, device: torch.device | None = None,
-               link: Any = None) -> list[dict[str, Any]] | None:
+               link: Any = None, joining: int | None = None) -> list[dict[str, Any]] | None:
     """Run the whole job on this rank (process group already initialised). ``link``: the
     rank's ``recovery.live.LiveRank`` (``recovery.mode=live``), which a failure of a peer
-    turns into a live re-layout (``recovery/live.py``) instead of an error."""
-    run = _Run(cfg, plan, _build(cfg, plan, device))
-    if link is not None:
-        from ..recovery.relayout import arm
+    turns into a live re-layout (``recovery/live.py``) instead of an error, and GPUs reported
+    back into a grow-back re-layout at the step boundary the vote agreed on. ``joining``: this
+    process is a returning GPU's (its id; ``plan`` is the stopped world's, no group yet)."""
+    if joining is not None:
+        from ..recovery.relayout import join
 
-        arm(run, link)
-    step = run.start
+        run, step = join(cfg, plan, link, joining, device=device, make_run=_Run, build=_build)
+    else:
+        run = _Run(cfg, plan, _build(cfg, plan, device))
+        if link is not None:
+            from ..recovery.relayout import arm
+
+            arm(run, link)
+        step = run.start
     try:
         while step < cfg.train.steps:
             try:
@@ -211,6 +218,13 @@ def train_rank(cfg: JobConfig, plan: Plan, *, device: torch.device | None = None
                     link.begin(step)
                 if not run.step(step):
                     break
+                if link is not None and link.grow_agreed and step + 1 < cfg.train.steps:
+                    from ..recovery.relayout import relayout
+
+                    run.close()
+                    run, step = relayout(cfg, run, link, None, device=device, make_run=_Run,
+                                         build=_build)
+                    continue
             except Exception as e:
                 from ..recovery.live import is_stop
 

@@ -117,6 +117,45 @@ def run_rank(rank: int, world: int, local_rank: int, cfg: Any, plan: Any,
         os._exit(code)
 
 
+def join_rank(slot: int, cfg: Any, old_plan: Any, gpu: int, gen: int) -> None:
+    """A returning GPU's new process under ``recovery.mode=live`` (grow back): connect to the
+    control process's store, join world ``gen`` with the state moved from the survivors, train
+    on. Errors end the process as in ``run_rank``."""
+    import torch
+
+    from ..recovery.live import LiveRank, control_address
+
+    warnings.filterwarnings("ignore")
+    device = None
+    if torch.cuda.is_available():
+        # the GPU's local index on its node (the plan's GPU ids are node-major)
+        local = gpu % max(1, torch.cuda.device_count())
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    else:
+        from ..compat.cpu import apply_cpu_patches
+
+        apply_cpu_patches()
+        torch.set_num_threads(1)
+    try:
+        addr = control_address()
+        assert addr is not None, "a joiner is started by the live control process"
+        link = LiveRank(addr[0], addr[1], slot=slot, timeout_s=cfg.recovery.startup_timeout_s)
+        link.start(gen=gen)
+        from .loop import train_rank
+
+        train_rank(cfg, old_plan, device=device, link=link, joining=gpu)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    except Exception as e:
+        if os.environ.get("NUTP_DEBUG") == "1":
+            raise
+        code = report_error(cfg.output.dir, slot, e)
+        sys.stdout.flush()
+        os._exit(code)
+
+
 def _live_link(rank: int, world: int, backend: str, cfg: Any) -> Any:
     """``recovery.mode=live`` under the supervisor: world 0 on the control process's store."""
     from ..recovery.live import LiveRank, control_address

@@ -1,0 +1,104 @@
+"""Issue 24 acceptance 1: grow back live (``recovery.mode=live``) under the CPU supervisor.
+
+A job starts at TP3+TP3 (GPUs 3 and 7 failed in its health report). While it trains, the
+operator reports both GPUs back (the health report is rewritten, as an operator would). The
+control process stops every rank at the step boundary their vote agrees on, re-plans with the
+same planner (TP4+TP4), starts one new process per returning GPU, and the new world continues
+with the survivors in the same processes and the state moved in memory (no checkpoint is
+saved while the job runs: nothing can be read back). Every step's loss and grad norm is compared
+with an uninterrupted single-process run of *stock* megatron-core (``tests/runtime/
+reference.py``, clipping on), computed here; replicas are bitwise equal after the move.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from nemo_nutp.procs import kill_session
+from tests.recovery.test_live import (
+    BASE,
+    JOB_TIMEOUT_S,
+    TOL,
+    _check_parity,
+    _digests,
+    _events,
+    _reference,
+)
+
+
+def _partial_rows(out: Path) -> int:
+    for name in ("metrics.jsonl.partial", "metrics.jsonl"):
+        try:
+            return len((out / name).read_text().splitlines())
+        except OSError:
+            continue
+    return 0
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(JOB_TIMEOUT_S + 120)
+def test_grow_back_tp3_tp3_to_tp4_tp4_live(tmp_path: Path) -> None:
+    steps = 10
+    # interval > steps: no checkpoint exists while the job runs (recovery needs an interval)
+    over = (*BASE, "failures.failed_gpus=[3,7]", "checkpoint.interval=1000",
+            f"train.steps={steps}")
+    out = tmp_path / "grow"
+    out.mkdir()
+    cmd = [sys.executable, "-m", "nemo_nutp.train", f"output.dir={out}", *over]
+    log = tmp_path / "grow.log"
+    with log.open("w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True,
+                                env={**os.environ, "NUTP_LIVE_DIGEST": "1"})
+        try:
+            deadline = time.monotonic() + JOB_TIMEOUT_S
+            while _partial_rows(out) < 1:  # the first step is done: report the GPUs back
+                assert proc.poll() is None, log.read_text()[-6000:]
+                assert time.monotonic() < deadline, "no step within the job timeout"
+                time.sleep(0.05)
+            health = out / "recovery" / "health.json"
+            assert json.loads(health.read_text())["failed_gpus"] == [3, 7]
+            tmp = health.with_suffix(".test-tmp")
+            tmp.write_text(json.dumps({"failed_gpus": []}))
+            os.replace(tmp, health)
+            reported_at = time.time()
+            rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        finally:
+            kill_session(proc.pid)
+            proc.wait()
+    text = log.read_text()
+    assert rc == 0, text[-6000:]
+    ref = _reference(over, steps, tmp_path)
+    rows = _check_parity(out, ref, TOL)  # every step, no gap: no step lost
+    layouts = [r["replica_tp"] for r in rows]
+    k = layouts.index([[4], [4]])
+    assert 1 <= k < steps and layouts == [[[3], [3]]] * k + [[[4], [4]]] * (steps - k), layouts
+    ev = _events(out)
+    names = [e["event"] for e in ev]
+    assert names.count("start") == 1 and "failure" not in names and "live_fallback" not in names
+    (grow,) = [e for e in ev if e["event"] == "live_relayout"]
+    assert (grow["cause"], grow["gpus"], grow["joiners"]) == ("gpu_back", [3, 7], [3, 7]), grow
+    assert grow["resume_step"] == grow["committed_step"] + 1 == k, grow
+    assert grow["lost_steps"] == 0 and grow["recomputed_steps"] == 0, grow
+    assert grow["processes_started"] == 2 and grow["checkpoint_bytes_read"] == 0
+    assert "resumed" not in names, "nothing was read back"
+    assert not [e for e in ev if e["event"] == "checkpoint" and e["t"] < grow["t"]], ev
+    assert grow["replica_tp"] == [[4], [4]] and grow["world_size"] == 8, grow
+    (first,) = [e for e in ev if e["event"] == "live_world"]
+    assert set(first["pids"]) < set(grow["pids"]) and len(set(grow["pids"])) == 8, (first, grow)
+    # every joiner received exactly what it did not hold (the lower bound), nothing more
+    assert grow["bytes_received_rank_max"] == grow["lower_bound_rank_max"] > 0, grow
+    digests = _digests(ev)
+    assert list(digests) == [1] and len(set().union(*digests[1].values())) == 1, digests
+    assert grow["t"] - reported_at < 30, (grow["t"], reported_at)
+    summary = json.loads((out / "recovery" / "summary.json").read_text())
+    assert [(s["mode"], s["cause"]) for s in summary] == [("live", "gpu_back")], summary
+    print(f"grow back: relayout_s {grow['relayout_s']:.3f} (boundary wait "
+          f"{grow['unblock_s']:.3f} s), move {grow['move_s']:.3f} s, resumed at step {k}")
