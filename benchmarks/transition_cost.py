@@ -13,7 +13,7 @@ writes ``runs/bench/transitions.json``::
 the scenario (``nemo_nutp/goodput/transitions.py``). A path that does not exist is absent.
 
 Paths are a registry: ``PATHS[name] = fn`` with ``fn(event, opts) -> dict | None`` (None: the
-path cannot handle that event). ``live`` (``recovery.mode=live``, kill and hang only) is one
+path cannot handle that event). ``live`` (``recovery.mode=live``: kill, hang, gpu_back) is one
 such function: its entry comes from the run's ``live_relayout`` event (``transition_s`` =
 ``relayout_s``; also ``unblock_s``, ``recomputed_steps``, bytes received vs the lower bound,
 ``peak_memory_ratio``).
@@ -188,10 +188,11 @@ def _run_kill_or_hang(event: str, opts: Options, out: Path) -> None:
         job.wait()
 
 
-def _run_gpu_back(opts: Options, out: Path) -> None:
+def _run_gpu_back(opts: Options, out: Path, *extra: str) -> None:
     """GPU 3 starts failed (TP2 + TP1); once a checkpoint exists the health report gives it
-    back, the supervisor restarts at the next checkpoint on TP2 + TP2."""
-    over = [*JOB, "failures.failed_gpus=[3]", f"train.steps={opts.steps}"]
+    back, the supervisor restarts at the next checkpoint on TP2 + TP2 (``recovery.mode=live``
+    in ``extra``: grows back live at the next step boundary instead)."""
+    over = [*JOB, "failures.failed_gpus=[3]", f"train.steps={opts.steps}", *extra]
     root = out / "checkpoints"
     with Job(out, over) as job:
         while _newest_checkpoint(root) is None:
@@ -242,8 +243,12 @@ def _live_entry(out: Path) -> dict[str, Any]:
     times = [r["step_time_s"] for r in rows if r.get("step_time_s") is not None]
     if s["mode"] != "live":
         raise RuntimeError(f"{out}: the failure was not handled live: {s}")
+    detect = s["detect_s"]
+    if e["cause"] == "gpu_back":  # report seen -> stop requested (no checkpoint to wait for)
+        (req,) = [x for x in ev if x["event"] == "scale_up_requested"]
+        detect = e["detected_at"] - req["t"]
     return {
-        "detect_s": float(s["detect_s"]), "transition_s": float(e["relayout_s"]),
+        "detect_s": float(detect), "transition_s": float(e["relayout_s"]),
         "lost_steps": int(e["lost_steps"]), "recomputed_steps": int(e["recomputed_steps"]),
         "step_s": float(statistics.median(times)),
         "checkpoint_bytes_read": int(e["checkpoint_bytes_read"]),
@@ -260,8 +265,14 @@ def _live_entry(out: Path) -> dict[str, Any]:
 @path("live")
 def live(event: str, opts: Options) -> dict[str, Any] | None:
     """``recovery.mode=live``: survivors keep their processes, re-plan, new groups, state moved
-    in memory (``nemo_nutp/recovery/control.py``). GPU back and straggler exclusion are not live
-    yet (follow-up issue): absent."""
+    in memory (``nemo_nutp/recovery/control.py``); GPU back: every rank stops at the next step
+    boundary, one new process per returning GPU joins and receives its state from the
+    survivors (``processes_started``: those new processes; ``transition_s``: request -> first
+    step of the grown layout started). Straggler exclusion is not live yet: absent."""
+    if event == "gpu_back":
+        out = opts.work / "live_gpu_back"
+        _run_gpu_back(opts, out, "recovery.mode=live")
+        return _live_entry(out)
     if event not in ("kill", "hang"):
         return None
     out = opts.work / f"live_{event}"

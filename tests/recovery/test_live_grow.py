@@ -7,7 +7,8 @@ same planner (TP4+TP4), starts one new process per returning GPU, and the new wo
 with the survivors in the same processes and the state moved in memory (no checkpoint is
 saved while the job runs: nothing can be read back). Every step's loss and grad norm is compared
 with an uninterrupted single-process run of *stock* megatron-core (``tests/runtime/
-reference.py``, clipping on), computed here; replicas are bitwise equal after the move.
+reference.py``, clipping on), computed here; replicas are bitwise equal after each move. Then a
+returned GPU's process is killed: an ordinary live re-layout, the joiner a full member.
 """
 
 from __future__ import annotations
@@ -33,19 +34,13 @@ from tests.recovery.test_live import (
 )
 
 
-def _partial_rows(out: Path) -> int:
-    for name in ("metrics.jsonl.partial", "metrics.jsonl"):
-        try:
-            return len((out / name).read_text().splitlines())
-        except OSError:
-            continue
-    return 0
-
-
 @pytest.mark.dist
 @pytest.mark.timeout(JOB_TIMEOUT_S + 120)
 def test_grow_back_tp3_tp3_to_tp4_tp4_live(tmp_path: Path) -> None:
-    steps = 10
+    """TP3+TP3 -> TP4+TP4 live when GPUs 3 and 7 come back; then the returned GPU 7's new
+    process (slot 7) is killed in its forward at step 5: a live re-layout to TP4+TP3 with the
+    joiners as ordinary members of the world."""
+    steps = 8
     # interval > steps: no checkpoint exists while the job runs (recovery needs an interval)
     over = (*BASE, "failures.failed_gpus=[3,7]", "checkpoint.interval=1000",
             f"train.steps={steps}")
@@ -56,13 +51,16 @@ def test_grow_back_tp3_tp3_to_tp4_tp4_live(tmp_path: Path) -> None:
     with log.open("w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True,
-                                env={**os.environ, "NUTP_LIVE_DIGEST": "1"})
+                                env={**os.environ, "NUTP_LIVE_DIGEST": "1",
+                                     "NUTP_LIVE_FAULT": "kill:7:5:forward:1"})
         try:
             deadline = time.monotonic() + JOB_TIMEOUT_S
-            while _partial_rows(out) < 1:  # the first step is done: report the GPUs back
+            events = out / "recovery" / "events.jsonl"
+            while "live_world" not in (events.read_text() if events.exists() else ""):
                 assert proc.poll() is None, log.read_text()[-6000:]
-                assert time.monotonic() < deadline, "no step within the job timeout"
+                assert time.monotonic() < deadline, "no world within the job timeout"
                 time.sleep(0.05)
+            # the world is up (its ranks still building): report the GPUs back
             health = out / "recovery" / "health.json"
             assert json.loads(health.read_text())["failed_gpus"] == [3, 7]
             tmp = health.with_suffix(".test-tmp")
@@ -79,26 +77,34 @@ def test_grow_back_tp3_tp3_to_tp4_tp4_live(tmp_path: Path) -> None:
     rows = _check_parity(out, ref, TOL)  # every step, no gap: no step lost
     layouts = [r["replica_tp"] for r in rows]
     k = layouts.index([[4], [4]])
-    assert 1 <= k < steps and layouts == [[[3], [3]]] * k + [[[4], [4]]] * (steps - k), layouts
+    assert 1 <= k < 5 and layouts == [[[3], [3]]] * k + [[[4], [4]]] * (5 - k) + [
+        [[4], [3]]] * (steps - 5), layouts
     ev = _events(out)
     names = [e["event"] for e in ev]
     assert names.count("start") == 1 and "failure" not in names and "live_fallback" not in names
-    (grow,) = [e for e in ev if e["event"] == "live_relayout"]
+    grow, kill = [e for e in ev if e["event"] == "live_relayout"]
     assert (grow["cause"], grow["gpus"], grow["joiners"]) == ("gpu_back", [3, 7], [3, 7]), grow
     assert grow["resume_step"] == grow["committed_step"] + 1 == k, grow
     assert grow["lost_steps"] == 0 and grow["recomputed_steps"] == 0, grow
     assert grow["processes_started"] == 2 and grow["checkpoint_bytes_read"] == 0
     assert "resumed" not in names, "nothing was read back"
-    assert not [e for e in ev if e["event"] == "checkpoint" and e["t"] < grow["t"]], ev
+    assert not [e for e in ev if e["event"] == "checkpoint" and e["t"] < kill["t"]], ev
     assert grow["replica_tp"] == [[4], [4]] and grow["world_size"] == 8, grow
     (first,) = [e for e in ev if e["event"] == "live_world"]
     assert set(first["pids"]) < set(grow["pids"]) and len(set(grow["pids"])) == 8, (first, grow)
     # every joiner received exactly what it did not hold (the lower bound), nothing more
     assert grow["bytes_received_rank_max"] == grow["lower_bound_rank_max"] > 0, grow
-    digests = _digests(ev)
-    assert list(digests) == [1] and len(set().union(*digests[1].values())) == 1, digests
     assert grow["t"] - reported_at < 30, (grow["t"], reported_at)
+    # the joiner killed later: an ordinary live re-layout
+    assert (kill["ranks"], kill["gpus"], kill["replica_tp"]) == ([7], [7], [[4], [3]]), kill
+    assert (kill["committed_step"], kill["recomputed_steps"], kill["lost_steps"]) == (4, 1, 0)
+    assert set(kill["pids"]) < set(grow["pids"]) and kill["processes_started"] == 0, kill
+    digests = _digests(ev)
+    assert sorted(digests) == [1, 2], digests
+    for gen, reps in digests.items():  # replicas bitwise equal after each move
+        assert len(set().union(*reps.values())) == 1, (gen, reps)
     summary = json.loads((out / "recovery" / "summary.json").read_text())
-    assert [(s["mode"], s["cause"]) for s in summary] == [("live", "gpu_back")], summary
+    assert [(s["mode"], s["cause"]) for s in summary] == [("live", "gpu_back"),
+                                                           ("live", "exit")], summary
     print(f"grow back: relayout_s {grow['relayout_s']:.3f} (boundary wait "
           f"{grow['unblock_s']:.3f} s), move {grow['move_s']:.3f} s, resumed at step {k}")

@@ -25,7 +25,13 @@ from nemo_nutp.layout import (
     PlanRequest,
     build_plan,
 )
-from nemo_nutp.relayout import REP, plan_move, split_stream, survivor_rank_map
+from nemo_nutp.relayout import (
+    REP,
+    plan_move,
+    split_stream,
+    stable_replan,
+    survivor_rank_map,
+)
 from nemo_nutp.relayout.plan import holding, stage_spaces, unit_elems
 
 DIMS = ModelDims(num_layers=4, hidden_size=32, num_attention_heads=8, num_query_groups=8,
@@ -46,9 +52,11 @@ def _plans(domains: int, tb: int, pp: int, failed: list[int], extra: int,
     return old, new
 
 
-def _check(old, new, bpe: int = 12) -> object:
+def _check(old, new, bpe: int = 12, *, grow: bool = False) -> object:
+    """``grow``: new ranks without an old one are joiners (a returning GPU's new process)."""
     rmap = survivor_rank_map(old, new)
-    move = plan_move(old, new, rmap, bytes_per_elem=bpe)
+    joiners = frozenset(set(range(new.world_size)) - set(rmap.values())) if grow else frozenset()
+    move = plan_move(old, new, rmap, bytes_per_elem=bpe, joiners=joiners)
     inv = {n: o for o, n in rmap.items()}
     if not move.possible:
         return move
@@ -57,7 +65,8 @@ def _check(old, new, bpe: int = 12) -> object:
         by_dst.setdefault((p.dst, p.space), []).append(p)
     for n in range(new.world_size):
         s = new.rank_index[n][1]
-        o = inv[n]
+        o = inv.get(n)
+        assert o is not None or n in joiners, n
         lower = 0
         for space in stage_spaces(new, s):
             _, _, lo, hi = holding(new, n, space)
@@ -65,7 +74,7 @@ def _check(old, new, bpe: int = 12) -> object:
             # exactly once: the pieces tile [lo, hi)
             assert [p.lo for p in got] == [lo] + [p.hi for p in got[:-1]], (n, space, got)
             assert got[-1].hi == hi, (n, space, got)
-            _, os_, olo, ohi = holding(old, o, space)
+            _, os_, olo, ohi = holding(old, o, space) if o is not None else (0, -1, 0, 0)
             for p in got:
                 assert p.stage == s and p.src in rmap, p  # a survivor ...
                 _, ss, a, b = holding(old, p.src, space)
@@ -118,6 +127,26 @@ def test_every_unit_once_from_a_survivor_that_held_it(case: tuple) -> None:
                                and holding(old, r, space)[2] <= u < holding(old, r, space)[3]]
                     dead_only |= not holders
         assert dead_only
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases())
+def test_grow_back_joiners_receive_everything_from_survivors(case: tuple) -> None:
+    """Grow back (the failure case reversed: ``extra`` returns), re-planned as the control
+    process does (``stable_replan``): every joiner's units come once each from survivors that
+    held them, joiners receive exactly what they hold, survivors exactly what they lacked."""
+    domains, tb, pp, failed, extra, tie = case
+    try:
+        new, old = _plans(domains, tb, pp, failed, extra, tie)
+    except ValueError:
+        assume(False)
+        return
+    assume(old.pp == new.pp and old.world_size < new.world_size)
+    new = stable_replan(old, new) or new
+    move = _check(old, new, grow=True)
+    assert move.possible, move.reason  # nobody died: every unit has a holder
+    joiners = set(range(new.world_size)) - set(survivor_rank_map(old, new).values())
+    assert joiners and all(move.received_bytes[n] > 0 for n in joiners)
 
 
 def test_single_replica_losing_a_gpu_is_impossible() -> None:
