@@ -29,7 +29,8 @@ Contract:
   it must receive). With ``transitions.measured`` the measured tiny-job numbers replace them,
   scaled: restart ``transition_s * (N / processes_started) ** k`` plus the scenario's
   checkpoint read at ``storage_gbps``; live ``transition_s`` plus the scenario's bytes; detection
-  as measured (does not grow with N); lost steps x the scenario's step time.
+  as measured (does not grow with N); live: (lost + recomputed in-flight) steps x the
+  scenario's step time.
 * ``stall_fraction``: per trial the union of ``[t, t + hold)`` clipped to the horizon, plus per
   merged block reaching into the horizon the ``lost`` of the transition that opened it (the
   job redoes it after it resumes); ``sim.transitions.recompute='capped'`` (default): at most
@@ -159,7 +160,9 @@ def scenario_costs(cfg: SimConfig, dims: Any, hw: Any, step_s: float, n_replicas
         strag = scaled(r["straggler"]) if "straggler" in r else planned
         if "kill" in lv:
             live = float(lv["kill"]["transition_s"]) + live_bytes / bw
-            live_lost = float(lv["kill"]["lost_steps"]) * step_s  # measured, not the setting
+            lk = lv["kill"]  # measured, not the setting: committed steps lost (0 on the live
+            # path) + the in-flight steps it discarded and redid (recomputed_steps)
+            live_lost = (float(lk["lost_steps"]) + float(lk.get("recomputed_steps", 0))) * step_s
             det = det if "kill" in r else float(lv["kill"]["detect_s"])
         planned_live = (float(lv["gpu_back"]["transition_s"]) + live_bytes / bw
                         if "gpu_back" in lv else live)

@@ -28,6 +28,7 @@ from nemo_nutp.goodput.config import (
     TransitionConfig,
 )
 from nemo_nutp.goodput.failures import Events, down_at_steps
+from nemo_nutp.goodput.report import transitions_line
 from nemo_nutp.goodput.simulate import eval_states, timeline_events
 from nemo_nutp.layout import ModelDims
 
@@ -474,8 +475,9 @@ def test_restart_model_fit_and_measured_json(tmp_path: Path) -> None:
              "checkpoint_bytes_read": 10**6, "processes_started": 4,
              "bytes_received_rank_max": 0}
     js = tmp_path / "transitions.json"
+    live = {**entry, "transition_s": 0.25, "lost_steps": 0, "recomputed_steps": 1}  # in flight
     js.write_text(json.dumps({"paths": {"restart": {"kill": entry, "gpu_back": {
-        **entry, "transition_s": 1.0}}, "live": {"kill": {**entry, "transition_s": 0.25}}}}))
+        **entry, "transition_s": 1.0}}, "live": {"kill": live}}}))
     m = make_context(dataclasses.replace(cfg, transitions=dataclasses.replace(
         cfg.transitions, measured=str(js))))
     read, live_bytes = trn._state_bytes(cfg, m.dims, m.clusters["nutp"].n_use)
@@ -486,7 +488,10 @@ def test_restart_model_fit_and_measured_json(tmp_path: Path) -> None:
     assert m.costs.planned_restart_s == pytest.approx(1.0 * (n / 4) ** k + load)
     assert m.costs.live_s == pytest.approx(0.25 + live_bytes / (m.hw.network_gbps * 1e9))
     assert m.costs.live_lost_s == pytest.approx(m.tables.parts_s["step_s"])
-    assert "measured" in m.costs.source
+    assert "measured" in m.costs.source and m.costs.fit == pytest.approx((a, k))
+    assert "recompute capped" in transitions_line(simulate(dataclasses.replace(
+        m.cfg, trials=2, days=1.0, stragglers=dataclasses.replace(
+            m.cfg.stragglers, rate_per_gpu_day=0.0)), sweep=False))  # the printed line
     with pytest.raises(ValueError, match=r"sim\.transitions\.measured"):
         make_context(dataclasses.replace(cfg, transitions=dataclasses.replace(
             cfg.transitions, measured=str(tmp_path / "missing.json"))))
