@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -504,3 +505,43 @@ def test_restart_model_fit_and_measured_json(tmp_path: Path) -> None:
                           ("sim.transitions.repair_batch_hours=[]", "repair_batch_hours")):
         with pytest.raises(ValueError, match=key):
             load_sim_config([override])
+
+
+def test_simulator_reads_what_transition_cost_wrote(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``data/transitions_measured.json`` is the unedited output of one
+    ``benchmarks/transition_cost.py --quick`` run (every path and event): it has every key the
+    benchmark promises (its ``FIELDS``), and the simulator turns it into the scenario's costs
+    by the stated model (restart scaled by the fit's k plus the checkpoint read; live: its
+    re-layout plus the new shard, and the in-flight steps it redid)."""
+    import importlib.util
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("transition_cost",
+                                                  root / "benchmarks" / "transition_cost.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, bench)  # its dataclasses look themselves up
+    spec.loader.exec_module(bench)
+    path = Path(__file__).parent / "data" / "transitions_measured.json"
+    data = json.loads(path.read_text())
+    assert data["schema"] == "nemo_nutp.bench.transitions/1"
+    assert {"restart", "live"} <= set(data["paths"]) <= set(bench.PATHS)
+    for entries in data["paths"].values():
+        for e in entries.values():
+            assert set(bench.FIELDS) <= set(e)
+    cfg = load_sim_config(["sim.trials=2", f"sim.transitions.measured={path}"])
+    ctx = make_context(cfg)
+    c, (r, lv) = ctx.costs, (data["paths"]["restart"], data["paths"]["live"])
+    _, k = trn.restart_fit(cfg.transitions.restart_points, None)
+    read, live_bytes = trn._state_bytes(cfg, ctx.dims, ctx.clusters["nutp"].n_use)
+    load, bw = read / (cfg.transitions.storage_gbps * 1e9), ctx.hw.network_gbps * 1e9
+    n = cfg.num_gpus
+    for got, e in ((c.restart_s, r["kill"]), (c.planned_restart_s, r["gpu_back"]),
+                   (c.straggler_restart_s, r["straggler"])):
+        assert got == pytest.approx(e["transition_s"] * (n / e["processes_started"]) ** k
+                                    + load)
+    assert c.detect_s == r["kill"]["detect_s"]
+    assert c.live_s == pytest.approx(lv["kill"]["transition_s"] + live_bytes / bw)
+    assert c.planned_live_s == pytest.approx(lv["gpu_back"]["transition_s"] + live_bytes / bw)
+    redo = lv["kill"]["lost_steps"] + lv["kill"]["recomputed_steps"]
+    assert redo >= 1 and c.live_lost_s == pytest.approx(redo * ctx.tables.parts_s["step_s"])
