@@ -37,11 +37,13 @@ def gloo_rank(rank: int, world: int, port: int, outdir: str, body: Callable[[], 
 
 
 def spawn(worker: Callable[..., None], world: int, args: tuple[Any, ...], outdir: Path) -> None:
-    """``mp.spawn(worker, (world, port, *args, outdir))``; print the first rank error on failure."""
-    import torch.multiprocessing as mp
+    """``mp.spawn(worker, (world, port, *args, outdir))`` from the shared fork server
+    (``nemo_nutp/launch/local.py``: the imports are paid once per test session, not per rank
+    per world); print the first rank error on failure."""
+    from nemo_nutp.launch.local import start_ranks
 
     try:
-        mp.spawn(worker, args=(world, free_port(), *args, str(outdir)), nprocs=world)
+        start_ranks(worker, (world, free_port(), *args, str(outdir)), world)
     finally:
         errors = sorted(outdir.glob("error_rank*.txt"))
         if errors:

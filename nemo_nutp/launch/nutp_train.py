@@ -205,6 +205,7 @@ def _spawn_local(cfg: Any, plan: Any) -> int:
 
     from ..launch.ports import free_port
     from ..train.worker import PARENT_REPORTS, first_error, spawned
+    from .local import start_ranks
 
     os.environ[PARENT_REPORTS] = "1"
     # torch logs one "Terminating process ... via signal SIGTERM" per surviving rank when one
@@ -212,7 +213,7 @@ def _spawn_local(cfg: Any, plan: Any) -> int:
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     since = time.time()
     try:
-        mp.spawn(spawned, args=(plan.world_size, cfg, plan, free_port()), nprocs=plan.world_size)
+        start_ranks(spawned, (plan.world_size, cfg, plan, free_port()), plan.world_size)
     except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:
         rec = first_error(cfg.output.dir, since)
         if rec is None:

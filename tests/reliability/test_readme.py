@@ -6,7 +6,8 @@ Cluster-only programs (``torchrun``, ``ft_launcher``, ``srun``, ``sbatch``, ``do
 ``make bench``/``make sim`` run): their targets/scripts must exist. Everything else runs in a
 scratch directory (relative paths as a user's), one block after another in order (a resume
 example finds the checkpoints of the example before it), ``nutp-train`` with few steps,
-placeholders (``<partition>``, ``/path/to/prefix``, a trailing ``...``) filled in.
+``nutp simulate`` with few trials (the number of draws changes no code path), placeholders
+(``<partition>``, ``/path/to/prefix``, a trailing ``...``) filled in.
 """
 
 from __future__ import annotations
@@ -44,6 +45,12 @@ def _steps(argv: list[str], steps: int) -> list[str]:
     fault = [int(a.split("=")[1]) for a in argv if a.startswith("recovery.fault.step=")]
     n = max([steps] + [f + 2 for f in fault])
     return [a for a in argv if not a.startswith("train.steps=")] + [f"train.steps={n}"]
+
+
+def _trials(argv: list[str], trials: int = 8) -> list[str]:
+    """``nutp simulate`` with ``sim.trials`` lowered to ``trials`` (the scenario's own count
+    otherwise: 200 for paper_32k)."""
+    return [a for a in argv if not a.startswith("sim.trials=")] + [f"sim.trials={trials}"]
 
 
 def _dataset(prefix: Path) -> None:
@@ -96,6 +103,8 @@ def test_readme_commands_run(tmp_path: Path) -> None:
                 continue
             if Path(argv[0]).name == "nutp-train":
                 argv, steps = _steps(argv, steps), steps + 2  # a resume example trains on
+            if argv[1:2] == ["simulate"]:
+                argv = _trials(argv)
             r = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True,
                                timeout=900, check=False, env=env)
             assert r.returncode == 0, f"README: {cmd}\n{r.stdout[-3000:]}{r.stderr[-3000:]}"
