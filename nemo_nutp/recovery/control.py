@@ -29,7 +29,7 @@ import json
 import os
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -68,6 +68,7 @@ class World:
     gen: int
     hb: Path  # heartbeat directory of this world
     next_slot: int = 0  # the slot a joiner gets (slots: process identities, never reused)
+    slow: dict[int, float] = field(default_factory=dict)  # stragglers excluded (GPU -> speed)
 
     def alive(self) -> list[int]:
         return [r for r, p in enumerate(self.procs) if p.exitcode is None]
@@ -118,7 +119,7 @@ def relayout(store: Any, cfg: Any, w: World, failure: Failure, *, detected: floa
         raise Fallback(str(e)) from None
     gpus = tuple(w.plan.rank_to_gpu[r] for r in failure.ranks)
     failed = next_failed(w.failed, gpus, watch.read_health(rdir / "health.json"))
-    job = job_for(cfg, failed)
+    job = job_for(cfg, failed, w.slow)
     try:
         plan = replan(w.plan, job)
     except ValueError as e:
@@ -138,13 +139,14 @@ def relayout(store: Any, cfg: Any, w: World, failure: Failure, *, detected: floa
     store.set(f"decision{w.gen}", json.dumps({
         "action": "live", "step": dec.step, "apply": [w.slots[r] for r in dec.apply],
         "failed_gpus": sorted(failed), "rank_to_gpu": list(plan.rank_to_gpu),
-        "dead_ranks": list(failure.ranks), "detected_at": detected, "heartbeat_dir": str(hb)}))
+        "dead_ranks": list(failure.ranks), "detected_at": detected, "heartbeat_dir": str(hb),
+        "slow_gpus": {str(g): v for g, v in w.slow.items()}}))
     new_procs, new_slots = [], []
     for g in plan.rank_to_gpu:
         old = list(w.plan.rank_to_gpu).index(g)
         new_procs.append(w.procs[old])
         new_slots.append(w.slots[old])
-    nw = World(job, plan, new_procs, new_slots, failed, gen, hb, w.next_slot)
+    nw = World(job, plan, new_procs, new_slots, failed, gen, hb, w.next_slot, dict(w.slow))
     _wait_keys(store, [f"started{gen}"], nw, list(range(len(new_procs))), START_TIMEOUT_S,
                "the new world was being built")
     started = json.loads(store.get(f"started{gen}"))
@@ -188,39 +190,67 @@ def _wait_boundary(store: Any, keys: list[str], w: World, timeout_s: float) -> N
         time.sleep(POLL_S)
 
 
-def _grow_plan(cfg: Any, w: World, rdir: Path) -> tuple[frozenset[int], Any, Any,
-                                                        dict[int, int], list[int]]:
-    """Failed GPUs, job, plan, survivors' rank map and joiners (new ranks) of a grow back.
-    The health report is read again here: GPUs reported back until every rank stopped at the
-    boundary are taken in by this one re-layout (close returns batched)."""
+SLOW_FILE = "slow.json"
+"""``<output.dir>/recovery/slow.json``: the stragglers a live job excluded (``slow_gpus``,
+written by the control process); an operator removes a GPU from it to give it back."""
+
+
+def read_slow(rdir: Path) -> dict[int, float] | None:
+    try:
+        return {int(g): float(v) for g, v in
+                json.loads((rdir / SLOW_FILE).read_text())["slow_gpus"].items()}
+    except (OSError, ValueError, KeyError, AttributeError):
+        return None
+
+
+def _posted_slow(store: Any, w: World) -> dict[int, float]:
+    """Stragglers rank 0 asked to re-lay out around at this world's boundary (``boundary<gen>``,
+    ``nutp.exclude_stragglers``)."""
+    key = f"boundary{w.gen}"
+    if not store.check([key]):
+        return {}
+    return {int(g): float(v) for g, v in json.loads(store.get(key))["slow_gpus"].items()}
+
+
+def _grow_plan(store: Any, cfg: Any, w: World, rdir: Path
+               ) -> tuple[frozenset[int], dict[int, float], Any, Any, dict[int, int], list[int]]:
+    """Failed GPUs, stragglers, job, plan, survivors' rank map and joiners (new ranks) of a
+    boundary re-layout. The reports are read again here: every GPU reported back (health
+    report, ``slow.json``) until every rank stopped at the boundary joins this one re-layout
+    (close returns batched), and a straggler found meanwhile is excluded by it too."""
     from ..relayout.plan import plan_move, survivor_rank_map
     from .decisions import returned_gpus
 
     failed = w.failed - returned_gpus(w.failed, watch.read_health(rdir / "health.json"))
-    job = job_for(cfg, failed)
+    listed = read_slow(rdir)
+    slow = {g: v for g, v in w.slow.items() if listed is None or g in listed}
+    slow.update(_posted_slow(store, w))
+    job = job_for(cfg, failed, slow)
     try:
         plan = replan(w.plan, job)
     except ValueError as e:
-        raise Fallback(f"no valid plan with the GPUs back: {e}") from None
+        raise Fallback(f"no valid plan for the new health: {e}") from None
     rank_map = survivor_rank_map(w.plan, plan)
     joiners = sorted(set(range(plan.world_size)) - set(rank_map.values()))
     mv = plan_move(w.plan, plan, rank_map, joiners=frozenset(joiners))
     if not mv.possible:
         raise Fallback(f"state cannot move: {mv.reason}")
-    return failed, job, plan, rank_map, joiners
+    return failed, slow, job, plan, rank_map, joiners
 
 
-def grow(store: Any, cfg: Any, w: World, back: frozenset[int], *, detected: float, rdir: Path,
+def grow(store: Any, cfg: Any, w: World, why: str, *, detected: float, rdir: Path,
          attempt: int, start_joiner: Any) -> tuple[World, dict[str, Any]]:
-    """GPUs reported back (grow back): every rank stops at the step boundary its vote agrees
-    on (``live.GROW``), reports, the planner re-plans with the GPUs back, one new process per
-    returning GPU is started (``start_joiner(slot, old_plan, gpu, gen, heartbeat_dir)``)
-    and joins the next world, where it receives its state from the survivors. Returns the new
-    world and the event's fields; raises ``Fallback`` or ``Finished``."""
+    """A re-layout at a step boundary (GPUs back, a straggler excluded or back): every rank
+    stops at the step boundary its vote agrees on (``live.GROW``; a straggler: the step its
+    detection found it, the same on every rank), reports, the planner re-plans, one new process
+    per returning GPU is started (``start_joiner(slot, old_plan, gpu, gen, heartbeat_dir)``)
+    and joins the next world, where it receives its state from the survivors; a rank whose GPU
+    the new plan leaves out exits. Returns the new world and the event's fields; raises
+    ``Fallback`` or ``Finished``."""
     from .live import GROW
 
     ranks = w.alive()
-    store.set(f"abort{w.gen}", f"{GROW}: GPUs {sorted(back)} back")
+    store.set(f"abort{w.gen}", f"{GROW}: {why}")
     keys = [f"report{w.gen}/{w.slots[r]}" for r in ranks]
     _wait_boundary(store, keys, w, REPORT_TIMEOUT_S + 30 * w.job.recovery.heartbeat_timeout_s)
     posts = {r: json.loads(store.get(k)) for r, k in zip(ranks, keys, strict=True)}
@@ -229,13 +259,18 @@ def grow(store: Any, cfg: Any, w: World, back: frozenset[int], *, detected: floa
     except RuntimeError as e:
         raise Fallback(str(e)) from None
     out_at = max(p["out_at"] for p in posts.values())
-    failed, job, plan, rank_map, joiners = _grow_plan(cfg, w, rdir)
+    failed, slow, job, plan, rank_map, joiners = _grow_plan(store, cfg, w, rdir)
     watch.write_health(rdir / "health.json", failed)
+    from ..layout.serialize import write_json_atomic
+
+    write_json_atomic({"slow_gpus": {str(g): v for g, v in sorted(slow.items())}},
+                      rdir / SLOW_FILE)
     gen = w.gen + 1
     hb = rdir / f"heartbeats.{attempt}.live{gen}"
     hb.mkdir(parents=True, exist_ok=True)
     store.set(f"decision{w.gen}", json.dumps({
         "action": "live", "step": dec.step, "apply": [], "failed_gpus": sorted(failed),
+        "slow_gpus": {str(g): v for g, v in slow.items()},
         "rank_to_gpu": list(plan.rank_to_gpu), "dead_ranks": [], "joiners": joiners,
         "detected_at": detected, "heartbeat_dir": str(hb)}))
     inv = {n: o for o, n in rank_map.items()}
@@ -248,16 +283,19 @@ def grow(store: Any, cfg: Any, w: World, back: frozenset[int], *, detected: floa
         procs.append(start_joiner(nxt, w.plan, plan.rank_to_gpu[n], gen, hb))
         slots.append(nxt)
         nxt += 1
-    nw = World(job, plan, procs, slots, failed, gen, hb, nxt)
+    nw = World(job, plan, procs, slots, failed, gen, hb, nxt, slow)
     _wait_keys(store, [f"started{gen}"], nw, list(range(len(procs))), START_TIMEOUT_S,
-               "the grown world was being built")
+               "the new world was being built")
     started = json.loads(store.get(f"started{gen}"))
     for r in ranks:  # healthy GPUs the new layout does not use leave by themselves
         if r not in rank_map:
             w.procs[r].join(timeout=30)
-    gpus = sorted(w.failed - failed)
-    return nw, {"attempt": attempt, "gen": gen, "ranks": [], "gpus": gpus,
-                "reason": "GPU back", "detected_at": detected,
+    back = sorted((w.failed - failed) | (set(w.slow) - set(slow)))
+    left = sorted(set(slow) - set(w.slow))
+    return nw, {"attempt": attempt, "gen": gen, "ranks": [w.slots[r] for r in ranks
+                                                          if r not in rank_map],
+                "gpus": back or left, "excluded_gpus": left, "returned_gpus": back,
+                "reason": "straggler" if left else "GPU back", "detected_at": detected,
                 "unblock_s": max(0.0, out_at - detected),
                 "relayout_s": started["t"] - detected, "committed_step": dec.step,
                 "resume_step": started["resume_step"], "lost_steps": 0, "recomputed_steps": 0,
@@ -271,29 +309,35 @@ def grow(store: Any, cfg: Any, w: World, back: frozenset[int], *, detected: floa
 
 
 def gpus_back(cfg: Any, w: World, rdir: Path) -> tuple[frozenset[int], str | None]:
-    """GPUs of the running world the health report gives back, and why they are not taken in
-    now (None: grow back live)."""
+    """GPUs of the running world the health report (failed) or ``slow.json`` (excluded
+    stragglers) gives back, and why they are not taken in now (None: grow back live)."""
     from ..config import plan_request
     from ..layout import build_plan
     from .decisions import returned_gpus
 
     back = returned_gpus(w.failed, watch.read_health(rdir / "health.json"))
-    if not back:
-        return back, None
-    fuller = build_plan(plan_request(job_for(cfg, w.failed - back)))
+    listed = read_slow(rdir)
+    slow_back = frozenset(g for g in w.slow if listed is not None and g not in listed)
+    if not back and not slow_back:
+        return frozenset(), None
+    slow = {g: v for g, v in w.slow.items() if g not in slow_back}
+    fuller = build_plan(plan_request(job_for(cfg, w.failed - back, slow)))
     if watch.layout_of(fuller) == watch.layout_of(w.plan):
-        return back, "the layout does not change"
-    return back, None
+        return back | slow_back, "the layout does not change"
+    return back | slow_back, None
 
 
 def handle_grow(store: Any, cfg: Any, w: World, back: frozenset[int], *, rdir: Path,
                 attempt: int, console: Any, start_joiner: Any) -> World | str | None:
-    """GPUs back: the grown world, the fallback reason, or None (the job ended first)."""
+    """A boundary re-layout (``back``: GPUs reported back; empty: rank 0 posted a straggler):
+    the new world, the fallback reason, or None (the job ended first)."""
     events = rdir / "events.jsonl"
+    why = f"GPUs {sorted(back)} back" if back else "straggler excluded"
+    if back:
+        log_event("scale_up_requested", file=events, gpus=sorted(back), mode="live", gen=w.gen)
     detected = time.time()
-    log_event("scale_up_requested", file=events, gpus=sorted(back), mode="live", gen=w.gen)
     try:
-        nw, fields = grow(store, cfg, w, back, detected=detected, rdir=rdir, attempt=attempt,
+        nw, fields = grow(store, cfg, w, why, detected=detected, rdir=rdir, attempt=attempt,
                           start_joiner=start_joiner)
     except Finished:
         return None
@@ -301,14 +345,14 @@ def handle_grow(store: Any, cfg: Any, w: World, back: frozenset[int], *, rdir: P
         store.set(f"decision{w.gen}", json.dumps({"action": "restart", "reason": str(e)}))
         log_event("live_fallback", file=events, attempt=attempt, gen=w.gen, ranks=[],
                   reason=str(e))
-        console.print(f"[yellow]recovery:[/] live grow back not possible ({e}): planned "
+        console.print(f"[yellow]recovery:[/] live re-layout not possible ({e}): planned "
                       "restart from the newest checkpoint")
         return str(e)
-    log_event("live_relayout", file=events, cause="gpu_back", **fields)
-    console.print(f"[green]recovery:[/] GPUs {fields['gpus']} back: live re-layout to "
-                  f"{fields['replica_tp']} in {fields['relayout_s']:.2f} s "
-                  f"({fields['processes_started']} processes started), continuing at step "
-                  f"{fields['resume_step']}")
+    cause = "straggler" if fields["excluded_gpus"] else "gpu_back"
+    log_event("live_relayout", file=events, cause=cause, **fields)
+    console.print(f"[green]recovery:[/] {why}: live re-layout to {fields['replica_tp']} in "
+                  f"{fields['relayout_s']:.2f} s ({fields['processes_started']} processes "
+                  f"started), continuing at step {fields['resume_step']}")
     return nw
 
 
@@ -402,6 +446,14 @@ def run_world(cfg: Any, job: Any, plan: Any, failed: frozenset[int], attempt: in
         scale = None
         if failure is None and job.train.distributed_optimizer:  # no live moves of its slices
             scale = health_watch.poll(now) if w.gen == 0 else None  # yet: planned restart
+        elif failure is None and store.check([f"boundary{w.gen}"]):  # a straggler
+            res = handle_grow(store, cfg, w, frozenset(), rdir=rdir, attempt=attempt,
+                              console=console, start_joiner=start_joiner)
+            if res is None or isinstance(res, World):
+                w, started = (w, started) if res is None else (res, time.time())
+                continue
+            failure = None  # the fallback: stop the world, the restart path re-plans
+            scale = watch.ScaleUp((), now, watch.resume_step(w.job.checkpoint_dir))
         elif failure is None and now >= next_health:
             next_health = now + watch.HEALTH_POLL_S
             back, why = gpus_back(cfg, w, rdir)

@@ -89,6 +89,7 @@ class LiveRank:
     old_replica_tp: Any = None  # the stopped world's replicas (its missing metrics row)
     grow_agreed: bool = False  # the last vote asked every rank to stop after this step
     _grow: threading.Event = field(default_factory=threading.Event)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
     _rejoined: threading.Event = field(default_factory=threading.Event)
 
     def start(self, *, gen: int = 0) -> None:
@@ -118,7 +119,9 @@ class LiveRank:
                       flush=True)
                 os._exit(3)
             if why.startswith(GROW):
-                self._grow.set()
+                with self._lock:  # not once this rank has left world ``gen`` (a boundary
+                    if self.gen == gen:  # it stopped at by itself: a straggler excluded)
+                        self._grow.set()
             else:
                 backend.FLAG.set(why)
             self._rejoined.wait()
@@ -186,9 +189,10 @@ class LiveRank:
         abort key)."""
         backend.abandon()
         backend.FLAG.clear()
-        self._grow.clear()
-        self.grow_agreed = False
-        self.gen += 1
+        with self._lock:
+            self._grow.clear()
+            self.grow_agreed = False
+            self.gen += 1
         self._rejoined.set()
         backend.join(self.store, gen=self.gen, rank=rank, world=world,
                      backend="nccl" if device is not None and device.type == "cuda"

@@ -38,6 +38,7 @@ def arm(run: Any, link: LiveRank) -> None:
         return res
 
     session.step = stepped
+    run.live_mode = True
     if inj is not None:
         inj.arm(session, lambda: (link.step, link.gen))
 
@@ -124,7 +125,7 @@ def relayout(cfg: Any, run: Any, link: LiveRank, error: BaseException | None, *,
     old = run.session
     if link.slot in d["apply"]:
         _apply(old, link, d["step"])
-    job = job_for(cfg, frozenset(d["failed_gpus"]))
+    job = job_for(cfg, frozenset(d["failed_gpus"]), _slow(d))
     plan = replan(old.plan, job)
     if list(plan.rank_to_gpu) != d["rank_to_gpu"]:
         raise RuntimeError(f"re-planned rank_to_gpu={list(plan.rank_to_gpu)} but the control "
@@ -148,6 +149,11 @@ def relayout(cfg: Any, run: Any, link: LiveRank, error: BaseException | None, *,
     ledger, rng = _share(d, rank_map, run.ledger, rng)
     torch.set_rng_state(rng)
     return _start(job, plan, session, d, link, ledger, stats, device=device, make_run=make_run)
+
+
+def _slow(d: dict[str, Any]) -> dict[int, float]:
+    """Stragglers the decision re-plans around (GPU -> relative speed)."""
+    return {int(g): float(v) for g, v in d.get("slow_gpus", {}).items()}
 
 
 def _rank_map(old_plan: Any, plan: Any, d: dict[str, Any]) -> dict[int, int]:
@@ -202,7 +208,7 @@ def join(cfg: Any, old_plan: Any, link: LiveRank, gpu: int, *, device: torch.dev
     from .decisions import job_for
 
     d = json.loads(link.store.get(f"decision{link.gen - 1}"))
-    job = job_for(cfg, frozenset(d["failed_gpus"]))
+    job = job_for(cfg, frozenset(d["failed_gpus"]), _slow(d))
     plan = replan(old_plan, job)
     if list(plan.rank_to_gpu) != d["rank_to_gpu"]:
         raise RuntimeError(f"re-planned rank_to_gpu={list(plan.rank_to_gpu)} but the control "

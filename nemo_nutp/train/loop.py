@@ -138,13 +138,17 @@ class _Run:
 
         self.cfg, self.plan, self.session = cfg, plan, session
         self.last: Any = None  # the newest step's StepResult
+        self.live_mode = False  # recovery.mode=live (``recovery.relayout.arm``): no stop for
+        # a straggler, the live path re-lays out around it instead
         self.rank0 = dist.get_rank() == 0
         self.ledger = ledger or GoodputLedger(cluster_gpus=plan.request.cluster.num_gpus,
                                               failed_gpus=len(plan.request.health.failed_gpus),
                                               idle_gpus=plan.idle_healthy_gpus)
         self.hooks = CheckpointHooks(cfg, session)
-        self.live = LiveBalance(cfg, session, fault=self.hooks.fault,
-                                rank=dist.get_rank())  # nutp.rebalance
+        # nutp.rebalance; an injected slow fault is world 0's (after a live re-layout the
+        # slowed GPU has left, or its rank number names another GPU)
+        self.live = LiveBalance(cfg, session, fault=self.hooks.fault if start is None else None,
+                                rank=dist.get_rank())
         if start is None:
             start = self.hooks.resume(self.ledger)
         else:  # live re-layout: NUTP_FAULT is for the first world only
@@ -185,7 +189,8 @@ class _Run:
         # The row is on disk before the save: a world stopped right after a checkpoint
         # completes (planned restart) has every row up to it.
         self.hooks.after_step(step, ledger)
-        return not self.live.should_stop(step)  # nutp.exclude_stragglers: saved; relaunch
+        # nutp.exclude_stragglers: saved; relaunch (live: re-laid out around it, train_rank)
+        return self.live_mode or not self.live.should_stop(step)
 
     def close(self) -> None:
         if self.progress:
@@ -218,9 +223,13 @@ def train_rank(cfg: JobConfig, plan: Plan, *, device: torch.device | None = None
                     link.begin(step)
                 if not run.step(step):
                     break
-                if link is not None and link.grow_agreed and step + 1 < cfg.train.steps:
+                slow = run.live.exclusion() if link is not None else None
+                if link is not None and (link.grow_agreed or slow) and \
+                        step + 1 < cfg.train.steps:
                     from ..recovery.relayout import relayout
 
+                    if slow and dist.get_rank() == 0:  # the control process re-plans around it
+                        link.post("boundary", {"slow_gpus": {str(g): v for g, v in slow.items()}})
                     run.close()
                     run, step = relayout(cfg, run, link, None, device=device, make_run=_Run,
                                          build=_build)

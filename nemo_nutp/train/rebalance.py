@@ -169,6 +169,15 @@ class LiveBalance:
         return [min(sp[r] for stage in rep.ranks for r in stage)
                 for rep in self.session.plan.replicas]
 
+    def exclusion(self) -> dict[int, float] | None:
+        """``nutp.exclude_stragglers`` and a straggler found (the same on every rank: the
+        probe times are all-gathered): its GPU -> relative speed; None otherwise. The live path
+        (``recovery.mode=live``) re-lays out around it at this step boundary."""
+        d = self.detector
+        if d is None or not d.stop_pending:
+            return None
+        return {int(d.plan.rank_to_gpu[r]): float(v) for r, v in d.found.items()}
+
     def should_stop(self, step: int) -> bool:
         """True after the checkpoint save that follows a detected straggler, with
         ``nutp.exclude_stragglers`` (the relaunch re-plans without it)."""

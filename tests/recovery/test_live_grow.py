@@ -108,3 +108,77 @@ def test_grow_back_tp3_tp3_to_tp4_tp4_live(tmp_path: Path) -> None:
                                                            ("live", "exit")], summary
     print(f"grow back: relayout_s {grow['relayout_s']:.3f} (boundary wait "
           f"{grow['unblock_s']:.3f} s), move {grow['move_s']:.3f} s, resumed at step {k}")
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(JOB_TIMEOUT_S + 120)
+def test_straggler_excluded_and_returned_live(tmp_path: Path) -> None:
+    """Issue 24 acceptance 2: GPU 1 of a TP2+TP2 job slowed 4x (``NUTP_FAULT=slow:1:4``): the
+    probe names it, every rank stops at the same step boundary and the job continues at TP2+TP1
+    without it (its process exits, the others keep theirs); the operator then gives it back
+    (removes it from ``recovery/slow.json``): a new process for GPU 1 joins, TP2+TP2 again.
+    No restart, every step against stock megatron-core."""
+    steps = 14
+    over = (*BASE, "cluster.num_gpus=4", "cluster.domain_size=2", "cluster.gpus_per_node=4",
+            "parallel.tp_base=2", "failures.failed_gpus=[]", "checkpoint.interval=1000",
+            "nutp.straggler_probe_interval=1", "nutp.straggler_window=3",
+            # 2.5x: the 4x slowed GPU is found, probe noise of 2 shared cores is not (at
+            # 1.5x the lone TP1 rank was flagged at 0.57 under load)
+            "nutp.straggler_threshold=2.5", "nutp.exclude_stragglers=true",
+            f"train.steps={steps}")
+    out = tmp_path / "slow"
+    out.mkdir()
+    cmd = [sys.executable, "-m", "nemo_nutp.train", f"output.dir={out}", *over]
+    log = tmp_path / "slow.log"
+    events = out / "recovery" / "events.jsonl"
+    with log.open("w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True,
+                                env={**os.environ, "NUTP_LIVE_DIGEST": "1",
+                                     "NUTP_FAULT": "slow:1:4"})
+        try:
+            deadline = time.monotonic() + JOB_TIMEOUT_S
+            while '"cause": "straggler"' not in (events.read_text() if events.exists() else ""):
+                assert proc.poll() is None, log.read_text()[-6000:]
+                assert time.monotonic() < deadline, "no straggler re-layout in time"
+                time.sleep(0.05)
+            slow = out / "recovery" / "slow.json"
+            assert list(json.loads(slow.read_text())["slow_gpus"]) == ["1"]
+            tmp = slow.with_suffix(".test-tmp")
+            tmp.write_text(json.dumps({"slow_gpus": {}}))
+            os.replace(tmp, slow)  # GPU 1 is healthy again
+            rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        finally:
+            kill_session(proc.pid)
+            proc.wait()
+    text = log.read_text()
+    assert rc == 0, text[-6000:]
+    ref = _reference(over, steps, tmp_path)
+    rows = _check_parity(out, ref, TOL)
+    layouts = [r["replica_tp"] for r in rows]
+    a = layouts.index([[2], [1]])
+    b = layouts.index([[2], [2]], a)
+    assert layouts == [[[2], [2]]] * a + [[[2], [1]]] * (b - a) + [[[2], [2]]] * (steps - b)
+    ev = _events(out)
+    names = [e["event"] for e in ev]
+    assert names.count("start") == 1 and "failure" not in names and "live_fallback" not in names
+    assert names.count("straggler") == 1, names
+    excl, back = [e for e in ev if e["event"] == "live_relayout"]
+    assert (excl["cause"], excl["excluded_gpus"], excl["processes_started"]) == (
+        "straggler", [1], 0), excl
+    assert (back["cause"], back["returned_gpus"], back["processes_started"]) == (
+        "gpu_back", [1], 1), back
+    for e, k in ((excl, a), (back, b)):
+        assert e["resume_step"] == e["committed_step"] + 1 == k, (e, k)
+        assert e["lost_steps"] == 0 and e["recomputed_steps"] == 0, e
+        assert e["checkpoint_bytes_read"] == 0
+    (first,) = [e for e in ev if e["event"] == "live_world"]
+    assert set(excl["pids"]) < set(first["pids"]) and len(excl["pids"]) == 3, (first, excl)
+    assert set(excl["pids"]) < set(back["pids"]) and len(back["pids"]) == 4, (excl, back)
+    assert "resumed" not in names
+    digests = _digests(ev)
+    assert sorted(digests) == [1, 2], digests
+    for gen, reps in digests.items():
+        assert len(set().union(*reps.values())) == 1, (gen, reps)
+    print(f"straggler live: excluded after step {a - 1} in {excl['relayout_s']:.3f} s, back "
+          f"after step {b - 1} in {back['relayout_s']:.3f} s")
