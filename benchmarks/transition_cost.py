@@ -13,7 +13,7 @@ writes ``runs/bench/transitions.json``::
 the scenario (``nemo_nutp/goodput/transitions.py``). A path that does not exist is absent.
 
 Paths are a registry: ``PATHS[name] = fn`` with ``fn(event, opts) -> dict | None`` (None: the
-path cannot handle that event). ``live`` (``recovery.mode=live``: kill, hang, gpu_back) is one
+path cannot handle that event). ``live`` (``recovery.mode=live``: every event) is one
 such function: its entry comes from the run's ``live_relayout`` event (``transition_s`` =
 ``relayout_s``; also ``unblock_s``, ``recomputed_steps``, bytes received vs the lower bound,
 ``peak_memory_ratio``).
@@ -206,11 +206,12 @@ def _run_gpu_back(opts: Options, out: Path, *extra: str) -> None:
         job.wait()
 
 
-def _run_straggler(opts: Options, out: Path) -> None:
+def _run_straggler(opts: Options, out: Path, *extra: str) -> None:
     """Rank 1 slowed 4x from ``fault_step``: the probe finds it, the world stops after the next
-    checkpoint and the supervisor re-plans without it (TP2 + TP1)."""
+    checkpoint and the supervisor re-plans without it (TP2 + TP1; ``recovery.mode=live`` in
+    ``extra``: every rank stops at the step boundary of the detection, re-planned live)."""
     over = [*JOB, f"train.steps={opts.steps}", "nutp.straggler_probe_interval=1",
-            "nutp.straggler_window=3", "nutp.exclude_stragglers=true"]
+            "nutp.straggler_window=3", "nutp.exclude_stragglers=true", *extra]
     with Job(out, over, env={"NUTP_FAULT": f"slow:1:4:{opts.fault_step}"}) as job:
         job.wait()
 
@@ -247,6 +248,9 @@ def _live_entry(out: Path) -> dict[str, Any]:
     if e["cause"] == "gpu_back":  # report seen -> stop requested (no checkpoint to wait for)
         (req,) = [x for x in ev if x["event"] == "scale_up_requested"]
         detect = e["detected_at"] - req["t"]
+    elif e["cause"] == "straggler":  # slowdown starts -> the probe names the GPU
+        (found,) = [x for x in ev if x["event"] == "straggler"]
+        detect = found["t"] - min(x["t"] for x in ev if x["event"] == "slow_fault")
     return {
         "detect_s": float(detect), "transition_s": float(e["relayout_s"]),
         "lost_steps": int(e["lost_steps"]), "recomputed_steps": int(e["recomputed_steps"]),
@@ -268,10 +272,16 @@ def live(event: str, opts: Options) -> dict[str, Any] | None:
     in memory (``nemo_nutp/recovery/control.py``); GPU back: every rank stops at the next step
     boundary, one new process per returning GPU joins and receives its state from the
     survivors (``processes_started``: those new processes; ``transition_s``: request -> first
-    step of the grown layout started). Straggler exclusion is not live yet: absent."""
+    step of the grown layout started); straggler: every rank stops at the step boundary of the
+    detection, re-planned without it (``transition_s``: detection -> first step without it)."""
     if event == "gpu_back":
         out = opts.work / "live_gpu_back"
         _run_gpu_back(opts, out, "recovery.mode=live")
+        return _live_entry(out)
+    if event == "straggler":
+        out = opts.work / "live_straggler"
+        # 2.5x: the 4x slowed GPU is found, probe noise of shared cores in the new layout not
+        _run_straggler(opts, out, "recovery.mode=live", "nutp.straggler_threshold=2.5")
         return _live_entry(out)
     if event not in ("kill", "hang"):
         return None
