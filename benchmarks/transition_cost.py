@@ -206,13 +206,15 @@ def _run_gpu_back(opts: Options, out: Path, *extra: str) -> None:
         job.wait()
 
 
-def _run_straggler(opts: Options, out: Path, *extra: str) -> None:
+def _run_straggler(opts: Options, out: Path, *extra: str, slow_from: int | None = None
+                   ) -> None:
     """Rank 1 slowed 4x from ``fault_step``: the probe finds it, the world stops after the next
     checkpoint and the supervisor re-plans without it (TP2 + TP1; ``recovery.mode=live`` in
     ``extra``: every rank stops at the step boundary of the detection, re-planned live)."""
     over = [*JOB, f"train.steps={opts.steps}", "nutp.straggler_probe_interval=1",
             "nutp.straggler_window=3", "nutp.exclude_stragglers=true", *extra]
-    with Job(out, over, env={"NUTP_FAULT": f"slow:1:4:{opts.fault_step}"}) as job:
+    start = opts.fault_step if slow_from is None else slow_from
+    with Job(out, over, env={"NUTP_FAULT": f"slow:1:4:{start}"}) as job:
         job.wait()
 
 
@@ -281,7 +283,10 @@ def live(event: str, opts: Options) -> dict[str, Any] | None:
     if event == "straggler":
         out = opts.work / "live_straggler"
         # 2.5x: the 4x slowed GPU is found, probe noise of shared cores in the new layout not
-        _run_straggler(opts, out, "recovery.mode=live", "nutp.straggler_threshold=2.5")
+        # slowed from step 2: found at step 4, steps left to run without it (the restart path's
+        # fault_step leaves none: it is found at the last step)
+        _run_straggler(opts, out, "recovery.mode=live", "nutp.straggler_threshold=2.5",
+                       slow_from=2)
         return _live_entry(out)
     if event not in ("kill", "hang"):
         return None
