@@ -35,6 +35,10 @@ phase):
    and the new world starts at ``c + 1``: at most the in-flight step is recomputed, no committed
    step is lost.
 
+A boundary re-layout (grow back, a straggler excluded: ``control.grow``) stops every rank after
+the optimizer update and bookkeeping of the step ``s`` their vote agreed on: every rank reports
+``(s, committed)``, so ``c = s`` and nothing is applied or recomputed.
+
 Anything else reported (a survivor that cannot reach ``c``) is a broken invariant:
 ``decide`` raises and the control process falls back to a restart from the checkpoint.
 """

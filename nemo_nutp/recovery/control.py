@@ -17,6 +17,14 @@ every decision of a live re-layout; ranks only report and follow (``live.py``):
    the event ``live_relayout`` is logged (``unblock_s``: detected -> every survivor out of its
    step; ``relayout_s``: detected -> the first step of the new layout starts).
 
+Boundary re-layouts (``grow``): GPUs reported back (health report; ``recovery/slow.json`` for
+stragglers it re-planned around) or a straggler found (rank 0 posts ``boundary<gen>``, every
+rank found it at the same step): ``abort<gen>`` carries a ``grow`` request that aborts nothing,
+the ranks' next vote agrees on the step boundary, every rank reports ``(s, committed)``, the
+planner re-plans, one new process per returning GPU joins ``world<gen+1>`` and receives its
+state from the survivors; a rank whose GPU the plan leaves out exits. A rank that dies in that
+window is a failure for the restart path (no live recovery inside a re-layout).
+
 Fallbacks (each logged as ``live_fallback`` with its reason, then the restart path): the
 ``live_blocker`` reasons (distributed optimizer, ...), a survivor that does not report within
 ``REPORT_TIMEOUT_S``, a second failure during the re-layout, a broken commit invariant, no
@@ -452,8 +460,11 @@ def run_world(cfg: Any, job: Any, plan: Any, failed: frozenset[int], attempt: in
             if res is None or isinstance(res, World):
                 w, started = (w, started) if res is None else (res, time.time())
                 continue
-            failure = None  # the fallback: stop the world, the restart path re-plans
-            scale = watch.ScaleUp((), now, watch.resume_step(w.job.checkpoint_dir))
+            # the fallback: stop the world, the restart path re-plans (a rank that died in
+            # the window is a failure: its GPU is marked failed)
+            failure = blame_exits({r: p.exitcode for r, p in enumerate(w.procs)})
+            scale = None if failure is not None else watch.ScaleUp(
+                (), now, watch.resume_step(w.job.checkpoint_dir))
         elif failure is None and now >= next_health:
             next_health = now + watch.HEALTH_POLL_S
             back, why = gpus_back(cfg, w, rdir)
@@ -468,8 +479,9 @@ def run_world(cfg: Any, job: Any, plan: Any, failed: frozenset[int], attempt: in
                 if res is None or isinstance(res, World):
                     w, started = (w, started) if res is None else (res, time.time())
                     continue
-                scale = watch.ScaleUp(tuple(sorted(back)), now,
-                                      watch.resume_step(w.job.checkpoint_dir))
+                failure = blame_exits({r: p.exitcode for r, p in enumerate(w.procs)})
+                scale = None if failure is not None else watch.ScaleUp(
+                    tuple(sorted(back)), now, watch.resume_step(w.job.checkpoint_dir))
         if failure is None and scale is None:
             continue
         detected = time.time()

@@ -20,6 +20,12 @@ died):
    (``nemo_nutp.relayout.move_state``: weights, fp32 masters, Adam moments from a survivor that
    holds them), carry the RNG state over.
 
+A boundary re-layout (GPUs back, a straggler excluded; ``control.grow``) aborts nothing: the
+control thread turns a ``grow`` value of ``abort<gen>`` into a bit of the next vote (``[1,
+grow]``, still one all-reduce), every rank stops after that step, reports it committed
+(``boundary``) and follows the same steps 4-5; a returning GPU's new process joins with nothing
+(``recovery.relayout.join``).
+
 Never imported by the launcher side, and it imports nothing of it.
 """
 

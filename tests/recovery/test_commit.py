@@ -36,6 +36,12 @@ def test_decide_after_the_update() -> None:
     assert d == Decision(5, ())
 
 
+def test_decide_at_a_boundary_relayout() -> None:
+    """Grow back / straggler: every rank stopped after step 4's update: 4 is committed, nobody
+    applies anything, the new world starts at 5."""
+    assert decide({r: Report(4, "committed") for r in range(6)}) == Decision(4, ())
+
+
 def test_decide_rejects_a_broken_invariant() -> None:
     with pytest.raises(RuntimeError, match="commit invariant broken"):
         decide({0: Report(5, "compute"), 1: Report(5, "committed")})  # 0 never voted
