@@ -124,34 +124,76 @@ def blame_hang(progress: Mapping[int, Progress | None], *, now: float, timeout_s
     return Failure(behind, f"hung: no progress for {timeout_s:.0f} s at step {least[0]}")
 
 
-def waits_for(collectives: Mapping[int, Mapping[str, int] | None]) -> dict[int, set[int]]:
-    """Who waits for whom, from the collectives each rank entered per process group.
+def _members(key: str, counts: Mapping[int, Mapping[str, int] | None]) -> list[int]:
+    """A group's members: the ranks a legacy key ``"<name>:<r0>,<r1>,..."`` lists, else (a key
+    that is the group's name) the ranks that report it (each rank reports every group it is a
+    member of, entered or not: ``watch.CollectiveLog``)."""
+    name, sep, tail = key.rpartition(":")
+    if sep and name and all(m.isdigit() for m in tail.split(",") if m):
+        return [int(m) for m in tail.split(",") if m]
+    return [r for r, c in counts.items() if c is not None and key in c]
 
-    ``collectives[r]`` maps a group key ``"<name>:<r0>,<r1>,..."`` (the group's name, the same on
-    every member, and its member ranks) to the number of collectives rank ``r`` entered on it;
-    ``None`` for a rank that reported nothing (never judged). Members call a group's collectives
-    in the same order, so a member that entered more collectives on a group than another one
-    is in (or past, if asynchronous) a collective that cannot finish without that other member:
-    it waits for it. A member absent from another member's counts entered none on that group.
-    Collectives some code path does not count are missed by every member alike, so they add no
-    edge."""
+
+def waits_for(collectives: Mapping[int, Mapping[str, int] | None]) -> dict[int, set[int]]:
+    """Who waits for whom, from the collectives each rank entered per process group (the
+    explicit graph, O(members^2) per group: for tests and reports; ``hang_roots`` does not
+    build it).
+
+    ``collectives[r]`` maps a group key (the group's name, the same on every member; see
+    ``_members``) to the number of collectives rank ``r`` entered on it; ``None`` for a rank
+    that reported nothing (never judged). Members call a group's collectives in the same order,
+    so a member that entered more collectives on a group than another one is in (or past, if
+    asynchronous) a collective that cannot finish without that other member: it waits for it.
+    A member without a count for a group entered none on it. Collectives some code path does
+    not count are missed by every member alike, so they add no edge."""
     edges: dict[int, set[int]] = {r: set() for r, c in collectives.items() if c is not None}
-    keys = {k for c in collectives.values() if c for k in c}
-    for key in keys:
-        members = [int(m) for m in key.rsplit(":", 1)[1].split(",") if m]
-        counts = {m: c.get(key, 0) for m in members if (c := collectives.get(m)) is not None}
+    for counts in _group_counts(collectives).values():
         for r, n in counts.items():
             edges[r].update(m for m, k in counts.items() if k < n)
     return edges
 
 
+def _group_counts(collectives: Mapping[int, Mapping[str, int] | None]
+                  ) -> dict[str, dict[int, int]]:
+    """Per group key, every reporting member's count (0 where it has none): O(entries)."""
+    out: dict[str, dict[int, int]] = {}
+    legacy: dict[str, list[int]] = {}
+    for r, c in collectives.items():
+        for key, n in (c or {}).items():
+            out.setdefault(key, {})[r] = n
+            if ":" in key and key not in legacy:
+                legacy[key] = _members(key, {})
+    for key, members in legacy.items():
+        if members:
+            g = out[key]
+            for m in members:
+                if m not in g and collectives.get(m) is not None:
+                    g[m] = 0
+            for r in [r for r in g if r not in members]:
+                del g[r]
+    return out
+
+
 def hang_roots(collectives: Mapping[int, Mapping[str, int] | None]) -> tuple[int, ...]:
     """Ranks some rank waits for and that wait for nobody (``waits_for``): where a hang
     starts. Victims that wait for a victim (a chain through several groups) are not roots.
-    Empty when no rank waits (all in one collective) or the waits form a cycle."""
-    edges = waits_for(collectives)
-    waited = set().union(*edges.values()) if edges else set()
-    return tuple(sorted(r for r in waited if not edges.get(r)))
+    Empty when no rank waits (all in one collective) or the waits form a cycle.
+
+    O(reported entries), not O(members^2): in a group a member waits for somebody iff its
+    count is above the group's minimum, and is waited for iff its count is below the
+    maximum (the job-level aggregator runs this over every rank of a 32K-rank job)."""
+    waited: set[int] = set()
+    waiting: set[int] = set()
+    for counts in _group_counts(collectives).values():
+        lo, hi = min(counts.values()), max(counts.values())
+        if lo == hi:
+            continue
+        for r, n in counts.items():
+            if n > lo:
+                waiting.add(r)
+            if n < hi:
+                waited.add(r)
+    return tuple(sorted(waited - waiting))
 
 
 def next_failed(current: frozenset[int], blamed_gpus: tuple[int, ...],

@@ -19,11 +19,15 @@ them). The launcher restarts the whole worker group when one worker dies (torchr
    workers in the plan form a fresh default process group over the store (rank = plan rank,
    NCCL on CUDA, gloo on CPU) and resume from the newest complete checkpoint; a worker whose GPU
    is failed or unused waits idle until the plan's rank 0 posts that the job finished;
-4. every plan rank runs the stack watcher of ``watch.py``; a watchdog thread on plan rank 0
-   reads the step heartbeats and watcher reports and, when progress stalls past
-   ``recovery.heartbeat_timeout_s``, records the blamed ranks (those not blocked in
-   collectives: ``recovery.blame_hang``) and exits the worker, so the launcher restarts the
-   group. It also reads the health report: GPUs reported back trigger a planned restart at the
+4. every plan rank runs the stack watcher of ``watch.py``, its files and step heartbeats on
+   the node's own disk; the node's lowest plan rank publishes one digest of its node's ranks
+   to the store every half-second, and a job-level aggregator process started by launcher
+   rank 0 (``aggregate.py``: O(1) work per training rank, O(W) off the training ranks) reads
+   all digests in one request and, when progress stalls past
+   ``recovery.heartbeat_timeout_s``, records the blamed ranks (those behind their peers in
+   their collectives, or not blocked in collectives: ``recovery.blame_hang``) and sets the
+   ``abort`` key, so every worker exits and the launcher restarts the group. A thread on plan
+   rank 0 reads the health report: GPUs reported back trigger a planned restart at the
    first checkpoint completed after the report (``scaleup.<attempt>.json``), and the next
    attempt plans the fuller layout. Under ft_launcher (nvidia-resiliency-ext) every worker
    also sends the rank monitor liveness heartbeats from a thread, so a worker frozen as a whole
@@ -49,13 +53,14 @@ from typing import Any
 
 from ..checkpoint.events import log_event, read_events
 from ..layout.serialize import write_json_atomic
-from . import watch
-from .decisions import Failure, blame_hang, job_for, lost_steps, next_failed
+from . import aggregate, watch
+from .decisions import Failure, job_for, lost_steps, next_failed
 
 EXIT_HANG = 75  # worker exit code after the watchdog found a hang (EX_TEMPFAIL)
 EXIT_SCALE_UP = 76  # worker exit code for a planned restart: GPUs reported back
 EXIT_ABORT = 77  # another worker ended the attempt (store key "abort"), or the store is gone
-CONTROL_S = 1.0  # period of the control thread (abort key, store liveness)
+CONTROL_S = 1.0  # retry period of the control thread while the store does not answer
+WAIT_S = 60.0  # one blocking wait on the abort key lasts this long, then it is renewed
 
 
 @dataclass(frozen=True)
@@ -261,7 +266,7 @@ def decide(cfg: Any, rdir: Path, attempt: int, probes: dict[int, str | None]
         hang = _read_json(rdir / f"hang.{prev_n}.json")
         scale = _read_json(rdir / f"scaleup.{prev_n}.json")
         gpus = prev["rank_to_gpu"]
-        last = watch.last_done(rdir / f"heartbeats.{prev_n}", len(gpus))
+        last = (_read_json(rdir / f"progress.{prev_n}.json") or {}).get("last_done")
         resume = watch.resume_step(cfg.checkpoint_dir)
         # Detection: the watchdog's finding, else the first exit record that is not a clean
         # end (the launcher's reaction to the failure), else now.
@@ -303,45 +308,22 @@ def decide(cfg: Any, rdir: Path, attempt: int, probes: dict[int, str | None]
     return record
 
 
-def start_watchdog(cfg: Any, job: Any, plan: Any, failed: frozenset[int], rdir: Path,
-                   attempt: int, exits: ExitRecorder, console: Any, control: Control, *,
-                   health_watch: bool) -> threading.Thread:
-    """Every plan rank, a daemon thread (the first to see it acts; a dead rank's watcher reports
-    go stale, so its peers find it). Ends the attempt (``control.abort``: every worker exits, so
-    the launcher restarts the group):
-
-    * on a hang: step progress stalled past ``recovery.heartbeat_timeout_s`` (between steps no
-      rank's stack watcher saw activity either); the ranks ``blame_hang`` names (the ones not
-      blocked in collectives) and where they were go to ``hang.<attempt>.json``;
-    * for GPUs reported back in the health report, at the first checkpoint newer than the one
-      complete when the report was seen (``scaleup.<attempt>.json``), so the next attempt plans
-      the fuller layout without losing a committed step (the launcher counts it as a restart)."""
-    rec = job.recovery
-    world = plan.world_size
-    hb_dir = rdir / f"heartbeats.{attempt}"
-    started = time.time()
-    health = watch.HealthWatch(cfg, job, plan, failed, rdir, console) if health_watch else None
+def start_health_watch(cfg: Any, job: Any, plan: Any, failed: frozenset[int], rdir: Path,
+                       attempt: int, exits: ExitRecorder, console: Any, control: Control
+                       ) -> threading.Thread:
+    """Plan rank 0, a daemon thread: GPUs reported back in the health report end the attempt
+    (``control.abort``: every worker exits, so the launcher restarts the group) at the first
+    checkpoint newer than the one complete when the report was seen (``scaleup.<attempt>.json``),
+    so the next attempt plans the fuller layout without losing a committed step (the launcher
+    counts it as a restart). O(1) per period: one small file read. Hangs are the job-level
+    aggregator's (``aggregate.py``), not a training rank's."""
+    health = watch.HealthWatch(cfg, job, plan, failed, rdir, console)
 
     def run() -> None:
         while True:
             time.sleep(0.5)
             now = time.time()
-            failure = blame_hang(watch.read_progress(hb_dir, world), now=now,
-                                 timeout_s=rec.heartbeat_timeout_s, started_at=started,
-                                 startup_timeout_s=rec.startup_timeout_s,
-                                 activity=watch.read_activity(hb_dir, world),
-                                 collectives=watch.read_collectives(hb_dir, world))
-            if failure is not None:
-                where = {str(r): watch.read_where(hb_dir, r) for r in failure.ranks}
-                write_json_atomic({"ranks": list(failure.ranks), "reason": failure.reason,
-                                   "detected_at": now, "where": where},
-                                  rdir / f"hang.{attempt}.json")
-                log_event("hang_detected", file=rdir / "events.jsonl", attempt=attempt,
-                          ranks=list(failure.ranks), reason=failure.reason, where=where)
-                exits.write("watchdog", failure.reason)
-                control.abort("hang")
-                os._exit(EXIT_HANG)
-            scale = health.poll(now) if health is not None else None
+            scale = health.poll(now)
             if scale is not None:
                 write_json_atomic({"gpus": list(scale.gpus), "requested_at": scale.requested_at,
                                    "step": scale.step, "detected_at": now},
@@ -350,7 +332,7 @@ def start_watchdog(cfg: Any, job: Any, plan: Any, failed: frozenset[int], rdir: 
                 control.abort("scale_up")
                 os._exit(EXIT_SCALE_UP)
 
-    t = threading.Thread(target=run, name="nutp-watchdog", daemon=True)
+    t = threading.Thread(target=run, name="nutp-health-watch", daemon=True)
     t.start()
     return t
 
@@ -392,27 +374,38 @@ class Control:
     whatever the launcher does (srun without --kill-on-bad-exit waits for every task):
 
     * ``abort(why)`` (any worker leaving abnormally) sets the key ``abort``; every worker's
-      control thread sees it within ``CONTROL_S``, writes its exit record and exits;
+      control thread (blocked in one ``wait`` on that key) wakes, writes its exit record and
+      exits;
     * a store that stops answering (its host, launcher rank 0, died) ends the worker too;
     * ``leave()`` at a normal end: a barrier, so the store's host exits last."""
 
-    def __init__(self, store: Any, exits: ExitRecorder, world: int, host: bool) -> None:
+    def __init__(self, store: Any, exits: ExitRecorder, world: int, host: bool,
+                 waiter: Any = None) -> None:
         self.store, self.exits, self.world, self.host = store, exits, world, host
+        self.waiter = waiter if waiter is not None else store
         self._stopped = threading.Event()
 
     def start(self) -> None:
+        """One blocking ``wait`` on the ``abort`` key (no polling: W ranks would make W store
+        requests per second); ``waiter`` is a store client of its own (a TCPStore client runs
+        one request at a time, so a pending wait would hold up the process group's)."""
         def run() -> None:
             misses = 0
-            while not self._stopped.wait(CONTROL_S):
+            while not self._stopped.is_set():
                 try:
-                    aborted = self.store.check(["abort"])
-                    misses = 0
-                except Exception:
-                    misses += 1
-                    if misses < 5 or self._stopped.is_set():
-                        continue
-                    self.exits.write("aborted", "rendezvous store unreachable")
-                    os._exit(EXIT_ABORT)
+                    self.waiter.wait(["abort"], timedelta(seconds=WAIT_S))
+                    aborted = True
+                except Exception:  # timed out (no abort yet), or the store is gone
+                    try:
+                        aborted = bool(self.waiter.check(["abort"]))
+                        misses = 0
+                    except Exception:
+                        misses += 1
+                        if misses < 5 or self._stopped.is_set():
+                            time.sleep(CONTROL_S)
+                            continue
+                        self.exits.write("aborted", "rendezvous store unreachable")
+                        os._exit(EXIT_ABORT)
                 if aborted and not self._stopped.is_set():
                     self.exits.write("aborted", "another worker ended the attempt")
                     os._exit(EXIT_ABORT)
@@ -436,6 +429,23 @@ class Control:
             pass
 
 
+def _client(timeout: timedelta) -> Any:
+    """A store client of its own to the launcher's rendezvous store (``MASTER_ADDR``/
+    ``MASTER_PORT``, as ``env://`` uses them)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                         is_master=False, timeout=timeout, wait_for_workers=False)
+
+
+def _spawn_aggregator(cfg: Any, rdir: Path, attempt: int, prefix: str, world: int) -> None:
+    rec = cfg.recovery
+    aggregate.spawn(host=os.environ["MASTER_ADDR"], port=int(os.environ["MASTER_PORT"]),
+                    prefix=prefix, rdir=rdir, attempt=attempt, world=world,
+                    nodes=cfg.cluster.num_gpus // cfg.cluster.gpus_per_node,
+                    timeout_s=rec.heartbeat_timeout_s, startup_timeout_s=rec.startup_timeout_s)
+
+
 def run_worker(cfg: Any, env: LauncherEnv, console: Any) -> int:
     """One attempt of one worker. Returns the process exit code."""
     import torch
@@ -454,15 +464,17 @@ def run_worker(cfg: Any, env: LauncherEnv, console: Any) -> int:
     try:
         timeout = timedelta(seconds=cfg.recovery.startup_timeout_s)
         base, _, _ = next(dist.rendezvous("env://", env.rank, env.world, timeout=timeout))
-        store = dist.PrefixStore(f"nutp/attempt{env.attempt}/", base)
-        control = Control(store, exits, env.world, host=env.rank == 0)
+        prefix = f"nutp/attempt{env.attempt}/"
+        store = dist.PrefixStore(prefix, base)
+        control = Control(store, exits, env.world, host=env.rank == 0,
+                          waiter=dist.PrefixStore(prefix, _client(timeout)))
         control.start()
         why = probe_device(env.local_rank, cfg.recovery.probe_timeout_s)
         store.set(f"worker/{env.rank}", json.dumps({"slot": env.slot, "probe": why}))
         if env.rank == 0:
             keys = [f"worker/{r}" for r in range(env.world)]
             store.wait(keys, timeout)
-            posts = [json.loads(store.get(k)) for k in keys]
+            posts = [json.loads(v) for v in store.multi_get(keys)]
             probes = {w["slot"]: w["probe"] for w in posts}
             if sorted(probes) != list(range(env.world)):
                 slots = sorted(w["slot"] for w in posts)
@@ -472,6 +484,8 @@ def run_worker(cfg: Any, env: LauncherEnv, console: Any) -> int:
                             "failed_gpus": []}
             else:
                 decision = decide(cfg, rdir, env.attempt, probes)
+            if "error" not in decision:
+                aggregate.preset(store, cfg.cluster.num_gpus // cfg.cluster.gpus_per_node)
             store.set("decision", json.dumps(decision))
         decision = json.loads(store.get("decision"))
         if "error" in decision:
@@ -482,6 +496,9 @@ def run_worker(cfg: Any, env: LauncherEnv, console: Any) -> int:
             return 2
         failed = frozenset(decision["failed_gpus"])
         job = job_for(cfg, failed)
+        gpn = cfg.cluster.gpus_per_node
+        if env.rank == 0:  # the job-level hang aggregator: its own process, off the ranks
+            _spawn_aggregator(cfg, rdir, env.attempt, prefix, len(decision["rank_to_gpu"]))
         from ..config import plan_request
         from ..layout import build_plan
 
@@ -498,7 +515,8 @@ def run_worker(cfg: Any, env: LauncherEnv, console: Any) -> int:
             control.leave()
             return 0
         prank = plan.rank_to_gpu.index(env.slot)
-        hb_dir = rdir / f"heartbeats.{env.attempt}"
+        # Heartbeat and stack files on this node's own disk (tmpfs), read by the node watchdog
+        hb_dir = aggregate.node_dir(str(int(decision["t"] * 1000)), env.attempt)
         hb_dir.mkdir(parents=True, exist_ok=True)
         os.environ.update(NUTP_ATTEMPT=str(env.attempt), NUTP_HEARTBEAT_DIR=str(hb_dir),
                           NUTP_EVENTS=str(rdir / "events.jsonl"))
@@ -510,8 +528,13 @@ def run_worker(cfg: Any, env: LauncherEnv, console: Any) -> int:
         # Watched from here on: a start-up that stalls (a peer never joins the process group, a
         # checkpoint load that hangs) is found like a hang inside training.
         watch.start_stack_watcher(hb_dir / f"rank{prank}.stack")
-        start_watchdog(cfg, job, plan, failed, rdir, env.attempt, exits, console, control,
-                       health_watch=prank == 0)
+        local = aggregate.node_ranks(plan.rank_to_gpu, gpn, env.slot // gpn)
+        if prank == local[0]:  # the node watchdog: this node's ranks -> one digest
+            aggregate.NodeWatch(hb_dir, local, env.slot // gpn,
+                                dist.PrefixStore(prefix, _client(timeout)).set).start()
+        if prank == 0:
+            start_health_watch(cfg, job, plan, failed, rdir, env.attempt, exits, console,
+                               control)
         device = None
         if torch.cuda.is_available():
             torch.cuda.set_device(env.local_rank)

@@ -6,6 +6,7 @@ complete checkpoint, and the per-restart summary of ``events.jsonl``.
 
 from __future__ import annotations
 
+import collections
 import json
 import linecache
 import os
@@ -47,22 +48,76 @@ class CollectiveLog:
     main thread is inside one now (``depth``). Installed by wrapping ``torch.distributed``'s
     collectives; every member of a group runs the same code, so calls made through references
     taken before the wrapping are missed on every member alike (see
-    ``decisions.waits_for``)."""
+    ``decisions.waits_for``).
 
-    def __init__(self) -> None:
+    Groups are keyed by name (``pg.group_name``: the same on every member, O(1) per key, not
+    the member list) and ``counts()`` reports every group this rank is a member of, 0 where it
+    entered none, so the aggregator knows a group's members from who reports it.
+
+    Device progress (issue #22 finding 8): under NCCL a collective call returns at once, so
+    host counts are equal on every rank of a GPU-side hang. With ``event`` (a factory of
+    objects with ``record()`` and ``query()``: ``torch.cuda.Event`` on CUDA, a stand-in in
+    tests) an event is recorded on the current stream *before* each collective; ``counts()``
+    then reports per group how many collectives the *device* reached (the event completed:
+    all work before the collective is done), polled by the stack watcher thread. A rank whose
+    GPU stalls stays behind its peers in those counts, which ``decisions.hang_roots`` blames.
+    """
+
+    def __init__(self, event: Any = None) -> None:
         self.entered: dict[str, int] = {}
         self.depth = 0
-        self._keys: dict[int, str] = {}
+        self._event = event
+        self._pending: dict[str, collections.deque[Any]] = {}
+        self.reached: dict[str, int] = {}
+        self._mine: dict[str, int] = {}
+        self._seen_groups = -1
 
     def key(self, group: Any) -> str:
         import torch.distributed as dist
 
         pg = group if group is not None else dist.group.WORLD
-        k = self._keys.get(id(pg))
-        if k is None:
-            ranks = ",".join(map(str, dist.get_process_group_ranks(pg)))
-            k = self._keys[id(pg)] = f"{getattr(pg, 'group_name', '?')}:{ranks}"
-        return k
+        name = getattr(pg, "group_name", None)
+        if not name:
+            raise ValueError("a process group without a name")
+        return str(name)
+
+    def _enter(self, k: str) -> None:
+        self.entered[k] = self.entered.get(k, 0) + 1
+        if self._event is not None:
+            ev = self._event()
+            ev.record()
+            self._pending.setdefault(k, collections.deque()).append(ev)
+
+    def poll_device(self) -> None:
+        """Advance ``reached`` over the events the device completed (in order per group)."""
+        for k, q in list(self._pending.items()):
+            while q and q[0].query():
+                q.popleft()
+                self.reached[k] = self.reached.get(k, 0) + 1
+
+    def _member_groups(self) -> dict[str, int]:
+        """Every group this rank is a member of (count 0), refreshed when groups are added."""
+        try:
+            from torch.distributed import distributed_c10d as c10d
+
+            world = c10d._world
+            if len(world.pg_names) != self._seen_groups:
+                me = c10d.get_rank()
+                self._mine = {str(n): 0 for pg, n in list(world.pg_names.items())
+                              if me in world.pg_group_ranks.get(pg, {})}
+                self._seen_groups = len(world.pg_names)
+        except Exception:  # no process group (yet): entered groups only
+            pass
+        return self._mine
+
+    def counts(self) -> dict[str, int]:
+        """Per group name: collectives the device reached (with events), else entered."""
+        if self._event is not None:
+            self.poll_device()
+            done = dict(self.reached)
+        else:
+            done = dict(self.entered)
+        return {**self._member_groups(), **done}
 
     def wrap(self, fn: Any) -> Any:
         import functools
@@ -81,7 +136,7 @@ class CollectiveLog:
                 k = self.key(group)
             except Exception:  # not a group this rank can name (not a member): leave it
                 return fn(*args, **kwargs)
-            self.entered[k] = self.entered.get(k, 0) + 1
+            self._enter(k)
             self.depth += 1
             try:
                 return fn(*args, **kwargs)
@@ -100,10 +155,20 @@ class CollectiveLog:
                 setattr(dist, name, self.wrap(fn))
 
 
+def device_event() -> Any:
+    """The factory of device-progress events for this process: ``torch.cuda.Event`` when CUDA
+    is available (timing off: a cheap marker), else None (host counts are device counts)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return lambda: torch.cuda.Event(enable_timing=False)
+
+
 def start_stack_watcher(path: Path) -> threading.Thread:
     """Start this rank's stack watcher (a daemon thread writing ``path``; see ``watch_stack``)
     and count its collectives (``CollectiveLog``)."""
-    log = CollectiveLog()
+    log = CollectiveLog(event=device_event())
     log.install()
     t = threading.Thread(target=watch_stack, name="nutp-stack-watch", daemon=True,
                          args=(path, threading.main_thread(), log))
@@ -188,7 +253,7 @@ def watch_stack(path: Path, main: threading.Thread, log: CollectiveLog | None = 
         now, used = time.time(), cpu_s(clock)
         waiting = (log is not None and log.depth > 0) or (
             bool(stack) and is_comm_wait(stack[0][0], linecache.getline(*stack[0][:2])))
-        counts = json.dumps(dict(log.entered) if log is not None else {})
+        counts = json.dumps(log.counts() if log is not None else {})
         # CPU used while waiting for peers (a Work.wait() polls) is not progress
         if tuple(s[:2] for s in stack) != last or (not waiting and used - cpu > CPU_EPS_S):
             last, changed = tuple(s[:2] for s in stack), now
