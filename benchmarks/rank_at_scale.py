@@ -16,9 +16,11 @@ large-grad checks do not apply), then ``--steps`` steps of the per-step control 
   reduction of ``train/loop.py``
   (``_gather_times``: one O(replicas) all-reduce and its host read) and the rank's heartbeat
   write (``checkpoint/hooks.py``): ``control_s_per_step`` is their sum, median over steps;
-* ``watchdog_poll_s``: one poll of the recovery watchdog as it runs today on every rank
-  (``watchdog_poll``: ``recovery/elastic.py``'s loop body over W ranks' heartbeat and stack
-  files in a temporary directory); ``aggregator_poll_s`` if a job-level aggregator exists;
+* ``watchdog_poll_s``: one poll of the recovery watchdog on a training rank (``watchdog_poll``:
+  the node watchdog of ``recovery/aggregate.py`` over its node's 8 ranks' heartbeat and stack
+  files, one digest ``set`` in a loopback TCPStore); ``aggregator_poll_s``: one poll of the
+  job-level aggregator (its own process under a launcher, off the training ranks): every
+  node's digest in one ``multi_get``, merged, ``blame_hang`` over W ranks;
 * ``extra_grad_bytes``: the engine's own accounting of its live buffers at their peak
   (``GradSyncEngine.peak_bytes``; megatron's DDP reduces its grad buffer in place, so that is
   all beyond it), beside ``fp32_grad_bytes`` (the rank's gradients in fp32). Fake works never
@@ -74,18 +76,38 @@ def _rank(plan: Any, kind: str) -> int:
     raise ValueError(f"no {kind} rank in the plan")
 
 
-def watchdog_poll(hb_dir: Path, world: int, started: float) -> float:
-    """Seconds of one poll of the recovery watchdog over ``world`` ranks (the one place to
-    repoint when the watchdog changes)."""
-    from nemo_nutp.recovery import watch
-    from nemo_nutp.recovery.decisions import blame_hang
+def watchdog_poll(hb_dir: Path, world: int, started: float, rank: int) -> tuple[float, float]:
+    """Seconds of one poll of the recovery watchdog on a training rank (the node watchdog of
+    ``rank``'s node: its ranks' files -> one digest -> one store ``set``) and of the job-level
+    aggregator (``multi_get`` of every node's digest, merge, ``blame_hang``), over a real
+    TCPStore on loopback (no network latency: a cluster adds one round trip to each). The one
+    place to repoint when the watchdog changes."""
+    from datetime import timedelta
 
+    import torch.distributed as dist
+
+    from nemo_nutp.recovery import aggregate
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=60))
+    store = dist.PrefixStore("nutp/attempt0/", server)
+    per = 8
+    nodes = -(-world // per)
+    aggregate.preset(store, nodes)
+    for n in range(nodes):  # every node's digest published (not timed)
+        aggregate.NodeWatch(hb_dir, range(n * per, min(world, (n + 1) * per)), n,
+                            store.set).poll()
+    node = rank // per
+    mine = aggregate.NodeWatch(hb_dir, range(node * per, min(world, (node + 1) * per)), node,
+                               store.set)
     t0 = time.perf_counter()
-    blame_hang(watch.read_progress(hb_dir, world), now=time.time(), timeout_s=60.0,
-               started_at=started, startup_timeout_s=300.0,
-               activity=watch.read_activity(hb_dir, world),
-               collectives=watch.read_collectives(hb_dir, world))
-    return time.perf_counter() - t0
+    mine.poll()
+    t1 = time.perf_counter()
+    agg = aggregate.Aggregator(aggregate.StoreSource(store, nodes), world, timeout_s=60.0,
+                               startup_timeout_s=300.0, started_at=started)
+    t2 = time.perf_counter()
+    agg.poll(time.time())
+    return t1 - t0, time.perf_counter() - t2
 
 
 def _heartbeat_files(hb_dir: Path, world: int) -> None:
@@ -94,7 +116,10 @@ def _heartbeat_files(hb_dir: Path, world: int) -> None:
     for r in range(world):
         (hb_dir / f"rank{r}").write_text(f"step 3 {now}\n")
         (hb_dir / f"rank{r}.stack").write_text(
-            f"0 {now} {now}\nloop.py:1 in train_rank\n" + json.dumps({"tp:0": 12, "dp:0": 40})
+            f"0 {now} {now}\nloop.py:1 in train_rank\n"
+            + json.dumps({"0": 3, f"tp{r // 8}": 120, f"pp{r % 8}": 2, f"dp{r % 8}": 40,
+                          f"rep{r // 8}": 1, f"one{r}": 0, f"sync{r % 8}a": 6,
+                          f"sync{r % 8}b": 6})  # group names, as CollectiveLog keys them
             + "\n")
 
 
@@ -160,7 +185,7 @@ def one(world: int, pp: int, kind: str, steps: int) -> dict[str, Any]:
             per_step.append(t3 - t)
             parts.append((t1 - t, t2 - t1, t3 - t2))
         _heartbeat_files(hb, plan.world_size)
-        poll = watchdog_poll(hb, plan.world_size, time.time())
+        poll, agg_poll = watchdog_poll(hb, plan.world_size, time.time(), rank)
     fp32 = sum(p.numel() for _, p in params) * 4
     worst = engine.peak_bytes  # fake works never report completion: retired only in finish
     prompt = _peak_if_prompt(engine, engine_mod)
@@ -172,7 +197,7 @@ def one(world: int, pp: int, kind: str, steps: int) -> dict[str, Any]:
             "engine_s_per_step": statistics.median(x[0] for x in parts),
             "metrics_s_per_step": statistics.median(x[1] for x in parts),
             "heartbeat_s_per_step": statistics.median(x[2] for x in parts),
-            "watchdog_poll_s": poll, "aggregator_poll_s": None,
+            "watchdog_poll_s": poll, "aggregator_poll_s": agg_poll,
             "extra_grad_bytes": worst, "fp32_grad_bytes": fp32,
             "extra_grad_ratio": worst / fp32,
             "extra_grad_bytes_prompt": prompt, "extra_grad_ratio_prompt": prompt / fp32,
@@ -222,13 +247,15 @@ def _table(runs: list[dict[str, Any]]) -> None:
     from rich.table import Table
 
     t = Table(title="one rank of a W-rank job (fake process group; TP8, one TP7 replica stage)")
-    for c in ("W", "pp", "rank", "setup s", "new_group", "control ms/step", "watchdog poll s",
+    for c in ("W", "pp", "rank", "setup s", "new_group", "control ms/step", "watchdog poll ms",
+              "aggregator poll s",
               "extra grad / fp32 grad (worst / prompt)", "RSS MiB"):
         t.add_column(c, justify="right")
     for r in runs:
         t.add_row(f"{r['world']:,}", str(r["pp"]), f"{r['rank_kind']} (TP{r['degree']})",
                   f"{r['setup_s']:.1f}", f"{r['new_group_calls']:,}",
-                  f"{1e3 * r['control_s_per_step']:.2f}", f"{r['watchdog_poll_s']:.3f}",
+                  f"{1e3 * r['control_s_per_step']:.2f}", f"{1e3 * r['watchdog_poll_s']:.2f}",
+                  f"{r['aggregator_poll_s']:.3f}",
                   f"{r['extra_grad_ratio']:.2f} / {r['extra_grad_ratio_prompt']:.2f}",
                   f"{r['rss_bytes'] / 2**20:,.0f}")
     Console().print(t)
@@ -261,7 +288,8 @@ def main() -> None:
                 runs.append(json.loads(line[0][7:]))
                 r = runs[-1]
                 print(f"  setup {r['setup_s']:.1f} s, control {1e3 * r['control_s_per_step']:.2f}"
-                      f" ms/step, watchdog poll {r['watchdog_poll_s']:.3f} s", flush=True)
+                      f" ms/step, watchdog poll {1e3 * r['watchdog_poll_s']:.2f} ms, aggregator"
+                      f" poll {r['aggregator_poll_s']:.3f} s", flush=True)
     from nemo_nutp.layout.serialize import write_json_atomic
 
     a.out.parent.mkdir(parents=True, exist_ok=True)
@@ -286,10 +314,12 @@ def _plot(runs: list[dict[str, Any]], path: Path) -> Path:
         w = [r["world"] for r in rs]
         label = f"PP{pp} {kind}"
         axes[0].plot(w, [1e3 * r["control_s_per_step"] for r in rs], "o-", label=label)
-        axes[1].plot(w, [r["watchdog_poll_s"] for r in rs], "o-", label=label)
+        axes[1].plot(w, [r["watchdog_poll_s"] for r in rs], "o-", label=f"{label} rank")
+        axes[1].plot(w, [r["aggregator_poll_s"] for r in rs], "s--",
+                     label=f"{label} aggregator (target 1 s)")
         axes[2].plot(w, [r["setup_s"] for r in rs], "o-", label=label)
     for ax, title, target in ((axes[0], "control ms / step", 5.0),
-                              (axes[1], "watchdog poll s (training rank)", 0.01),
+                              (axes[1], "watchdog poll s (rank: target 10 ms)", 0.01),
                               (axes[2], "setup s", 30.0)):
         ax.axhline(target, color="gray", ls="--", lw=1, label="target")
         ax.set_xscale("log", base=2)

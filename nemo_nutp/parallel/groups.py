@@ -2,8 +2,9 @@
 
 Contract:
 * every rank calls ``build_groups`` with the same plan; groups are created in one fixed order
-  (TP, PP, stage/DP, stage leaders, sync groups by stage and space, replicas when pp > 1,
-  singletons): no deadlock;
+  (TP, PP, stage/DP, stage leaders, sync groups by stage and space, replicas when pp > 1):
+  no deadlock; this rank's size-1 group is created by this rank alone
+  (``use_local_synchronization``: no world-wide call per rank);
 * the returned ``NUTPGroups.pgs`` is a megatron-core ``ProcessGroupCollection`` holding *this
   rank's* groups; NUTP never initialises or reads megatron's global ``parallel_state`` groups, so
   any layer that falls back to a global TP group fails loudly instead of computing wrong math;
@@ -100,10 +101,9 @@ def build_groups(plan: Plan, *, backend: str | None = None) -> NUTPGroups:
         for rep in plan.replicas:
             g = _new_group([r for ranks in rep.ranks for r in ranks], backend)
             replica = g if g is not None else replica
-    single = None
-    for r in range(plan.world_size):  # size-1 groups for context parallelism (unused: cp=1)
-        g = _new_group([r], backend)
-        single = g if g is not None else single
+    # This rank alone (cp = ep = 1): created by this rank only (a local barrier of one), not W
+    # world-wide new_group calls for W size-1 groups (issue #22).
+    single = dist.new_group(ranks=[rank], backend=backend, use_local_synchronization=True)
     assert single is not None
     pgs = ProcessGroupCollection()
     pgs.tp = mine["tp"]

@@ -1,0 +1,117 @@
+"""Issue #22 findings 4 and 8: node digests + job-level aggregator (no processes), and hang
+blame from device progress (a stand-in for CUDA events: CPU-tested only)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+from types import SimpleNamespace
+
+from nemo_nutp.recovery import aggregate
+from nemo_nutp.recovery.decisions import Activity, Progress, blame_hang, hang_roots
+from nemo_nutp.recovery.watch import CollectiveLog
+
+
+class StandInEvent:
+    """``torch.cuda.Event``'s two methods: completes once its device has not stalled."""
+
+    def __init__(self, device: SimpleNamespace) -> None:
+        self.device = device
+        self.n = -1
+
+    def record(self) -> None:
+        self.device.recorded += 1
+        self.n = self.device.recorded
+
+    def query(self) -> bool:
+        return self.n <= self.device.progress
+
+
+def _run(log: CollectiveLog, groups: list[SimpleNamespace], calls: int) -> None:
+    op = log.wrap(lambda tensor, group=None: None)
+    for i in range(calls):
+        op(None, group=groups[i % len(groups)])
+
+
+def test_device_progress_blames_the_stalled_gpu_while_host_counts_are_equal() -> None:
+    # TP {0,1}, one more group {0,1,2,3} (DP-like); rank 1's GPU stalls after 5 collectives'
+    # worth of work (a kernel that never ends): NCCL calls return at once on every rank, so
+    # every host entered all 8 collectives, but rank 1's device reached only 5.
+    tp01 = SimpleNamespace(group_name="7")
+    tp23 = SimpleNamespace(group_name="8")
+    dp = SimpleNamespace(group_name="9")
+    devices = {r: SimpleNamespace(recorded=0, progress=10**9) for r in range(4)}
+    devices[1].progress = 5
+    logs = {r: CollectiveLog(event=lambda r=r: StandInEvent(devices[r])) for r in range(4)}
+    for r in range(4):
+        _run(logs[r], [tp01 if r < 2 else tp23, dp], 8)
+    host = {r: dict(logs[r].entered) for r in range(4)}
+    device = {r: logs[r].counts() for r in range(4)}
+    assert all(host[r] == host[0 if r < 2 else 2] for r in range(4))  # equal host counts
+    assert hang_roots(host) == ()  # the host view blames nobody
+    assert device[1] == {"7": 3, "9": 2} and device[0] == {"7": 4, "9": 4}
+    assert hang_roots(device) == (1,)
+    # what the aggregator decides: equal heartbeats, no host waiting in a collective (NCCL
+    # returned), so only the device counts name the rank
+    beats = {r: Progress("start", 3, 100.0) for r in range(4)}
+    acts = {r: Activity(False, 100.0, 105.9) for r in range(4)}
+    kw = dict(now=106.0, timeout_s=5.0, started_at=0.0, startup_timeout_s=50.0)
+    f = blame_hang(beats, activity=acts, collectives=host, **kw)  # type: ignore[arg-type]
+    assert f is not None and f.ranks == ()
+    f = blame_hang(beats, activity=acts, collectives=device, **kw)  # type: ignore[arg-type]
+    assert f is not None and f.ranks == (1,) and "behind" in f.reason
+    # without events (CPU) the counts are the host's
+    plain = CollectiveLog()
+    _run(plain, [tp01], 3)
+    assert plain.counts() == {"7": 3}
+
+
+def _files(hb: Path, world: int, behind: int, now: float) -> None:
+    for r in range(world):
+        (hb / f"rank{r}").write_text(f"start 3 {now - 30}\n")
+        tp, dp = f"tp{r // 8}", f"dp{r % 8}"
+        counts = {tp: 12, dp: 40 if r != behind else 39}
+        (hb / f"rank{r}.stack").write_text(
+            f"1 {now - 30} {now}\nloop.py:{r} in train_rank\n{json.dumps(counts)}\n")
+
+
+def test_node_digests_through_a_store_and_the_aggregator_blame(tmp_path: Path) -> None:
+    import torch.distributed as dist
+
+    world, per, behind = 32, 8, 13
+    now = time.time()
+    _files(tmp_path, world, behind, now)
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=30))
+    store = dist.PrefixStore("nutp/attempt0/", server)
+    nodes = world // per
+    aggregate.preset(store, nodes)
+    agg = aggregate.Aggregator(aggregate.StoreSource(store, nodes), world, timeout_s=5.0,
+                               startup_timeout_s=50.0, started_at=now - 100)
+    f = agg.poll(now)  # nothing published yet: a start-up without any sign of life
+    assert f is not None and f.ranks == () and "no heartbeat" in f.reason
+    rank_to_gpu = list(range(world))
+    for n in range(nodes):
+        mine = aggregate.node_ranks(rank_to_gpu, per, n)
+        assert mine == list(range(n * per, (n + 1) * per))
+        aggregate.NodeWatch(tmp_path, mine, n, store.set).poll()
+    f = agg.poll(now)
+    assert f is not None and f.ranks == (behind,) and "behind" in f.reason
+    assert agg.where[behind] == f"loop.py:{behind} in train_rank" and agg.last_done == 2
+    # the same analysis straight from the files (one machine: the CPU supervisor)
+    direct = aggregate.Aggregator(aggregate.DirSource(tmp_path, world), world, timeout_s=5.0,
+                                  startup_timeout_s=50.0, started_at=now - 100)
+    f2 = direct.poll(now)
+    assert f2 is not None and f2.ranks == (behind,)
+    # the aggregator's loop: records the hang and sets the abort key
+    rdir = tmp_path / "recovery"
+    rdir.mkdir()
+    assert aggregate.run_aggregator(store, agg, rdir=rdir, attempt=0, parent=os.getppid()) == 0
+    hang = json.loads((rdir / "hang.0.json").read_text())
+    assert hang["ranks"] == [behind] and hang["where"] == {str(behind): f"loop.py:{behind} in "
+                                                                        "train_rank"}
+    assert store.get("abort") == b"hang"
+    assert json.loads((rdir / "progress.0.json").read_text())["last_done"] == 2
