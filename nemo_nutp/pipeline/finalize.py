@@ -60,6 +60,16 @@ class PipelineFinalizer:
                     self.pairs.append((peer, a - lo, b - lo))
         self.nccl = dist.get_backend(groups.tp) == "nccl"
 
+    def warm_up(self) -> None:
+        """The tied-embedding pairs' communicators now (first and last stage; see
+        ``NUTPP2PCommunicator.warm_up``)."""
+        if self.tied is None:
+            return
+        device = self.tied.device
+        ops = [("recv", torch.empty(1, device=device), peer) for peer, _, _ in self.pairs]
+        ops += [("send", torch.zeros(1, device=device), peer) for peer, _, _ in self.pairs]
+        _exchange(ops, nccl=self.nccl)
+
     def _combine_tied(self) -> torch.Tensor | None:
         """G0 + GL on both stages' holders; the first stage's per-row sums of squares."""
         if self.tied is None:

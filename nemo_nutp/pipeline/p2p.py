@@ -94,6 +94,20 @@ class NUTPP2PCommunicator(P2PCommunicator):
         return t_prev, t_next, None
 
 
+    def warm_up(self) -> None:
+        """Every stage-boundary pair's communicator now, before the first step's heartbeat
+        (NCCL creates a pair's at its first p2p; issue #22 finding 7): one element per slice
+        of every direction, in one exchange (the schedule's own call; every rank of the
+        replica calls it at session build)."""
+        device = torch.cuda.current_device() if self.nccl else torch.device("cpu")
+        dtype = self.config.pipeline_dtype or torch.float32
+        ops = [("recv", torch.empty(1, device=device, dtype=dtype), peer)
+               for peer, _, _ in self.recv_prev + self.recv_next]
+        ops += [("send", torch.zeros(1, device=device, dtype=dtype), peer)
+                for peer, _, _ in self.send_next + self.send_prev]
+        _exchange(ops, nccl=self.nccl)
+
+
 def _exchange(ops: list[tuple[str, torch.Tensor, int]], *, nccl: bool) -> None:
     """Post every receive and send, then wait (NCCL: one batched launch)."""
     if not ops:

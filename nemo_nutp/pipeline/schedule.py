@@ -39,6 +39,9 @@ class PipelineRunner:
         self.comm = NUTPP2PCommunicator(groups.pgs.pp, self.config, plan=plan,
                                         rank=groups.ctx.rank)
         self.finalizer = PipelineFinalizer(plan, groups, model)
+        # Pipeline communicators before step 0 (the sync's are warmed at DDP build)
+        self.comm.warm_up()
+        self.finalizer.warm_up()
         self.micro_batch_size = micro_batch_size
         self.last = groups.ctx.stage == plan.pp - 1
         self.schedule = get_forward_backward_func(pp_size=plan.pp, vp_size=None)

@@ -5,6 +5,8 @@ they come back.
   no processes, no torch.
 * ``watch``: what ranks report (heartbeats, stack watcher, collective sequence numbers) and what
   the supervisor reads (health report, newest checkpoint).
+* ``aggregate``: hang detection in O(1) per training rank: node watchdogs publish one digest
+  per node, a job-level aggregator (its own process) decides over all ranks.
 * ``supervisor``: the single-machine supervisor of ``nutp-train recovery.enabled=true``.
 * ``elastic``: the same decisions per restart of ``torchrun``/``srun``/``ft_launcher``.
 """

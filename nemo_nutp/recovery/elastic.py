@@ -56,7 +56,6 @@ from ..layout.serialize import write_json_atomic
 from . import aggregate, watch
 from .decisions import Failure, job_for, lost_steps, next_failed
 
-EXIT_HANG = 75  # worker exit code after the watchdog found a hang (EX_TEMPFAIL)
 EXIT_SCALE_UP = 76  # worker exit code for a planned restart: GPUs reported back
 EXIT_ABORT = 77  # another worker ended the attempt (store key "abort"), or the store is gone
 CONTROL_S = 1.0  # retry period of the control thread while the store does not answer
