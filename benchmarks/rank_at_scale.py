@@ -18,9 +18,10 @@ large-grad checks do not apply), then ``--steps`` steps of the per-step control 
   write (``checkpoint/hooks.py``): ``control_s_per_step`` is their sum, median over steps;
 * ``watchdog_poll_s``: one poll of the recovery watchdog on a training rank (``watchdog_poll``:
   the node watchdog of ``recovery/aggregate.py`` over its node's 8 ranks' heartbeat and stack
-  files, one digest ``set`` in a loopback TCPStore); ``aggregator_poll_s``: one poll of the
-  job-level aggregator (its own process under a launcher, off the training ranks): every
-  node's digest in one ``multi_get``, merged, ``blame_hang`` over W ranks;
+  files, one digest ``multi_set`` in a loopback TCPStore); ``aggregator_poll_s``: one poll of
+  the job-level aggregator in a process of its own (as under a launcher, off the training
+  ranks): every node's summary in one ``multi_get``; ``aggregator_blame_s``: its poll after a
+  stall (every node's detail, merged, ``blame_hang`` over W ranks);
 * ``extra_grad_bytes``: the engine's own accounting of its live buffers at their peak
   (``GradSyncEngine.peak_bytes``; megatron's DDP reduces its grad buffer in place, so that is
   all beyond it), beside ``fp32_grad_bytes`` (the rank's gradients in fp32). Fake works never
@@ -76,12 +77,14 @@ def _rank(plan: Any, kind: str) -> int:
     raise ValueError(f"no {kind} rank in the plan")
 
 
-def watchdog_poll(hb_dir: Path, world: int, started: float, rank: int) -> tuple[float, float]:
+def watchdog_poll(hb_dir: Path, world: int, started: float, rank: int
+                  ) -> tuple[float, float, float]:
     """Seconds of one poll of the recovery watchdog on a training rank (the node watchdog of
-    ``rank``'s node: its ranks' files -> one digest -> one store ``set``) and of the job-level
-    aggregator (``multi_get`` of every node's digest, merge, ``blame_hang``), over a real
-    TCPStore on loopback (no network latency: a cluster adds one round trip to each). The one
-    place to repoint when the watchdog changes."""
+    ``rank``'s node: its ranks' files -> one digest -> one store ``multi_set``), and of the
+    job-level aggregator in its own process as under a launcher (``_aggregator``: every node's
+    summary in one ``multi_get``; and the poll after a stall: details, merge, ``blame_hang``),
+    over a real TCPStore on loopback (no network latency: a cluster adds a round trip to
+    each). The one place to repoint when the watchdog changes."""
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -95,19 +98,48 @@ def watchdog_poll(hb_dir: Path, world: int, started: float, rank: int) -> tuple[
     nodes = -(-world // per)
     aggregate.preset(store, nodes)
     for n in range(nodes):  # every node's digest published (not timed)
-        aggregate.NodeWatch(hb_dir, range(n * per, min(world, (n + 1) * per)), n,
-                            store.set).poll()
+        aggregate.NodeWatch(hb_dir, range(n * per, min(world, (n + 1) * per)), n, store).poll()
     node = rank // per
     mine = aggregate.NodeWatch(hb_dir, range(node * per, min(world, (node + 1) * per)), node,
-                               store.set)
+                               store)
     t0 = time.perf_counter()
     mine.poll()
-    t1 = time.perf_counter()
+    poll = time.perf_counter() - t0
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    p = subprocess.run([sys.executable, __file__, "--aggregator", str(server.port), str(nodes),
+                        str(world), str(started)], env=env, capture_output=True, text=True,
+                       check=False)
+    line = [x for x in p.stdout.splitlines() if x.startswith("AGG ")]
+    if p.returncode or not line:
+        raise RuntimeError(f"aggregator process failed:\n{p.stderr[-3000:]}")
+    agg = json.loads(line[0][4:])
+    return poll, agg["poll_s"], agg["blame_s"]
+
+
+def _aggregator(port: int, nodes: int, world: int, started: float) -> dict[str, float]:
+    """The job-level aggregator's polls in a process of its own (as ``aggregate.main``): the
+    median of 3 polls while heartbeats are fresh, and one poll after a stall."""
+    import gc
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from nemo_nutp.recovery import aggregate
+
+    gc.freeze()
+    store = dist.PrefixStore("nutp/attempt0/", dist.TCPStore(
+        "127.0.0.1", port, is_master=False, wait_for_workers=False,
+        timeout=timedelta(seconds=60)))
     agg = aggregate.Aggregator(aggregate.StoreSource(store, nodes), world, timeout_s=60.0,
                                startup_timeout_s=300.0, started_at=started)
-    t2 = time.perf_counter()
-    agg.poll(time.time())
-    return t1 - t0, time.perf_counter() - t2
+    polls = []
+    for _ in range(3):
+        t = time.perf_counter()
+        assert agg.poll(time.time()) is None
+        polls.append(time.perf_counter() - t)
+    t = time.perf_counter()
+    assert agg.poll(time.time() + 3600) is not None  # stalled: the details name ranks
+    return {"poll_s": statistics.median(polls), "blame_s": time.perf_counter() - t}
 
 
 def _heartbeat_files(hb_dir: Path, world: int) -> None:
@@ -185,7 +217,7 @@ def one(world: int, pp: int, kind: str, steps: int) -> dict[str, Any]:
             per_step.append(t3 - t)
             parts.append((t1 - t, t2 - t1, t3 - t2))
         _heartbeat_files(hb, plan.world_size)
-        poll, agg_poll = watchdog_poll(hb, plan.world_size, time.time(), rank)
+        poll, agg_poll, agg_blame = watchdog_poll(hb, plan.world_size, time.time(), rank)
     fp32 = sum(p.numel() for _, p in params) * 4
     worst = engine.peak_bytes  # fake works never report completion: retired only in finish
     prompt = _peak_if_prompt(engine, engine_mod)
@@ -198,6 +230,7 @@ def one(world: int, pp: int, kind: str, steps: int) -> dict[str, Any]:
             "metrics_s_per_step": statistics.median(x[1] for x in parts),
             "heartbeat_s_per_step": statistics.median(x[2] for x in parts),
             "watchdog_poll_s": poll, "aggregator_poll_s": agg_poll,
+            "aggregator_blame_s": agg_blame,
             "extra_grad_bytes": worst, "fp32_grad_bytes": fp32,
             "extra_grad_ratio": worst / fp32,
             "extra_grad_bytes_prompt": prompt, "extra_grad_ratio_prompt": prompt / fp32,
@@ -269,7 +302,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--one", nargs=3, metavar=("W", "PP", "KIND"), help=argparse.SUPPRESS)
+    ap.add_argument("--aggregator", nargs=4, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.aggregator:
+        port, nodes, world, started = a.aggregator
+        print("AGG " + json.dumps(_aggregator(int(port), int(nodes), int(world),
+                                              float(started))))
+        return
     if a.one:
         print("RESULT " + json.dumps(one(int(a.one[0]), int(a.one[1]), a.one[2], a.steps)))
         return

@@ -7,14 +7,17 @@ finding 4): one node watchdog per node, one job-level aggregator off the trainin
   where there is one), not the shared filesystem.
 * **Node watchdog** (a thread of the node's lowest plan rank, ``NodeWatch``): every
   ``NODE_POLL_S`` it reads its node's ranks' files (``gpus_per_node`` of them: O(1) in W) into
-  one compact digest (``node_digest``) and publishes it under ``node_key(n)`` (one store
-  ``set`` per node per period, not one file per rank per half-second on a shared filesystem).
+  a digest (``node_digest``): a summary (newest heartbeat, latest activity, highest completed
+  step) and the per-rank detail, published under ``node_key(n)``/``detail_key(n)`` (one store
+  ``multi_set`` per node per period, not one file per rank per half-second on a shared
+  filesystem).
 * **Job aggregator** (``Aggregator``; under an external launcher its own process, started by
   launcher rank 0: ``python -m nemo_nutp.recovery.aggregate``): every ``NODE_POLL_S`` it
-  fetches all node digests at once (``multi_get``), merges them (O(W)), and runs
-  ``decisions.blame_hang`` (O(W + entries): the group-count analysis is per group min/max,
-  ``decisions.hang_roots``). It keeps the highest completed step (for lost-step accounting)
-  and, on a hang, says which ranks and where they were.
+  fetches all node summaries at once (``multi_get``, O(nodes)) and decides whether progress
+  stalled (``stalled``: ``blame_hang``'s own rule); only then does it fetch the details, merge
+  them (O(W)) and run ``decisions.blame_hang`` (O(W + entries): the group-count analysis is per
+  group min/max, ``decisions.hang_roots``) to name the ranks and where they were. It keeps the
+  highest completed step (for lost-step accounting).
 
 The rank side therefore costs O(1) per rank; the aggregator O(W) in one process that trains
 nothing (``benchmarks/rank_at_scale.py`` reports both: ``watchdog_poll_s`` and
@@ -32,7 +35,7 @@ import signal
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -43,7 +46,13 @@ NODE_POLL_S = 0.5
 
 
 def node_key(node: int) -> str:
+    """A node's summary (small: read every poll)."""
     return f"watch/node{node}"
+
+
+def detail_key(node: int) -> str:
+    """A node's per-rank detail (read only when progress stalled)."""
+    return f"watch/detail{node}"
 
 
 def node_dir(run: str, attempt: int) -> Path:
@@ -75,10 +84,52 @@ def _rank_entry(hb_dir: Path, r: int) -> list[Any]:
     return [progress, activity, counts, where]
 
 
-def node_digest(hb_dir: Path, ranks: Sequence[int]) -> str:
-    """What a node's ranks last reported, as one JSON string (O(ranks on the node))."""
-    return json.dumps({"t": time.time(), "r": {str(r): _rank_entry(hb_dir, r) for r in ranks}},
-                      separators=(",", ":"))
+def node_digest(hb_dir: Path, ranks: Sequence[int]) -> tuple[str, str]:
+    """What a node's ranks last reported (O(ranks on the node)), as two JSON strings: the
+    summary (newest step heartbeat and its phase, latest activity, highest completed step: all
+    the aggregator needs to see whether progress stalled) and the per-rank detail (what
+    ``blame_hang`` needs to name the ranks, read only after a stall)."""
+    ranks_out = {str(r): _rank_entry(hb_dir, r) for r in ranks}
+    return (json.dumps(summarize(ranks_out.values()), separators=(",", ":")),
+            json.dumps({"r": ranks_out}, separators=(",", ":")))
+
+
+def summarize(entries: Any) -> dict[str, Any]:
+    """A node's summary from its ranks' ``[progress, activity, counts, where]`` entries."""
+    beats = [e[0] for e in entries if e[0] is not None]
+    busy = [e[1][1] for e in entries if e[1] is not None]
+    newest = max(beats, key=lambda p: p[2]) if beats else None
+    done = [p[1] if p[0] == "done" else p[1] - 1 for p in beats]
+    return {"t": time.time(), "beat": None if newest is None else [newest[2], newest[0]],
+            "busy": max(busy) if busy else None, "done": max(done) if done else None}
+
+
+def stalled(summaries: Sequence[str | bytes | None], now: float, *, timeout_s: float,
+            started_at: float, startup_timeout_s: float) -> tuple[bool, int | None]:
+    """From node summaries: whether ``blame_hang`` would find a hang now (the same rule: no
+    heartbeat or activity for ``timeout_s``; activity counts between steps), and the highest
+    completed step. O(nodes)."""
+    beat: tuple[float, str] | None = None
+    busy: float | None = None
+    done: int | None = None
+    for raw in summaries:
+        if not raw:
+            continue
+        try:
+            d = json.loads(raw)
+        except ValueError:
+            continue
+        if d["beat"] is not None and (beat is None or d["beat"][0] > beat[0]):
+            beat = (d["beat"][0], d["beat"][1])
+        if d["busy"] is not None and (busy is None or d["busy"] > busy):
+            busy = d["busy"]
+        if d["done"] is not None and (done is None or d["done"] > done):
+            done = d["done"]
+    if beat is None:
+        last = busy if busy is not None else started_at
+        return now - started_at > startup_timeout_s and now - last > timeout_s, done
+    last = max(beat[0], busy if beat[1] == "done" and busy is not None else beat[0])
+    return now - last > timeout_s, done
 
 
 class Merged:
@@ -113,10 +164,11 @@ class Merged:
 
 
 class Aggregator:
-    """The job-level hang check over all ranks (``poll``); ``source()`` returns the digests."""
+    """The job-level hang check over all ranks (``poll``). ``source`` gives the nodes'
+    summaries (every poll: O(nodes)) and details (only once progress stalled: O(W))."""
 
-    def __init__(self, source: Callable[[], Sequence[str | bytes | None]], world: int, *,
-                 timeout_s: float, startup_timeout_s: float, started_at: float) -> None:
+    def __init__(self, source: Any, world: int, *, timeout_s: float,
+                 startup_timeout_s: float, started_at: float) -> None:
         self.source, self.world = source, world
         self.timeout_s, self.startup_timeout_s = timeout_s, startup_timeout_s
         self.started_at = started_at
@@ -124,12 +176,16 @@ class Aggregator:
         self.where: dict[int, str] = {}
 
     def poll(self, now: float) -> Failure | None:
-        m = Merged(self.world)
-        for d in self.source():
-            m.add(d)
-        done = m.last_done()
+        stuck, done = stalled(self.source.summaries(), now, timeout_s=self.timeout_s,
+                              started_at=self.started_at,
+                              startup_timeout_s=self.startup_timeout_s)
         if done is not None and (self.last_done is None or done > self.last_done):
             self.last_done = done
+        if not stuck:
+            return None
+        m = Merged(self.world)
+        for d in self.source.details():
+            m.add(d)
         self.where = m.where
         return blame_hang(m.progress, now=now, timeout_s=self.timeout_s,
                           started_at=self.started_at, startup_timeout_s=self.startup_timeout_s,
@@ -143,38 +199,50 @@ class DirSource:
     def __init__(self, hb_dir: Path, world: int, per: int = 8) -> None:
         self.hb_dir, self.world, self.per = hb_dir, world, per
 
-    def __call__(self) -> list[str]:
+    def _digests(self) -> list[tuple[str, str]]:
         return [node_digest(self.hb_dir, range(a, min(a + self.per, self.world)))
                 for a in range(0, self.world, self.per)]
 
+    def summaries(self) -> list[str]:
+        return [s for s, _ in self._digests()]
+
+    def details(self) -> list[str]:
+        return [d for _, d in self._digests()]
+
 
 class StoreSource:
-    """Digests published in a store under ``node_key(n)`` for ``nodes`` nodes: one round trip
-    (``multi_get``; every key is set before the first poll, see ``preset``)."""
+    """Digests published in a store for ``nodes`` nodes: one round trip each (``multi_get``;
+    every key is set before the first poll, see ``preset``)."""
 
     def __init__(self, store: Any, nodes: int) -> None:
-        self.store, self.keys = store, [node_key(n) for n in range(nodes)]
+        self.store = store
+        self.summary_keys = [node_key(n) for n in range(nodes)]
+        self.detail_keys = [detail_key(n) for n in range(nodes)]
 
-    def __call__(self) -> list[bytes]:
-        return list(self.store.multi_get(self.keys))
+    def summaries(self) -> list[bytes]:
+        return list(self.store.multi_get(self.summary_keys))
+
+    def details(self) -> list[bytes]:
+        return list(self.store.multi_get(self.detail_keys))
 
 
 def preset(store: Any, nodes: int) -> None:
     """Empty digests for every node (one ``multi_set``), so the aggregator's ``multi_get``
     never waits for a node that has not published yet."""
-    store.multi_set([node_key(n) for n in range(nodes)], [""] * nodes)
+    keys = [node_key(n) for n in range(nodes)] + [detail_key(n) for n in range(nodes)]
+    store.multi_set(keys, [""] * len(keys))
 
 
 class NodeWatch:
-    """A node's watchdog: ``poll`` reads the node's ranks' files and publishes one digest."""
+    """A node's watchdog: ``poll`` reads the node's ranks' files and publishes its summary and
+    detail (one ``multi_set``)."""
 
-    def __init__(self, hb_dir: Path, ranks: Sequence[int], node: int,
-                 publish: Callable[[str, str], None]) -> None:
-        self.hb_dir, self.ranks, self.key, self.publish = hb_dir, list(ranks), node_key(node), \
-            publish
+    def __init__(self, hb_dir: Path, ranks: Sequence[int], node: int, store: Any) -> None:
+        self.hb_dir, self.ranks, self.store = hb_dir, list(ranks), store
+        self.keys = [node_key(node), detail_key(node)]
 
     def poll(self) -> None:
-        self.publish(self.key, node_digest(self.hb_dir, self.ranks))
+        self.store.multi_set(self.keys, list(node_digest(self.hb_dir, self.ranks)))
 
     def start(self) -> threading.Thread:
         def run() -> None:
@@ -276,8 +344,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--startup-timeout", type=float, required=True)
     a = ap.parse_args(argv)
     _die_with_parent()
+    import gc
+
     import torch.distributed as dist
 
+    gc.freeze()  # the imports' objects: no full collection walks them every poll
     base = dist.TCPStore(a.host, a.port, is_master=False,
                          timeout=timedelta(seconds=max(60.0, a.startup_timeout)))
     store = dist.PrefixStore(a.prefix, base)

@@ -530,7 +530,7 @@ def run_worker(cfg: Any, env: LauncherEnv, console: Any) -> int:
         local = aggregate.node_ranks(plan.rank_to_gpu, gpn, env.slot // gpn)
         if prank == local[0]:  # the node watchdog: this node's ranks -> one digest
             aggregate.NodeWatch(hb_dir, local, env.slot // gpn,
-                                dist.PrefixStore(prefix, _client(timeout)).set).start()
+                                dist.PrefixStore(prefix, _client(timeout))).start()
         if prank == 0:
             start_health_watch(cfg, job, plan, failed, rdir, env.attempt, exits, console,
                                control)

@@ -97,8 +97,10 @@ def test_node_digests_through_a_store_and_the_aggregator_blame(tmp_path: Path) -
     for n in range(nodes):
         mine = aggregate.node_ranks(rank_to_gpu, per, n)
         assert mine == list(range(n * per, (n + 1) * per))
-        aggregate.NodeWatch(tmp_path, mine, n, store.set).poll()
-    f = agg.poll(now)
+        aggregate.NodeWatch(tmp_path, mine, n, store).poll()
+    assert agg.poll(now - 26) is None and agg.where == {}  # fresh: the summaries suffice
+    assert agg.last_done == 2
+    f = agg.poll(now)  # stalled: the details name the rank
     assert f is not None and f.ranks == (behind,) and "behind" in f.reason
     assert agg.where[behind] == f"loop.py:{behind} in train_rank" and agg.last_done == 2
     # the same analysis straight from the files (one machine: the CPU supervisor)
@@ -115,3 +117,36 @@ def test_node_digests_through_a_store_and_the_aggregator_blame(tmp_path: Path) -
                                                                         "train_rank"}
     assert store.get("abort") == b"hang"
     assert json.loads((rdir / "progress.0.json").read_text())["last_done"] == 2
+
+
+def _entry(beat: tuple[str, int, float] | None, act: tuple[bool, float, float] | None
+           ) -> list[object]:
+    return [None if beat is None else list(beat), None if act is None else list(act), {}, "-"]
+
+
+def test_summaries_say_stalled_exactly_when_blame_hang_finds_a_hang() -> None:
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    beat = st.none() | st.tuples(st.sampled_from(["start", "done"]), st.integers(0, 5),
+                                 st.floats(0, 100))
+    act = st.none() | st.tuples(st.booleans(), st.floats(0, 100), st.floats(0, 100))
+    kw = dict(timeout_s=10.0, started_at=0.0, startup_timeout_s=40.0)
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.lists(st.tuples(beat, act), min_size=1, max_size=24), st.floats(0, 120),
+           st.integers(1, 8))
+    def check(ranks: list, now: float, per: int) -> None:
+        entries = [_entry(b, a) for b, a in ranks]
+        nodes = [entries[i:i + per] for i in range(0, len(entries), per)]
+        summaries = [json.dumps(aggregate.summarize(n)) for n in nodes]
+        stuck, done = aggregate.stalled(summaries, now, **kw)  # type: ignore[arg-type]
+        progress = {r: None if b is None else Progress(*b) for r, (b, _) in enumerate(ranks)}
+        acts = {r: None if a is None else Activity(*a) for r, (_, a) in enumerate(ranks)}
+        f = blame_hang(progress, now=now, activity=acts, **kw)  # type: ignore[arg-type]
+        assert stuck == (f is not None)
+        beats = [b for b, _ in ranks if b is not None]
+        assert done == (max(s if p == "done" else s - 1 for p, s, _ in beats) if beats
+                        else None)
+
+    check()
