@@ -508,8 +508,13 @@ def run_worker(cfg: Any, env: LauncherEnv, console: Any) -> int:
                                "config on every node?)")
         if env.slot not in plan.rank_to_gpu:  # failed or unused GPU: wait for the end
             start_ft_heartbeats()
-            while not store.check(["finished"]):
-                time.sleep(CONTROL_S)
+            while True:  # one blocking wait at a time, no polling
+                try:
+                    store.wait(["finished"], timedelta(seconds=WAIT_S))
+                    break
+                except Exception:  # timed out (the job goes on), or the store is gone
+                    if store.check(["finished"]):
+                        break
             exits.write("ok", "idle")
             control.leave()
             return 0

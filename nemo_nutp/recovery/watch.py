@@ -84,6 +84,7 @@ class CollectiveLog:
     def _enter(self, k: str) -> None:
         self.entered[k] = self.entered.get(k, 0) + 1
         if self._event is not None:
+            self.reached.setdefault(k, 0)
             ev = self._event()
             ev.record()
             self._pending.setdefault(k, collections.deque()).append(ev)

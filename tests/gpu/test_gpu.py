@@ -14,6 +14,9 @@ are the claims to check, not values seen on hardware.
    optimizer time, not as the next step's compute.
 4. The straggler probe is compute-bound on the GPU: twice its work takes about twice its time,
    and repeated probes agree, so a GPU slower by ``nutp.straggler_threshold`` is seen.
+5. Hang blame's device progress (``recovery.watch.CollectiveLog`` with ``device_event``):
+   a collective queued behind a long kernel is entered on the host at once but counted as
+   reached only when the device gets there.
 """
 
 from __future__ import annotations
@@ -269,3 +272,26 @@ def test_distributed_optimizer_inner_adam_is_fused_on_cuda(record_property: Any)
     assert cls.__module__.startswith(("transformer_engine", "apex")) or \
         cuda_opt.defaults.get("fused") is True, cuda_opt.defaults
     assert _rel(out["cuda"][0], out["cpu"][0]) < 1e-6
+
+
+def test_collective_log_counts_what_the_device_reached(record_property: Any) -> None:
+    from nemo_nutp.recovery.watch import CollectiveLog, device_event
+
+    torch.cuda.set_device(CUDA)
+    log = CollectiveLog(event=device_event())
+    group = SimpleNamespace(group_name="7")
+    op = log.wrap(lambda tensor, group=None: tensor.add_(1))
+    x = torch.zeros(1, device=CUDA)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # a kernel that keeps the device busy for ~a second
+    t0 = time.perf_counter()
+    op(x, group=group)
+    op(x, group=group)
+    host_s = time.perf_counter() - t0
+    behind = log.counts()
+    torch.cuda.synchronize()
+    caught_up = log.counts()
+    record_property("host_enter_s", host_s)
+    assert log.entered == {"7": 2} and host_s < 0.1  # the host returned at once
+    assert behind == {"7": 0}, behind  # the device had not reached the first one
+    assert caught_up == {"7": 2}, caught_up

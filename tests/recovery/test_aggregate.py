@@ -133,7 +133,7 @@ def test_summaries_say_stalled_exactly_when_blame_hang_finds_a_hang() -> None:
     act = st.none() | st.tuples(st.booleans(), st.floats(0, 100), st.floats(0, 100))
     kw = dict(timeout_s=10.0, started_at=0.0, startup_timeout_s=40.0)
 
-    @settings(max_examples=300, deadline=None)
+    @settings(max_examples=120, deadline=None)
     @given(st.lists(st.tuples(beat, act), min_size=1, max_size=24), st.floats(0, 120),
            st.integers(1, 8))
     def check(ranks: list, now: float, per: int) -> None:
@@ -150,3 +150,12 @@ def test_summaries_say_stalled_exactly_when_blame_hang_finds_a_hang() -> None:
                         else None)
 
     check()
+
+
+def test_a_group_entered_but_not_reached_counts_zero() -> None:
+    device = SimpleNamespace(recorded=0, progress=0)
+    log = CollectiveLog(event=lambda: StandInEvent(device))
+    _run(log, [SimpleNamespace(group_name="3")], 2)
+    assert log.entered == {"3": 2} and log.counts() == {"3": 0}
+    device.progress = 2
+    assert log.counts() == {"3": 2}
