@@ -7,8 +7,10 @@ O(elements). Pure Python over the plan; no ``torch``, no process group, no model
   ``(H, n, W)`` view under which local unit ``u`` is ``view.transpose(0, 1)[u]`` in canonical
   order (``layout.units.unit_view_shape``). The same for every layer of a stage.
 * ``plan_buckets(items, bucket_size)`` — packs the pieces that go to the same group into
-  buckets of about ``bucket_size`` elements (a piece is never split; a bucket closes once it
-  holds ``bucket_size`` elements or more), and orders all buckets of the rank canonically:
+  buckets of at most ``bucket_size`` elements (a shard's piece is cut at unit boundaries to
+  fit, so a bucket exceeds it only by a single unit or replicated parameter larger than the
+  room left; the cuts depend only on the group's own pieces, the same on every member), and
+  orders all buckets of the rank canonically:
   by the canonical position of the bucket's last parameter, then by group key, then by the
   bucket's index in its group. The order is a restriction of one global order, so every member
   of a group launches that group's buckets in the same order and no two ranks wait on each
@@ -156,11 +158,22 @@ def plan_buckets(items: Iterable[BucketItem], bucket_size: int) -> list[BucketSp
         count[key] = count.get(key, 0) + 1
 
     for param, key, k, lo, hi, numel in items:
-        off = fill.get(key, 0)
-        open_.setdefault(key, []).append(Piece(param, k, lo, hi, off, numel))
-        fill[key] = off + numel
-        if fill[key] >= bucket_size:
-            close(key)
+        unit = numel // (hi - lo) if k >= 0 and hi > lo else 0
+        while True:  # a shard's piece is cut at unit boundaries to fit the room left
+            off = fill.get(key, 0)
+            fit = (bucket_size - off) // unit if unit else 1
+            if off and fit == 0:
+                close(key)
+                continue
+            take = min(hi - lo, max(1, fit)) if unit else hi - lo
+            n = take * unit if unit else numel
+            open_.setdefault(key, []).append(Piece(param, k, lo, lo + take, off, n))
+            fill[key] = off + n
+            if fill[key] >= bucket_size:
+                close(key)
+            if lo + take >= hi:
+                break
+            lo, numel = lo + take, numel - n
     for key in list(open_):
         close(key)
     out.sort(key=lambda b: (b.ready_at, repr(b.key), b.index))

@@ -92,6 +92,8 @@ class _Bucket:
     scatter: tuple[int, int, int] | None = None  # reduce-scatter: (members, my index, chunk)
     out: torch.Tensor | None = None  # reduce-scatter: my reduced slice (chunk elements)
     retired: bool = False  # reduced, written back and its buffer freed (this step)
+    staged: int = 0  # pieces copied in (or aliased) this step; complete at len(spec.pieces)
+    alias: bool = False  # buf is a view of the gradient itself (reduced in place)
 
 
 @dataclass(eq=False)
@@ -100,7 +102,9 @@ class _Msg:
     which bucket each piece goes."""
 
     spec: MessageSpec
-    targets: list[tuple[_Bucket, int]] = field(default_factory=list)  # incoming: (bucket, off)
+    # incoming: (bucket, offset there, offset here, elements), per piece and bucket piece it
+    # meets (a transfer may straddle the cut between two buckets)
+    targets: list[tuple[_Bucket, int, int, int]] = field(default_factory=list)
     buf: torch.Tensor | None = None
     work: Any = None
     done: bool = False  # incoming: received and scattered into its buckets
@@ -148,7 +152,7 @@ class GradSyncEngine:
 
     def __init__(self, plan: Plan, groups: NUTPGroups,
                  named_params: list[tuple[str, torch.nn.Parameter]], *,
-                 bucket_size: int | None = None) -> None:
+                 bucket_size: int | None = None, staging_buckets: float = 2.0) -> None:
         self.plan, self.groups, self.ctx = plan, groups, groups.ctx
         self.dims = plan.request.model
         ctx = self.ctx
@@ -159,6 +163,11 @@ class GradSyncEngine:
         # partial sums); otherwise TP-rank-0 leaders all-reduce and broadcast in their TP group.
         self.stage_mode = plan.request.parallel.sequence_parallel
         self.bucket_size = DEFAULT_BUCKET_SIZE if bucket_size is None else bucket_size
+        if staging_buckets <= 0:
+            raise ValueError(f"staging_buckets={staging_buckets}: must be > 0")
+        # Staging window: bucket buffers alive at once, bytes (fp32 buckets; see _stage).
+        self.staging_bytes = int(staging_buckets * self.bucket_size * 4)
+        self._staging = 0  # bytes of staged (not aliased) bucket buffers alive now
         self.sync = rank_sync(plan, ctx.rank)
         self.order: list[_Param] = [self._describe(n, p) for n, p in reversed(named_params)
                                     if p.requires_grad]
@@ -263,12 +272,19 @@ class GradSyncEngine:
             for item in m.spec.pieces:
                 self.order[item[0]].out_pieces.append((m, item))
         for m in self.in_msgs:
-            for param, lo, _hi, _off, _n in m.spec.pieces:
+            for param, lo, hi, moff, _n in m.spec.pieces:
                 e = self.order[param]
-                b, piece = next((b, p) for b, p in e.pieces if p.lo <= lo < p.hi)
-                m.targets.append((b, piece.offset + (lo - piece.lo) * e.numel_unit))
-                if m not in b.in_msgs:
-                    b.in_msgs.append(m)
+                u = e.numel_unit
+                for b, pc in e.pieces:
+                    a, z = max(lo, pc.lo), min(hi, pc.hi)
+                    if z <= a:
+                        continue
+                    m.targets.append((b, pc.offset + (a - pc.lo) * u, moff + (a - lo) * u,
+                                      (z - a) * u))
+                    if m not in b.in_msgs:
+                        b.in_msgs.append(m)
+        # The staging order: every piece, parameter by parameter, in launch order within one.
+        self.queue = [(i, b, pc) for i, e in enumerate(self.order) for b, pc in e.pieces]
 
     # ---------------------------------------------------------------- per step
     def reset(self) -> None:
@@ -276,8 +292,9 @@ class GradSyncEngine:
         self.posted = 0  # params whose p2p / bucket pieces are posted (canonical prefix)
         self.launched = 0  # position in buckets (the launch order)
         self.retired = 0  # buckets [0, retired) are reduced, written back and freed
+        self.staged = 0  # position in queue: pieces copied into their buckets
         for b in self.buckets:
-            b.retired = False
+            b.retired, b.staged, b.alias = False, 0, False
         self.ready = [False] * len(self.order)
         self.done = False
         self.pair_pos = dict.fromkeys(self.pairs, 0)  # per peer: operations posted this step
@@ -290,6 +307,7 @@ class GradSyncEngine:
             self._post(self.order[self.posted])
             self.posted += 1
         self._advance()
+        self._stage(block=False)
         self._launch(block=False)
 
     def _advance(self) -> None:
@@ -365,7 +383,83 @@ class GradSyncEngine:
                 size, _, chunk = b.scatter
                 b.buf = torch.zeros(size * chunk, dtype=like.dtype, device=like.device)
             self._alloc(b.buf)
+            self._staging += _nbytes(b.buf)
         return b.buf
+
+    def _buffer_bytes(self, b: _Bucket, like: torch.Tensor) -> int:
+        n = b.spec.numel if b.scatter is None else b.scatter[0] * b.scatter[2]
+        return n * like.element_size()
+
+    def _aliasable(self, b: _Bucket) -> bool:
+        """Whether the bucket is one contiguous piece of this rank's own gradient, in canonical
+        order (all-reduced in place there, as megatron does; no staging buffer): a single
+        piece of a replicated parameter or of units laid out as whole rows (H = 1) that this
+        rank holds, nothing received into it, no reduce-scatter padding."""
+        if b.scatter is not None or b.in_msgs or len(b.spec.pieces) != 1:
+            return False
+        e = self.order[b.spec.pieces[0].param]
+        if e.kind is None:
+            return True
+        pc = b.spec.pieces[0]
+        return (e.pos_override is None and e.view is not None and e.view[0] == 1
+                and e.units is not None and e.units[0] <= pc.lo and pc.hi <= e.units[1])
+
+    def _stage(self, *, block: bool) -> None:
+        """Copy the posted parameters' pieces into their buckets in ``queue`` order, launching
+        each bucket once complete. A new staging buffer is taken only while the staged buffers
+        alive stay within ``staging_bytes``; else the oldest launched bucket is retired first
+        — from the hooks (``block=False``) only if already complete (else staging stops
+        until the next hook), in ``finish`` by waiting for it. Only launched buckets are
+        waited for, and every bucket launched before one not yet launched precedes it in the
+        one global launch order, so no rank waits in a cycle; the reshard sends are posted
+        (``_post``/``_advance``) whatever the staging does, so no wait depends on them. If
+        nothing is launched the buffer is taken anyway (progress over the cap)."""
+        while self.staged < len(self.queue):
+            i, b, pc = self.queue[self.staged]
+            if i >= self.posted:
+                return
+            if b.buf is None and not self._aliasable(b):
+                grad = self.order[i].param.main_grad  # type: ignore[attr-defined]
+                need = self._buffer_bytes(b, grad)
+                while self._staging + need > self.staging_bytes:
+                    if block:
+                        self._launch_ready(block=True)
+                    if self.retired == self.launched:
+                        if block:
+                            break  # nothing to wait for: over the cap, to make progress
+                        return
+                    oldest = self.buckets[self.retired]
+                    if not block and oldest.work is not None and not oldest.work.is_completed():
+                        return
+                    self._retire_one(oldest)
+                    self.retired += 1
+            self._fill(self.order[i], b, pc)
+            self.staged += 1
+            b.staged += 1
+            if b.staged == len(b.spec.pieces):
+                self._launch_ready(block=block)
+                self._retire(block=False)
+
+    def _fill(self, e: _Param, b: _Bucket, pc: Piece) -> None:
+        """Stage one piece: copy it from the (scaled) gradient into its bucket, or alias the
+        bucket to the gradient (``_aliasable``)."""
+        grad = e.param.main_grad  # type: ignore[attr-defined]
+        if b.buf is None and self._aliasable(b):
+            if e.kind is None:
+                b.buf = grad.view(-1)
+            else:
+                u, a = e.numel_unit, e.units[0]  # type: ignore[index]
+                b.buf = grad.view(-1)[(pc.lo - a) * u:(pc.hi - a) * u]
+            b.alias = True
+            return
+        seg = self._buffer(b, grad)[pc.offset:pc.offset + pc.numel]
+        if e.kind is None:
+            seg.copy_(grad.view(-1))
+            return
+        lo, hi = max(pc.lo, e.units[0]), min(pc.hi, e.units[1])  # type: ignore[index]
+        if hi > lo:
+            u = e.numel_unit
+            self._read(e, lo, hi, seg[(lo - pc.lo) * u:(hi - pc.lo) * u])
 
     def use_reduce_scatter(self, slices: list[tuple[int, int, int]]) -> None:
         """Distributed optimizer (zero.py): reduce each bucket with a reduce-scatter; member
@@ -387,23 +481,14 @@ class GradSyncEngine:
                 grad.mul_(w if e.partial else w / self.ctx.degree)
             elif self.leaders is not None:
                 grad.mul_(w)
-            else:
-                return  # the leader's result arrives in finish's TP all-reduce
-            for b, pc in e.pieces:
-                self._buffer(b, grad)[pc.offset:pc.offset + pc.numel].copy_(grad.view(-1))
-            return
+            # else: the leader's result arrives in finish's TP all-reduce
+            return  # the pieces are staged into their buckets by _stage
         grad.mul_(w)
-        u = e.numel_unit
         for m, (_, lo, hi, off, n) in e.out_pieces:  # sent by _advance once filled
             if m.buf is None:
                 m.buf = self._alloc(torch.empty(m.spec.numel, dtype=grad.dtype,
                                                 device=grad.device))
             self._read(e, lo, hi, m.buf[off:off + n])
-        for b, pc in e.pieces:
-            seg = self._buffer(b, grad)[pc.offset:pc.offset + pc.numel]
-            lo, hi = max(pc.lo, e.units[0]), min(pc.hi, e.units[1])  # type: ignore[index]
-            if hi > lo:
-                self._read(e, lo, hi, seg[(lo - pc.lo) * u:(hi - pc.lo) * u])
 
     def _launch(self, *, block: bool) -> None:
         """Launch what is ready, then retire what is reduced (``_retire``)."""
@@ -414,7 +499,7 @@ class GradSyncEngine:
         """Launch buckets strictly in order; stop at one not complete or with pieces missing."""
         while self.launched < len(self.buckets):
             b = self.buckets[self.launched]
-            if b.spec.ready_at >= self.posted:
+            if b.staged < len(b.spec.pieces):
                 return
             if not block and not all(m.done or (m.work is not None and m.work.is_completed())
                                      for m in b.in_msgs):
@@ -456,22 +541,26 @@ class GradSyncEngine:
                 seg = b.buf[pc.offset:pc.offset + pc.numel]
                 if e.kind is None:  # replicated: back into the gradient; norm at TP rank 0
                     grad = e.param.main_grad  # type: ignore[attr-defined]
-                    grad.view(-1).copy_(seg)
+                    if not b.alias:
+                        grad.view(-1).copy_(seg)
                     if self.ctx.tp_rank == 0:
                         sumsq[e.slot] = _sumsq(grad)
                     continue
-                sumsq[e.slot + pc.k] = _sumsq(seg)
+                # a shard cut over several buckets adds its parts in launch order (the same
+                # on every owner)
+                sumsq[e.slot + pc.k] += _sumsq(seg)
                 lo, hi = max(pc.lo, e.units[0]), min(pc.hi, e.units[1])  # type: ignore[index]
-                if hi > lo:
+                if hi > lo and not b.alias:
                     u = e.numel_unit
                     self._write(e, lo, hi, seg[(lo - pc.lo) * u:(hi - pc.lo) * u])
             for m in b.in_msgs:  # the way back: reduced units into the message buffers
                 assert m.buf is not None
-                for (tb, off), (_, _, _, moff, n) in zip(m.targets, m.spec.pieces,
-                                                         strict=True):
+                for tb, off, moff, n in m.targets:
                     if tb is b:
                         m.buf[moff:moff + n].copy_(b.buf[off:off + n])
-        self._live -= _nbytes(b.buf)
+        if not b.alias:
+            self._live -= _nbytes(b.buf)
+            self._staging -= _nbytes(b.buf)
         b.buf, b.retired = None, True  # reduce-scatter: the slice stays in b.out
 
     def _tp_buffer(self, device: torch.device) -> torch.Tensor:
@@ -488,7 +577,7 @@ class GradSyncEngine:
         assert m.work is not None, "a bucket's message was never posted"
         m.work.wait()
         assert m.buf is not None
-        for (b, off), (_, _, _, moff, n) in zip(m.targets, m.spec.pieces, strict=True):
+        for b, off, moff, n in m.targets:
             self._buffer(b, m.buf)[off:off + n].copy_(m.buf[moff:moff + n])
         m.done = True
 
@@ -525,6 +614,7 @@ class GradSyncEngine:
                     "must take part in the loss on every rank")
             return
         self._advance()  # everything is posted now: every message is filled
+        self._stage(block=True)  # every piece staged (within the staging window)
         self._launch(block=True)  # and every bucket reduced and retired
         device = self.order[0].param.device if self.order else torch.device("cpu")
         shared = sum(e.param.numel() for e in self.shared)
@@ -619,7 +709,7 @@ class GradSyncEngine:
             for r, (_, pc) in enumerate(its):
                 e = self.order[pc.param]
                 if e.kind is not None:
-                    sumsq[e.slot + pc.k] = totals[r]
+                    sumsq[e.slot + pc.k] += totals[r]
                 elif self.ctx.tp_rank == 0:
                     sumsq[e.slot] = totals[r]
 
@@ -673,10 +763,13 @@ class GradSyncEngine:
             m.buf, m.work, m.done = None, None, False
         self._tp = None
         self._live = self.live_bytes()
+        self._staging = sum(_nbytes(b.buf) for b in self.buckets if not b.alias)
 
     def live_bytes(self) -> int:
-        """Bytes of the sync's buffers alive now (buckets, slices, messages)."""
-        return (sum(_nbytes(b.buf) + _nbytes(b.out) for b in self.buckets)
+        """Bytes of the sync's buffers alive now (buckets, slices, messages; a bucket reduced in
+        place in the gradient costs none)."""
+        return (sum(0 if b.alias else _nbytes(b.buf) for b in self.buckets)
+                + sum(_nbytes(b.out) for b in self.buckets)
                 + sum(_nbytes(m.buf) for m in self.out_msgs + self.in_msgs))
 
     def release_buckets(self) -> None:
@@ -684,6 +777,7 @@ class GradSyncEngine:
         for b in self.buckets:
             b.buf, b.out = None, None
         self._live = self.live_bytes()
+        self._staging = 0
 
 
 def _nbytes(t: torch.Tensor | None) -> int:

@@ -120,7 +120,7 @@ class BucketMover:
         for work in works:
             work.wait()
         for m, buf in zip(eng.in_msgs, ins, strict=True):
-            for (b, off), (_, _, _, moff, n) in zip(m.targets, m.spec.pieces, strict=True):
+            for b, off, moff, n in m.targets:
                 bufs[self.where[id(b)]][off:off + n].copy_(buf[moff:moff + n])
         return bufs
 
@@ -133,7 +133,7 @@ class BucketMover:
         ins = []
         for m in eng.in_msgs:
             buf = torch.empty(m.spec.numel, dtype=dtype, device=device)
-            for (b, off), (_, _, _, moff, n) in zip(m.targets, m.spec.pieces, strict=True):
+            for b, off, moff, n in m.targets:
                 buf[moff:moff + n].copy_(bufs[self.where[id(b)]][off:off + n])  # type: ignore
             ins.append(buf)
         works = p2p.backend().exchange(eng.back_ops(outs, ins))
