@@ -54,14 +54,16 @@ ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "runs" / "bench" / "rank_at_scale.json"
 
 
-def _plan(world: int, pp: int) -> Any:
+def _plan(world: int, pp: int, *, full: bool = False) -> Any:
+    """The job's plan: one layer per stage, or (``full``) llama3_70b's 80 layers."""
     import yaml
 
     from nemo_nutp.config import ModelConfig
     from nemo_nutp.layout import ClusterSpec, HealthReport, ParallelSpec, PlanRequest, build_plan
 
     raw = yaml.safe_load((ROOT / "configs" / "model" / "llama3_70b.yaml").read_text())
-    model = ModelConfig(**{**raw, "num_layers": pp, "seq_length": 256})
+    layers = raw["num_layers"] if full else pp
+    model = ModelConfig(**{**raw, "num_layers": layers, "seq_length": 256})
     return build_plan(PlanRequest(
         cluster=ClusterSpec(num_gpus=world, domain_size=8, gpus_per_node=8), model=model,
         parallel=ParallelSpec(tp_base=8, pp=pp), health=HealthReport(failed_gpus=(7,)),
@@ -160,7 +162,8 @@ def _heartbeat_files(hb_dir: Path, world: int) -> None:
             + "\n")
 
 
-def one(world: int, pp: int, kind: str, steps: int) -> dict[str, Any]:
+def one(world: int, pp: int, kind: str, steps: int, staging: float | None = None
+        ) -> dict[str, Any]:
     """One (W, pp, rank kind) in this process."""
     import torch
     import torch.distributed as dist
@@ -170,7 +173,6 @@ def one(world: int, pp: int, kind: str, steps: int) -> dict[str, Any]:
     import nemo_nutp.sync.engine as engine_mod
     from nemo_nutp.sync.engine import DEFAULT_BUCKET_SIZE, GradSyncEngine
     from nemo_nutp.sync.shapes import stage_parameters
-    from nemo_nutp.train.loop import _gather_times
 
     t0 = time.perf_counter()
     plan = _plan(world, pp)
@@ -189,7 +191,8 @@ def one(world: int, pp: int, kind: str, steps: int) -> dict[str, Any]:
     finally:
         groups_mod.dist.new_group = real_new_group  # type: ignore[attr-defined]
     params = stage_parameters(plan, rank)
-    engine = GradSyncEngine(plan, groups, params, bucket_size=DEFAULT_BUCKET_SIZE)
+    kw = {} if staging is None else {"staging_buckets": staging}
+    engine = GradSyncEngine(plan, groups, params, bucket_size=DEFAULT_BUCKET_SIZE, **kw)
     engine.warm_up()
     setup_s = time.perf_counter() - t0
     # The norm's per-piece kernels are device work (one launch each on a GPU); on ``meta``
@@ -207,42 +210,82 @@ def one(world: int, pp: int, kind: str, steps: int) -> dict[str, Any]:
     times = {"compute_s": 1.0, "sync_s": 0.1, "optimizer_s": 0.05}
     with tempfile.TemporaryDirectory() as tmp:
         hb = Path(tmp)
-        per_step, parts = [], []
-        for step in range(steps):
-            t = time.perf_counter()
-            engine.reset()
-            for e in engine.order:  # backward order, one readiness call per parameter
-                engine.mark_ready([e.param])
-            engine.finish(strict=True)
-            t1 = time.perf_counter()
-            _gather_times(session, times, 1.2)
-            t2 = time.perf_counter()
-            (hb / f"rank{rank}").write_text(f"step {step} {time.time()}\n")
-            t3 = time.perf_counter()
-            per_step.append(t3 - t)
-            parts.append((t1 - t, t2 - t1, t3 - t2))
+        cpu, wall = _control_steps(engine, session, times, hb / f"rank{rank}", steps)
         _heartbeat_files(hb, plan.world_size)
         poll, agg_poll, agg_blame = watchdog_poll(hb, plan.world_size, time.time(), rank)
     fp32 = sum(p.numel() for _, p in params) * 4
     worst = engine.peak_bytes  # fake works never report completion: retired only in finish
     prompt = _peak_if_prompt(engine, engine_mod)
+    buckets, messages = len(engine.buckets), len(engine.out_msgs) + len(engine.in_msgs)
+    full = _full_stage_memory(world, pp, rank, groups_mod, engine_mod, kw)
     dist.destroy_process_group()
     return {"world": world, "plan_ranks": plan.world_size, "pp": pp, "tp": 8, "rank": rank,
             "rank_kind": kind, "degree": engine.ctx.degree, "setup_s": setup_s,
             "new_group_calls": calls[0],
-            "control_s_per_step": statistics.median(per_step),
-            "engine_s_per_step": statistics.median(x[0] for x in parts),
-            "metrics_s_per_step": statistics.median(x[1] for x in parts),
-            "heartbeat_s_per_step": statistics.median(x[2] for x in parts),
+            "control_s_per_step": min(sum(x) for x in cpu),
+            "engine_s_per_step": min(x[0] for x in cpu),
+            "metrics_s_per_step": min(x[1] for x in cpu),
+            "heartbeat_s_per_step": min(x[2] for x in cpu),
+            "control_wall_s_per_step": statistics.median(sum(x) for x in wall),
             "watchdog_poll_s": poll, "aggregator_poll_s": agg_poll,
             "aggregator_blame_s": agg_blame,
             "extra_grad_bytes": worst, "fp32_grad_bytes": fp32,
             "extra_grad_ratio": worst / fp32,
             "extra_grad_bytes_prompt": prompt, "extra_grad_ratio_prompt": prompt / fp32,
+            **full,
+            "staging_bytes": engine.staging_bytes,
             "rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "norm_kernels_per_step": kernels[0] // steps,
-            "buckets": len(engine.buckets),
-            "messages": len(engine.out_msgs) + len(engine.in_msgs)}
+            "buckets": buckets, "messages": messages}
+
+
+def _control_steps(engine: Any, session: Any, times: dict[str, float], hb_file: Path,
+                   steps: int) -> tuple[list[tuple[float, ...]], list[tuple[float, ...]]]:
+    """Per step (engine bookkeeping, metrics reduction, heartbeat write): this thread's CPU
+    seconds (``time.thread_time``: the control code's own work, whatever else runs on the
+    machine's cores) and wall seconds."""
+    from nemo_nutp.train.loop import _gather_times
+
+    cpu, wall = [], []
+    for step in range(steps):
+        c0, w0 = time.thread_time(), time.perf_counter()
+        engine.reset()
+        for e in engine.order:  # backward order, one readiness call per parameter
+            engine.mark_ready([e.param])
+        engine.finish(strict=True)
+        c1, w1 = time.thread_time(), time.perf_counter()
+        _gather_times(session, times, 1.2)
+        c2, w2 = time.thread_time(), time.perf_counter()
+        hb_file.write_text(f"step {step} {time.time()}\n")
+        c3, w3 = time.thread_time(), time.perf_counter()
+        cpu.append((c1 - c0, c2 - c1, c3 - c2))
+        wall.append((w1 - w0, w2 - w1, w3 - w2))
+    return cpu, wall
+
+
+def _full_stage_memory(world: int, pp: int, rank: int, groups_mod: Any, engine_mod: Any,
+                       kw: dict[str, Any]) -> dict[str, Any]:
+    """The same rank's engine over its real stage (llama3_70b's 80 layers / pp, on ``meta``:
+    no memory, no arithmetic), one step: peak sync bytes beside its fp32 gradient bytes (the
+    one-layer model above makes every bucket a larger fraction of the rank than it is)."""
+    from nemo_nutp.sync.engine import DEFAULT_BUCKET_SIZE, GradSyncEngine
+    from nemo_nutp.sync.shapes import stage_parameters
+
+    plan = _plan(world, pp, full=True)
+    params = stage_parameters(plan, rank)
+    groups = groups_mod.build_groups(plan)
+    engine = GradSyncEngine(plan, groups, params, bucket_size=DEFAULT_BUCKET_SIZE, **kw)
+    engine.reset()
+    for e in engine.order:
+        engine.mark_ready([e.param])
+    engine.finish(strict=True)
+    worst = engine.peak_bytes
+    prompt = _peak_if_prompt(engine, engine_mod)
+    fp32 = sum(p.numel() for _, p in params) * 4
+    return {"full_stage_layers": plan.request.model.num_layers // pp,
+            "full_stage_extra_grad_bytes": worst, "full_stage_fp32_grad_bytes": fp32,
+            "full_stage_extra_grad_ratio": worst / fp32,
+            "full_stage_extra_grad_ratio_prompt": prompt / fp32}
 
 
 class _Completed:
@@ -304,7 +347,9 @@ def main() -> None:
     ap.add_argument("--worlds", type=int, nargs="+", default=[1024, 8192, 32768])
     ap.add_argument("--pps", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--kinds", nargs="+", default=["healthy", "degraded"])
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--staging-buckets", type=float, default=None,
+                    help="the engine's staging window in buckets (default: the engine's)")
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--one", nargs=3, metavar=("W", "PP", "KIND"), help=argparse.SUPPRESS)
     ap.add_argument("--aggregator", nargs=4, help=argparse.SUPPRESS)
@@ -315,7 +360,8 @@ def main() -> None:
                                               float(started))))
         return
     if a.one:
-        print("RESULT " + json.dumps(one(int(a.one[0]), int(a.one[1]), a.one[2], a.steps)))
+        print("RESULT " + json.dumps(one(int(a.one[0]), int(a.one[1]), a.one[2], a.steps,
+                                         a.staging_buckets)))
         return
     runs = []
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -323,9 +369,11 @@ def main() -> None:
         for pp in a.pps:
             for kind in a.kinds:
                 print(f"W={w:,} pp={pp} {kind} ...", flush=True)
+                extra = ([] if a.staging_buckets is None
+                         else ["--staging-buckets", str(a.staging_buckets)])
                 p = subprocess.run([sys.executable, __file__, "--one", str(w), str(pp), kind,
-                                    "--steps", str(a.steps)], env=env, capture_output=True,
-                                   text=True, check=False)
+                                    "--steps", str(a.steps), *extra], env=env,
+                                   capture_output=True, text=True, check=False)
                 line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
                 if p.returncode or not line:
                     raise RuntimeError(f"W={w} pp={pp} {kind} failed:\n{p.stderr[-3000:]}")

@@ -92,7 +92,6 @@ class _Bucket:
     scatter: tuple[int, int, int] | None = None  # reduce-scatter: (members, my index, chunk)
     out: torch.Tensor | None = None  # reduce-scatter: my reduced slice (chunk elements)
     retired: bool = False  # reduced, written back and its buffer freed (this step)
-    staged: int = 0  # pieces copied in (or aliased) this step; complete at len(spec.pieces)
     alias: bool = False  # buf is a view of the gradient itself (reduced in place)
 
 
@@ -152,7 +151,7 @@ class GradSyncEngine:
 
     def __init__(self, plan: Plan, groups: NUTPGroups,
                  named_params: list[tuple[str, torch.nn.Parameter]], *,
-                 bucket_size: int | None = None, staging_buckets: float = 2.0) -> None:
+                 bucket_size: int | None = None, staging_buckets: float = 1.5) -> None:
         self.plan, self.groups, self.ctx = plan, groups, groups.ctx
         self.dims = plan.request.model
         ctx = self.ctx
@@ -283,8 +282,6 @@ class GradSyncEngine:
                                       (z - a) * u))
                     if m not in b.in_msgs:
                         b.in_msgs.append(m)
-        # The staging order: every piece, parameter by parameter, in launch order within one.
-        self.queue = [(i, b, pc) for i, e in enumerate(self.order) for b, pc in e.pieces]
 
     # ---------------------------------------------------------------- per step
     def reset(self) -> None:
@@ -292,9 +289,9 @@ class GradSyncEngine:
         self.posted = 0  # params whose p2p / bucket pieces are posted (canonical prefix)
         self.launched = 0  # position in buckets (the launch order)
         self.retired = 0  # buckets [0, retired) are reduced, written back and freed
-        self.staged = 0  # position in queue: pieces copied into their buckets
+        self.staged = 0  # buckets [0, staged) are staged (pieces copied in, or aliased)
         for b in self.buckets:
-            b.retired, b.staged, b.alias = False, 0, False
+            b.retired, b.alias = False, False
         self.ready = [False] * len(self.order)
         self.done = False
         self.pair_pos = dict.fromkeys(self.pairs, 0)  # per peer: operations posted this step
@@ -405,40 +402,40 @@ class GradSyncEngine:
                 and e.units is not None and e.units[0] <= pc.lo and pc.hi <= e.units[1])
 
     def _stage(self, *, block: bool) -> None:
-        """Copy the posted parameters' pieces into their buckets in ``queue`` order, launching
-        each bucket once complete. A new staging buffer is taken only while the staged buffers
-        alive stay within ``staging_bytes``; else the oldest launched bucket is retired first
-        — from the hooks (``block=False``) only if already complete (else staging stops
-        until the next hook), in ``finish`` by waiting for it. Only launched buckets are
-        waited for, and every bucket launched before one not yet launched precedes it in the
-        one global launch order, so no rank waits in a cycle; the reshard sends are posted
-        (``_post``/``_advance``) whatever the staging does, so no wait depends on them. If
-        nothing is launched the buffer is taken anyway (progress over the cap)."""
-        while self.staged < len(self.queue):
-            i, b, pc = self.queue[self.staged]
-            if i >= self.posted:
+        """Stage the buckets whose parameters are all posted, in launch order, launching each:
+        a bucket's pieces are copied from the (scaled) gradients only then, so no bucket sits
+        half-filled while later parameters are computed. A new staging buffer is taken only
+        while the staged buffers alive stay within ``staging_bytes``; else the oldest launched
+        bucket is retired first — from the hooks (``block=False``) only if already complete
+        (else staging stops until the next hook), in ``finish`` by waiting for it. Only
+        launched buckets are waited for, all of them before (in the one global launch order)
+        every bucket not yet launched, so no two ranks wait on each other in a cycle; the
+        reshard sends are posted (``_post``/``_advance``) whatever the staging does. If
+        nothing is launched the buffer is taken anyway (a bucket larger than the window)."""
+        while self.staged < len(self.buckets):
+            b = self.buckets[self.staged]
+            if b.spec.ready_at >= self.posted:
                 return
-            if b.buf is None and not self._aliasable(b):
-                grad = self.order[i].param.main_grad  # type: ignore[attr-defined]
+            if not self._aliasable(b):
+                grad = self.order[b.spec.ready_at].param.main_grad  # type: ignore[attr-defined]
                 need = self._buffer_bytes(b, grad)
                 while self._staging + need > self.staging_bytes:
-                    if block:
-                        self._launch_ready(block=True)
+                    if self.launched < self.staged:
+                        self._launch_ready(block=block)
                     if self.retired == self.launched:
                         if block:
-                            break  # nothing to wait for: over the cap, to make progress
+                            break  # nothing to wait for: over the window, to make progress
                         return
                     oldest = self.buckets[self.retired]
                     if not block and oldest.work is not None and not oldest.work.is_completed():
                         return
                     self._retire_one(oldest)
                     self.retired += 1
-            self._fill(self.order[i], b, pc)
+            for pc in b.spec.pieces:
+                self._fill(self.order[pc.param], b, pc)
             self.staged += 1
-            b.staged += 1
-            if b.staged == len(b.spec.pieces):
-                self._launch_ready(block=block)
-                self._retire(block=False)
+            self._launch_ready(block=block)
+            self._retire(block=False)
 
     def _fill(self, e: _Param, b: _Bucket, pc: Piece) -> None:
         """Stage one piece: copy it from the (scaled) gradient into its bucket, or alias the
@@ -499,7 +496,7 @@ class GradSyncEngine:
         """Launch buckets strictly in order; stop at one not complete or with pieces missing."""
         while self.launched < len(self.buckets):
             b = self.buckets[self.launched]
-            if b.staged < len(b.spec.pieces):
+            if self.launched >= self.staged:
                 return
             if not block and not all(m.done or (m.work is not None and m.work.is_completed())
                                      for m in b.in_msgs):
