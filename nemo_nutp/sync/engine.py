@@ -502,7 +502,7 @@ class GradSyncEngine:
                                      for m in b.in_msgs):
                 return
             for m in b.in_msgs:
-                self._scatter_in(m)
+                self._scatter_in(m, b)
             if b.scatter is None:
                 b.work = dist.all_reduce(b.buf, group=b.group, async_op=True)
             else:
@@ -567,16 +567,18 @@ class GradSyncEngine:
                                                device=device))
         return self._tp
 
-    def _scatter_in(self, m: _Msg) -> None:
-        """Wait for an incoming message and copy its pieces into their buckets (once)."""
-        if m.done:
-            return
-        assert m.work is not None, "a bucket's message was never posted"
-        m.work.wait()
+    def _scatter_in(self, m: _Msg, b: _Bucket) -> None:
+        """Wait for an incoming message (once) and copy its pieces for bucket ``b`` in (each
+        bucket takes its own part when it launches: a message straddling two buckets never
+        makes the later one allocate outside the staging window)."""
+        if not m.done:
+            assert m.work is not None, "a bucket's message was never posted"
+            m.work.wait()
+            m.done = True
         assert m.buf is not None
-        for b, off, moff, n in m.targets:
-            self._buffer(b, m.buf)[off:off + n].copy_(m.buf[moff:moff + n])
-        m.done = True
+        for tb, off, moff, n in m.targets:
+            if tb is b:
+                self._buffer(b, m.buf)[off:off + n].copy_(m.buf[moff:moff + n])
 
     @property
     def grad_sumsq(self) -> float:
