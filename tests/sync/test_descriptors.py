@@ -143,9 +143,9 @@ def test_descriptor_budget_every_model(path: Path) -> None:
         cluster=ClusterSpec(num_gpus=2 * top, domain_size=top, gpus_per_node=top), model=model,
         parallel=ParallelSpec(tp_base=top), replicas=(top, top - 1), global_batch=64))
     for rank in plan.rank_index:
-        t0 = time.perf_counter()
+        t0 = time.thread_time()  # this thread's CPU time: the work, not the machine's load
         rs, buckets = _rank_buckets(plan, rank, 40_000_000)
-        assert time.perf_counter() - t0 < 1.0
+        assert time.thread_time() - t0 < 1.0
         assert nbytes((rs, buckets)) < 2 ** 20
         params = stage_params(model, rs.degree, {k: v.units for k, v in rs.kinds.items()})
         covered = sum(p.numel for b in buckets for p in b.pieces if p.k >= 0)
