@@ -292,8 +292,16 @@ def grow(store: Any, cfg: Any, w: World, why: str, *, detected: float, rdir: Pat
         slots.append(nxt)
         nxt += 1
     nw = World(job, plan, procs, slots, failed, gen, hb, nxt, slow)
-    _wait_keys(store, [f"started{gen}"], nw, list(range(len(procs))), START_TIMEOUT_S,
-               "the new world was being built")
+    joined = [procs[n] for n in joiners]
+    log_event("live_joiners", file=rdir / "events.jsonl", gen=gen, joiners=joiners,
+              pids=[p.pid for p in joined])
+    try:
+        _wait_keys(store, [f"started{gen}"], nw, list(range(len(procs))), START_TIMEOUT_S,
+                   "the new world was being built")
+    except Fallback:
+        for p in joined:  # not members of the world the restart path stops
+            _kill(p)
+        raise
     started = json.loads(store.get(f"started{gen}"))
     for r in ranks:  # healthy GPUs the new layout does not use leave by themselves
         if r not in rank_map:
@@ -451,7 +459,7 @@ def run_world(cfg: Any, job: Any, plan: Any, failed: frozenset[int], attempt: in
         if failure is None and now >= next_hang:
             next_hang = now + HANG_POLL_S
             failure, cause = find_failure(w, now=now, started=started, rec=job.recovery)
-        scale = None
+        scale, fell_back = None, False  # fell_back: a boundary re-layout fell back
         if failure is None and job.train.distributed_optimizer:  # no live moves of its slices
             scale = health_watch.poll(now) if w.gen == 0 else None  # yet: planned restart
         elif failure is None and store.check([f"boundary{w.gen}"]):  # a straggler
@@ -462,6 +470,7 @@ def run_world(cfg: Any, job: Any, plan: Any, failed: frozenset[int], attempt: in
                 continue
             # the fallback: stop the world, the restart path re-plans (a rank that died in
             # the window is a failure: its GPU is marked failed)
+            fell_back, cause = True, "exit"
             failure = blame_exits({r: p.exitcode for r, p in enumerate(w.procs)})
             scale = None if failure is not None else watch.ScaleUp(
                 (), now, watch.resume_step(w.job.checkpoint_dir))
@@ -479,13 +488,14 @@ def run_world(cfg: Any, job: Any, plan: Any, failed: frozenset[int], attempt: in
                 if res is None or isinstance(res, World):
                     w, started = (w, started) if res is None else (res, time.time())
                     continue
+                fell_back, cause = True, "exit"
                 failure = blame_exits({r: p.exitcode for r, p in enumerate(w.procs)})
                 scale = None if failure is not None else watch.ScaleUp(
                     tuple(sorted(back)), now, watch.resume_step(w.job.checkpoint_dir))
         if failure is None and scale is None:
             continue
         detected = time.time()
-        if failure is not None:
+        if failure is not None and not fell_back:
             res = handle(store, cfg, w, failure, cause, detected=detected, rdir=rdir,
                          attempt=attempt, console=console)
             if isinstance(res, World):

@@ -182,3 +182,54 @@ def test_straggler_excluded_and_returned_live(tmp_path: Path) -> None:
         assert len(set().union(*reps.values())) == 1, (gen, reps)
     print(f"straggler live: excluded after step {a - 1} in {excl['relayout_s']:.3f} s, back "
           f"after step {b - 1} in {back['relayout_s']:.3f} s")
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(JOB_TIMEOUT_S + 120)
+def test_failure_during_grow_back_falls_back_to_restart(tmp_path: Path) -> None:
+    """TP2+TP1 (GPU 3 failed), GPU 3 reported back, and rank 0 killed inside that re-layout
+    (after its boundary report): the grow falls back to the restart path, logged with its
+    reason; the new process started for GPU 3 is killed, not left behind; the restart marks
+    GPU 0 failed, resumes from the newest checkpoint, and every step equals stock."""
+    steps = 8
+    over = (*BASE, "cluster.num_gpus=4", "cluster.domain_size=2", "cluster.gpus_per_node=4",
+            "parallel.tp_base=2", "failures.failed_gpus=[3]", "checkpoint.interval=2",
+            f"train.steps={steps}")
+    out = tmp_path / "twice"
+    out.mkdir()
+    cmd = [sys.executable, "-m", "nemo_nutp.train", f"output.dir={out}", *over]
+    log = tmp_path / "twice.log"
+    events = out / "recovery" / "events.jsonl"
+    with log.open("w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True,
+                                env={**os.environ, "NUTP_LIVE_FAULT": "kill:0:0:relayout:0"})
+        try:
+            deadline = time.monotonic() + JOB_TIMEOUT_S
+            while "live_world" not in (events.read_text() if events.exists() else ""):
+                assert proc.poll() is None, log.read_text()[-6000:]
+                assert time.monotonic() < deadline, "no world within the job timeout"
+                time.sleep(0.05)
+            health = out / "recovery" / "health.json"
+            tmp = health.with_suffix(".test-tmp")
+            tmp.write_text(json.dumps({"failed_gpus": []}))
+            os.replace(tmp, health)
+            rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            ev = _events(out)
+            (joiners,) = [e for e in ev if e["event"] == "live_joiners"]
+            for pid in joiners["pids"]:  # killed by the fallback, not left to time out
+                with pytest.raises(ProcessLookupError):
+                    os.kill(pid, 0)
+        finally:
+            kill_session(proc.pid)
+            proc.wait()
+    assert rc == 0, log.read_text()[-6000:]
+    ref = _reference(over, steps, tmp_path)
+    _check_parity(out, ref, TOL)
+    (fb,) = [e for e in ev if e["event"] == "live_fallback"]
+    assert "second failure during the re-layout" in fb["reason"], fb
+    (fail,) = [e for e in ev if e["event"] == "failure"]
+    assert fail["gpus"] == [0], fail
+    assert not [e for e in ev if e["event"] == "live_relayout"]
+    summary = json.loads((out / "recovery" / "summary.json").read_text())
+    assert [s["mode"] for s in summary] == ["restart"], summary
