@@ -45,7 +45,8 @@ Collective (over the stage's sync groups): construction, ``step_with_ready_grads
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -143,6 +144,33 @@ class BucketMover:
                 assert src is not None
                 self._local(e, pc, src[pc.offset:pc.offset + pc.numel], tensors[i], write=True)
         for work in works:
+            work.wait()
+        for m, buf in zip(eng.out_msgs, outs, strict=True):
+            for param, lo, hi, off, n in m.spec.pieces:
+                eng._write(eng.order[param], lo, hi, buf[off:off + n], tensors[param])
+        self._share_replicated(tensors)
+
+    def from_gathered(self, gathered: Iterable[tuple[int, torch.Tensor]],
+                      tensors: list[torch.Tensor]) -> None:
+        """``from_buckets`` over buckets that arrive one by one (``(bucket index, buffer)`` in
+        bucket order) and are dropped once written: owners write their own units at once and
+        copy the returned ones into the (smaller) message buffers; then the same one exchange
+        of the return path as ``from_buckets``."""
+        eng = self.engine
+        dtype, device = tensors[0].dtype, tensors[0].device
+        ins = [torch.empty(m.spec.numel, dtype=dtype, device=device) for m in eng.in_msgs]
+        slot = {id(m): j for j, m in enumerate(eng.in_msgs)}
+        for i, buf in gathered:
+            b = eng.buckets[i]
+            for pc in b.spec.pieces:
+                self._local(eng.order[pc.param], pc, buf[pc.offset:pc.offset + pc.numel],
+                            tensors[pc.param], write=True)
+            for m in b.in_msgs:
+                for tb, off, moff, n in m.targets:
+                    if tb is b:
+                        ins[slot[id(m)]][moff:moff + n].copy_(buf[off:off + n])
+        outs = [torch.empty(m.spec.numel, dtype=dtype, device=device) for m in eng.out_msgs]
+        for work in p2p.backend().exchange(eng.back_ops(outs, ins)):
             work.wait()
         for m, buf in zip(eng.out_msgs, outs, strict=True):
             for param, lo, hi, off, n in m.spec.pieces:
@@ -321,8 +349,10 @@ class ZeroOptimizer:
     def step_with_ready_grads(self) -> bool:
         """Update the slices, all-gather them per bucket, reshard parameters to holders."""
         self.optimizer.step()
-        bufs = self._gather(self.masters, self.param_dtype)
-        self.mover.from_buckets(bufs, [p.data for p in self.params])
+        # Bucket by bucket within the engine's staging window: never a full param-dtype copy
+        # of all buckets at once.
+        self.mover.from_gathered(self._gathered(self.masters, self.param_dtype),
+                                 [p.data for p in self.params])
         if not self.keep_masters:
             self._free_masters()
         return True
@@ -353,6 +383,39 @@ class ZeroOptimizer:
             work.wait()  # type: ignore[union-attr]
             bufs.append(out[:b.spec.numel])
         return bufs
+
+    def _gathered(self, flats: Sequence[torch.Tensor], dtype: torch.dtype
+                  ) -> Iterator[tuple[int, torch.Tensor]]:
+        """``_gather`` with at most the engine's staging window (``staging_bytes``, or one
+        bucket) of all-gathers in flight: yields (bucket index, buffer) in bucket order, each
+        once gathered; the oldest is waited for before the next would exceed the window.
+        Only launched all-gathers are waited for, launched in the one canonical bucket order,
+        so members never wait on each other in a cycle."""
+        per_bucket: list[list[_Segment]] = [[] for _ in self.slices]
+        for s in self.segments:
+            per_bucket[s.bucket].append(s)
+        pending: deque[tuple[int, torch.Tensor, Any]] = deque()
+        live = 0
+        window = self.engine.staging_bytes
+        for i, (segs, sl) in enumerate(zip(per_bucket, self.slices, strict=True)):
+            size = sl.chunk * sl.size * dtype.itemsize
+            while pending and live + size > window:
+                j, out, work = pending.popleft()
+                work.wait()
+                live -= out.numel() * out.element_size()
+                yield j, out[:self.engine.buckets[j].spec.numel]
+            mine = torch.zeros(sl.chunk, dtype=dtype, device=self._dev())
+            for s in segs:
+                mine[s.a - sl.start:s.z - sl.start].copy_(flats[s.group][s.offset:
+                                                                          s.offset + s.z - s.a])
+            out = torch.empty(sl.chunk * sl.size, dtype=dtype, device=self._dev())
+            pending.append((i, out, dist.all_gather_into_tensor(out, mine, group=sl.group,
+                                                                async_op=True)))
+            live += size
+        while pending:
+            j, out, work = pending.popleft()
+            work.wait()
+            yield j, out[:self.engine.buckets[j].spec.numel]
 
     def _take(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """This rank's flat slices (per param group) of per-parameter tensors (engine order)."""
