@@ -45,6 +45,15 @@ Distributed optimizer (``zero.py``, ``use_reduce_scatter``): each bucket is redu
 instead (member ``j`` of its group keeps slice ``j``), no reduced gradient returns to holders, and
 each piece's slot is summed from its members' slices by one small all-reduce per group.
 
+Memory (beyond megatron's grad buffer, which it reduces in place): a window, not a second copy
+of the gradients. Buckets hold at most ``bucket_size`` elements (``plan_buckets`` cuts shard
+pieces at unit boundaries); a bucket is staged — its pieces copied out of ``main_grad`` — only
+once all its parameters are posted, and a new staging buffer waits until the ones alive fit in
+``staging_bytes`` (``staging_buckets`` x ``bucket_size`` fp32 elements; ``_stage``); a bucket
+that is one contiguous piece of the rank's own gradient is reduced in place there. The ``base``
+layout's reshard messages live until the way back in ``finish``. ``peak_bytes`` is the
+engine's own accounting of all of it.
+
 Ordering contract: buckets are launched in one canonical order (``descriptors.plan_buckets``: a
 restriction of one global order), a bucket only after its received pieces are in, so members
 whose megatron buckets differ still pair the same operations. Nothing blocks inside backward
