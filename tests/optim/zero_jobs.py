@@ -30,17 +30,15 @@ def _local_numel(session: Any) -> int:
 def _no_allgather(opt: Any) -> None:
     """Negative control: each bucket holds only this rank's updated slice (the others' slices
     keep zeros), as if the parameter all-gather were skipped."""
-    def local_only(flats: Any, dtype: Any) -> list[Any]:
-        out = []
+    def local_only(flats: Any, dtype: Any) -> Any:  # the step's bucket-by-bucket gather
         for i, b in enumerate(opt.engine.buckets):
             buf = torch.zeros(b.spec.numel, dtype=dtype)
             for s in opt.segments:
                 if s.bucket == i:
                     buf[s.a:s.z] = flats[s.group][s.offset:s.offset + s.z - s.a]
-            out.append(buf)
-        return out
+            yield i, buf
 
-    opt._gather = local_only
+    opt._gathered = local_only
 
 
 class _NoGradHook:
