@@ -392,13 +392,14 @@ def main() -> None:
 
 
 def _plot(runs: list[dict[str, Any]], path: Path) -> Path:
-    """Control time per step and watchdog poll vs W, one line per (pp, rank kind)."""
+    """Control time per step, watchdog poll, setup and extra sync memory vs W, one line per
+    (pp, rank kind)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.2))
     keys = sorted({(r["pp"], r["rank_kind"]) for r in runs})
     for pp, kind in keys:
         rs = sorted((r for r in runs if r["pp"] == pp and r["rank_kind"] == kind),
@@ -409,10 +410,15 @@ def _plot(runs: list[dict[str, Any]], path: Path) -> Path:
         axes[1].plot(w, [r["watchdog_poll_s"] for r in rs], "o-", label=f"{label} rank")
         axes[1].plot(w, [r["aggregator_poll_s"] for r in rs], "s--", label=f"{label} aggregator")
         axes[2].plot(w, [r["setup_s"] for r in rs], "o-", label=label)
+        axes[3].plot(w, [r["extra_grad_ratio"] for r in rs], "o-", label=f"{label} 1 layer")
+        if "full_stage_extra_grad_ratio" in rs[0]:
+            axes[3].plot(w, [r["full_stage_extra_grad_ratio"] for r in rs], "s--",
+                         label=f"{label} full stage")
     axes[1].axhline(1.0, color="gray", ls=":", lw=1, label="aggregator target")
     for ax, title, target in ((axes[0], "control ms / step", 5.0),
                               (axes[1], "watchdog poll s (rank; aggregator)", 0.01),
-                              (axes[2], "setup s", 30.0)):
+                              (axes[2], "setup s", 30.0),
+                              (axes[3], "extra sync bytes / fp32 grad bytes (peak)", 0.25)):
         ax.axhline(target, color="gray", ls="--", lw=1, label="target")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
