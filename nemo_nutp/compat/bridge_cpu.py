@@ -139,6 +139,7 @@ TORCH_PROXY_MODULES: tuple[tuple[str, str], ...] = (
      "save_checkpoint_and_time checkpoint_and_decide_exit"),  # empty_cache, synchronize, flags
     ("megatron.core.timers", "Timer.start Timer.stop Timers._get_elapsed_time_all_ranks"),
     ("megatron.bridge.data.loaders", "build_train_valid_test_data_loaders"),  # "cuda" flags
+    ("megatron.training.models.dist_utils", "_ddp_wrap"),  # DDP built inside a CUDA stream
 )
 """Modules whose global ``torch`` becomes compat.cpu's proxy without CUDA; the named functions
 are what needs it (checked to still exist and still call CUDA, tests/integrations)."""
@@ -146,6 +147,12 @@ are what needs it (checked to still exist and still call CUDA, tests/integration
 CUDA_TENSOR_FUNCS: tuple[tuple[str, str], ...] = (
     # ``val.cuda(non_blocking=True)`` per batch tensor: identity on CPU while it runs.
     ("megatron.bridge.training.gpt_step", "get_batch_from_iterator"),
+)
+
+NCCL_GROUP_FUNCS: tuple[tuple[str, str], ...] = (
+    # ``HyperCommGrid(..., backend="nccl")`` and ``new_subgroups_by_enumeration(...,
+    # backend="nccl")``: Bridge's own process groups (``use_decentralized_pg``); gloo on CPU.
+    ("megatron.bridge.training.initialize", "_create_pg_collection"),
 )
 
 _bridge_patched: list[str] = []
@@ -169,12 +176,36 @@ def _tensor_cuda_is_identity(fn: Any) -> Any:
     return wrapper
 
 
+def _groups_are_gloo(fn: Any) -> Any:
+    """``fn`` with every subgroup it creates on gloo, whatever backend it asks for."""
+    import functools
+
+    import torch.distributed as dist
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        real = dist.new_subgroups_by_enumeration
+
+        def gloo(*a: Any, **k: Any) -> Any:
+            k["backend"] = "gloo"
+            return real(*a, **k)
+
+        dist.new_subgroups_by_enumeration = gloo
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            dist.new_subgroups_by_enumeration = real
+
+    wrapper.__nutp_cpu_patch__ = True  # type: ignore[attr-defined]
+    return wrapper
+
+
 def apply_bridge_cpu_patches() -> list[str]:
     """Redirect Bridge's CUDA-only calls to CPU (nothing where CUDA is available); returns what
     was patched. megatron-core's own patches (compat.cpu) are applied first."""
     import torch
 
-    from .cpu import _TorchProxy, apply_cpu_patches
+    from .cpu import _CpuStream, _TorchProxy, apply_cpu_patches
 
     if torch.cuda.is_available():
         return []
@@ -183,6 +214,7 @@ def apply_bridge_cpu_patches() -> list[str]:
     install_import_shim()
     done = apply_cpu_patches()
     proxy = _TorchProxy()
+    proxy.cuda.Stream = _CpuStream  # _ddp_wrap: ``torch.cuda.Stream()``; waits are no-ops
     for modname, _funcs in TORCH_PROXY_MODULES:
         module = importlib.import_module(modname)
         module.torch = proxy  # type: ignore[attr-defined]
@@ -190,6 +222,10 @@ def apply_bridge_cpu_patches() -> list[str]:
     for modname, func in CUDA_TENSOR_FUNCS:
         module = importlib.import_module(modname)
         setattr(module, func, _tensor_cuda_is_identity(getattr(module, func)))
+        done.append(f"{modname}.{func}")
+    for modname, func in NCCL_GROUP_FUNCS:
+        module = importlib.import_module(modname)
+        setattr(module, func, _groups_are_gloo(getattr(module, func)))
         done.append(f"{modname}.{func}")
     _bridge_patched.extend(done)
     return list(done)

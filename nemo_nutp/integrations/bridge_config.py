@@ -133,6 +133,17 @@ def load_bridge_job(recipe: str, config_file: str | None, overrides: list[str]) 
     return BridgeJob(bridge=cfg, nutp=job, nutp_overrides=nutp)
 
 
+def weight_decay_of(cfg: Any) -> float:
+    """The weight decay the recipe starts with: megatron's ``OptimizerParamScheduler``
+    overwrites ``optimizer.weight_decay`` at every step with its own schedule, from
+    ``scheduler.start_weight_decay`` (the recipes' default: constant 0.033 while
+    ``optimizer.weight_decay`` says 0.1). ``train.weight_decay`` of ``nutp-train`` is this value
+    (its weight decay is constant)."""
+    s = cfg.scheduler
+    start = s.start_weight_decay
+    return float(cfg.optimizer.weight_decay if start is None else start)
+
+
 def bridge_keys(cfg: Any) -> list[str]:
     """The recipe's model and batch as ``nutp-train`` overrides (``model.*``, ``train.*``), so
     the plan is made, and validated, by the same schema."""
@@ -147,4 +158,5 @@ def bridge_keys(cfg: Any) -> list[str]:
             f"train.global_batch_size={t.global_batch_size}",
             f"train.micro_batch_size={t.micro_batch_size}", f"train.steps={t.train_iters}",
             f"train.clip_grad={cfg.optimizer.clip_grad}", f"train.seed={cfg.rng.seed}",
+            f"train.lr={cfg.optimizer.lr}", f"train.weight_decay={weight_decay_of(cfg)}",
             f"train.precision={precision_of(cfg)}"]

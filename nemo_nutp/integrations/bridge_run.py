@@ -75,21 +75,60 @@ def precision_of(cfg: Any) -> str:
     return "bf16" if m.bf16 else "fp16" if m.fp16 else "fp32"
 
 
-def _batches(plan: Any, ctx: Any, dims: Any, *, seed: int, mbs: int,
-             steps: int) -> Iterator[dict[str, torch.Tensor]]:
-    """This replica's micro-batches of every step (all TP ranks of a replica the same), as
-    Bridge's GPT batch dicts."""
+def batches(*, offset: int, count: int, seed: int, mbs: int, seq_length: int, vocab_size: int,
+            steps: int) -> Iterator[dict[str, torch.Tensor]]:
+    """Micro-batches ``offset .. offset+count-1`` of every step's synthetic global batch (one
+    replica's share; every TP rank of a replica the same), as Bridge's GPT batch dicts."""
     from ..compat.cpu import cpu_attention_mask
     from ..data import replica_microbatches
 
-    mask = cpu_attention_mask(dims.seq_length)
+    mask = cpu_attention_mask(seq_length)
     for step in range(steps):
-        for mb in replica_microbatches(offset=ctx.microbatch_offset, count=ctx.microbatches,
-                                       seed=seed, step=step, micro_batch_size=mbs,
-                                       seq_length=dims.seq_length, vocab_size=dims.vocab_size):
+        for mb in replica_microbatches(offset=offset, count=count, seed=seed, step=step,
+                                       micro_batch_size=mbs, seq_length=seq_length,
+                                       vocab_size=vocab_size):
             yield {"tokens": mb.tokens, "labels": mb.labels, "position_ids": mb.position_ids,
                    "loss_mask": torch.ones(mb.tokens.shape, dtype=torch.float),
                    "attention_mask": mask.expand(mbs, 1, -1, -1)}
+
+
+def recording(optimizer: Any, reduce: Any, *,
+              report_share: float = 1.0) -> tuple[list[dict[str, float]], Any]:
+    """(the per-step record, Bridge's ``forward_step`` recording each micro-batch's loss).
+    ``optimizer.step`` is wrapped: after it, ``reduce(this rank's mean micro-batch loss)`` is
+    the step's global-batch loss, recorded with the grad norm megatron's step returned.
+    ``report_share``: the factor on each micro-batch's reported ``(loss sum, tokens)`` (what
+    Bridge's ``train_step`` all-reduces over ``pg_collection.dp_cp`` for its printed loss):
+    ``1/degree`` under NUTP, whose ``dp_cp`` holds every TP rank of every replica, so that the
+    sum counts every sample once."""
+    from megatron.bridge.training.gpt_step import forward_step
+
+    record: list[dict[str, float]] = []
+    losses: list[float] = []
+    step = optimizer.step
+
+    def recorded_step(*args: Any, **kwargs: Any) -> Any:
+        out = step(*args, **kwargs)
+        loss = reduce(sum(losses) / len(losses))
+        losses.clear()
+        norm = float(out[1]) if out[1] is not None else float("nan")
+        record.append({"loss": loss, "grad_norm": norm})
+        return out
+
+    def recorded_forward(state: Any, data_iterator: Any, model: Any,
+                         return_schedule_plan: bool = False) -> Any:
+        output, loss_fn = forward_step(state, data_iterator, model, return_schedule_plan)
+
+        def loss_func(*args: Any, **kwargs: Any) -> Any:
+            out = loss_fn(*args, **kwargs)
+            losses.append(float(out[0].detach().sum()) / float(out[1]))
+            if report_share != 1.0:
+                out = (out[0], out[1], {k: v * report_share for k, v in out[2].items()})
+            return out
+        return output, loss_func
+
+    optimizer.step = recorded_step
+    return record, recorded_forward
 
 
 def _nutp_finalize(model_chunks: list[Any], num_tokens: Any = None, **kwargs: Any) -> None:
@@ -97,6 +136,43 @@ def _nutp_finalize(model_chunks: list[Any], num_tokens: Any = None, **kwargs: An
     cross-replica sync, weighted by the replicas' micro-batch shares."""
     for chunk in model_chunks:
         chunk.finish_grad_sync()
+
+
+def global_samples(optimizer: Any, scheduler: Any, state: Any, global_batch: int, *,
+                   counted: int) -> None:
+    """Bridge counts a step as ``micro-batches x micro_batch_size x data_parallel_size``
+    samples: for the scheduler's increment (``cfg.data_parallel_size``, here the world) and
+    ``train_state.consumed_train_samples`` (``pg_collection.dp.size()``, here the stage group).
+    Under NUTP a rank runs its replica's share, so both would differ per replica (the lr and
+    weight-decay schedules drifting apart between replicas). The scheduler steps by the global
+    batch; the consumed-sample counter is corrected by ``global_batch - counted`` at every
+    optimizer step (which Bridge's ``train_step`` runs right before it adds ``counted``)."""
+    opt_step, sched_step = optimizer.step, scheduler.step
+
+    def optimizer_step(*args: Any, **kwargs: Any) -> Any:
+        state.train_state.consumed_train_samples += global_batch - counted
+        return opt_step(*args, **kwargs)
+
+    def scheduler_step(increment: int) -> Any:
+        return sched_step(increment=global_batch)
+
+    optimizer.step = optimizer_step
+    scheduler.step = scheduler_step
+
+
+def session_of(model: Any, plan: Any, groups: Any, optimizer: Any) -> Any:
+    """The view of this rank that ``nemo_nutp.checkpoint`` saves and loads."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(gpt=model.module, model_cfg=plan.request.model, groups=groups,
+                           plan=plan, optimizer=optimizer, model=model)
+
+
+def load_weights(model: Any, plan: Any, groups: Any, optimizer: Any, path: str | Path) -> None:
+    """Weights only (collective), checked against this model's global shapes first."""
+    from ..checkpoint.store import load_checkpoint
+
+    load_checkpoint(session_of(model, plan, groups, optimizer), path, load_optimizer=False)
 
 
 def validate_as_uniform(cfg: Any) -> None:
@@ -111,11 +187,12 @@ def validate_as_uniform(cfg: Any) -> None:
         cfg.model.tensor_model_parallel_size = tp
 
 
-def train_rank(job: Any, plan: Any, out_dir: str, *, seed: int) -> dict[str, Any]:
-    """Collective over the world: build and train this rank; returns the per-step record."""
+def train_rank(job: Any, plan: Any, out_dir: str, *, seed: int,
+               init_from: str | Path | None = None) -> dict[str, Any]:
+    """Collective over the world: build and train this rank; returns the per-step record.
+    ``init_from``: start from the weights of this megatron-core checkpoint (NUTP's, Bridge's or
+    stock megatron's ``iter_N``; any layout) instead of NUTP's own initialisation."""
     from megatron.bridge.training import train as bridge_train
-    from megatron.bridge.training.checkpointing import create_checkpoint_manager
-    from megatron.bridge.training.gpt_step import forward_step
     from megatron.bridge.training.optim import setup_optimizer
     from megatron.bridge.training.state import GlobalState
     from megatron.core import parallel_state, tensor_parallel
@@ -128,6 +205,7 @@ def train_rank(job: Any, plan: Any, out_dir: str, *, seed: int) -> dict[str, Any
     from ..parallel import build_groups
     from ..train.step import reduce_replica_loss
     from .bridge import exact_grad_norm, nutp_ddp, nutp_provider
+    from .bridge_ckpt import NUTPBridgeCheckpointManager
 
     apply_bridge_cpu_patches()
     cfg = job.bridge
@@ -163,34 +241,23 @@ def train_rank(job: Any, plan: Any, out_dir: str, *, seed: int) -> dict[str, Any
     mbs = cfg.train.micro_batch_size
     destroy_num_microbatches_calculator()
     init_num_microbatches_calculator(ctx.rank, None, ctx.microbatches * mbs, mbs, 1)
-    record: list[dict[str, float]] = []
-    losses: list[float] = []
-    step = optimizer.step
+    if init_from is not None:
+        load_weights(model[0], plan, groups, optimizer, init_from)
 
-    def recorded_step(*args: Any, **kwargs: Any) -> Any:
-        out = step(*args, **kwargs)
-        replica = sum(losses) / len(losses)  # this replica's mean over its micro-batches
-        losses.clear()
-        loss = reduce_replica_loss(replica, weight=ctx.weight, degree=ctx.degree,
+    def reduce(replica: float) -> float:
+        return reduce_replica_loss(replica, weight=ctx.weight, degree=ctx.degree,
                                    stage_group=groups.stage)
-        norm = float(out[1]) if out[1] is not None else float("nan")
-        record.append({"loss": loss, "grad_norm": norm})
-        return out
 
-    def recorded_forward(state: Any, data_iterator: Any, model: Any,
-                         return_schedule_plan: bool = False) -> Any:
-        output, loss_fn = forward_step(state, data_iterator, model, return_schedule_plan)
-
-        def loss_func(*args: Any, **kwargs: Any) -> Any:
-            out = loss_fn(*args, **kwargs)
-            losses.append(float(out[0].detach().sum()) / float(out[1]))
-            return out
-        return output, loss_func
-
-    optimizer.step = recorded_step
-    data = _batches(plan, ctx, dims, seed=seed, mbs=mbs, steps=cfg.train.train_iters)
+    record, recorded_forward = recording(optimizer, reduce, report_share=1.0 / ctx.degree)
+    global_samples(optimizer, scheduler, state, cfg.train.global_batch_size,
+                   counted=groups.pgs.dp.size() * mbs * ctx.microbatches)
+    data = batches(offset=ctx.microbatch_offset, count=ctx.microbatches, seed=seed, mbs=mbs,
+                   seq_length=dims.seq_length, vocab_size=dims.vocab_size,
+                   steps=cfg.train.train_iters)
+    checkpoints = NUTPBridgeCheckpointManager(cfg.checkpoint, plan=plan, groups=groups)
     bridge_train.train(recorded_forward, model, optimizer, scheduler, data, None, state,
-                       create_checkpoint_manager(cfg.checkpoint), groups.pgs)
+                       checkpoints, groups.pgs)
     out = {"rank": ctx.rank, "replica": ctx.replica, "steps": record}
     Path(out_dir, f"bridge_rank{ctx.rank}.json").write_text(json.dumps(out))
-    return {**out, "model": model[0], "groups": groups}
+    return {**out, "model": model[0], "groups": groups, "state": state,
+            "saved": checkpoints.saved}

@@ -17,6 +17,7 @@ if importlib.util.find_spec("megatron.bridge") is None:
 
 from nemo_nutp.compat.bridge_cpu import (
     CUDA_TENSOR_FUNCS,
+    NCCL_GROUP_FUNCS,
     SCOPED_STUBS,
     TORCH_PROXY_MODULES,
     install_import_shim,
@@ -122,3 +123,7 @@ def test_cpu_patch_targets_still_exist_and_call_cuda() -> None:
     for modname, func in CUDA_TENSOR_FUNCS:
         source = inspect.getsource(getattr(importlib.import_module(modname), func))
         assert ".cuda(" in source, f"{modname}.{func} no longer calls .cuda(): drop the patch"
+    for modname, func in NCCL_GROUP_FUNCS:
+        source = inspect.getsource(getattr(importlib.import_module(modname), func))
+        assert 'backend="nccl"' in source, (
+            f"{modname}.{func} no longer asks for NCCL groups: drop the patch")

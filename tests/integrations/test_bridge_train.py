@@ -1,7 +1,9 @@
 """A real Bridge recipe (``vanilla_gpt_pretrain_config``), shrunk by a YAML file and CLI
 overrides (dropout 0), trains with NUTP replicas [2,1] (clipping on) through Bridge's own
 ``train()``; every step's loss and grad norm equal a stock single-process megatron-core run of
-the same model and data within 1e-5, and the replicas are bitwise equal at the end."""
+the same model and data within 1e-5 (the recipe's weight decay applied by both), and the replicas
+are bitwise equal at the end; Bridge's own printed loss and sample count count every sample
+once."""
 
 from __future__ import annotations
 
@@ -42,6 +44,13 @@ def test_bridge_train_nutp_2_1_matches_stock_megatron(tmp_path: Path) -> None:
         assert _rel(got["grad_norm"], norm) <= TOL, (got, norm)
         assert norm > 0.05  # clipping was active at every step
     assert r["replicas_bitwise_equal"]
+    # What Bridge itself prints: its lm loss (reduced over pg_collection.dp_cp, every TP rank of
+    # every replica, each reporting 1/degree of its micro-batches) and consumed samples count
+    # every sample once.
+    for rank_logged in r["bridge_lm_loss"]:  # every rank
+        for logged, loss in zip(rank_logged, r["ref_losses"], strict=True):
+            assert _rel(logged, loss) <= TOL, (logged, loss)
+    assert set(r["consumed_train_samples"]) == {len(r["steps"]) * r["global_batch_size"]}
     # Parameters: per tensor, the project's Adam tolerance (tests/runtime/parity.py TENSOR_TOL;
     # Adam's normalised update amplifies last-bit gradient differences in tiny entries).
     # Measured: 1.6e-5 worst tensor after 3 steps.
