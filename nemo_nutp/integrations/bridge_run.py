@@ -175,11 +175,15 @@ def load_weights(model: Any, plan: Any, groups: Any, optimizer: Any, path: str |
     load_checkpoint(session_of(model, plan, groups, optimizer), path, load_optimizer=False)
 
 
-def validate_as_uniform(cfg: Any) -> None:
-    """Bridge's ``ConfigContainer.validate()`` (derived scheduler steps, mixed precision, ...)
-    without its TP-divisibility assertion: NUTP's replicas need not divide the world, so the
-    check runs with TP1 (the layout itself was validated by the NUTP planner)."""
+def validate_as_uniform(cfg: Any, world: int) -> None:
+    """Bridge's ``ConfigContainer.validate()`` (derived scheduler steps, mixed precision, ...).
+    A uniform layout (the world divisible by the healthy TP degree) passes it as it is; for a
+    non-uniform one (replicas [2,1]) its TP-divisibility assertion cannot hold, so the check
+    runs with TP1 (the layout itself was validated by the NUTP planner)."""
     tp = cfg.model.tensor_model_parallel_size
+    if world % tp == 0:
+        cfg.validate()
+        return
     cfg.model.tensor_model_parallel_size = 1
     try:
         cfg.validate()
@@ -209,7 +213,7 @@ def train_rank(job: Any, plan: Any, out_dir: str, *, seed: int,
 
     apply_bridge_cpu_patches()
     cfg = job.bridge
-    validate_as_uniform(cfg)
+    validate_as_uniform(cfg, plan.world_size)
     cfg.dist.use_decentralized_pg = True  # explicit process groups (NUTP's), never mpu globals
     if not torch.cuda.is_available():  # megatron's local attention needs the explicit mask
         cfg.dataset.skip_getting_attention_mask_from_dataset = False

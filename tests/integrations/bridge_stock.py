@@ -5,9 +5,10 @@ What Bridge's ``setup()`` does for a recipe with ``dist.use_decentralized_pg``, 
 CPU path (``initialize_megatron`` asserts CUDA; tokenizer and dataset building are replaced by
 the same synthetic batches the NUTP run gets): Bridge's HyperCommGrid process groups
 (``initialize._create_pg_collection``), Bridge's seeding, the recipe provider's
-``provide_distributed_model`` (stock megatron ``GPTModel`` and megatron's DDP through Bridge's
-``_ddp_wrap``), Bridge's ``setup_optimizer``, ``_update_model_config_funcs`` (megatron's own
-``finalize_model_grads``), then Bridge's ``train()``. Its initial weights are written in
+``provide_distributed_model`` (stock megatron ``GPTModel`` with Bridge's local layer spec where
+TE is absent, megatron's DDP through Bridge's ``_ddp_wrap``), Bridge's ``setup_optimizer``,
+``_update_model_config_funcs`` (megatron's own ``finalize_model_grads``), then Bridge's
+``train()``. Its initial weights are written in
 megatron-core's format (the ``model`` part of a Bridge checkpoint), for the NUTP run to start
 from.
 """
@@ -23,7 +24,13 @@ import torch
 import torch.distributed as dist
 
 
-def save_initial(model: Any, root: Path) -> Path:
+def _have_te() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def save_initial(model: Any, root: Path, pgs: Any) -> Path:
     """Bridge's model state (``{"model": sharded_state_dict}``) as ``root/iter_0000000``."""
     from megatron.core import dist_checkpointing
 
@@ -31,7 +38,8 @@ def save_initial(model: Any, root: Path) -> Path:
     if dist.get_rank() == 0:
         path.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    dist_checkpointing.save({"model": model.module.sharded_state_dict()}, str(path))
+    state = model.module.sharded_state_dict(metadata={"dp_cp_group": pgs.dp_cp})
+    dist_checkpointing.save({"model": state}, str(path))
     if dist.get_rank() == 0:
         (root / "latest_checkpointed_iteration.txt").write_text("0")
     dist.barrier()
@@ -40,9 +48,9 @@ def save_initial(model: Any, root: Path) -> Path:
 
 def stock_rank(job: Any, out_dir: str, init_root: Path) -> list[dict[str, float]]:
     """Collective: Bridge's stock TPxDP run of ``job.bridge``; returns the per-step record."""
+    from megatron.bridge.training import initialize as bridge_init
     from megatron.bridge.training import train as bridge_train
     from megatron.bridge.training.checkpointing import create_checkpoint_manager
-    from megatron.bridge.training.initialize import _create_pg_collection, _set_random_seed
     from megatron.bridge.training.optim import setup_optimizer
     from megatron.bridge.training.setup import _update_model_config_funcs
     from megatron.bridge.training.state import GlobalState
@@ -61,13 +69,18 @@ def stock_rank(job: Any, out_dir: str, init_root: Path) -> list[dict[str, float]
     cfg.dist.use_gloo_process_groups = False  # megatron's extra gloo groups (the world is gloo)
     cfg.dataset.skip_getting_attention_mask_from_dataset = False
     cfg.validate()  # the uniform layout passes Bridge's own checks as they are
-    pgs = _create_pg_collection(cfg.model, num_distributed_optimizer_instances=1)
+    # (looked up after the CPU patches: gloo groups where Bridge asks for NCCL)
+    pgs = bridge_init._create_pg_collection(cfg.model, num_distributed_optimizer_instances=1)
     if getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None) is None:
         parallel_state._set_global_memory_buffer()
     seed = cfg.rng.seed
-    _set_random_seed(seed, pg_collection=pgs)  # CPU: Python/numpy/torch; the tracker below
+    bridge_init._set_random_seed(seed, pg_collection=pgs)  # CPU: Python/numpy/torch only
     tensor_parallel.model_parallel_cuda_manual_seed(seed, tp_rank=pgs.tp.rank(), ep_rank=0,
                                                     etp_rank=0)
+    if not _have_te():  # Bridge's default is the TE spec; its local spec where TE is absent
+        from megatron.bridge.models.gpt_provider import local_layer_spec
+
+        cfg.model.transformer_layer_spec = local_layer_spec
     model = cfg.model.provide_distributed_model(
         ddp_config=cfg.ddp, pg_collection=pgs, use_cpu_initialization=True,
         mixed_precision_wrapper=None,
@@ -82,7 +95,7 @@ def stock_rank(job: Any, out_dir: str, init_root: Path) -> list[dict[str, float]
         use_gloo_process_groups=False, pg_collection=pgs)
     _update_model_config_funcs(model, cfg.model, cfg.ddp, optimizer,
                                align_grad_reduce=cfg.dist.align_grad_reduce, pg_collection=pgs)
-    save_initial(model[0], init_root)
+    save_initial(model[0], init_root, pgs)
     dp, dp_rank = pgs.dp.size(), pgs.dp.rank()
     mbs = cfg.train.micro_batch_size
     per_rank = cfg.train.global_batch_size // (mbs * dp)

@@ -127,3 +127,35 @@ def test_cpu_patch_targets_still_exist_and_call_cuda() -> None:
         source = inspect.getsource(getattr(importlib.import_module(modname), func))
         assert 'backend="nccl"' in source, (
             f"{modname}.{func} no longer asks for NCCL groups: drop the patch")
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.rotary_base=500000", "model.rotary_base=500000: not supported"),
+    ("model.qk_layernorm=true", "model.qk_layernorm=True: not supported"),
+    ("model.num_moe_experts=4", "model.num_moe_experts=4: not supported"),
+    ("model.context_parallel_size=2", "model.context_parallel_size=2: not supported"),
+    ("model.position_embedding_type=none", "model.position_embedding_type=none: rope or"),
+    ("model.add_qkv_bias=true", "model.add_qkv_bias=True: must equal model.add_bias_linear"),
+])
+def test_model_fields_the_nutp_model_cannot_honour_are_rejected_by_name(
+        override: str, message: str) -> None:
+    """``model_config_of``: a recipe setting that changes the math and that the NUTP model does
+    not implement is a one-line ``ValueError`` naming it, before any process group."""
+    import torch.distributed as dist
+
+    extra = ["model.add_bias_linear=false"] if override.startswith("model.add_qkv_bias") else []
+    with pytest.raises(ValueError) as e:
+        load_bridge_job(RECIPE, str(TINY), [override, *extra])
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+    assert not dist.is_initialized()
+
+
+def test_activation_other_than_the_nutp_models_is_rejected_by_name() -> None:
+    import torch.nn.functional as F
+
+    from nemo_nutp.integrations.bridge_run import model_config_of
+
+    job = load_bridge_job(RECIPE, str(TINY), [])
+    job.bridge.model.activation_func = F.relu
+    with pytest.raises(ValueError, match=r"model.activation_func=relu: the NUTP model uses gelu"):
+        model_config_of(job.bridge.model, vocab_size=256)

@@ -26,6 +26,9 @@ ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 CLUSTER_ONLY = {"torchrun", "ft_launcher", "srun", "sbatch", "docker", "enroot"}
 LONG = {"make", "python"}
+PY312 = ".venv312/bin/"
+"""Commands of the Python 3.12 environment (``nutp-bridge``): not run here (no Bridge in this
+environment), run by ``tests/integrations/test_bridge_readme.py`` (``make test-bridge``)."""
 
 
 def readme_commands() -> list[list[str]]:
@@ -76,6 +79,8 @@ def _prepare(cmd: str, scratch: Path, env: dict[str, str]) -> list[str] | None:
         key, value = argv.pop(0).split("=", 1)
         env[key] = value
     prog = Path(argv[0]).name
+    if argv[0].startswith(PY312):  # Megatron-Bridge: Python 3.12 only, run by name there
+        return None
     if prog in CLUSTER_ONLY:
         return None
     if prog == "make":
