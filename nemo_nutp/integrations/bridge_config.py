@@ -133,6 +133,21 @@ def load_bridge_job(recipe: str, config_file: str | None, overrides: list[str]) 
     return BridgeJob(bridge=cfg, nutp=job, nutp_overrides=nutp)
 
 
+def check_precision(cfg: Any) -> None:
+    """The optimizer's precision is the model's: ``mixed_precision=null`` leaves a bf16 recipe's
+    ``optimizer.bf16=true``, which gives megatron's Float16 optimizer over fp32 parameters (it
+    trains, but its state cannot be checkpointed)."""
+    from .bridge_run import precision_of
+
+    if cfg.mixed_precision is not None:  # Bridge sets model and optimizer from it
+        return
+    model = precision_of(cfg)
+    for half in ("bf16", "fp16"):
+        if getattr(cfg.optimizer, half, False) and model != half:
+            raise ValueError(f"optimizer.{half}={getattr(cfg.optimizer, half)}: the model is "
+                             f"{model} (set optimizer.{half}=false, or mixed_precision)")
+
+
 def weight_decay_of(cfg: Any) -> float:
     """The weight decay the recipe starts with: megatron's ``OptimizerParamScheduler``
     overwrites ``optimizer.weight_decay`` at every step with its own schedule, from
@@ -151,6 +166,7 @@ def bridge_keys(cfg: Any) -> list[str]:
 
     from .bridge_run import model_config_of, precision_of
 
+    check_precision(cfg)
     vocab = cfg.model.vocab_size or cfg.tokenizer.vocab_size
     model = model_config_of(cfg.model, vocab_size=int(vocab))
     t = cfg.train

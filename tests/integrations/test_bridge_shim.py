@@ -59,7 +59,8 @@ def test_bridge_imports_without_a_global_transformer_engine() -> None:
 
 def test_recipe_yaml_and_cli_overrides_apply() -> None:
     job = load_bridge_job(RECIPE, str(TINY), ["model.tensor_model_parallel_size=2",
-                                             "mixed_precision=null", "train.train_iters=5",
+                                             "mixed_precision=null", "optimizer.bf16=false",
+                                             "train.train_iters=5",
                                              "cluster.gpus_per_node=8"])
     m = job.bridge.model
     assert (m.num_layers, m.hidden_size, m.ffn_hidden_size, m.num_attention_heads) == (2, 64,
@@ -150,12 +151,17 @@ def test_model_fields_the_nutp_model_cannot_honour_are_rejected_by_name(
     assert not dist.is_initialized()
 
 
+def test_optimizer_precision_other_than_the_models_is_rejected_by_name() -> None:
+    with pytest.raises(ValueError, match=r"^optimizer.bf16=True: the model is fp32"):
+        load_bridge_job(RECIPE, str(TINY), ["mixed_precision=null"])
+
+
 def test_activation_other_than_the_nutp_models_is_rejected_by_name() -> None:
     import torch.nn.functional as F
 
     from nemo_nutp.integrations.bridge_run import model_config_of
 
-    job = load_bridge_job(RECIPE, str(TINY), [])
+    job = load_bridge_job(RECIPE, str(TINY), [])  # the recipe's bf16 (model and optimizer)
     job.bridge.model.activation_func = F.relu
     with pytest.raises(ValueError, match=r"model.activation_func=relu: the NUTP model uses gelu"):
         model_config_of(job.bridge.model, vocab_size=256)

@@ -1,9 +1,8 @@
 """A real Bridge recipe (``vanilla_gpt_pretrain_config``), shrunk by a YAML file and CLI
 overrides (dropout 0), trains with NUTP replicas [2,1] (clipping on) through Bridge's own
 ``train()``; every step's loss and grad norm equal a stock single-process megatron-core run of
-the same model and data within 1e-5 (the recipe's weight decay applied by both), and the replicas
-are bitwise equal at the end; Bridge's own printed loss and sample count count every sample
-once."""
+the same model and data within 1e-5, and the replicas are bitwise equal at the end; Bridge's own
+printed loss and sample count count every sample once."""
 
 from __future__ import annotations
 

@@ -42,7 +42,6 @@ class Case:
     lr: float = 1e-3
     optimizer: str = "adam"
     clip_grad: float = 0.0
-    weight_decay: float = 0.0  # reference only (megatron's groups: no decay on biases, norms)
     precision: str = "fp32"
     initial_loss_scale: float = 2.0 ** 12
     seed: int = 1234

@@ -66,8 +66,7 @@ def _build(case: Any, dims: Any) -> tuple[Any, Any, Any]:
         grad_reduce_in_fp32=True), model)
     half = _DTYPE[case.precision]
     opt = get_megatron_optimizer(OptimizerConfig(
-        optimizer=case.optimizer, lr=case.lr, clip_grad=case.clip_grad,
-        weight_decay=case.weight_decay,
+        optimizer=case.optimizer, lr=case.lr, clip_grad=case.clip_grad, weight_decay=0.0,
         adam_eps=1e-8, params_dtype=half,
         bf16=case.precision == "bf16", fp16=case.precision == "fp16",
         initial_loss_scale=case.initial_loss_scale, use_distributed_optimizer=False), [ddp])
