@@ -14,7 +14,8 @@ import warnings
 
 NOTES = ("Transformer Engine and Apex are not installed",
          "Apex is not installed",
-         "The pynvml package is deprecated")
+         "The pynvml package is deprecated",
+         "full scope is deprecated")  # megatron-core 0.16's own TransformerConfig default
 """Message prefixes (``warnings`` matches a filter's message at the start, case-insensitively)."""
 
 

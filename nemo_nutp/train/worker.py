@@ -76,12 +76,28 @@ def first_error(out_dir: str | Path, since: float) -> dict[str, Any] | None:
     return min(found, key=lambda r: r["t"]) if found else None
 
 
+def _rank_warnings(rank: int) -> None:
+    """Warnings show once per job, not once per rank: rank 0 shows every warning but
+    megatron's optional-kernel notes (``compat/quiet.py``); the other ranks run the same code
+    and would repeat them W times."""
+    import torch
+
+    from ..compat.quiet import filter_notes
+
+    if rank == 0:
+        filter_notes()
+        if not torch.cuda.is_available():  # a GPU setting: says nothing on CPU
+            warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS")
+    else:
+        warnings.filterwarnings("ignore")
+
+
 def run_rank(rank: int, world: int, local_rank: int, cfg: Any, plan: Any,
               port: int | None) -> None:
     import torch
     import torch.distributed as dist
 
-    warnings.filterwarnings("ignore")
+    _rank_warnings(rank)
     if port is not None:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     device = None
@@ -125,7 +141,7 @@ def join_rank(slot: int, cfg: Any, old_plan: Any, gpu: int, gen: int) -> None:
 
     from ..recovery.live import LiveRank, control_address
 
-    warnings.filterwarnings("ignore")
+    _rank_warnings(slot)
     device = None
     if torch.cuda.is_available():
         # the GPU's local index on its node (the plan's GPU ids are node-major)
