@@ -53,7 +53,8 @@ def _steps(argv: list[str], steps: int) -> list[str]:
 def _trials(argv: list[str], trials: int = 8) -> list[str]:
     """``nutp simulate`` with ``sim.trials`` lowered to ``trials`` (the scenario's own count
     otherwise: 200 for paper_32k)."""
-    return [a for a in argv if not a.startswith("sim.trials=")] + [f"sim.trials={trials}"]
+    rest = [a for a in argv[2:] if not a.startswith("sim.trials=")]
+    return [*argv[:2], f"sim.trials={trials}", *rest]  # overrides come before the flags
 
 
 def _dataset(prefix: Path) -> None:
