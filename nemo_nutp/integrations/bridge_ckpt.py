@@ -33,7 +33,6 @@ class NUTPBridgeCheckpointManager:
 
     def save(self, ctx: Any, callback_manager: Any = None) -> None:
         from ..checkpoint.store import save_checkpoint
-        from .bridge_run import session_of
 
         root = self.checkpoint_config.save
         if root is None:
@@ -62,3 +61,11 @@ def _jsonable(obj: Any) -> Any:
     if isinstance(obj, (int, float, str, bool)) or obj is None:
         return obj
     return str(obj)
+
+
+def session_of(model: Any, plan: Any, groups: Any, optimizer: Any) -> Any:
+    """The view of this rank that ``nemo_nutp.checkpoint`` saves and loads."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(gpt=model.module, model_cfg=plan.request.model, groups=groups,
+                           plan=plan, optimizer=optimizer, model=model)

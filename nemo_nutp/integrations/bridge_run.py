@@ -160,17 +160,10 @@ def global_samples(optimizer: Any, scheduler: Any, state: Any, global_batch: int
     scheduler.step = scheduler_step
 
 
-def session_of(model: Any, plan: Any, groups: Any, optimizer: Any) -> Any:
-    """The view of this rank that ``nemo_nutp.checkpoint`` saves and loads."""
-    from types import SimpleNamespace
-
-    return SimpleNamespace(gpt=model.module, model_cfg=plan.request.model, groups=groups,
-                           plan=plan, optimizer=optimizer, model=model)
-
-
 def load_weights(model: Any, plan: Any, groups: Any, optimizer: Any, path: str | Path) -> None:
     """Weights only (collective), checked against this model's global shapes first."""
     from ..checkpoint.store import load_checkpoint
+    from .bridge_ckpt import session_of
 
     load_checkpoint(session_of(model, plan, groups, optimizer), path, load_optimizer=False)
 
