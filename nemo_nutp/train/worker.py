@@ -92,25 +92,43 @@ def _rank_warnings(rank: int) -> None:
         warnings.filterwarnings("ignore")
 
 
+def _rank_device(local: int) -> Any:
+    """This rank's CUDA device (set as current), or None on CPU (CPU patches on, 1 thread)."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    from ..compat.cpu import apply_cpu_patches
+
+    apply_cpu_patches()
+    torch.set_num_threads(1)
+    return None
+
+
+def _exit(code: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _fail(cfg: Any, rank: int, e: Exception) -> None:
+    """A rank's error: one record for the launcher (``report_error``), then exit with its code
+    (``NUTP_DEBUG=1``: raise instead)."""
+    if os.environ.get("NUTP_DEBUG") == "1":
+        raise e
+    _exit(report_error(cfg.output.dir, rank, e))
+
+
 def run_rank(rank: int, world: int, local_rank: int, cfg: Any, plan: Any,
               port: int | None) -> None:
-    import torch
     import torch.distributed as dist
 
     _rank_warnings(rank)
     if port is not None:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    device = None
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-        backend = "nccl"
-    else:
-        from ..compat.cpu import apply_cpu_patches
-
-        apply_cpu_patches()
-        torch.set_num_threads(1)
-        backend = "gloo"
+    device = _rank_device(local_rank)
+    backend = "gloo" if device is None else "nccl"
     try:
         link = _live_link(rank, world, backend, cfg)
         if link is None:
@@ -121,16 +139,10 @@ def run_rank(rank: int, world: int, local_rank: int, cfg: Any, plan: Any,
         if link is not None:
             # Abandoned worlds' groups are kept alive (recovery/backend.py): their destructors
             # would wait for peers doing the same.
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(0)
+            _exit(0)
         dist.destroy_process_group()
     except Exception as e:
-        if os.environ.get("NUTP_DEBUG") == "1":
-            raise
-        code = report_error(cfg.output.dir, rank, e)
-        sys.stdout.flush()
-        os._exit(code)
+        _fail(cfg, rank, e)
 
 
 def join_rank(slot: int, cfg: Any, old_plan: Any, gpu: int, gen: int) -> None:
@@ -142,17 +154,8 @@ def join_rank(slot: int, cfg: Any, old_plan: Any, gpu: int, gen: int) -> None:
     from ..recovery.live import LiveRank, control_address
 
     _rank_warnings(slot)
-    device = None
-    if torch.cuda.is_available():
-        # the GPU's local index on its node (the plan's GPU ids are node-major)
-        local = gpu % max(1, torch.cuda.device_count())
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
-    else:
-        from ..compat.cpu import apply_cpu_patches
-
-        apply_cpu_patches()
-        torch.set_num_threads(1)
+    # the GPU's local index on its node (the plan's GPU ids are node-major)
+    device = _rank_device(gpu % max(1, torch.cuda.device_count()))
     try:
         addr = control_address()
         assert addr is not None, "a joiner is started by the live control process"
@@ -161,15 +164,9 @@ def join_rank(slot: int, cfg: Any, old_plan: Any, gpu: int, gen: int) -> None:
         from .loop import train_rank
 
         train_rank(cfg, old_plan, device=device, link=link, joining=gpu)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        _exit(0)
     except Exception as e:
-        if os.environ.get("NUTP_DEBUG") == "1":
-            raise
-        code = report_error(cfg.output.dir, slot, e)
-        sys.stdout.flush()
-        os._exit(code)
+        _fail(cfg, slot, e)
 
 
 def _live_link(rank: int, world: int, backend: str, cfg: Any) -> Any:
