@@ -416,6 +416,17 @@ def handle(store: Any, cfg: Any, w: World, failure: Failure, cause: str, *, dete
     return reason
 
 
+def _fell_back(w: World, back: frozenset[int], now: float
+               ) -> tuple[Failure | None, watch.ScaleUp | None]:
+    """A boundary re-layout (grow back, straggler) that fell back: the restart path re-plans.
+    A rank that died in the window is a failure (its GPU is marked failed); else a planned
+    restart that takes ``back`` in at the newest checkpoint."""
+    failure = blame_exits({r: p.exitcode for r, p in enumerate(w.procs)})
+    scale = None if failure is not None else watch.ScaleUp(
+        tuple(sorted(back)), now, watch.resume_step(w.job.checkpoint_dir))
+    return failure, scale
+
+
 def run_world(cfg: Any, job: Any, plan: Any, failed: frozenset[int], attempt: int, rdir: Path,
               console: Any) -> Any:
     """``supervisor._run_world`` for ``recovery.mode=live``: one world of processes through any
@@ -471,9 +482,7 @@ def run_world(cfg: Any, job: Any, plan: Any, failed: frozenset[int], attempt: in
             # the fallback: stop the world, the restart path re-plans (a rank that died in
             # the window is a failure: its GPU is marked failed)
             fell_back, cause = True, "exit"
-            failure = blame_exits({r: p.exitcode for r, p in enumerate(w.procs)})
-            scale = None if failure is not None else watch.ScaleUp(
-                (), now, watch.resume_step(w.job.checkpoint_dir))
+            failure, scale = _fell_back(w, frozenset(), now)
         elif failure is None and now >= next_health:
             next_health = now + watch.HEALTH_POLL_S
             back, why = gpus_back(cfg, w, rdir)
@@ -489,9 +498,7 @@ def run_world(cfg: Any, job: Any, plan: Any, failed: frozenset[int], attempt: in
                     w, started = (w, started) if res is None else (res, time.time())
                     continue
                 fell_back, cause = True, "exit"
-                failure = blame_exits({r: p.exitcode for r, p in enumerate(w.procs)})
-                scale = None if failure is not None else watch.ScaleUp(
-                    tuple(sorted(back)), now, watch.resume_step(w.job.checkpoint_dir))
+                failure, scale = _fell_back(w, back, now)
         if failure is None and scale is None:
             continue
         detected = time.time()
