@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +106,16 @@ def layout_of(marker: dict[str, Any] | None) -> str:
         return "a stock megatron-core checkpoint"
     tps = ["TP" + "/".join(map(str, tp)) for tp in marker["plan"]["replica_tp"]]
     return "+".join(tps)
+
+
+_ON_COMPLETE: list[Callable[[int], None]] = []
+
+
+def on_checkpoint_complete(fn: Callable[[int], None]) -> None:
+    """Call ``fn(step)`` in this rank's training thread whenever one of its saves completes
+    (published, tracker updated): the boundary where a planned restart stops without losing a
+    committed step, decided where it happens rather than by a poll that a short run can miss."""
+    _ON_COMPLETE.append(fn)
 
 
 class CheckpointHooks:
@@ -280,6 +291,8 @@ class CheckpointHooks:
             log_event("checkpoint", step=p.step, path=str(p.final), seconds=p.stall_s,
                       stall_s=p.stall_s, write_s=write_s, background=background,
                       snapshot_bytes=p.snapshot_bytes)
+        for fn in list(_ON_COMPLETE):
+            fn(p.step)
 
     def _failed(self, p: Any, line: str) -> None:
         self._say(line)

@@ -316,21 +316,32 @@ def start_health_watch(cfg: Any, job: Any, plan: Any, failed: frozenset[int], rd
     so the next attempt plans the fuller layout without losing a committed step (the launcher
     counts it as a restart). O(1) per period: one small file read. Hangs are the job-level
     aggregator's (``aggregate.py``), not a training rank's."""
+    from ..checkpoint.hooks import on_checkpoint_complete
+
     health = watch.HealthWatch(cfg, job, plan, failed, rdir, console)
+    lock = threading.Lock()
+
+    def check() -> None:
+        with lock:
+            now = time.time()
+            scale = health.poll(now)
+            if scale is None:
+                return
+            write_json_atomic({"gpus": list(scale.gpus), "requested_at": scale.requested_at,
+                               "step": scale.step, "detected_at": now},
+                              rdir / f"scaleup.{attempt}.json")
+            exits.write("scale_up", f"GPUs {list(scale.gpus)} back")
+            control.abort("scale_up")
+            os._exit(EXIT_SCALE_UP)
 
     def run() -> None:
         while True:
             time.sleep(0.5)
-            now = time.time()
-            scale = health.poll(now)
-            if scale is not None:
-                write_json_atomic({"gpus": list(scale.gpus), "requested_at": scale.requested_at,
-                                   "step": scale.step, "detected_at": now},
-                                  rdir / f"scaleup.{attempt}.json")
-                exits.write("scale_up", f"GPUs {list(scale.gpus)} back")
-                control.abort("scale_up")
-                os._exit(EXIT_SCALE_UP)
+            check()
 
+    # The poll alone can miss the boundary: a short run may complete its next checkpoint and
+    # its final one within one period. The training thread checks at each completed save too.
+    on_checkpoint_complete(lambda step: check())
     t = threading.Thread(target=run, name="nutp-health-watch", daemon=True)
     t.start()
     return t
