@@ -171,6 +171,7 @@ def one(world: int, pp: int, kind: str, steps: int, staging: float | None = None
 
     import nemo_nutp.parallel.groups as groups_mod
     import nemo_nutp.sync.engine as engine_mod
+    import nemo_nutp.sync.norm as norm_mod
     from nemo_nutp.sync.engine import DEFAULT_BUCKET_SIZE, GradSyncEngine
     from nemo_nutp.sync.shapes import stage_parameters
 
@@ -204,7 +205,7 @@ def one(world: int, pp: int, kind: str, steps: int, staging: float | None = None
         kernels[0] += 1
         return torch.empty((), dtype=torch.float64, device=t.device)
 
-    engine_mod._sumsq = sumsq  # type: ignore[assignment]
+    norm_mod.sumsq = sumsq  # type: ignore[assignment]
     model = SimpleNamespace(parameters=lambda: iter([torch.zeros(1)]))
     session = SimpleNamespace(plan=plan, groups=groups, model=model)
     times = {"compute_s": 1.0, "sync_s": 0.1, "optimizer_s": 0.05}

@@ -60,12 +60,15 @@ whose megatron buckets differ still pair the same operations. Nothing blocks ins
 hooks: hooks only post async p2p and launch the buckets that are ready. The TP-group all-reduce
 and the reshard-back p2p run in ``finish`` (after backward: the TP group also carries backward's
 own collectives, and per-pair p2p must keep one order in both directions).
+
+Modules: this one drives the step (posting, staging, launching, retiring buckets, ``finish``);
+``state.py`` holds the records and unit views, ``reshard.py`` the reshard messages and their
+pair order, ``norm.py`` the grad-norm kernels and the reduce-scatter norm.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -73,86 +76,16 @@ import torch.distributed as dist
 
 from ..layout import PARAM_KINDS, SPACES, Plan
 from ..parallel.groups import NUTPGroups
-from . import p2p
-from .descriptors import (
-    BucketSpec,
-    MessageSpec,
-    Piece,
-    Transfer,
-    plan_buckets,
-    plan_messages,
-    rank_bucket_items,
-    rank_sync,
-    sync_key,
-)
+from . import norm, p2p
+from .descriptors import Piece, plan_buckets, rank_bucket_items, rank_sync, sync_key
+from .reshard import Reshard
+from .state import Bucket, Msg, Param, nbytes, read_units, write_units
+from .state import Bucket as _Bucket  # noqa: F401  (the names sync/zero.py imports)
+from .state import Param as _Param  # noqa: F401
 
 DEFAULT_BUCKET_SIZE = 40_000_000
 """Elements per bucket when none is given: megatron's floor, fixed (it never grows with the
 world, so the number of chances to overlap does not shrink at scale)."""
-
-
-@dataclass(eq=False)
-class _Bucket:
-    spec: BucketSpec
-    group: dist.ProcessGroup
-    buf: torch.Tensor | None = None
-    in_msgs: list[_Msg] = field(default_factory=list)  # reshard messages bringing pieces
-    work: Any = None
-    scatter: tuple[int, int, int] | None = None  # reduce-scatter: (members, my index, chunk)
-    out: torch.Tensor | None = None  # reduce-scatter: my reduced slice (chunk elements)
-    retired: bool = False  # reduced, written back and its buffer freed (this step)
-    alias: bool = False  # buf is a view of the gradient itself (reduced in place)
-
-
-@dataclass(eq=False)
-class _Msg:
-    """A coalesced reshard message (one p2p each way per step); incoming ones know where in
-    which bucket each piece goes."""
-
-    spec: MessageSpec
-    # incoming: (bucket, offset there, offset here, elements), per piece and bucket piece it
-    # meets (a transfer may straddle the cut between two buckets)
-    targets: list[tuple[_Bucket, int, int, int]] = field(default_factory=list)
-    buf: torch.Tensor | None = None
-    work: Any = None
-    done: bool = False  # incoming: received and scattered into its buckets
-    sender: int = -1  # global rank of the forward sender (pair_order)
-
-    @property
-    def key(self) -> tuple[int, int, int]:
-        """Its place in the pair's sequence, the same on both sides (``p2p.pair_order``)."""
-        return p2p.pair_order(self.spec.pieces[-1][0], self.sender, self.spec.index)
-
-
-@dataclass
-class _Param:
-    name: str
-    param: torch.nn.Parameter
-    kind: str | None
-    units: tuple[int, int] | None
-    view: tuple[int, int, int] | None = None  # (H, n_local, W), see unit_view_shape
-    numel_unit: int = 0
-    sends: tuple[Transfer, ...] = ()  # (dst global, lo, hi)
-    pieces: list[tuple[_Bucket, Piece]] = field(default_factory=list)
-    out_pieces: list[tuple[_Msg, tuple[int, int, int, int, int]]] = field(default_factory=list)
-    partial: bool = False  # replicated param holding a per-rank partial sum (sequence parallel)
-    slot: int = 0  # first slot of this param in the grad-norm vector
-    n_slots: int = 1  # sync shards (sharded) or 1 (replicated)
-    pos_override: torch.Tensor | None = None  # explicit index map (negative-control tests)
-
-    @property
-    def pos(self) -> torch.Tensor | None:
-        """(n_local, unit_numel) local flat position of each local unit's canonical elements
-        (built on demand from the view; O(elements), for tests only). Setting it makes the
-        engine pair by these positions instead of the views."""
-        if self.pos_override is not None or self.view is None:
-            return self.pos_override
-        h, n, w = self.view
-        return torch.arange(h * n * w).view(h, n, w).transpose(0, 1).reshape(n, h * w)
-
-    @pos.setter
-    def pos(self, value: torch.Tensor | None) -> None:
-        self.pos_override = value
 
 
 class GradSyncEngine:
@@ -177,7 +110,7 @@ class GradSyncEngine:
         self.staging_bytes = int(staging_buckets * self.bucket_size * 4)
         self._staging = 0  # bytes of staged (not aliased) bucket buffers alive now
         self.sync = rank_sync(plan, ctx.rank)
-        self.order: list[_Param] = [self._describe(n, p) for n, p in reversed(named_params)
+        self.order: list[Param] = [self._describe(n, p) for n, p in reversed(named_params)
                                     if p.requires_grad]
         self.index = {id(e.param): i for i, e in enumerate(self.order)}
         slot = 0
@@ -185,7 +118,9 @@ class GradSyncEngine:
             e.slot, slot = slot, slot + e.n_slots
         self.n_slots = slot
         self.buckets = self._buckets()
-        self._messages()
+        self.reshard = Reshard(self.order, self.sync, ctx.rank, self.bucket_size, self._alloc)
+        self.out_msgs, self.in_msgs = self.reshard.out_msgs, self.reshard.in_msgs
+        self.pairs = self.reshard.pairs
         # Replicated gradients the leader shares with its TP group (no sequence parallelism):
         # they ride in the grad-norm all-reduce, the others adding zeros (exact).
         self.shared = ([e for e in self.order if e.kind is None]
@@ -205,10 +140,10 @@ class GradSyncEngine:
         self.reset()
 
     # ---------------------------------------------------------------- setup
-    def _describe(self, name: str, p: torch.nn.Parameter) -> _Param:
+    def _describe(self, name: str, p: torch.nn.Parameter) -> Param:
         kind = getattr(p, "nutp_kind", None)
         units = getattr(p, "nutp_units", None)
-        e = _Param(name=name, param=p, kind=kind, units=units,
+        e = Param(name=name, param=p, kind=kind, units=units,
                    partial=bool(getattr(p, "sequence_parallel", False)))
         if kind is None:
             return e
@@ -243,58 +178,19 @@ class GradSyncEngine:
         assert self.leaders is not None and key == self._replicated_key(), key
         return self.leaders
 
-    def _buckets(self) -> list[_Bucket]:
+    def _buckets(self) -> list[Bucket]:
         items = rank_bucket_items(self.sync, [(e.kind, e.param.numel()) for e in self.order],
                                   self._replicated_key())
         out = []
         for spec in plan_buckets(items, self.bucket_size):
-            b = _Bucket(spec, self._group(spec.key))
+            b = Bucket(spec, self._group(spec.key))
             for pc in spec.pieces:
                 self.order[pc.param].pieces.append((b, pc))
             out.append(b)
         return out
 
-    def _messages(self) -> None:
-        """Coalesce reshard transfers per peer (``descriptors.plan_messages``): both sides list
-        them in canonical order (parameter, shard, unit), so they cut the same messages."""
-        outs, ins = [], []
-        for i, e in enumerate(self.order):
-            if e.kind is None:
-                continue
-            u = e.numel_unit
-            outs += [(dst, i, lo, hi, (hi - lo) * u) for dst, lo, hi in e.sends]
-            for sh in self.sync.spaces[PARAM_KINDS[e.kind].space].owned:
-                ins += [(src, i, lo, hi, (hi - lo) * u) for src, lo, hi in sh.recvs]
-        me = self.ctx.rank
-        self.out_msgs = [_Msg(m, sender=me) for m in plan_messages(outs, self.bucket_size)]
-        self.in_msgs = [_Msg(m, sender=m.peer) for m in plan_messages(ins, self.bucket_size)]
-        # Per peer, both directions' messages in the order both sides agree on (p2p.py): the
-        # forward reshard posts each pair's operations in this order only.
-        self.pairs: dict[int, list[tuple[p2p.Kind, _Msg]]] = {}
-        for kind, msgs in (("send", self.out_msgs), ("recv", self.in_msgs)):
-            for m in msgs:
-                self.pairs.setdefault(m.spec.peer, []).append((kind, m))  # type: ignore[arg-type]
-        for seq in self.pairs.values():
-            seq.sort(key=lambda km: km[1].key)
-        for m in self.out_msgs:
-            for item in m.spec.pieces:
-                self.order[item[0]].out_pieces.append((m, item))
-        for m in self.in_msgs:
-            for param, lo, hi, moff, _n in m.spec.pieces:
-                e = self.order[param]
-                u = e.numel_unit
-                for b, pc in e.pieces:
-                    a, z = max(lo, pc.lo), min(hi, pc.hi)
-                    if z <= a:
-                        continue
-                    m.targets.append((b, pc.offset + (a - pc.lo) * u, moff + (a - lo) * u,
-                                      (z - a) * u))
-                    if m not in b.in_msgs:
-                        b.in_msgs.append(m)
-
     # ---------------------------------------------------------------- per step
     def reset(self) -> None:
-        self.sent_bytes = 0  # reshard bytes this rank sent this step (there and back)
         self.posted = 0  # params whose p2p / bucket pieces are posted (canonical prefix)
         self.launched = 0  # position in buckets (the launch order)
         self.retired = 0  # buckets [0, retired) are reduced, written back and freed
@@ -303,7 +199,7 @@ class GradSyncEngine:
             b.retired, b.alias = False, False
         self.ready = [False] * len(self.order)
         self.done = False
-        self.pair_pos = dict.fromkeys(self.pairs, 0)  # per peer: operations posted this step
+        self.reshard.reset()
 
     def mark_ready(self, params: Any) -> None:
         """Called from megatron's bucket readiness (backward hooks): post what is in order."""
@@ -316,71 +212,29 @@ class GradSyncEngine:
         self._stage(block=False)
         self._launch(block=False)
 
-    def _advance(self) -> None:
-        """Post each pair's next operations in the pair's order: a receive at once, a send once
-        its message is filled (its last parameter posted). Never blocks."""
-        for peer, seq in self.pairs.items():
-            i = self.pair_pos[peer]
-            while i < len(seq):
-                kind, m = seq[i]
-                if kind == "recv":
-                    m.buf = self._msg_buf(m)
-                    m.work = p2p.backend().irecv(m.buf, peer)
-                elif m.spec.pieces[-1][0] < self.posted:
-                    assert m.buf is not None
-                    m.work = p2p.backend().isend(m.buf, peer)
-                    self.sent_bytes += m.buf.numel() * m.buf.element_size()
-                else:
-                    break
-                i += 1
-            self.pair_pos[peer] = i
+    @property
+    def sent_bytes(self) -> int:
+        """Reshard bytes this rank sent this step (there and back)."""
+        return self.reshard.sent_bytes
 
-    def _msg_buf(self, m: _Msg) -> torch.Tensor:
-        like = self.order[m.spec.pieces[0][0]].param.main_grad  # type: ignore[attr-defined]
-        return self._alloc(torch.empty(m.spec.numel, dtype=like.dtype, device=like.device))
+    def _advance(self) -> None:
+        self.reshard.advance(self.posted)  # never blocks
 
     def _alloc(self, t: torch.Tensor) -> torch.Tensor:
         """Account a new sync buffer (``peak_bytes``)."""
-        self._live += _nbytes(t)
+        self._live += nbytes(t)
         self.peak_bytes = max(self.peak_bytes, self._live)
         return t
 
-    def _units(self, e: _Param, lo: int, hi: int, t: torch.Tensor | None = None
-               ) -> torch.Tensor:
-        """(hi - lo, H, W) strided view of units [lo, hi) of the gradient (or of ``t``, a
-        tensor shaped like the parameter), canonical order."""
-        assert e.units is not None and e.view is not None
-        h, n, w = e.view
-        a = e.units[0]
-        t = e.param.main_grad if t is None else t  # type: ignore[attr-defined]
-        return t.view(h, n, w).transpose(0, 1)[lo - a:hi - a]  # type: ignore[union-attr]
-
-    def _read(self, e: _Param, lo: int, hi: int, out: torch.Tensor,
+    def _read(self, e: Param, lo: int, hi: int, out: torch.Tensor,
               t: torch.Tensor | None = None) -> None:
-        """Copy units [lo, hi) of the gradient (or of ``t``) into the 1-D ``out``
-        (canonical order)."""
-        t = e.param.main_grad if t is None else t  # type: ignore[attr-defined]
-        if e.pos_override is not None:
-            a = e.units[0]  # type: ignore[index]
-            idx = e.pos_override[lo - a:hi - a].reshape(-1)
-            out.copy_(t.view(-1)[idx])  # type: ignore[union-attr]
-        else:
-            out.view(hi - lo, e.view[0], e.view[2]).copy_(  # type: ignore[index]
-                self._units(e, lo, hi, t))
+        read_units(e, lo, hi, out, t)  # (sync/zero.py moves its tensors with these)
 
-    def _write(self, e: _Param, lo: int, hi: int, src: torch.Tensor,
+    def _write(self, e: Param, lo: int, hi: int, src: torch.Tensor,
                t: torch.Tensor | None = None) -> None:
-        """Write the 1-D canonical-order ``src`` into units [lo, hi) of the gradient (or of
-        ``t``)."""
-        t = e.param.main_grad if t is None else t  # type: ignore[attr-defined]
-        if e.pos_override is not None:
-            a = e.units[0]  # type: ignore[index]
-            idx = e.pos_override[lo - a:hi - a].reshape(-1)
-            t.view(-1)[idx] = src  # type: ignore[union-attr]
-        else:
-            self._units(e, lo, hi, t).copy_(src.view(hi - lo, e.view[0], e.view[2]))  # type: ignore
+        write_units(e, lo, hi, src, t)
 
-    def _buffer(self, b: _Bucket, like: torch.Tensor) -> torch.Tensor:
+    def _buffer(self, b: Bucket, like: torch.Tensor) -> torch.Tensor:
         if b.buf is None:
             assert not b.retired, "a retired bucket is written again"
             if b.scatter is None:
@@ -389,14 +243,14 @@ class GradSyncEngine:
                 size, _, chunk = b.scatter
                 b.buf = torch.zeros(size * chunk, dtype=like.dtype, device=like.device)
             self._alloc(b.buf)
-            self._staging += _nbytes(b.buf)
+            self._staging += nbytes(b.buf)
         return b.buf
 
-    def _buffer_bytes(self, b: _Bucket, like: torch.Tensor) -> int:
+    def _buffer_bytes(self, b: Bucket, like: torch.Tensor) -> int:
         n = b.spec.numel if b.scatter is None else b.scatter[0] * b.scatter[2]
         return n * like.element_size()
 
-    def _aliasable(self, b: _Bucket) -> bool:
+    def _aliasable(self, b: Bucket) -> bool:
         """Whether the bucket is one contiguous piece of this rank's own gradient, in canonical
         order (all-reduced in place there, as megatron does; no staging buffer): a single
         piece of a replicated parameter or of units laid out as whole rows (H = 1) that this
@@ -446,7 +300,7 @@ class GradSyncEngine:
             self._launch_ready(block=block)
             self._retire(block=False)
 
-    def _fill(self, e: _Param, b: _Bucket, pc: Piece) -> None:
+    def _fill(self, e: Param, b: Bucket, pc: Piece) -> None:
         """Stage one piece: copy it from the (scaled) gradient into its bucket, or alias the
         bucket to the gradient (``_aliasable``)."""
         grad = e.param.main_grad  # type: ignore[attr-defined]
@@ -479,7 +333,7 @@ class GradSyncEngine:
         self.scattering = True
         self.shared = []
 
-    def _post(self, e: _Param) -> None:
+    def _post(self, e: Param) -> None:
         grad = e.param.main_grad  # type: ignore[attr-defined]
         w = self.ctx.weight
         if e.kind is None:
@@ -490,11 +344,7 @@ class GradSyncEngine:
             # else: the leader's result arrives in finish's TP all-reduce
             return  # the pieces are staged into their buckets by _stage
         grad.mul_(w)
-        for m, (_, lo, hi, off, n) in e.out_pieces:  # sent by _advance once filled
-            if m.buf is None:
-                m.buf = self._alloc(torch.empty(m.spec.numel, dtype=grad.dtype,
-                                                device=grad.device))
-            self._read(e, lo, hi, m.buf[off:off + n])
+        self.reshard.fill(e)  # sent by _advance once filled
 
     def _launch(self, *, block: bool) -> None:
         """Launch what is ready, then retire what is reduced (``_retire``)."""
@@ -535,7 +385,7 @@ class GradSyncEngine:
             self._retire_one(b)
             self.retired += 1
 
-    def _retire_one(self, b: _Bucket) -> None:
+    def _retire_one(self, b: Bucket) -> None:
         if b.work is not None:
             b.work.wait()
             b.work = None
@@ -550,11 +400,11 @@ class GradSyncEngine:
                     if not b.alias:
                         grad.view(-1).copy_(seg)
                     if self.ctx.tp_rank == 0:
-                        sumsq[e.slot] = _sumsq(grad)
+                        sumsq[e.slot] = norm.sumsq(grad)
                     continue
                 # a shard cut over several buckets adds its parts in launch order (the same
                 # on every owner)
-                sumsq[e.slot + pc.k] += _sumsq(seg)
+                sumsq[e.slot + pc.k] += norm.sumsq(seg)
                 lo, hi = max(pc.lo, e.units[0]), min(pc.hi, e.units[1])  # type: ignore[index]
                 if hi > lo and not b.alias:
                     u = e.numel_unit
@@ -565,8 +415,8 @@ class GradSyncEngine:
                     if tb is b:
                         m.buf[moff:moff + n].copy_(b.buf[off:off + n])
         if not b.alias:
-            self._live -= _nbytes(b.buf)
-            self._staging -= _nbytes(b.buf)
+            self._live -= nbytes(b.buf)
+            self._staging -= nbytes(b.buf)
         b.buf, b.retired = None, True  # reduce-scatter: the slice stays in b.out
 
     def _tp_buffer(self, device: torch.device) -> torch.Tensor:
@@ -576,7 +426,7 @@ class GradSyncEngine:
                                                device=device))
         return self._tp
 
-    def _scatter_in(self, m: _Msg, b: _Bucket) -> None:
+    def _scatter_in(self, m: Msg, b: Bucket) -> None:
         """Wait for an incoming message (once) and copy its pieces for bucket ``b`` in (each
         bucket takes its own part when it launches: a message straddling two buckets never
         makes the later one allocate outside the staging window)."""
@@ -631,7 +481,7 @@ class GradSyncEngine:
         if self.scattering:
             self._finish_scattered(sumsq)
         else:
-            self._finish_sharded()
+            self.reshard.back()
         if self.ctx.tp_rank == 0 and shared:
             tp_buf[self.n_slots:].copy_(torch.cat(
                 [e.param.main_grad.reshape(-1) for e in self.shared]))  # type: ignore
@@ -649,77 +499,22 @@ class GradSyncEngine:
         self._clear()
         self.done = True
 
-    def _finish_sharded(self) -> None:
-        """Owners return reduced pieces to their holders in the same coalesced messages
-        (buffers reused; ``_retire_one`` filled the incoming ones): one exchange, after every
-        forward message, each pair's messages in the pair's order (``back_ops``)."""
-        for m in self.out_msgs:  # forward sent: the buffer now receives the way back
-            m.work.wait()
-        for m in self.in_msgs:
-            assert m.buf is not None
-            self.sent_bytes += m.buf.numel() * m.buf.element_size()
-        ops = self.back_ops([m.buf for m in self.out_msgs], [m.buf for m in self.in_msgs])
-        works = p2p.backend().exchange(ops)
-        for m in self.out_msgs:
-            m.work = None
-        for work in works:
-            work.wait()
-        for m in self.out_msgs:
-            for param, lo, hi, off, n in m.spec.pieces:
-                self._write(self.order[param], lo, hi, m.buf[off:off + n])  # type: ignore
-
     def pair_ops(self, outs: list[Any], ins: list[Any], *, back: bool) -> list[p2p.Op]:
-        """One exchange over the reshard messages with one buffer per message (``outs``: per
-        ``out_msgs``, ``ins``: per ``in_msgs``), per peer in the pair's order: forward
-        (holders send, owners receive) or back (owners send, holders receive)."""
-        seq = []
-        for kind, msgs, bufs in (("send", self.out_msgs, outs), ("recv", self.in_msgs, ins)):
-            if back:
-                kind = "recv" if kind == "send" else "send"
-            seq += [(m.spec.peer, m.key, kind, buf)
-                    for m, buf in zip(msgs, bufs, strict=True)]
-        seq.sort(key=lambda x: (x[0], x[1]))
-        return [p2p.Op(kind, buf, peer) for peer, _, kind, buf in seq]  # type: ignore[arg-type]
+        """One exchange over the reshard messages (``Reshard.pair_ops``)."""
+        return self.reshard.pair_ops(outs, ins, back=back)
 
     def back_ops(self, outs: list[Any], ins: list[Any]) -> list[p2p.Op]:
-        return self.pair_ops(outs, ins, back=True)
+        return self.reshard.pair_ops(outs, ins, back=True)
 
     def _finish_scattered(self, sumsq: torch.Tensor) -> None:
-        """Reduce-scatter mode: wait; each piece's sum of squares from its members' slices.
-
-        Per group, one small all-reduce of a (pieces x members) fp64 matrix, one contributor
-        per entry (exact); each piece's row summed in member order gives the same bits on every
-        member, which the owner writes into its slot (replicated: TP rank 0)."""
-        for m in self.out_msgs:
-            m.work.wait()  # type: ignore[union-attr]
+        """Reduce-scatter mode: wait; each piece's sum of squares from its members' slices
+        (``norm.scattered``)."""
+        self.reshard.wait_sent()
         for b in self.buckets:
             if b.work is not None:
                 b.work.wait()
                 b.work = None
-        items: dict[Hashable, list[tuple[_Bucket, Piece]]] = {}
-        for b in self.buckets:  # canonical order: groups by their first bucket, on all members
-            items.setdefault(b.spec.key, []).extend((b, pc) for pc in b.spec.pieces)
-        device = sumsq.device
-        pending = []
-        for its in items.values():
-            size = its[0][0].scatter[0]  # type: ignore[index]
-            mat = torch.zeros(len(its), size, dtype=torch.float64, device=device)
-            for r, (b, pc) in enumerate(its):
-                _, j, chunk = b.scatter  # type: ignore[misc]
-                a, z = max(j * chunk, pc.offset), min((j + 1) * chunk, pc.offset + pc.numel)
-                if z > a:
-                    mat[r, j] = _sumsq(b.out[a - j * chunk:z - j * chunk])  # type: ignore
-            pending.append((its, mat, dist.all_reduce(mat, group=its[0][0].group,
-                                                      async_op=True)))
-        for its, mat, work in pending:
-            work.wait()  # type: ignore[union-attr]
-            totals = mat.sum(dim=1)
-            for r, (_, pc) in enumerate(its):
-                e = self.order[pc.param]
-                if e.kind is not None:
-                    sumsq[e.slot + pc.k] += totals[r]
-                elif self.ctx.tp_rank == 0:
-                    sumsq[e.slot] = totals[r]
+        norm.scattered(self.order, self.buckets, sumsq, self.ctx.tp_rank)
 
     def warm_up(self) -> None:
         """Initialise every communicator the sync uses now, not lazily inside step 0 under the
@@ -738,27 +533,11 @@ class GradSyncEngine:
                 named[id(g)] = (tuple(dist.get_process_group_ranks(g)), label, g)
         for _, _, g in sorted(named.values(), key=lambda x: (x[0], x[1])):
             dist.all_reduce(torch.zeros(1, device=device), group=g)
-        if not self.pairs:
-            return
-        works = []
-        for peer in sorted(self.pairs):
-            for kind, _ in self.pairs[peer]:
-                t = torch.zeros(1, device=device)
-                works.append(p2p.backend().isend(t, peer) if kind == "send"
-                             else p2p.backend().irecv(t, peer))
-        for w in works:
-            w.wait()
-        ones = [torch.zeros(1, device=device) for _ in self.out_msgs]
-        back = self.back_ops(ones, [torch.zeros(1, device=device) for _ in self.in_msgs])
-        for w in p2p.backend().exchange(back):
-            w.wait()
+        self.reshard.warm_up(device)
 
     def nonfinite_params(self) -> list[str]:
         """Parameters whose reduced gradient holds NaN/Inf (the same list on every rank)."""
-        if self.sumsq_slots is None:
-            return []
-        bad = ~torch.isfinite(self.sumsq_slots.cpu())
-        return [e.name for e in self.order if bool(bad[e.slot:e.slot + e.n_slots].any())]
+        return norm.nonfinite(self.order, self.sumsq_slots)
 
     def _clear(self) -> None:
         for b in self.buckets:
@@ -767,18 +546,17 @@ class GradSyncEngine:
                 b.buf = None
             if not self.keep_buckets:
                 b.out = None
-        for m in self.out_msgs + self.in_msgs:
-            m.buf, m.work, m.done = None, None, False
+        self.reshard.clear()
         self._tp = None
         self._live = self.live_bytes()
-        self._staging = sum(_nbytes(b.buf) for b in self.buckets if not b.alias)
+        self._staging = sum(nbytes(b.buf) for b in self.buckets if not b.alias)
 
     def live_bytes(self) -> int:
         """Bytes of the sync's buffers alive now (buckets, slices, messages; a bucket reduced in
         place in the gradient costs none)."""
-        return (sum(0 if b.alias else _nbytes(b.buf) for b in self.buckets)
-                + sum(_nbytes(b.out) for b in self.buckets)
-                + sum(_nbytes(m.buf) for m in self.out_msgs + self.in_msgs))
+        return (sum(0 if b.alias else nbytes(b.buf) for b in self.buckets)
+                + sum(nbytes(b.out) for b in self.buckets)
+                + self.reshard.live_bytes())
 
     def release_buckets(self) -> None:
         """Free the reduced bucket buffers kept for the distributed optimizer."""
@@ -787,11 +565,3 @@ class GradSyncEngine:
         self._live = self.live_bytes()
         self._staging = 0
 
-
-def _nbytes(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.numel() * t.element_size()
-
-
-def _sumsq(t: torch.Tensor) -> torch.Tensor:
-    """Sum of squares accumulated in fp64 (deterministic for the same tensor on any rank)."""
-    return torch.sum(torch.square(t.float()), dtype=torch.float64)

@@ -87,6 +87,12 @@ def recording() -> Iterator[Recorder]:
     rec = Recorder()
     fake = _fake_dist(rec)
     mods: list[Any] = [engine_mod, zero_mod]
+    try:  # the grad-norm module (its reduce-scatter norm all-reduces), since the engine's split
+        import nemo_nutp.sync.norm as norm_mod
+    except ImportError:
+        pass
+    else:
+        mods.append(norm_mod)
     saved: list[tuple[Any, str, Any]] = [(m, "dist", m.dist) for m in mods]
     try:
         from nemo_nutp.sync import p2p

@@ -23,6 +23,7 @@ import torch
 import yaml
 
 import nemo_nutp.sync.engine as engine_mod
+import nemo_nutp.sync.norm as norm_mod
 from nemo_nutp.config import ModelConfig
 from nemo_nutp.layout import ClusterSpec, HealthReport, ParallelSpec, PlanRequest, build_plan
 from nemo_nutp.sync.shapes import stage_parameters
@@ -52,14 +53,14 @@ def never_complete() -> Iterator[list[int]]:
     work completes before its ``wait``; yields a counter of the waits on unfinished works."""
     with recording():
         fake = engine_mod.dist
-        saved = fake.all_reduce, fake.reduce_scatter_tensor, engine_mod._sumsq
+        saved = fake.all_reduce, fake.reduce_scatter_tensor, norm_mod.sumsq
         fake.all_reduce = fake.reduce_scatter_tensor = lambda *a, **k: _Pending()
         # the norm's kernels run as Python reference kernels on ``meta`` (slow, no data)
-        engine_mod._sumsq = lambda t: torch.empty((), dtype=torch.float64, device=t.device)
+        norm_mod.sumsq = lambda t: torch.empty((), dtype=torch.float64, device=t.device)
         try:
             yield []
         finally:
-            fake.all_reduce, fake.reduce_scatter_tensor, engine_mod._sumsq = saved
+            fake.all_reduce, fake.reduce_scatter_tensor, norm_mod.sumsq = saved
 
 
 def _plan(pp: int, sync_layout: str) -> Any:
