@@ -34,8 +34,6 @@ valid plan for the survivors (the restart path then stops with the planner's one
 from __future__ import annotations
 
 import json
-import os
-import signal
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -87,10 +85,7 @@ class Fallback(Exception):
 
 
 def _kill(p: Any) -> None:
-    try:
-        os.killpg(p.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError, TypeError):
-        p.kill()
+    p.kill()  # its whole process group (``hosts.Proc``)
     p.join()
 
 
@@ -428,34 +423,29 @@ def _fell_back(w: World, back: frozenset[int], now: float
 
 
 def run_world(cfg: Any, job: Any, plan: Any, failed: frozenset[int], attempt: int, rdir: Path,
-              console: Any) -> Any:
+              console: Any, host: Any = None) -> Any:
     """``supervisor._run_world`` for ``recovery.mode=live``: one world of processes through any
     number of live re-layouts; returns the supervisor's ``Attempt`` when the job ends or a
-    failure falls back to the restart path."""
-    import multiprocessing as mp
+    failure falls back to the restart path. ``host`` (``hosts.py``) starts and stops the
+    processes: this machine's fork server (default) or a cluster's node agents."""
+    from .hosts import LocalHost
+    from .world import HANG_POLL_S, Attempt
 
-    from .world import HANG_POLL_S, PRELOAD, Attempt, _join_main, _rank_main, _stop
-
+    host = LocalHost() if host is None else host
     store, port = host_store()
     hb = rdir / f"heartbeats.{attempt}"
     hb.mkdir(parents=True, exist_ok=True)
     env = {"NUTP_ATTEMPT": str(attempt), "NUTP_HEARTBEAT_DIR": str(hb),
-           "NUTP_EVENTS": str(rdir / "events.jsonl"), "NUTP_CONTROL": f"127.0.0.1:{port}"}
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(list(PRELOAD))
-    procs = [ctx.Process(target=_rank_main, args=(r, plan.world_size, job, plan, 0, env))
-             for r in range(plan.world_size)]
-    for p in procs:
-        p.start()
+           "NUTP_EVENTS": str(rdir / "events.jsonl"),
+           "NUTP_CONTROL": f"{host.address}:{port}"}
+    procs = host.start_world(job, plan, env)
     log_event("live_world", file=rdir / "events.jsonl", attempt=attempt, gen=0,
               pids=[p.pid for p in procs])
     w = World(job, plan, procs, list(range(plan.world_size)), failed, 0, hb, plan.world_size)
 
     def start_joiner(slot: int, old_plan: Any, gpu: int, gen: int, hb: Path) -> Any:
-        p = ctx.Process(target=_join_main, args=(slot, job, old_plan, gpu, gen,
-                                                 {**env, "NUTP_HEARTBEAT_DIR": str(hb)}))
-        p.start()
-        return p
+        return host.start_joiner(slot, job, old_plan, gpu, gen,
+                                 {**env, "NUTP_HEARTBEAT_DIR": str(hb)})
 
     health_watch = watch.HealthWatch(cfg, job, plan, failed, rdir, console)
     started = next_hang = next_health = time.time()
@@ -511,6 +501,6 @@ def run_world(cfg: Any, job: Any, plan: Any, failed: frozenset[int], attempt: in
         where = {r: watch.read_where(hb, w.slots[r])
                  for r in (failure.ranks if failure is not None else ())}
         last = watch.last_done(w.hb, w.plan.world_size)
-        _stop(w.procs)
+        host.stop(w.procs)
         return Attempt(False, failure, None if failure is None else cause, scale, detected,
                        last, tuple(w.plan.rank_to_gpu), where, time.time() - detected)

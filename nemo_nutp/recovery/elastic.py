@@ -467,8 +467,9 @@ def run_worker(cfg: Any, env: LauncherEnv, console: Any) -> int:
     exits.install()
     if cfg.recovery.mode == "live" and env.rank == 0 and env.attempt == 0:
         # Never silent: torchrun/ft_launcher/srun restart the whole worker group.
-        note = ("recovery.mode=live needs the CPU supervisor's control process; under an "
-               "external launcher failures take the restart path")
+        note = ("recovery.mode=live needs a control process outside the ranks (the CPU "
+                "supervisor, or `nutp sbatch --launcher srun`); torchrun and ft_launcher restart "
+                "every worker when one exits, so failures take the restart path")
         console.print(f"[yellow]recovery:[/] {note}")  # (events.jsonl is archived later)
     control: Control | None = None
     try:

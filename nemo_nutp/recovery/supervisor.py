@@ -62,11 +62,11 @@ from .world import HANG_POLL_S, PRELOAD, Attempt, _rank_main, _stop
 
 POLL_S = 0.05  # exit codes (and, while a planned restart waits, the newest checkpoint)
 def _run_world(cfg: Any, job: Any, plan: Any, failed: frozenset[int], attempt: int, rdir: Path,
-               console: Any) -> Attempt:
+               console: Any, host: Any = None) -> Attempt:
     if job.recovery.mode == "live":  # survivors keep their processes (recovery/control.py)
         from .control import run_world
 
-        return run_world(cfg, job, plan, failed, attempt, rdir, console)
+        return run_world(cfg, job, plan, failed, attempt, rdir, console, host)
     from ..launch.ports import free_port
 
     hb = rdir / f"heartbeats.{attempt}"
@@ -154,8 +154,10 @@ def _record_failure(job: Any, res: Attempt, failed: frozenset[int], rdir: Path, 
     return failed
 
 
-def supervise(cfg: Any, console: Any) -> int:
-    """Run the job to completion through failures and planned restarts. Returns an exit code."""
+def supervise(cfg: Any, console: Any, host: Any = None) -> int:
+    """Run the job to completion through failures and planned restarts. Returns an exit code.
+    ``host`` (``recovery.mode=live`` only, ``hosts.py``): where the ranks run; default this
+    machine. The Slurm control process (``recovery/standalone.py``) passes its node agents."""
     from ..config import plan_request
     from ..launch.plan_report import replicas_table
     from ..layout import build_plan
@@ -177,7 +179,7 @@ def supervise(cfg: Any, console: Any) -> int:
         log_event("start", file=events, attempt=attempt, failed_gpus=sorted(failed),
                   world_size=plan.world_size, replica_tp=watch.layout_of(plan))
         started = time.time()
-        res = _run_world(cfg, job, plan, failed, attempt, rdir, console)
+        res = _run_world(cfg, job, plan, failed, attempt, rdir, console, host)
         found = straggler_relayout(read_events(events), started) if res.ok else None
         if res.ok and found is None:
             return _finish(console, rdir, attempt)

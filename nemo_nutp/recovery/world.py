@@ -35,13 +35,15 @@ class Attempt:
 
 
 def _rank_main(rank: int, world: int, cfg: Any, plan: Any, port: int,
-               env: dict[str, str]) -> None:
+               env: dict[str, str], local: int | None = None) -> None:
+    """``local``: the rank's device index on its node (a node agent's ranks; default: the
+    rank, every rank on this machine)."""
     os.setpgrp()  # own process group: the supervisor can stop the rank with its helpers
     os.environ.update(env)
     watch.start_stack_watcher(Path(env["NUTP_HEARTBEAT_DIR"]) / f"rank{rank}.stack")
     from ..train.worker import run_rank
 
-    run_rank(rank, world, rank, cfg, plan, port)
+    run_rank(rank, world, rank if local is None else local, cfg, plan, port)
 
 
 def _join_main(slot: int, cfg: Any, old_plan: Any, gpu: int, gen: int,

@@ -1,0 +1,211 @@
+"""Node agent of ``recovery.mode=live`` on a cluster: starts and kills its node's rank processes
+for the control process, reports their exits.
+
+One agent per node (one srun task each, ``nutp sbatch ... recovery.mode=live``); the agent
+trains nothing and decides nothing. It connects to the control process's store
+(``hosts.agent_store``) and serves three threads of work:
+
+* **commands** (one blocking wait on ``agent<node>/cmd<seq>`` at a time, no polling): ``start``
+  (a world's ranks on this node: the pickled job config, planned here with the same
+  ``build_plan`` and checked against the posted rank -> GPU map), ``join`` (one returning GPU's
+  process, ``world._join_main``; the stopped world's plan pickled; logged as the event
+  ``agent_join``), ``kill`` (SIGKILL to the
+  processes' groups), ``exit`` (kill what is left, leave 0); each answered on ``re<seq>``;
+* **exits**: the main thread waits on its processes' sentinels and appends ``"<id> <code>"`` to
+  the job's exit log (``exits``, counter ``exits_n``);
+* **liveness**: a counter ``agent<node>/beat`` bumped every ``hosts.BEAT_S``.
+
+Processes fork from one fork server per agent that imported torch and megatron once
+(``world.PRELOAD``), as the CPU supervisor's do; each rank drives local GPU ``gpu %
+gpus_per_node`` of its node. If the control process's store stops answering, the agent kills
+its processes and exits 3 (nobody is left to re-plan).
+
+Cost: per agent O(ranks on its node) processes and one store request per exit, per command and
+per beat; nothing per training step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import threading
+import time
+from datetime import timedelta
+from multiprocessing.connection import wait as wait_sentinels
+from typing import Any
+
+from .hosts import BEAT_S, agent_key, agent_store
+from .world import PRELOAD, _join_main, _rank_main
+
+EXIT_LOST = 3  # the control process's store is gone
+
+
+class Agent:
+    def __init__(self, host: str, port: int, node: int, *, timeout_s: float) -> None:
+        import multiprocessing as mp
+
+        self.node = node
+        self.cmds = agent_store(host, port, is_master=False, timeout_s=timeout_s)
+        self.reports = agent_store(host, port, is_master=False, timeout_s=timeout_s)
+        self._report_lock = threading.Lock()
+        self._ctx = mp.get_context("forkserver")
+        self._ctx.set_forkserver_preload(list(PRELOAD))
+        self._procs: dict[int, Any] = {}  # id -> multiprocessing process, while it runs
+        self._lock = threading.Lock()
+        self.done = threading.Event()
+        self.code = 0
+
+    # -- commands -------------------------------------------------------------------------
+
+    def _start(self, op: dict[str, Any]) -> list[list[int]]:
+        from ..config import plan_request
+        from ..layout import build_plan
+
+        job = pickle.loads(self.cmds.get(op["key"]))
+        plan = build_plan(plan_request(job))
+        if list(plan.rank_to_gpu) != op["rank_to_gpu"]:
+            raise RuntimeError(f"node {self.node} planned rank_to_gpu={list(plan.rank_to_gpu)} "
+                               f"but the control process posted {op['rank_to_gpu']} (the same "
+                               "code and config on every node?)")
+        gpn = job.cluster.gpus_per_node
+        started = []
+        for rank, gpu, pid_id in op["ranks"]:
+            p = self._ctx.Process(target=_rank_main, args=(rank, plan.world_size, job, plan, 0,
+                                                           op["env"]),
+                                  kwargs={"local": gpu % gpn})
+            started.append(self._add(pid_id, p))
+        return started
+
+    def _join(self, op: dict[str, Any]) -> list[list[int]]:
+        from ..checkpoint.events import log_event
+
+        job, old_plan = pickle.loads(self.cmds.get(op["key"]))
+        p = self._ctx.Process(target=_join_main, args=(op["slot"], job, old_plan, op["gpu"],
+                                                       op["gen"], op["env"]))
+        started = self._add(op["id"], p)
+        log_event("agent_join", file=op["env"]["NUTP_EVENTS"], node=self.node, gpu=op["gpu"],
+                  slot=op["slot"], gen=op["gen"], pid=started[1])
+        return [started]
+
+    def _add(self, pid_id: int, p: Any) -> list[int]:
+        p.start()
+        with self._lock:
+            self._procs[pid_id] = p
+        return [pid_id, int(p.pid)]
+
+    def _kill(self, ids: list[int]) -> None:
+        with self._lock:
+            procs = [self._procs[i] for i in ids if i in self._procs]
+        for p in procs:
+            try:  # the rank's own process group: its checkpoint writer helpers die with it
+                os.killpg(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                p.kill()
+
+    def serve(self) -> None:
+        """The command thread."""
+        seq = 0
+        while not self.done.is_set():
+            key = agent_key(self.node, f"cmd{seq}")
+            try:
+                self.cmds.wait([key], timedelta(seconds=60))
+            except Exception:
+                try:  # a timeout renews the wait; a store that does not answer ends the agent
+                    if not self.cmds.check([key]):
+                        continue
+                except Exception:
+                    self._lost()
+                    return
+            op = json.loads(self.cmds.get(key))
+            reply: dict[str, Any] = {"pids": []}
+            try:
+                if op["op"] == "start":
+                    reply["pids"] = self._start(op)
+                elif op["op"] == "join":
+                    reply["pids"] = self._join(op)
+                elif op["op"] == "kill":
+                    self._kill(op["ids"])
+                elif op["op"] == "exit":
+                    self.done.set()
+            except Exception as e:  # answered: the control process raises it
+                reply["error"] = f"{type(e).__name__}: {e}"
+            self.cmds.set(agent_key(self.node, f"re{seq}"), json.dumps(reply))
+            seq += 1
+
+    def _lost(self) -> None:
+        print(f"nutp agent {self.node}: control store lost; stopping this node's ranks",
+              flush=True)
+        self.code = EXIT_LOST
+        self.done.set()
+
+    # -- reports --------------------------------------------------------------------------
+
+    def beat(self) -> None:
+        misses = 0
+        while not self.done.wait(BEAT_S):
+            try:
+                with self._report_lock:
+                    self.reports.add(agent_key(self.node, "beat"), 1)
+                misses = 0
+            except Exception:
+                misses += 1
+                if misses >= 5:
+                    self._lost()
+
+    def _report(self, pid_id: int, code: int) -> None:
+        try:
+            with self._report_lock:
+                self.reports.append("exits", f"{pid_id} {code}\n")
+                self.reports.add("exits_n", 1)
+        except Exception:
+            self._lost()
+
+    def reap(self) -> None:
+        """The main thread: report every process's exit until told to stop."""
+        while not self.done.is_set():
+            with self._lock:
+                running = dict(self._procs)
+            if not running:
+                time.sleep(0.1)
+                continue
+            wait_sentinels([p.sentinel for p in running.values()], timeout=0.2)
+            for i, p in running.items():
+                if p.exitcode is not None:
+                    p.join()
+                    with self._lock:
+                        del self._procs[i]
+                    self._report(i, int(p.exitcode))
+
+    def run(self) -> int:
+        with self._report_lock:
+            self.reports.add(agent_key(self.node, "beat"), 1)
+        threading.Thread(target=self.serve, name="nutp-agent-cmds", daemon=True).start()
+        threading.Thread(target=self.beat, name="nutp-agent-beat", daemon=True).start()
+        self.reap()
+        with self._lock:
+            left = list(self._procs)
+        self._kill(left)
+        return self.code
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m nemo_nutp.recovery.agent",
+                                 description=__doc__.split("\n")[0])
+    ap.add_argument("--control", required=True, metavar="HOST:PORT",
+                    help="the control process's store")
+    ap.add_argument("--node", type=int, default=None,
+                    help="this node's index (default: SLURM_NODEID)")
+    ap.add_argument("--timeout", type=float, default=600.0,
+                    help="seconds to wait for the control process to come up")
+    args = ap.parse_args(argv)
+    node = args.node if args.node is not None else int(os.environ.get("SLURM_NODEID", "0"))
+    host, port = args.control.rsplit(":", 1)
+    return Agent(host, int(port), node, timeout_s=args.timeout).run()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

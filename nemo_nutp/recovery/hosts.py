@@ -1,0 +1,293 @@
+"""Where the live control process's ranks run: this machine, or node agents on a cluster.
+
+The control loop (``control.run_world``) is one piece of code for both; it only asks a host
+to start a world's ranks, start one returning GPU's process, and stop processes, and it sees
+every process through the same small handle (``pid``, ``exitcode``, ``kill()``,
+``join(timeout)``):
+
+* ``LocalHost`` (the CPU supervisor, ``nutp-train recovery.mode=live``): forked from one fork
+  server on this machine (``world.PRELOAD``); a handle is the ``multiprocessing`` process.
+* ``AgentHost`` (Slurm, ``nutp sbatch ... recovery.mode=live``): one node agent per node
+  (``recovery/agent.py``, one srun task each) starts and kills its node's processes on
+  request and reports their exits. Requests and reports go through the control process's own
+  store (``agent_store``): per node one command key at a time (``agent<n>/cmd<seq>``, the agent
+  blocks on it), its reply (``agent<n>/re<seq>``), one append-only exit log for the whole job
+  (``exits``, with the counter ``exits_n``: the control process reads it only when the counter
+  moved, one request per poll, O(1)) and each agent's liveness beat (``agent<n>/beat``, read
+  with one ``multi_get`` per ``BEAT_CHECK_S``, O(nodes)): an agent silent for ``AGENT_LOST_S``
+  lost its node, whose processes then count as dead (exit code ``LOST``).
+
+Guarantees: a handle's ``exitcode`` is None until its process ended (or its node was lost),
+then stays fixed; ``kill`` is idempotent; ``stop`` returns when every handle has an exit code
+or ``STOP_TIMEOUT_S`` passed. Not guaranteed: a process's ``pid`` names a process on its own
+node only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Protocol
+
+from .world import PRELOAD, _join_main, _rank_main
+
+LOST = -(2**15)  # exit code of a process whose node agent was lost
+AGENT_LOST_S = 30.0
+BEAT_S = 1.0  # an agent's liveness beat
+BEAT_CHECK_S = 1.0
+STOP_TIMEOUT_S = 60.0
+REPLY_TIMEOUT_S = 120.0
+
+
+class Proc(Protocol):
+    """One rank's process as the control loop sees it."""
+
+    @property
+    def pid(self) -> int | None: ...
+    @property
+    def exitcode(self) -> int | None: ...
+    def kill(self) -> None: ...
+    def join(self, timeout: float | None = None) -> None: ...
+
+
+class LocalProc:
+    """A forked rank on this machine (its own process group: its helpers die with it)."""
+
+    def __init__(self, p: Any) -> None:
+        self._p = p
+
+    @property
+    def pid(self) -> int | None:
+        return int(self._p.pid) if self._p.pid is not None else None
+
+    @property
+    def exitcode(self) -> int | None:
+        code = self._p.exitcode
+        return None if code is None else int(code)
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self._p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError, TypeError):
+            self._p.kill()  # not yet its own group leader, or gone
+
+    def join(self, timeout: float | None = None) -> None:
+        self._p.join(timeout)
+
+
+class LocalHost:
+    """Ranks forked on this machine (the CPU supervisor's live mode)."""
+
+    address = "127.0.0.1"
+
+    def __init__(self) -> None:
+        import multiprocessing as mp
+
+        self._ctx = mp.get_context("forkserver")
+        self._ctx.set_forkserver_preload(list(PRELOAD))
+
+    def start_world(self, job: Any, plan: Any, env: dict[str, str]) -> list[Proc]:
+        procs = [self._ctx.Process(target=_rank_main, args=(r, plan.world_size, job, plan, 0,
+                                                            env))
+                 for r in range(plan.world_size)]
+        for p in procs:
+            p.start()
+        return [LocalProc(p) for p in procs]
+
+    def start_joiner(self, slot: int, job: Any, old_plan: Any, gpu: int, gen: int,
+                     env: dict[str, str]) -> Proc:
+        p = self._ctx.Process(target=_join_main, args=(slot, job, old_plan, gpu, gen, env))
+        p.start()
+        return LocalProc(p)
+
+    def stop(self, procs: list[Proc]) -> None:
+        for p in procs:  # kill whole groups: a killed rank's checkpoint writer would outlive it
+            p.kill()
+        for p in procs:
+            p.join()
+
+    def close(self) -> None:
+        pass
+
+
+def agent_key(node: int, what: str) -> str:
+    return f"agent{node}/{what}"
+
+
+@dataclass
+class RemoteProc:
+    """A rank started by a node agent."""
+
+    host: AgentHost
+    id: int  # the control process's number for it (never reused in a job)
+    node: int
+    pid: int | None = None
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.host.exitcode(self.id)
+
+    def kill(self) -> None:
+        if self.exitcode is None:
+            self.host.kill([self])
+
+    def join(self, timeout: float | None = None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.exitcode is None:
+            if deadline is not None and time.monotonic() > deadline:
+                return
+            time.sleep(0.02)
+
+
+@dataclass
+class AgentHost:
+    """Ranks started by the node agents of a cluster job (``recovery/agent.py``)."""
+
+    store: Any  # the control process's store (``agent_store``)
+    nodes: int
+    gpus_per_node: int
+    address: str  # how the ranks reach this control process (its host name)
+    reply_timeout_s: float = REPLY_TIMEOUT_S  # an agent's answer (the first: its container start)
+    _seq: dict[int, int] = field(default_factory=dict)
+    _next_id: int = 0
+    _exits: dict[int, int] = field(default_factory=dict)
+    _exits_n: int = 0
+    _checked: float = 0.0
+    _beats_checked: float = 0.0
+    _live: dict[int, RemoteProc] = field(default_factory=dict)
+    _lost: set[int] = field(default_factory=set)
+    _beats: dict[int, tuple[bytes, float]] = field(default_factory=dict)  # last value, seen at
+
+    # -- requests ---------------------------------------------------------------------
+
+    def _request(self, node: int, op: dict[str, Any]) -> int:
+        seq = self._seq.get(node, 0)
+        self._seq[node] = seq + 1
+        self.store.set(agent_key(node, f"cmd{seq}"), json.dumps(op))
+        return seq
+
+    def _replies(self, sent: dict[int, int]) -> dict[int, dict[str, Any]]:
+        keys = {n: agent_key(n, f"re{s}") for n, s in sent.items()}
+        deadline = time.monotonic() + self.reply_timeout_s
+        while not self.store.check(list(keys.values())):
+            lost = [n for n in keys if n in self._lost_nodes()]
+            if lost:
+                raise RuntimeError(f"node agent {lost[0]} lost while starting processes")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"node agents did not answer within "
+                                   f"{self.reply_timeout_s:.0f} s")
+            time.sleep(0.02)
+        replies = {n: json.loads(self.store.get(k)) for n, k in keys.items()}
+        for n, r in replies.items():
+            if "error" in r:
+                raise RuntimeError(f"node agent {n}: {r['error']}")
+        return replies
+
+    def _new(self, node: int) -> RemoteProc:
+        p = RemoteProc(self, self._next_id, node)
+        self._next_id += 1
+        self._live[p.id] = p
+        return p
+
+    def start_world(self, job: Any, plan: Any, env: dict[str, str]) -> list[Proc]:
+        """One ``start`` per node with that node's ranks. The job config travels pickled (a
+        few KB); each agent plans from it with the same ``build_plan`` as the supervisor (the
+        plan itself is O(W)) and checks its rank -> GPU map is the one posted."""
+        gpn = self.gpus_per_node
+        procs = [self._new(g // gpn) for g in plan.rank_to_gpu]
+        by_node: dict[int, list[list[int]]] = {}
+        for r, (g, p) in enumerate(zip(plan.rank_to_gpu, procs, strict=True)):
+            by_node.setdefault(g // gpn, []).append([r, g, p.id])
+        key = f"job{procs[0].id}"
+        self.store.set(key, pickle.dumps(job))
+        common = {"op": "start", "key": key, "rank_to_gpu": list(plan.rank_to_gpu), "env": env}
+        sent = {n: self._request(n, {**common, "ranks": ranks}) for n, ranks in by_node.items()}
+        for reply in self._replies(sent).values():
+            for pid_of in reply["pids"]:
+                self._live[int(pid_of[0])].pid = int(pid_of[1])
+        return list(procs)
+
+    def start_joiner(self, slot: int, job: Any, old_plan: Any, gpu: int, gen: int,
+                     env: dict[str, str]) -> Proc:
+        """The returning GPU's process, started by its node's agent (the stopped world's plan
+        travels pickled: the live planner's plans depend on the previous one)."""
+        p = self._new(gpu // self.gpus_per_node)
+        key = f"joiner{p.id}"
+        self.store.set(key, pickle.dumps((job, old_plan)))
+        sent = {p.node: self._request(p.node, {"op": "join", "id": p.id, "slot": slot,
+                                               "gpu": gpu, "gen": gen, "key": key,
+                                               "env": env})}
+        p.pid = int(self._replies(sent)[p.node]["pids"][0][1])
+        return p
+
+    def kill(self, procs: list[RemoteProc]) -> None:
+        by_node: dict[int, list[int]] = {}
+        for p in procs:
+            by_node.setdefault(p.node, []).append(p.id)
+        for n, ids in by_node.items():
+            if n not in self._lost:
+                self._request(n, {"op": "kill", "ids": ids})
+
+    def stop(self, procs: list[Proc]) -> None:
+        remote = [p for p in procs if isinstance(p, RemoteProc) and p.exitcode is None]
+        self.kill(remote)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for p in remote:
+            p.join(max(0.0, deadline - time.monotonic()))
+
+    def close(self) -> None:
+        """The job is over: every agent kills what is left on its node and exits."""
+        for n in range(self.nodes):
+            if n not in self._lost:
+                self._request(n, {"op": "exit"})
+
+    # -- reports ----------------------------------------------------------------------
+
+    def exitcode(self, pid_id: int) -> int | None:
+        now = time.monotonic()
+        if now - self._checked >= 0.01:
+            self._checked = now
+            self._refresh(now)
+        return self._exits.get(pid_id)
+
+    def _refresh(self, now: float) -> None:
+        n = self.store.add("exits_n", 0)
+        if n != self._exits_n:
+            self._exits_n = n
+            for line in self.store.get("exits").decode().split("\n"):
+                if line:
+                    i, code = line.split()
+                    self._exits.setdefault(int(i), int(code))
+        if now - self._beats_checked >= BEAT_CHECK_S:
+            self._beats_checked = now
+            for node in self._lost_nodes():
+                for p in self._live.values():
+                    if p.node == node:
+                        self._exits.setdefault(p.id, LOST)
+
+    def _lost_nodes(self) -> set[int]:
+        """Nodes whose agent's beat (a counter) did not move for ``AGENT_LOST_S`` of this
+        process's clock (no clock is compared across nodes)."""
+        keys = [agent_key(n, "beat") for n in range(self.nodes)]
+        if self.store.check(keys):
+            now = time.monotonic()
+            for n, b in enumerate(self.store.multi_get(keys)):
+                last = self._beats.get(n)
+                if last is None or last[0] != b:
+                    self._beats[n] = (b, now)
+                elif now - last[1] > AGENT_LOST_S:
+                    self._lost.add(n)
+        return self._lost
+
+
+def agent_store(host: str, port: int, *, is_master: bool, timeout_s: float) -> Any:
+    """The control process's store for its node agents (the control process serves it)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(host, port, is_master=is_master, wait_for_workers=False,
+                         timeout=timedelta(seconds=timeout_s), use_libuv=True)
