@@ -1,0 +1,160 @@
+"""Issue 24 item 4: ``nutp sbatch ... recovery.mode=live`` (Slurm), run under the CPU srun stand-in.
+
+The end-to-end test renders the live-mode script for the default tiny job on two "nodes" of
+four GPUs (GPU 7 failed: TP4+TP3 on 7 ranks) and runs it with ``bash`` and the stand-ins of
+``tests/launch/slurm_standin.py`` (which implement the srun options the script relies on and
+reject any other). The script starts two job steps: the control process and one node agent per
+node. Rank 1 (node 0) is SIGKILLed in its forward at step 1: a live re-layout to TP3+TP3 in the
+same processes, no new job step. Then GPU 1 is reported back (health report): node 0's agent
+starts its new process, the world grows back to TP4+TP3. Every step's loss and grad norm is
+compared with an uninterrupted single-process run of *stock* megatron-core (clipping on),
+computed here; replicas are bitwise equal after each move.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from nemo_nutp.launch.ports import free_port
+from nemo_nutp.launch.slurm import SbatchOptions, render_sbatch
+from nemo_nutp.procs import kill_session
+from nemo_nutp.recovery import standalone
+from tests.launch.slurm_standin import install, job_steps
+from tests.recovery.test_live import (
+    BASE,
+    JOB_TIMEOUT_S,
+    TOL,
+    _check_parity,
+    _digests,
+    _events,
+    _reference,
+)
+
+NODES = ("127.0.0.1", "localhost")  # Slurm node ids 0 and 1, both this machine
+LIVE = ("cluster.gpus_per_node=4", "checkpoint.interval=1000")  # no checkpoint: nothing to read
+
+
+def _script(over: tuple[str, ...], **opts) -> str:
+    from nemo_nutp.config import load_config, plan_request
+    from nemo_nutp.layout import build_plan
+
+    cfg = load_config(list(over))
+    return render_sbatch(build_plan(plan_request(cfg)), SbatchOptions(image="img", **opts),
+                         overrides=list(over), recovery=cfg.recovery)
+
+
+def test_live_script_keeps_peers_alive_and_runs_control_outside_the_ranks(tmp_path: Path
+                                                                          ) -> None:
+    text = _script((*BASE, *LIVE, "train.steps=4"))
+    path = tmp_path / "job.sbatch"
+    path.write_text(text)
+    assert subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0
+    assert "#SBATCH --nodes=2\n" in text and "#SBATCH --ntasks-per-node=1\n" in text
+    assert "#SBATCH --no-kill\n" in text
+    srun = [x for x in text.splitlines() if x.startswith("srun ")]
+    assert len(srun) == 2, srun  # the control process and the agents: nothing per attempt
+    assert "--overlap" in srun[0] and "--ntasks=1" in srun[0]
+    assert "--kill-on-bad-exit=0 --wait=0" in text and "nemo_nutp.recovery.agent" in text
+    assert "nemo_nutp.recovery.standalone" in text and "for attempt in" not in text
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "ft_launcher"])
+def test_live_under_torchrun_says_it_restarts(launcher: str, tmp_path: Path) -> None:
+    text = _script((*BASE, *LIVE), launcher=launcher)
+    assert "failures\n# take the restart path" in text and f"{launcher} --nnodes" in text
+
+
+def test_standalone_control_rejects_restart_mode(capsys: pytest.CaptureFixture[str]) -> None:
+    assert standalone.main(["--listen=30000", "recovery.enabled=true",
+                            "checkpoint.interval=2"]) == 2
+    err = capsys.readouterr()
+    assert "recovery.mode='restart'" in err.err + err.out
+    assert standalone.main(["--listen=80", *BASE]) == 2
+
+
+def test_srun_standin_refuses_flags_it_does_not_implement(tmp_path: Path) -> None:
+    install(tmp_path)
+    env = {**os.environ, "SLURM_JOB_NODELIST": ",".join(NODES)}
+    r = subprocess.run([str(tmp_path / "srun"), "--mpi=pmix", "true"], capture_output=True,
+                       text=True, env=env, timeout=60)
+    assert r.returncode != 0 and "unsupported option '--mpi=pmix'" in r.stderr
+    r = subprocess.run([str(tmp_path / "srun"), "--ntasks-per-node=2", "--kill-on-bad-exit=0",
+                        "sh", "-c", 'exit "$SLURM_PROCID"'], env=env, timeout=60)
+    assert r.returncode == 3  # 4 tasks (2 nodes x 2): a bad exit ends no peer; max code
+
+
+def _wait_event(out: Path, name: str, proc: subprocess.Popen, deadline: float) -> None:
+    events = out / "recovery" / "events.jsonl"
+    while f'"event": "{name}"' not in (events.read_text() if events.exists() else ""):
+        assert proc.poll() is None, f"the job ended before {name}"
+        assert time.monotonic() < deadline, f"no {name} within the job timeout"
+        time.sleep(0.05)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(JOB_TIMEOUT_S + 120)
+def test_sbatch_live_kill_then_gpu_back_under_srun_standin(tmp_path: Path) -> None:
+    steps = 12
+    out = tmp_path / "out"
+    over = (*BASE, *LIVE, f"train.steps={steps}", f"output.dir={out}")
+    bindir = tmp_path / "bin"
+    install(bindir)
+    script = tmp_path / "job.sbatch"
+    script.write_text(_script(over, master_port=free_port()))
+    steps_log = tmp_path / "steps.jsonl"
+    env = {**os.environ, "NUTP_LIVE_FAULT": "kill:1:1:forward:0", "NUTP_LIVE_DIGEST": "1",
+           "PATH": os.pathsep.join([str(bindir), str(Path(sys.executable).parent),
+                                    os.environ["PATH"]]),
+           "SLURM_JOB_ID": "1", "SLURM_JOB_NODELIST": ",".join(NODES),
+           "SLURM_JOB_NUM_NODES": "2", "SLURM_CPUS_ON_NODE": "1",
+           "NUTP_FAKE_SLURM_LOG": str(steps_log)}
+    log = tmp_path / "job.log"
+    with log.open("w") as f:
+        proc = subprocess.Popen(["bash", str(script)], stdout=f, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True, env=env, cwd=tmp_path)
+        try:
+            deadline = time.monotonic() + JOB_TIMEOUT_S
+            _wait_event(out, "live_relayout", proc, deadline)
+            health = out / "recovery" / "health.json"
+            assert json.loads(health.read_text())["failed_gpus"] == [1, 7]
+            tmp = health.with_suffix(".test-tmp")
+            tmp.write_text(json.dumps({"failed_gpus": [7]}))  # the operator: GPU 1 is back
+            os.replace(tmp, health)
+            rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        finally:
+            kill_session(proc.pid)
+            proc.wait()
+    text = log.read_text()
+    assert rc == 0, text[-6000:]
+    # Two job steps for the whole job: the control process and the node agents.
+    launched = job_steps(steps_log)
+    assert [s["tasks"] for s in launched] == [1, 2] or [s["tasks"] for s in launched] == [2, 1]
+    ref = _reference(over, steps, tmp_path)
+    rows = _check_parity(out, ref, TOL)  # every step, no gap
+    layouts = [r["replica_tp"] for r in rows]
+    assert layouts[:1] == [[[4], [3]]] and layouts[-1] == [[4], [3]], layouts
+    assert [[3], [3]] in layouts, layouts
+    ev = _events(out)
+    assert [e["event"] for e in ev].count("start") == 1, "the job restarted"
+    kill, grow = [e for e in ev if e["event"] == "live_relayout"]
+    assert kill["cause"] == "exit" and kill["gpus"] == [1] and kill["processes_started"] == 0
+    assert grow["cause"] == "gpu_back" and grow["returned_gpus"] == [1]
+    assert kill["lost_steps"] == grow["lost_steps"] == 0 and kill["recomputed_steps"] <= 1
+    (world,) = [e for e in ev if e["event"] == "live_world"]
+    assert set(kill["pids"]) < set(world["pids"]), "a survivor changed its process"
+    (joined,) = [e for e in ev if e["event"] == "agent_join"]
+    assert (joined["node"], joined["gpu"]) == (0, 1)  # started by its own node's agent
+    assert set(grow["pids"]) == set(kill["pids"]) | {joined["pid"]}
+    digests = _digests(ev)
+    assert sorted(digests) == [kill["gen"], grow["gen"]]
+    for gen, reps in digests.items():
+        assert len(set().union(*reps.values())) == 1, (gen, reps)  # replicas bitwise equal
+    print(f"srun live: kill relayout_s {kill['relayout_s']:.2f} (unblock "
+          f"{kill['unblock_s']:.3f}), gpu back relayout_s {grow['relayout_s']:.2f}")
