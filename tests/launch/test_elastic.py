@@ -212,55 +212,18 @@ def test_torchrun_kill_recovers_at_reduced_tp(tmp_path: Path, reference: list[fl
           f"lost steps {s['lost_steps']}")
 
 
-FAKE_SRUN = """#!{python}
-# One-node stand-in for srun: --ntasks-per-node copies of the command with Slurm's task variables.
-# --kill-on-bad-exit=1: a task failing gets every other task SIGKILLed at once (no exit records);
-# --wait=N: N seconds after the first task ends, the rest are SIGKILLed; otherwise srun waits.
-import os, signal, subprocess, sys, time
-args = sys.argv[1:]
-n, kill_bad, wait = 1, False, None
-while args and args[0].startswith("-"):
-    a = args.pop(0)
-    if a.startswith("--ntasks-per-node="):
-        n = int(a.split("=", 1)[1])
-    elif a == "--kill-on-bad-exit=1":
-        kill_bad = True
-    elif a.startswith("--wait="):
-        wait = float(a.split("=", 1)[1])
-env = lambda r: dict(os.environ, SLURM_PROCID=str(r), SLURM_LOCALID=str(r), SLURM_NODEID="0",
-                     SLURM_NTASKS=str(n))
-procs = [subprocess.Popen(args, env=env(r), start_new_session=True) for r in range(n)]
-first_end = None
-while any(p.poll() is None for p in procs):
-    ended = [p for p in procs if p.poll() is not None]
-    if ended and first_end is None:
-        first_end = time.time()
-    bad = kill_bad and any(p.returncode != 0 for p in ended)
-    if bad or (wait and first_end is not None and time.time() - first_end > wait):
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-        break
-    time.sleep(0.05)
-codes = [p.wait() for p in procs]
-sys.exit(0 if all(c == 0 for c in codes) else max(abs(c) for c in codes))
-"""
-
-
 @pytest.mark.dist
 @pytest.mark.timeout(900)
 def test_sbatch_srun_loop_recovers(tmp_path: Path, reference: list[float]) -> None:
     """The script `nutp sbatch ... recovery.enabled=true` renders, run with a one-node srun
-    stand-in: attempt 0 loses rank 1, the loop starts attempt 1, which re-plans TP3+TP3."""
+    stand-in (``tests/launch/slurm_standin.py``): attempt 0 loses rank 1, the loop starts
+    attempt 1, which re-plans TP3+TP3."""
     from nemo_nutp.launch.ports import free_port
+    from tests.launch.slurm_standin import install
 
     out = tmp_path / "srun"
     bindir = tmp_path / "bin"
-    bindir.mkdir()
-    (bindir / "srun").write_text(FAKE_SRUN.format(python=sys.executable))
-    (bindir / "scontrol").write_text("#!/bin/sh\necho 127.0.0.1\n")
-    for f in bindir.iterdir():
-        f.chmod(0o755)
+    install(bindir)  # srun and scontrol as Slurm documents them; other srun options fail
     script = tmp_path / "job.sbatch"
     r = subprocess.run([sys.executable, "-m", "nemo_nutp.launch.nutp_cli", "sbatch",
                         f"output.dir={out}", *COMMON, "checkpoint.interval=2",
@@ -270,7 +233,7 @@ def test_sbatch_srun_loop_recovers(tmp_path: Path, reference: list[float]) -> No
     assert r.returncode == 0, r.stdout + r.stderr
     path = os.pathsep.join([str(bindir), str(Path(sys.executable).parent), os.environ["PATH"]])
     env = {**os.environ, "PATH": path, "NUTP_FAULT": "kill:1:5", "SLURM_JOB_ID": "1",
-           "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_NUM_NODES": "1"}
+           "SLURM_JOB_NODELIST": "127.0.0.1", "SLURM_JOB_NUM_NODES": "1"}
     r = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=800,
                        check=False, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
