@@ -5,8 +5,9 @@ four GPUs (GPU 7 failed: TP4+TP3 on 7 ranks) and runs it with ``bash`` and the s
 ``tests/launch/slurm_standin.py`` (which implement the srun options the script relies on and
 reject any other). The script starts two job steps: the control process and one node agent per
 node. Rank 1 (node 0) is SIGKILLed in its forward at step 1: a live re-layout to TP3+TP3 in the
-same processes, no new job step. Then GPU 1 is reported back (health report): node 0's agent
-starts its new process, the world grows back to TP4+TP3. Every step's loss and grad norm is
+same processes, no new job step; a failure inside the grow back that follows takes the restart
+fallback inside the same two steps, and a second grow back succeeds (the returning GPU's
+process started by its node's agent). Every step's loss and grad norm is
 compared with an uninterrupted single-process run of *stock* megatron-core (clipping on),
 computed here; replicas are bitwise equal after each move.
 """
@@ -38,7 +39,7 @@ from tests.recovery.test_live import (
 )
 
 NODES = ("127.0.0.1", "localhost")  # Slurm node ids 0 and 1, both this machine
-LIVE = ("cluster.gpus_per_node=4", "checkpoint.interval=1000")  # no checkpoint: nothing to read
+LIVE = ("cluster.gpus_per_node=4", "checkpoint.interval=2")
 
 
 def _script(over: tuple[str, ...], **opts) -> str:
@@ -98,9 +99,32 @@ def _wait_event(out: Path, name: str, proc: subprocess.Popen, deadline: float) -
         time.sleep(0.05)
 
 
+def _report_back(out: Path, failed: list[int], now: list[int]) -> None:
+    """The operator rewrites the health report: GPUs of ``failed`` not in ``now`` are back."""
+    health = out / "recovery" / "health.json"
+    assert json.loads(health.read_text())["failed_gpus"] == failed
+    tmp = health.with_suffix(".test-tmp")
+    tmp.write_text(json.dumps({"failed_gpus": now}))
+    os.replace(tmp, health)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
 @pytest.mark.dist
 @pytest.mark.timeout(JOB_TIMEOUT_S + 120)
-def test_sbatch_live_kill_then_gpu_back_under_srun_standin(tmp_path: Path) -> None:
+def test_sbatch_live_under_srun_standin(tmp_path: Path) -> None:
+    """Attempt 0: rank 1 (node 0) killed in its forward at step 1 -> live TP3+TP3; GPU 1
+    reported back -> node 0's agent starts its process, but slot 4 (node 1) dies inside that
+    grow -> the restart fallback: the agents kill the new process and the world and start
+    attempt 1 (GPU 4 failed, GPU 1 back) from the newest checkpoint -- still the same two job
+    steps. Attempt 1: GPU 4 reported back -> node 1's agent starts its process, live grow
+    back to TP4+TP3."""
     steps = 12
     out = tmp_path / "out"
     over = (*BASE, *LIVE, f"train.steps={steps}", f"output.dir={out}")
@@ -109,7 +133,8 @@ def test_sbatch_live_kill_then_gpu_back_under_srun_standin(tmp_path: Path) -> No
     script = tmp_path / "job.sbatch"
     script.write_text(_script(over, master_port=free_port()))
     steps_log = tmp_path / "steps.jsonl"
-    env = {**os.environ, "NUTP_LIVE_FAULT": "kill:1:1:forward:0", "NUTP_LIVE_DIGEST": "1",
+    env = {**os.environ, "NUTP_LIVE_FAULT": "kill:1:1:forward:0,kill:4:0:relayout:1",
+           "NUTP_LIVE_DIGEST": "1",
            "PATH": os.pathsep.join([str(bindir), str(Path(sys.executable).parent),
                                     os.environ["PATH"]]),
            "SLURM_JOB_ID": "1", "SLURM_JOB_NODELIST": ",".join(NODES),
@@ -122,39 +147,47 @@ def test_sbatch_live_kill_then_gpu_back_under_srun_standin(tmp_path: Path) -> No
         try:
             deadline = time.monotonic() + JOB_TIMEOUT_S
             _wait_event(out, "live_relayout", proc, deadline)
-            health = out / "recovery" / "health.json"
-            assert json.loads(health.read_text())["failed_gpus"] == [1, 7]
-            tmp = health.with_suffix(".test-tmp")
-            tmp.write_text(json.dumps({"failed_gpus": [7]}))  # the operator: GPU 1 is back
-            os.replace(tmp, health)
+            _report_back(out, [1, 7], [7])
+            _wait_event(out, "failure", proc, deadline)  # the grow fell back
+            while [e["event"] for e in _events(out)].count("live_world") < 2:
+                assert proc.poll() is None and time.monotonic() < deadline, "no attempt 1"
+                time.sleep(0.05)
+            _report_back(out, [4, 7], [7])
             rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            ev = _events(out)
+            (first_join, second_join) = [e for e in ev if e["event"] == "agent_join"]
+            assert _gone(first_join["pid"]), "the fallback left the new process running"
         finally:
             kill_session(proc.pid)
             proc.wait()
     text = log.read_text()
     assert rc == 0, text[-6000:]
     # Two job steps for the whole job: the control process and the node agents.
-    launched = job_steps(steps_log)
-    assert [s["tasks"] for s in launched] == [1, 2] or [s["tasks"] for s in launched] == [2, 1]
+    assert sorted(s["tasks"] for s in job_steps(steps_log)) == [1, 2]
     ref = _reference(over, steps, tmp_path)
     rows = _check_parity(out, ref, TOL)  # every step, no gap
     layouts = [r["replica_tp"] for r in rows]
-    assert layouts[:1] == [[[4], [3]]] and layouts[-1] == [[4], [3]], layouts
+    assert layouts[0] == [[4], [3]] and layouts[-1] == [[4], [3]], layouts
     assert [[3], [3]] in layouts, layouts
-    ev = _events(out)
-    assert [e["event"] for e in ev].count("start") == 1, "the job restarted"
+    assert [e["event"] for e in ev].count("start") == 2  # attempt 0 and the fallback's
     kill, grow = [e for e in ev if e["event"] == "live_relayout"]
     assert kill["cause"] == "exit" and kill["gpus"] == [1] and kill["processes_started"] == 0
-    assert grow["cause"] == "gpu_back" and grow["returned_gpus"] == [1]
-    assert kill["lost_steps"] == grow["lost_steps"] == 0 and kill["recomputed_steps"] <= 1
-    (world,) = [e for e in ev if e["event"] == "live_world"]
-    assert set(kill["pids"]) < set(world["pids"]), "a survivor changed its process"
-    (joined,) = [e for e in ev if e["event"] == "agent_join"]
-    assert (joined["node"], joined["gpu"]) == (0, 1)  # started by its own node's agent
-    assert set(grow["pids"]) == set(kill["pids"]) | {joined["pid"]}
+    assert kill["lost_steps"] == 0 and kill["recomputed_steps"] <= 1
+    w0, w1 = [e for e in ev if e["event"] == "live_world"]
+    assert set(kill["pids"]) < set(w0["pids"]), "a survivor changed its process"
+    (fb,) = [e for e in ev if e["event"] == "live_fallback"]
+    assert "rank" in fb["reason"] and "exited" in fb["reason"], fb
+    (fail,) = [e for e in ev if e["event"] == "failure"]
+    assert fail["gpus"] == [4], fail
+    assert (first_join["node"], first_join["gpu"]) == (0, 1)  # each by its own node's agent
+    assert (second_join["node"], second_join["gpu"]) == (1, 4)
+    assert grow["cause"] == "gpu_back" and grow["returned_gpus"] == [4]
+    assert grow["attempt"] == 1 and grow["lost_steps"] == 0
+    assert set(grow["pids"]) == set(w1["pids"]) | {second_join["pid"]}
     digests = _digests(ev)
-    assert sorted(digests) == [kill["gen"], grow["gen"]]
-    for gen, reps in digests.items():
-        assert len(set().union(*reps.values())) == 1, (gen, reps)  # replicas bitwise equal
+    assert sorted(digests) == sorted({kill["gen"], grow["gen"]}), digests
+    summary = json.loads((out / "recovery" / "summary.json").read_text())
+    assert [x["mode"] for x in summary] == ["live", "restart", "live"], summary
     print(f"srun live: kill relayout_s {kill['relayout_s']:.2f} (unblock "
-          f"{kill['unblock_s']:.3f}), gpu back relayout_s {grow['relayout_s']:.2f}")
+          f"{kill['unblock_s']:.3f}), gpu back relayout_s {grow['relayout_s']:.2f}, restart "
+          f"resumed at step {fail['resume_step']}")
