@@ -1,0 +1,81 @@
+"""The cluster host of the live control loop (``recovery/hosts.py``) and its node agent
+(``recovery/agent.py``), without training: a real TCPStore on loopback, no rank processes.
+
+What the end-to-end test (``tests/launch/test_sbatch_live.py``) cannot reach cheaply: the exit
+log read once per counter change, a node whose agent stops beating (its processes count as
+dead), the agent's answers to ``kill``/``exit`` and its exit when the control store goes away.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from nemo_nutp.launch.ports import free_port
+from nemo_nutp.recovery import agent, hosts
+
+
+def _store(port: int, master: bool):
+    return hosts.agent_store("127.0.0.1", port, is_master=master, timeout_s=30)
+
+
+def test_exit_log_and_lost_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hosts, "AGENT_LOST_S", 0.3)
+    monkeypatch.setattr(hosts, "BEAT_CHECK_S", 0.0)
+    port = free_port()
+    store = _store(port, True)
+    h = hosts.AgentHost(store, nodes=2, gpus_per_node=4, address="127.0.0.1")
+    a, b, c = h._new(0), h._new(0), h._new(1)
+    peer = _store(port, False)  # what the agents write
+    for n in (0, 1):
+        peer.add(hosts.agent_key(n, "beat"), 1)
+    assert [p.exitcode for p in (a, b, c)] == [None, None, None]
+    peer.append("exits", f"{b.id} -9\n")
+    peer.add("exits_n", 1)
+    time.sleep(0.02)
+    assert [p.exitcode for p in (a, b, c)] == [None, -9, None]
+    # node 1's agent stops beating, node 0's goes on: only node 1's process is lost
+    deadline = time.monotonic() + 10
+    while c.exitcode is None:
+        peer.add(hosts.agent_key(0, "beat"), 1)
+        assert time.monotonic() < deadline, "a silent agent's node was never found lost"
+        time.sleep(0.05)
+    assert (a.exitcode, b.exitcode, c.exitcode) == (None, -9, hosts.LOST)
+    h.kill([a, c])  # the lost node gets no request
+    assert peer.check([hosts.agent_key(0, "cmd0")])
+    assert not peer.check([hosts.agent_key(1, "cmd0")])
+
+
+def test_agent_answers_and_leaves(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(agent, "BEAT_S", 0.05)
+    port = free_port()
+    store = _store(port, True)
+    h = hosts.AgentHost(store, nodes=1, gpus_per_node=4, address="127.0.0.1")
+    node = agent.Agent("127.0.0.1", port, 0, timeout_s=30)
+    codes: list[int] = []
+    t = threading.Thread(target=lambda: codes.append(node.run()), daemon=True)
+    t.start()
+    h._replies({0: h._request(0, {"op": "kill", "ids": [5]})})  # nothing to kill: answered
+    store.set("bad", "not a pickle")
+    with pytest.raises(RuntimeError, match="node agent 0: UnpicklingError"):
+        h._replies({0: h._request(0, {"op": "start", "key": "bad"})})
+    beat = int(store.add(hosts.agent_key(0, "beat"), 0))
+    h.close()
+    t.join(timeout=30)
+    assert codes == [0] and int(store.add(hosts.agent_key(0, "beat"), 0)) >= beat
+
+
+def test_agent_exits_when_the_control_store_is_gone(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(agent, "BEAT_S", 0.05)
+    port = free_port()
+    store = _store(port, True)
+    node = agent.Agent("127.0.0.1", port, 0, timeout_s=5)
+    codes: list[int] = []
+    t = threading.Thread(target=lambda: codes.append(node.run()), daemon=True)
+    t.start()
+    time.sleep(0.2)
+    del store  # the control process is gone
+    t.join(timeout=60)
+    assert codes == [agent.EXIT_LOST]
