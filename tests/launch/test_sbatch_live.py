@@ -72,6 +72,21 @@ def test_live_under_torchrun_says_it_restarts(launcher: str, tmp_path: Path) -> 
     assert "failures\n# take the restart path" in text and f"{launcher} --nnodes" in text
 
 
+def test_live_under_a_launcher_prints_the_restart_reason(tmp_path: Path) -> None:
+    """``nutp-train`` as torchrun starts it (RANK/WORLD_SIZE, restart count 0): worker 0 prints
+    why live falls back to restart before anything else (the rendezvous then fails here: no
+    MASTER_ADDR; one line, exit 2)."""
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "8", "LOCAL_RANK": "0",
+           "TORCHELASTIC_RESTART_COUNT": "0", "COLUMNS": "200"}
+    env.pop("MASTER_ADDR", None)
+    r = subprocess.run([sys.executable, "-m", "nemo_nutp.train", f"output.dir={tmp_path}",
+                        *BASE, "checkpoint.interval=2"], capture_output=True, text=True,
+                       env=env, timeout=300)
+    assert "torchrun and ft_launcher restart every worker when one exits, so failures take " \
+           "the restart path" in " ".join(r.stdout.split()), r.stdout + r.stderr
+    assert r.returncode == 2 and "MASTER_ADDR" in r.stderr
+
+
 def test_standalone_control_rejects_restart_mode(capsys: pytest.CaptureFixture[str]) -> None:
     assert standalone.main(["--listen=30000", "recovery.enabled=true",
                             "checkpoint.interval=2"]) == 2
