@@ -370,6 +370,10 @@ class RecoveryConfig:
     """Time a (re)started world may take to reach its first step."""
     probe_timeout_s: float = 60.0
     """Under a launcher: time a worker's device probe may take before its GPU counts as failed."""
+    live_redundancy: bool = False
+    """``train.distributed_optimizer``: keep a copy of every optimizer slice on the next member
+    of its sync group (ring), updated in the same step, so a live re-layout survives one rank's
+    loss (``sync/zero.py``); doubles the optimizer state per rank. Off: such a failure restarts."""
     fault: FaultConfig = field(default_factory=FaultConfig)
     """Fault injection."""
     rate_per_gpu_day: float = 419 / (54 * 16384)
@@ -446,6 +450,9 @@ class JobConfig:
     def __post_init__(self) -> None:
         _resolve_grad_reduce(self.train, self.sync)
         _check_layout(self)
+        if self.recovery.live_redundancy and not self.train.distributed_optimizer:
+            raise _bad("recovery.live_redundancy", True, "needs train.distributed_optimizer="
+                       "true (the non-distributed optimizer's state is replicated already)")
         if self.recovery.enabled and not self.checkpoint.saves:
             raise _bad("checkpoint.interval", self.checkpoint.interval,
                        "must be > 0 when recovery.enabled is true")

@@ -67,6 +67,9 @@ def check_inputs(cfg: Any, plan: Any = None) -> None:
     """The part of ``preflight`` a dry run does too: combinations no runtime can run, the data
     path, the checkpoint to resume from (``plan``: fault injection must name a planned rank)."""
     fault = cfg.recovery.fault
+    if plan is not None and cfg.recovery.live_redundancy and len(plan.replicas) < 2:
+        raise ValueError(f"recovery.live_redundancy=true: the plan has {len(plan.replicas)} "
+                         "replica; the copy of an optimizer slice needs another replica's rank")
     if plan is not None and fault.kind is not None and fault.rank >= plan.world_size:
         raise ValueError(f"recovery.fault.rank={fault.rank}: the plan has {plan.world_size} "
                          f"ranks (0..{plan.world_size - 1})")

@@ -100,9 +100,9 @@ def live_blocker(job: Any, failure: Any, *, survivors: int) -> str | None:
         return "bad input: a restart cannot help either"
     if not failure.ranks:
         return "no rank blamed for the failure"
-    if job.train.distributed_optimizer:
+    if job.train.distributed_optimizer and not job.recovery.live_redundancy:
         return ("train.distributed_optimizer=true: a dead rank's optimizer slices exist "
-                "nowhere else")
+                "nowhere else (recovery.live_redundancy=true keeps a copy)")
     if survivors == 0:
         return "no survivor"
     return None

@@ -19,7 +19,9 @@ from typing import Any
 
 from ..checkpoint.events import log_event
 
-PHASES = ("forward", "backward", "sync", "vote", "optimizer", "relayout")
+PHASES = ("forward", "backward", "sync", "vote", "optimizer", "gather", "relayout")
+"""``gather``: the distributed optimizer only, after the update of its slices, before their
+parameter all-gather."""
 
 
 @dataclass(frozen=True)
@@ -95,3 +97,10 @@ class Injector:
 
         model.finish_grad_sync = finish_grad_sync
         opt.step_with_ready_grads = step_with_ready_grads
+        publish = getattr(opt, "publish_params", None)
+        if publish is not None:
+            def publish_params(*a: Any, **k: Any) -> Any:
+                at("gather")  # slices updated, parameters not yet gathered
+                return publish(*a, **k)
+
+            opt.publish_params = publish_params

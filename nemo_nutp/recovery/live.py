@@ -214,12 +214,22 @@ def is_stop(error: BaseException) -> bool:
 
 
 def move(old: Any | None, new: Any, *, old_plan: Any, rank_map: dict[int, int],
-         joiners: frozenset[int] = frozenset()) -> dict[str, Any]:
+         joiners: frozenset[int] = frozenset(), dead: frozenset[int] = frozenset()
+         ) -> dict[str, Any]:
     """Move the old session's state into the new one (collective over the new world;
-    ``old=None``: this rank joins with nothing). Returns this rank's figures: bytes received,
-    its lower bound, peak memory ratio, seconds."""
-    from ..relayout.move import move_state
+    ``old=None``: this rank joins with nothing; ``dead``: the old world's dead ranks). Returns
+    this rank's figures: bytes received, its lower bound, peak memory ratio, seconds."""
+    from ..relayout.move import MoveImpossible, move_state
     from ..relayout.plan import plan_move
+
+    if getattr(new.optimizer, "nutp_zero", False):  # by slices (recovery.live_redundancy)
+        from ..relayout.zero_move import move_zero
+
+        if old is None:
+            raise MoveImpossible("a joiner under the distributed optimizer (grow back takes "
+                                 "the restart path)")
+        return move_zero(old.optimizer, new.optimizer, dead=dead, stage=old.groups.ctx.stage,
+                         new_stage=new.groups.ctx.stage)
 
     prec = getattr(new, "precision", "fp32")
     per_elem = 12 if prec == "fp32" else 14

@@ -47,6 +47,8 @@ def _apply(old: Any, link: LiveRank, step: int) -> None:
     """Complete the committed step from the gradients this rank holds (voted, result lost)."""
     from ..train.step import optimizer_step
 
+    if getattr(old.optimizer, "nutp_zero", False):  # its slices only: no all-gather in the
+        old.optimizer.local_only = True  # stopped world (the move rebuilds the parameters)
     ok, norm = optimizer_step(old.model, old.optimizer, old.opts, old.checks, step=step)
     link.committed = Committed(step, link.loss, norm if ok else None,
                                step_s=time.perf_counter() - link.began)
@@ -143,7 +145,7 @@ def relayout(cfg: Any, run: Any, link: LiveRank, error: BaseException | None, *,
     session = build(job, plan, device)
     rank_map = _rank_map(old.plan, plan, d)
     stats = move(old, session, old_plan=old.plan, rank_map=rank_map,
-                 joiners=frozenset(d.get("joiners", ())))
+                 joiners=frozenset(d.get("joiners", ())), dead=frozenset(d["dead_ranks"]))
     del old
     run.session = None
     ledger, rng = _share(d, rank_map, run.ledger, rng)

@@ -22,8 +22,8 @@ round; bytes on the wire are raw tensor bytes (bf16 stays 2 bytes), so received 
 plan's lower bound exactly.
 
 Not supported (``MoveImpossible``, the caller falls back to restart): a plan with
-``possible=False``; NUTP's distributed optimizer (a dead rank's optimizer slices exist nowhere
-else until redundancy is added).
+``possible=False``. NUTP's distributed optimizer moves by its slices instead
+(``zero_move.py``, with ``recovery.live_redundancy``).
 """
 
 from __future__ import annotations
@@ -109,8 +109,8 @@ def _state_fields(optimizer: Any) -> dict[int, tuple[torch.Tensor | None, dict[s
     """id(model param) -> (fp32 master or None, its optimizer state dict), states created
     (zeros) where the optimizer has not stepped yet, as megatron's loader does."""
     if getattr(optimizer, "nutp_zero", False):
-        raise MoveImpossible("the distributed optimizer's state slices of a dead rank exist "
-                             "nowhere else (no redundancy yet): restart from a checkpoint")
+        raise MoveImpossible("the distributed optimizer's state moves by its slices "
+                             "(relayout/zero_move.py), not by units")
     out: dict[int, tuple[torch.Tensor | None, dict[str, Any]]] = {}
     for inner in _inner(optimizer):
         try:

@@ -31,6 +31,19 @@ all-reduced as without this optimizer and the slices are taken from ``main_grad`
 fp32 models keep no masters between steps: they equal the parameters bit for bit and are taken
 from them (holders -> owners) at each step, as megatron's optimizers view fp32 params.
 
+Redundancy (``recovery.live_redundancy``, for live re-layouts): member ``j`` of every bucket's
+group also keeps a copy of member ``j - 1``'s slice (ring order), masters and optimizer state,
+so one rank's loss loses no state. The copy is updated *redundantly*, in the same inner
+optimizer step and param group as the primary: before the live vote (``before_vote``) each
+member sends its reduced gradient chunk to the next one (one ring exchange per step, 4 bytes
+per slice element, a third of what sending the updated master and both Adam moments would
+cost), and after the vote both the slice and the copy are updated from data the rank holds,
+element-wise on the same inputs, so the copy equals the primary bit for bit
+(``check_backups``). Sending the updated state instead would leave a dead rank's update of a
+committed step nowhere if it died after the vote. Cost: the state per rank doubles (fp32
+models also keep their masters). ``relayout/zero_move.py`` rebuilds a new layout's slices
+from the survivors' primaries and the dead rank's copies.
+
 Checkpoints: ``sharded_state_dict`` gathers the state back to the shape of the local parameters
 and emits exactly what megatron's non-distributed ``FP32Optimizer`` (fp32) or
 ``Float16OptimizerWithFloat16Params`` (bf16) emits (same keys, param-group order and common
@@ -46,7 +59,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,12 +69,15 @@ from megatron.core.optimizer import OptimizerConfig, get_standard_config_overrid
 from megatron.core.optimizer import _get_param_groups as megatron_param_groups
 
 from . import p2p
-from .engine import GradSyncEngine, _Bucket, _Param
+from .engine import GradSyncEngine, _Bucket
+from .mover import BucketMover
 
 
 @dataclass(frozen=True)
 class _Slice:
-    """This rank's slice ``[start, stop)`` of a bucket; ``chunk`` = padded slice length."""
+    """This rank's slice ``[start, stop)`` of a bucket; ``chunk`` = padded slice length;
+    ``members``: the group's global ranks in group-rank order (member ``j`` keeps slice ``j``;
+    with redundancy member ``j + 1`` keeps the copy of it, ring order)."""
 
     group: dist.ProcessGroup
     size: int
@@ -69,6 +85,17 @@ class _Slice:
     start: int
     stop: int
     chunk: int
+    members: tuple[int, ...] = ()
+
+    @property
+    def succ(self) -> int:
+        """The member keeping the copy of this rank's slice."""
+        return self.members[(self.index + 1) % self.size]
+
+    @property
+    def pred(self) -> int:
+        """The member whose slice this rank keeps a copy of."""
+        return self.members[(self.index - 1) % self.size]
 
 
 @dataclass(frozen=True)
@@ -81,6 +108,7 @@ class _Segment:
     z: int
     group: int
     offset: int
+    piece: int = 0  # index of the piece in the bucket's ``spec.pieces``
 
 
 def bucket_slice(numel: int, size: int, index: int) -> tuple[int, int, int]:
@@ -88,131 +116,6 @@ def bucket_slice(numel: int, size: int, index: int) -> tuple[int, int, int]:
     is padded to ``chunk`` elements for the all-gather."""
     chunk = max(1, math.ceil(numel / size))
     return min(numel, index * chunk), min(numel, (index + 1) * chunk), chunk
-
-
-class BucketMover:
-    """Moves per-parameter tensors (shaped like the local parameters) to the sync layout's
-    buckets and back, over the engine's reshard messages; the data path of the gradient sync
-    reused for parameters and optimizer state."""
-
-    def __init__(self, engine: GradSyncEngine) -> None:
-        self.engine = engine
-        self.where = {id(b): i for i, b in enumerate(engine.buckets)}
-
-    def to_buckets(self, tensors: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
-        """Full bucket buffers of ``tensors`` (one per entry of ``engine.order``): holders send
-        the units they do not own to their owner. Replicas hold the same values, so no reduction."""
-        eng = self.engine
-        bufs = [torch.zeros(b.spec.numel, dtype=dtype, device=_device(tensors))
-                for b in eng.buckets]
-        ins = [torch.empty(m.spec.numel, dtype=dtype, device=_device(tensors))
-               for m in eng.in_msgs]
-        outs = []
-        for m in eng.out_msgs:
-            buf = torch.empty(m.spec.numel, dtype=dtype, device=_device(tensors))
-            for param, lo, hi, off, n in m.spec.pieces:
-                eng._read(eng.order[param], lo, hi, buf[off:off + n], tensors[param])
-            outs.append(buf)
-        works = p2p.backend().exchange(eng.pair_ops(outs, ins, back=False))
-        for i, e in enumerate(eng.order):
-            for b, pc in e.pieces:
-                seg = bufs[self.where[id(b)]][pc.offset:pc.offset + pc.numel]
-                self._local(e, pc, seg, tensors[i], write=False)
-        for work in works:
-            work.wait()
-        for m, buf in zip(eng.in_msgs, ins, strict=True):
-            for b, off, moff, n in m.targets:
-                bufs[self.where[id(b)]][off:off + n].copy_(buf[moff:moff + n])
-        return bufs
-
-    def from_buckets(self, bufs: list[torch.Tensor | None], tensors: list[torch.Tensor]) -> None:
-        """Write full bucket buffers into ``tensors``: owners write their own units and return
-        the others to their holders; replicated values reach the leader's TP group."""
-        eng = self.engine
-        dtype, device = tensors[0].dtype, tensors[0].device
-        outs = [torch.empty(m.spec.numel, dtype=dtype, device=device) for m in eng.out_msgs]
-        ins = []
-        for m in eng.in_msgs:
-            buf = torch.empty(m.spec.numel, dtype=dtype, device=device)
-            for b, off, moff, n in m.targets:
-                buf[moff:moff + n].copy_(bufs[self.where[id(b)]][off:off + n])  # type: ignore
-            ins.append(buf)
-        works = p2p.backend().exchange(eng.back_ops(outs, ins))
-        for i, e in enumerate(eng.order):
-            for b, pc in e.pieces:
-                src = bufs[self.where[id(b)]]
-                assert src is not None
-                self._local(e, pc, src[pc.offset:pc.offset + pc.numel], tensors[i], write=True)
-        for work in works:
-            work.wait()
-        for m, buf in zip(eng.out_msgs, outs, strict=True):
-            for param, lo, hi, off, n in m.spec.pieces:
-                eng._write(eng.order[param], lo, hi, buf[off:off + n], tensors[param])
-        self._share_replicated(tensors)
-
-    def from_gathered(self, gathered: Iterable[tuple[int, torch.Tensor]],
-                      tensors: list[torch.Tensor]) -> None:
-        """``from_buckets`` over buckets that arrive one by one (``(bucket index, buffer)`` in
-        bucket order) and are dropped once written: owners write their own units at once and
-        copy the returned ones into the (smaller) message buffers; then the same one exchange
-        of the return path as ``from_buckets``."""
-        eng = self.engine
-        dtype, device = tensors[0].dtype, tensors[0].device
-        ins = [torch.empty(m.spec.numel, dtype=dtype, device=device) for m in eng.in_msgs]
-        slot = {id(m): j for j, m in enumerate(eng.in_msgs)}
-        for i, buf in gathered:
-            b = eng.buckets[i]
-            for pc in b.spec.pieces:
-                self._local(eng.order[pc.param], pc, buf[pc.offset:pc.offset + pc.numel],
-                            tensors[pc.param], write=True)
-            for m in b.in_msgs:
-                for tb, off, moff, n in m.targets:
-                    if tb is b:
-                        ins[slot[id(m)]][moff:moff + n].copy_(buf[off:off + n])
-        outs = [torch.empty(m.spec.numel, dtype=dtype, device=device) for m in eng.out_msgs]
-        for work in p2p.backend().exchange(eng.back_ops(outs, ins)):
-            work.wait()
-        for m, buf in zip(eng.out_msgs, outs, strict=True):
-            for param, lo, hi, off, n in m.spec.pieces:
-                eng._write(eng.order[param], lo, hi, buf[off:off + n], tensors[param])
-        self._share_replicated(tensors)
-
-    def _local(self, e: _Param, pc: Any, seg: torch.Tensor, t: torch.Tensor, *,
-               write: bool) -> None:
-        if e.kind is None:
-            if write:
-                t.view(-1).copy_(seg)
-            else:
-                seg.copy_(t.view(-1))
-            return
-        assert e.units is not None
-        lo, hi = max(pc.lo, e.units[0]), min(pc.hi, e.units[1])
-        if hi <= lo:
-            return
-        part = seg[(lo - pc.lo) * e.numel_unit:(hi - pc.lo) * e.numel_unit]
-        if write:
-            self.engine._write(e, lo, hi, part, t)
-        else:
-            self.engine._read(e, lo, hi, part, t)
-
-    def _share_replicated(self, tensors: list[torch.Tensor]) -> None:
-        """Without sequence parallelism only the TP-rank-0 leader holds replicated values in
-        its buckets: broadcast them in the TP group (the engine's rule for gradients)."""
-        eng = self.engine
-        idx = [i for i, e in enumerate(eng.order) if e.kind is None]
-        if eng.stage_mode or eng.ctx.degree == 1 or not idx:
-            return
-        flat = torch.cat([tensors[i].reshape(-1) for i in idx])
-        dist.broadcast(flat, src=eng.ranks[0], group=eng.groups.tp)
-        off = 0
-        for i in idx:
-            n = tensors[i].numel()
-            tensors[i].view(-1).copy_(flat[off:off + n])
-            off += n
-
-
-def _device(tensors: list[torch.Tensor]) -> torch.device | None:
-    return tensors[0].device if tensors else None
 
 
 STATE_KEYS = {"adam": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
@@ -224,7 +127,8 @@ class ZeroOptimizer:
 
     nutp_zero = True
 
-    def __init__(self, model: Any, config: OptimizerConfig) -> None:
+    def __init__(self, model: Any, config: OptimizerConfig, *, redundancy: bool = False
+                 ) -> None:
         engine: GradSyncEngine | None = getattr(model, "nutp_engine", None)
         if engine is None:
             raise ValueError("train.distributed_optimizer=true needs the NUTP DDP "
@@ -247,8 +151,23 @@ class ZeroOptimizer:
         self.in_order = [p for g in groups for p in g["params"]]
         self.group_of = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
         self.slices = [self._slice(b) for b in engine.buckets]
-        self.segments, sizes = self._segments(self.group_of, len(groups))
+        self.segments, sizes = self._segments(self.group_of, len(groups),
+                                              [(sl.start, sl.stop) for sl in self.slices])
         self.sizes = sizes
+        # recovery.live_redundancy: a copy of the predecessor's slice of every bucket (ring
+        # order in the bucket's group), updated redundantly from its reduced gradient chunk
+        self.redundancy = redundancy
+        if redundancy and any(sl.size < 2 for sl in self.slices):
+            raise ValueError("recovery.live_redundancy=true: a sync group has one member (one "
+                             "replica): no other rank can keep the copy of its slices")
+        self.backup_bounds = [bucket_slice(b.spec.numel, sl.size, (sl.index - 1) % sl.size)[:2]
+                              for b, sl in zip(engine.buckets, self.slices, strict=True)
+                              ] if redundancy else []
+        self.backup_segments, self.backup_sizes = (
+            self._segments(self.group_of, len(groups), self.backup_bounds) if redundancy
+            else ([], []))
+        self.local_only = False  # live re-layout: update the slices, gather nothing
+        self._ready: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
         # Pipeline stages with tied embeddings: the finalizer (pipeline/finalize.py) adds the
         # other stage's embedding gradient into main_grad after the sync, so the gradients are
         # taken from main_grad (holders -> owners, as the parameters) instead of the buckets.
@@ -261,15 +180,23 @@ class ZeroOptimizer:
         # fp32 models: the masters equal the parameters bit for bit, so they are taken from
         # them at each step and freed after it (what megatron's optimizers get by viewing fp32
         # params); half-precision models keep them (their params are rounded).
-        self.keep_masters = self.param_dtype != torch.float32
+        # With redundancy fp32 models keep them too: after the live vote the update must
+        # need no collective (the parameters are taken to the owners before it).
+        self.keep_masters = self.param_dtype != torch.float32 or redundancy
         self.masters = [torch.nn.Parameter(torch.empty(n, dtype=torch.float32,
                                                        device=self._dev()))
                         for n in sizes]
+        self.backups = [torch.nn.Parameter(torch.empty(n, dtype=torch.float32,
+                                                       device=self._dev()))
+                        for n in self.backup_sizes]
         self._load_masters()
         if not self.keep_masters:
             self._free_masters()
-        torch_groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [m]}
-                        for g, m in zip(groups, self.masters, strict=True)]
+        # The copies sit in their primary's param group: the same hyper-parameters (and
+        # scheduler lr) and the same element-wise update, bit for bit.
+        torch_groups = [{**{k: v for k, v in g.items() if k != "params"},
+                         "params": [m, *self.backups[gi:gi + 1]]}
+                        for gi, (g, m) in enumerate(zip(groups, self.masters, strict=True))]
         dev = self._dev()
         self.optimizer = _inner_optimizer(config, torch_groups,
                                           cuda=dev is not None and dev.type == "cuda")
@@ -283,21 +210,22 @@ class ZeroOptimizer:
         size = dist.get_world_size(b.group)
         index = dist.get_group_rank(b.group, dist.get_rank())
         start, stop, chunk = bucket_slice(b.spec.numel, size, index)
-        return _Slice(b.group, size, index, start, stop, chunk)
+        members = tuple(dist.get_global_rank(b.group, j) for j in range(size))
+        return _Slice(b.group, size, index, start, stop, chunk, members)
 
-    def _segments(self, group_of: dict[int, int], n_groups: int
-                  ) -> tuple[list[_Segment], list[int]]:
-        """This rank's slice elements, per bucket and piece, placed in its param group's flat
-        master (in bucket order)."""
+    def _segments(self, group_of: dict[int, int], n_groups: int,
+                  bounds: Sequence[tuple[int, int]]) -> tuple[list[_Segment], list[int]]:
+        """The elements ``bounds[i]`` of every bucket ``i`` (this rank's slice, or the one it
+        keeps a copy of), per piece, placed in a flat tensor per param group (bucket order)."""
         sizes = [0] * n_groups
         out = []
-        for i, (b, sl) in enumerate(zip(self.engine.buckets, self.slices, strict=True)):
-            for pc in b.spec.pieces:
-                a, z = max(sl.start, pc.offset), min(sl.stop, pc.offset + pc.numel)
+        for i, (b, (start, stop)) in enumerate(zip(self.engine.buckets, bounds, strict=True)):
+            for k, pc in enumerate(b.spec.pieces):
+                a, z = max(start, pc.offset), min(stop, pc.offset + pc.numel)
                 if z <= a:
                     continue
                 g = group_of[id(self.engine.order[pc.param].param)]
-                out.append(_Segment(i, a, z, g, sizes[g]))
+                out.append(_Segment(i, a, z, g, sizes[g], k))
                 sizes[g] += z - a
         return out, sizes
 
@@ -312,19 +240,23 @@ class ZeroOptimizer:
         return torch.tensor([1.0])
 
     def get_parameters(self) -> list[torch.nn.Parameter]:
-        return list(self.masters)
+        return [*self.masters, *self.backups]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for m in self.masters:
+        for m in (*self.masters, *self.backups):
             m.grad = None
 
     @torch.no_grad()
-    def prepare_grads(self) -> bool:
-        """Take this rank's slices of the reduced buckets as the masters' fp32 gradients
-        (fp32 models: and the masters from the parameters; collective)."""
+    def before_vote(self) -> None:
+        """Every collective the update needs, done before the live vote (``session.step``),
+        so that after it a rank completes the step from data it holds (``recovery/commit.py``):
+        this rank's slices of the reduced buckets as the masters' fp32 gradients (fp32 models
+        without redundancy: and the masters from the parameters) and, with redundancy, the
+        predecessor's reduced chunk of every bucket (one ring exchange). Idempotent per step."""
+        if self._ready is not None:
+            return
         if not self.keep_masters:
             self._load_masters()
-        grads = [torch.empty_like(m) for m in self.masters]
         eng = self.engine
         # (buffer, offset of its first element in the bucket) per bucket
         bufs: list[tuple[torch.Tensor | None, int]] = [(b.buf, 0) for b in eng.buckets]
@@ -334,28 +266,132 @@ class ZeroOptimizer:
             full = self.mover.to_buckets([p.main_grad for p in self.params],  # type: ignore
                                          self.params[0].main_grad.dtype)  # type: ignore
             bufs = [(t, 0) for t in full]
-        for s in self.segments:
-            buf, at = bufs[s.bucket]
-            if buf is None:
-                raise RuntimeError("distributed optimizer: the gradient sync kept no reduced "
-                                   "buckets (finish_grad_sync must run before the step)")
-            grads[s.group][s.offset:s.offset + s.z - s.a].copy_(buf[s.a - at:s.z - at])
+        if any(buf is None for buf, _ in bufs):
+            raise RuntimeError("distributed optimizer: the gradient sync kept no reduced "
+                               "buckets (finish_grad_sync must run before the step)")
+        grads = _flats_of(bufs, self.segments, self.sizes, self._dev())
+        backs: list[torch.Tensor] = []
+        if self.redundancy:
+            copies = bufs
+            if self.scatter:  # the full buckets exist nowhere: the predecessor's chunk
+                got = self._ring([b.out for b in eng.buckets])  # type: ignore[misc]
+                copies = [(t, lo) for t, (lo, _) in zip(got, self.backup_bounds, strict=True)]
+            backs = _flats_of(copies, self.backup_segments, self.backup_sizes, self._dev())
         self.engine.release_buckets()
-        for m, g in zip(self.masters, grads, strict=True):
+        self._ready = (grads, backs)
+
+    @torch.no_grad()
+    def prepare_grads(self) -> bool:
+        """The masters' (and copies') fp32 gradients (``before_vote``, collective, unless it
+        ran already this step)."""
+        self.before_vote()
+        assert self._ready is not None
+        grads, backs = self._ready
+        self._ready = None
+        for m, g in zip((*self.masters, *self.backups), (*grads, *backs), strict=True):
             m.grad = g
         return False
 
     @torch.no_grad()
     def step_with_ready_grads(self) -> bool:
-        """Update the slices, all-gather them per bucket, reshard parameters to holders."""
+        """Update the slices (and copies), all-gather them per bucket, reshard parameters to
+        holders (``local_only``: the update only, a live re-layout completing its step)."""
         self.optimizer.step()
-        # Bucket by bucket within the engine's staging window: never a full param-dtype copy
-        # of all buckets at once.
+        if self.local_only:
+            return True
+        self.publish_params()
+        return True
+
+    @torch.no_grad()
+    def publish_params(self) -> None:
+        """The parameters from the masters: all-gather per bucket (in the parameter dtype),
+        reshard to holders; collective. Bucket by bucket within the engine's staging window:
+        never a full param-dtype copy of all buckets at once."""
         self.mover.from_gathered(self._gathered(self.masters, self.param_dtype),
                                  [p.data for p in self.params])
         if not self.keep_masters:
             self._free_masters()
-        return True
+
+    # ---------------------------------------------------------------- redundancy
+    def _ring(self, outs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Per bucket, send ``outs[i]`` (this rank's chunk) to the group's next member and
+        receive the previous member's: one exchange over the world (``p2p``). Each pair's
+        messages in one order both sides derive: by bucket (canonical order, shared by all
+        members), then sender; a two-member group sends both ways in one bucket."""
+        got = [torch.empty_like(t) for t in outs]
+        me = dist.get_rank()
+        seq = []
+        for i, (sl, t) in enumerate(zip(self.slices, outs, strict=True)):
+            seq.append((sl.succ, i, me, "send", t))
+            seq.append((sl.pred, i, sl.pred, "recv", got[i]))
+        seq.sort(key=lambda x: (x[0], x[1], x[2]))
+        ops = [p2p.Op(kind, t, peer) for peer, _, _, kind, t in seq]  # type: ignore[arg-type]
+        for work in p2p.backend().exchange(ops):
+            work.wait()
+        return got
+
+    def _fields(self, flats: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+        """Per param group, the state fields of ``flats`` (masters or copies): the master,
+        then the inner optimizer's per-element state (created as zeros if missing)."""
+        keys = self._state_keys()
+        if keys and not self._has_state(keys[0]):
+            keys = ()  # not stepped yet: the master only
+        out = []
+        for m in flats:
+            st = self.optimizer.state[m]
+            for k in keys:
+                if k not in st:
+                    st[k] = torch.zeros_like(m.data)
+            out.append([m.data, *(st[k] for k in keys)])
+        return out
+
+    def _pack(self, fields: list[list[torch.Tensor]], segments: list[_Segment],
+              bounds: Sequence[tuple[int, int]]) -> list[torch.Tensor]:
+        """Per bucket, the values of ``segments`` (of every field) as one (F x chunk) tensor."""
+        n_f = len(fields[0]) if fields else 0
+        chunks = [torch.zeros(n_f, sl.chunk, dtype=torch.float32, device=self._dev())
+                  for sl in self.slices]
+        for s in segments:
+            lo = bounds[s.bucket][0]
+            for f in range(n_f):
+                chunks[s.bucket][f, s.a - lo:s.z - lo].copy_(
+                    fields[s.group][f][s.offset:s.offset + s.z - s.a])
+        return chunks
+
+    @torch.no_grad()
+    def refresh_backups(self) -> int:
+        """Every copy from its primary (master and optimizer state): one ring exchange over
+        the sync groups; after a checkpoint load or a live move. Collective; returns the
+        bytes received."""
+        if not self.redundancy:
+            return 0
+        step = self._step()
+        got = self._ring(self._pack(self._fields(self.masters), self.segments,
+                                    [(sl.start, sl.stop) for sl in self.slices]))
+        mine = self._fields(self.backups)
+        for s in self.backup_segments:
+            lo = self.backup_bounds[s.bucket][0]
+            for f, t in enumerate(mine[s.group]):
+                t[s.offset:s.offset + s.z - s.a].copy_(got[s.bucket][f, s.a - lo:s.z - lo])
+        if step:
+            for b in self.backups:
+                self.optimizer.state[b]["step"] = torch.tensor(float(step))
+        return sum(t.numel() * t.element_size() for t in got)
+
+    @torch.no_grad()
+    def check_backups(self) -> float:
+        """Largest difference between a copy and its primary (0.0: bit for bit, as
+        redundant updates from the same reduced gradient give); collective (tests)."""
+        if not self.redundancy:
+            return 0.0
+        got = self._ring(self._pack(self._fields(self.masters), self.segments,
+                                    [(sl.start, sl.stop) for sl in self.slices]))
+        mine = self._pack(self._fields(self.backups), self.backup_segments, self.backup_bounds)
+        worst = 0.0
+        for a, b in zip(got, mine, strict=True):
+            if a.numel():
+                worst = max(worst, float((a - b).abs().max()))
+        return worst
 
     def _free_masters(self) -> None:
         for m in self.masters:
@@ -417,13 +453,14 @@ class ZeroOptimizer:
             work.wait()
             yield j, out[:self.engine.buckets[j].spec.numel]
 
-    def _take(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """This rank's flat slices (per param group) of per-parameter tensors (engine order)."""
-        bufs = self.mover.to_buckets(tensors, torch.float32)
-        flats = [torch.empty(n, dtype=torch.float32, device=self._dev()) for n in self.sizes]
-        for s in self.segments:
-            flats[s.group][s.offset:s.offset + s.z - s.a].copy_(bufs[s.bucket][s.a:s.z])
-        return flats
+    def _take(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor],
+                                                          list[torch.Tensor]]:
+        """This rank's flat slices (per param group) of per-parameter tensors (engine order),
+        and those of the copies it keeps (redundancy; the full buckets hold them too)."""
+        bufs: list[tuple[torch.Tensor | None, int]] = [
+            (t, 0) for t in self.mover.to_buckets(tensors, torch.float32)]
+        return (_flats_of(bufs, self.segments, self.sizes, self._dev()),
+                _flats_of(bufs, self.backup_segments, self.backup_sizes, self._dev()))
 
     @torch.no_grad()
     def reload_model_params(self, state_dict: Any = None) -> None:
@@ -434,13 +471,14 @@ class ZeroOptimizer:
             self._load_masters()
 
     def _load_masters(self) -> None:
-        for m, flat in zip(self.masters, self._take([p.data for p in self.params]), strict=True):
+        flats, backs = self._take([p.data for p in self.params])
+        for m, flat in zip((*self.masters, *self.backups), (*flats, *backs), strict=True):
             m.data = flat
 
     def state_bytes(self) -> int:
-        """Bytes of optimizer state this rank keeps between steps: fp32 masters (bf16) and
-        the inner optimizer's state."""
-        n = sum(m.numel() * m.element_size() for m in self.masters)
+        """Bytes of optimizer state this rank keeps between steps: fp32 masters (bf16, or
+        with redundancy), the inner optimizer's state, and the copies (redundancy)."""
+        n = sum(m.numel() * m.element_size() for m in (*self.masters, *self.backups))
         for st in self.optimizer.state.values():
             n += sum(t.numel() * t.element_size() for k, t in st.items()
                      if torch.is_tensor(t) and k != "step")
@@ -525,18 +563,31 @@ class ZeroOptimizer:
         index = {id(p): i for i, p in enumerate(self.in_order)}
         for key in self._state_keys():
             per = [opt["state"][index[id(p)]][key].reshape(p.shape) for p in self.params]
-            for m, flat in zip(self.masters, self._take(per), strict=True):
+            flats, backs = self._take(per)
+            for m, flat in zip((*self.masters, *self.backups), (*flats, *backs), strict=True):
                 st = self.optimizer.state[m]
                 st[key] = flat
                 st["step"] = torch.tensor(float(step if step is not None else 0))
         if self.config.bf16:
             saved = {id(p): t for gi, ts in enumerate(state_dict["fp32_from_fp16_params"])
                      for p, t in zip(self._group_params(gi), ts, strict=True)}
-            flats = self._take([saved[id(p)].reshape(p.shape) for p in self.params])
-            for m, flat in zip(self.masters, flats, strict=True):
+            flats, backs = self._take([saved[id(p)].reshape(p.shape) for p in self.params])
+            for m, flat in zip((*self.masters, *self.backups), (*flats, *backs), strict=True):
                 m.data.copy_(flat)
         else:
             self.reload_model_params()
+
+
+def _flats_of(bufs: Sequence[tuple[torch.Tensor | None, int]], segments: list[_Segment],
+              sizes: list[int], device: torch.device | None) -> list[torch.Tensor]:
+    """Flat per-group tensors of ``segments`` read from per-bucket buffers ``(buffer, bucket
+    offset of its first element)``."""
+    flats = [torch.empty(n, dtype=torch.float32, device=device) for n in sizes]
+    for s in segments:
+        buf, at = bufs[s.bucket]
+        assert buf is not None
+        flats[s.group][s.offset:s.offset + s.z - s.a].copy_(buf[s.a - at:s.z - at])
+    return flats
 
 
 def _inner_optimizer(config: OptimizerConfig, groups: list[dict[str, Any]], *,

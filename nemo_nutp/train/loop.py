@@ -135,7 +135,8 @@ def _build(cfg: JobConfig, plan: Plan, device: torch.device | None) -> Any:
                          weight_decay=t.weight_decay, opts=step_options(t),
                          precision=precision_of(t), device=device, data_path=t.data_path,
                          bucket_size=cfg.sync.bucket_size,
-                         distributed_optimizer=t.distributed_optimizer)
+                         distributed_optimizer=t.distributed_optimizer,
+                         live_redundancy=cfg.recovery.live_redundancy)
 
 
 class _Run:

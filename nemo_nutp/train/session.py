@@ -97,6 +97,9 @@ class RankSession:
 
         def before_update(replica_loss: float) -> None:
             losses.append(self._global_loss(replica_loss))
+            pre = getattr(self.optimizer, "before_vote", None)
+            if pre is not None:  # distributed optimizer: its collectives before the vote
+                pre()
             self.vote(losses[0])
 
         hook = None if self.vote is None else before_update
@@ -152,7 +155,8 @@ def build_session(plan: Plan, model_cfg: Any, *, lr: float, seed: int, micro_bat
                   opts: StepOptions | None = None, precision: Precision | None = None,
                   bucket_size: int | None = None, groups: NUTPGroups | None = None,
                   device: torch.device | None = None, data_path: str | None = None,
-                  distributed_optimizer: bool = False) -> RankSession:
+                  distributed_optimizer: bool = False,
+                  live_redundancy: bool = False) -> RankSession:
     """Collective over the world: create groups (unless given), the model, DDP and optimizer.
 
     bf16/fp16: the model is megatron's ``Float16Module`` around the NUTP GPT (half-precision
@@ -188,7 +192,7 @@ def build_session(plan: Plan, model_cfg: Any, *, lr: float, seed: int, micro_bat
                           precision=prec.precision, initial_loss_scale=prec.initial_loss_scale,
                           min_loss_scale=prec.min_loss_scale,
                           loss_scale_window=prec.loss_scale_window,
-                          distributed=distributed_optimizer)
+                          distributed=distributed_optimizer, redundancy=live_redundancy)
     source = None if data_path is None else IndexedTokenSource(
         data_path, vocab_size=model_cfg.vocab_size, seq_length=model_cfg.seq_length)
     checks = GradChecks(opts) if (opts.check_for_nan_in_grad or opts.large_grad_factor) else None

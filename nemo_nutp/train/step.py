@@ -88,12 +88,14 @@ def build_optimizer(model: Any, pgs: Any, *, lr: float, optimizer: str = "adam",
                     weight_decay: float = 0.0, clip_grad: float = 0.0,
                     adam_eps: float = 1e-8, precision: str = "fp32",
                     initial_loss_scale: float = 2.0 ** 32, min_loss_scale: float = 1.0,
-                    loss_scale_window: int = 1000, distributed: bool = False) -> Any:
+                    loss_scale_window: int = 1000, distributed: bool = False,
+                    redundancy: bool = False) -> Any:
     """megatron-core (non-distributed) optimizer over this rank's explicit process groups:
     fp32 (``FP32Optimizer``) or, for bf16/fp16 models, megatron's mixed-precision optimizer with
     fp32 master weights (fp16: dynamic loss scaler). ``distributed``
     (``train.distributed_optimizer``): NUTP's ZeRO-1 over the sync owner groups
-    (``sync/zero.py``), same update math and checkpoint form."""
+    (``sync/zero.py``), same update math and checkpoint form; ``redundancy``
+    (``recovery.live_redundancy``): its slices kept twice, for live re-layouts."""
     cfg = OptimizerConfig(optimizer=optimizer, lr=lr, weight_decay=weight_decay,
                           clip_grad=clip_grad, adam_eps=adam_eps,
                           params_dtype=DTYPES[precision], bf16=precision == "bf16",
@@ -103,7 +105,7 @@ def build_optimizer(model: Any, pgs: Any, *, lr: float, optimizer: str = "adam",
     if distributed:
         from ..sync.zero import ZeroOptimizer
 
-        return ZeroOptimizer(model, cfg)
+        return ZeroOptimizer(model, cfg, redundancy=redundancy)
     opt = get_megatron_optimizer(cfg, [model], use_gloo_process_groups=False, pg_collection=pgs)
     for inner in getattr(opt, "chained_optimizers", [opt]):
         # Replicated params counted once per TP group (TP rank 0), never via globals.

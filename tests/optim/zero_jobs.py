@@ -20,7 +20,7 @@ def _session(case: Any, *, distributed: bool) -> Any:
         micro_batch_size=case.micro_batch_size, bucket_size=case.bucket_size,
         opts=StepOptions(clip_grad=case.clip_grad),
         precision=Precision(case.precision, initial_loss_scale=case.initial_loss_scale),
-        distributed_optimizer=distributed)
+        distributed_optimizer=distributed, live_redundancy=case.zero_redundancy)
 
 
 def _local_numel(session: Any) -> int:
@@ -71,11 +71,16 @@ def run_case(case: Any, outdir: str) -> None:
     got = _train(case, _NoGradHook(session) if scatter else session)
     stats = [None] * dist.get_world_size()
     dist.all_gather_object(stats, (session.optimizer.state_bytes(), _local_numel(session)))
+    # redundancy: every copy equals its primary bit for bit after the steps (0.0), while
+    # each copy was only ever updated on its own rank (from the ring's gradient chunks)
+    worst = torch.tensor([session.optimizer.check_backups()], dtype=torch.float64)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     if dist.get_rank() == 0:
         ref = torch.load(os.path.join(outdir, f"ref_{case.name}.pt"))
         result = _compare(case, got, ref)
         result.update(shares=[r.microbatches for r in session.plan.replicas],
                       state=stats, replicas=len(session.plan.replicas),
+                      backup_diff=float(worst), redundancy=case.zero_redundancy,
                       global_tp_group_untouched=_no_global_groups(),
                       grads_compared=not scatter)
         with open(os.path.join(outdir, f"{case.name}.json"), "w") as f:

@@ -46,6 +46,7 @@ class Case:
     initial_loss_scale: float = 2.0 ** 12
     seed: int = 1234
     pp: int = 1
+    zero_redundancy: bool = False  # distributed optimizer: recovery.live_redundancy
 
 
 def make_plan(case: Case) -> Any:

@@ -93,6 +93,12 @@ def recording() -> Iterator[Recorder]:
         pass
     else:
         mods.append(norm_mod)
+    try:
+        import nemo_nutp.sync.mover as mover_mod  # the mover's own module (after its split)
+
+        mods.append(mover_mod)
+    except ImportError:
+        pass
     saved: list[tuple[Any, str, Any]] = [(m, "dist", m.dist) for m in mods]
     try:
         from nemo_nutp.sync import p2p

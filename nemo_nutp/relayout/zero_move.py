@@ -1,0 +1,225 @@
+"""Move the distributed optimizer's state into a new layout in memory (``recovery.mode=live``
+with ``recovery.live_redundancy``; ``sync/zero.py``).
+
+Under the distributed optimizer every element of the model's optimizer state (fp32 master,
+Adam moments) lives on exactly one rank, in a slice of a sync bucket, plus — with redundancy —
+a copy on the next member of the bucket's group. Slices follow the sync layout, so a new
+layout cuts them anew everywhere; what identifies an element across layouts is its *global
+coordinate*: (stage, parameter name, element), the element numbered unit by unit in the
+canonical order the sync buckets use (``layout.units``; a replicated parameter element by
+element). ``move_zero`` (collective over the new world, every survivor, its old and its new
+optimizer):
+
+1. offers: each survivor's old primary slices, and the copies it keeps of the slices of ranks
+   that are gone (dead, or left out by the new plan), as global-coordinate spans; needs: the
+   spans of its new slices. One ``all_gather_object`` of both lists over the new world.
+2. every rank derives the same transfers from that directory (each need's span cut at the
+   offers it meets; every element is offered exactly once, a gap — two gone ranks adjacent in
+   one ring — raises ``MoveImpossible``); a span held by this rank itself is copied locally.
+3. one exchange (``p2p``): at most one message per ordered pair, each pair posting the lower
+   rank's send first on both sides (NCCL-safe; on NCCL one batched group), the spans of a
+   message sorted by coordinate on both sides; masters and optimizer state of a span travel
+   together (fp32).
+4. the new optimizer's copies from its primaries (``refresh_backups``: one ring exchange) and
+   the parameters from the masters (``publish_params``: the step's own all-gather), so the
+   weights are those of the last committed step whatever a survivor's parameter all-gather
+   had reached when the world stopped.
+
+Bytes received equal the lower bound (the new slices' elements this rank did not hold, x
+bytes per element) by construction; the copies' refresh is reported beside them. Cost: the
+directory is O(W x spans per rank) per rank (fine on CPU; at 10K ranks it should be computed
+from the plans, ``sync/descriptors.py``, for the few ranks whose slices meet this one's:
+not done); the message buffers hold the moved state at once (no chunking yet).
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..sync import p2p
+from .move import MoveImpossible
+
+Key = tuple[int, str]  # (stage, parameter name)
+Span = tuple[Key, int, int]  # global elements [a, b) of a parameter of a stage
+Where = tuple[str, int, int]  # ("p" primary | "b" copy, param group, offset in its flat)
+
+
+def _spans(opt: Any, stage: int, segments: list[Any], which: str, *,
+           only: Any = None) -> list[tuple[Span, Where]]:
+    """Global-coordinate spans of ``segments`` of ``opt`` (``only(bucket index)``: a filter)."""
+    out = []
+    for s in segments:
+        if only is not None and not only(s.bucket):
+            continue
+        pc = opt.engine.buckets[s.bucket].spec.pieces[s.piece]
+        e = opt.engine.order[pc.param]
+        name = getattr(e.param, "nutp_name", e.name)
+        if getattr(e.param, "nutp_tied_copy", False):
+            name = "tied_copy:" + name
+        shift = (0 if e.kind is None else pc.lo * e.numel_unit) - pc.offset
+        out.append((((stage, name), s.a + shift, s.z + shift), (which, s.group, s.offset)))
+    return out
+
+
+def _transfers(dirs: list[tuple[list[Span], list[Span]]]
+               ) -> list[tuple[int, int, Key, int, int, int, int]]:
+    """Every (src, dst, key, lo, hi, offer index at src, need index at dst), the same list on
+    every rank; ``MoveImpossible`` if some needed element is offered by nobody."""
+    index: dict[Key, list[tuple[int, int, int, int]]] = defaultdict(list)
+    for r, (offers, _) in enumerate(dirs):
+        for j, (key, a, b) in enumerate(offers):
+            index[key].append((a, b, r, j))
+    for v in index.values():
+        v.sort()
+    starts = {k: [x[0] for x in v] for k, v in index.items()}
+    out = []
+    for dst, (_, needs) in enumerate(dirs):
+        for i, (key, a, b) in enumerate(needs):
+            found = 0
+            v = index.get(key, [])
+            k = max(0, bisect.bisect_right(starts.get(key, []), a) - 1)
+            while k < len(v) and v[k][0] < b:
+                oa, ob, src, j = v[k]
+                lo, hi = max(a, oa), min(b, ob)
+                if hi > lo:
+                    out.append((src, dst, key, lo, hi, j, i))
+                    found += hi - lo
+                k += 1
+            if found != b - a:
+                raise MoveImpossible(f"optimizer state of {key} [{a}, {b}) is held by no "
+                                     f"survivor ({found} of {b - a} elements): two ranks of "
+                                     "one ring are gone")
+    return out
+
+
+def _common_step(old: Any, device: torch.device | None) -> int:
+    step = old._step()
+    t = torch.tensor([step, -step], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    if int(t[0]) != -int(t[1]):
+        raise RuntimeError(f"relayout: survivors hold different optimizer steps "
+                           f"({-int(t[1])}..{int(t[0])})")
+    return step
+
+
+def _init_state(new: Any, step: int) -> None:
+    """The new optimizer's state entries (filled by the move), as a stepped optimizer has."""
+    if not step:
+        return
+    for m in new.masters:
+        st = new.optimizer.state[m]
+        for k in new._state_keys():
+            st[k] = torch.zeros_like(m.data)
+        st["step"] = torch.tensor(float(step))
+
+
+def _view(fields: list[list[torch.Tensor]], where: Where, lo: int, n: int) -> list[torch.Tensor]:
+    _, g, off = where
+    return [f[off + lo:off + lo + n] for f in fields[g]]
+
+
+@torch.no_grad()
+def move_zero(old: Any, new: Any, *, dead: frozenset[int], stage: int, new_stage: int
+              ) -> dict[str, Any]:
+    """Fill ``new`` (the new layout's ``ZeroOptimizer``) from the survivors' ``old`` ones
+    (module docstring); ``dead``: old ranks gone (their slices come from the copies).
+    Collective over the new world. Returns this rank's figures (``live.move``'s keys)."""
+    t0 = time.perf_counter()
+    if not old.redundancy:
+        raise MoveImpossible("the distributed optimizer without recovery.live_redundancy")
+    device = new._dev()
+    step = _common_step(old, device)
+    offers = _spans(old, stage, old.segments, "p") + _spans(
+        old, stage, old.backup_segments, "b", only=lambda i: old.slices[i].pred in dead)
+    needs = _spans(new, new_stage, new.segments, "p")
+    dirs: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(dirs, ([s for s, _ in offers], [s for s, _ in needs]))
+    me = dist.get_rank()
+    moves = [t for t in _transfers(dirs) if me in (t[0], t[1])]
+    _init_state(new, step)
+    src = {"p": old._fields(old.masters), "b": old._fields(old.backups)}
+    dst = new._fields(new.masters)
+    n_f = len(dst[0]) if dst else 1
+    if src["p"] and len(src["p"][0]) != n_f:
+        raise RuntimeError("relayout: old and new optimizer keep different state fields")
+    pairs: dict[tuple[int, int], list[Any]] = defaultdict(list)
+    for t in moves:
+        pairs[(t[0], t[1])].append(t)
+    for ts in pairs.values():
+        ts.sort(key=lambda t: (t[2], t[3]))
+    local = _copy_local(pairs.pop((me, me), []), offers, needs, src, dst) * n_f * 4
+    # per peer, the lower rank's message first on both sides
+    order = sorted(pairs, key=lambda sd: (sd[1] if sd[0] == me else sd[0], min(sd) != sd[0]))
+    ops, unpack, got, sent = [], [], 0, 0
+    for s, d in order:
+        ts = pairs[(s, d)]
+        buf = torch.empty(sum(t[4] - t[3] for t in ts) * n_f, dtype=torch.float32,
+                          device=device)
+        if s == me:
+            off = 0
+            for _, _, _, lo, hi, j, _ in ts:
+                (_, a, _), w = offers[j]
+                for y in _view(src[w[0]], w, lo - a, hi - lo):
+                    buf[off:off + hi - lo].copy_(y)
+                    off += hi - lo
+            ops.append(p2p.Op("send", buf, d))
+            sent += buf.numel() * 4
+        else:
+            ops.append(p2p.Op("recv", buf, s))
+            unpack.append((buf, ts))
+            got += buf.numel() * 4
+    for work in p2p.backend().exchange(ops):
+        work.wait()
+    for buf, ts in unpack:
+        off = 0
+        for _, _, _, lo, hi, _, i in ts:
+            (_, na, _), nw = needs[i]
+            for x in _view(dst, nw, lo - na, hi - lo):
+                x.copy_(buf[off:off + hi - lo])
+                off += hi - lo
+    refreshed = new.refresh_backups()
+    new.publish_params()
+    state = sum(t.numel() * 4 for f in dst for t in f) * (2 if new.redundancy else 1)
+    old_state = sum(t.numel() * 4 for fs in src.values() for f in fs for t in f)
+    held = [sp for sp, _ in _spans(old, stage, old.segments, "p")] + \
+        [sp for sp, _ in _spans(old, stage, old.backup_segments, "b")]
+    copies = [sp for sp, _ in _spans(new, new_stage, new.backup_segments, "b")]
+    bound = got + _uncovered(copies, held) * n_f * 4
+    return {"received_bytes": got + refreshed, "lower_bound_bytes": bound,
+            "peak_memory_ratio": (old_state + state + got + sent) / max(1, state),
+            "move_s": time.perf_counter() - t0, "refresh_bytes": refreshed,
+            "local_bytes": local}
+
+
+def _copy_local(ts: list[Any], offers: list[Any], needs: list[Any],
+                src: dict[str, list[list[torch.Tensor]]], dst: list[list[torch.Tensor]]) -> int:
+    """Spans this rank offers and needs itself; returns the elements copied."""
+    n = 0
+    for _, _, _, lo, hi, j, i in ts:
+        (_, a, _), w = offers[j]
+        (_, na, _), nw = needs[i]
+        for x, y in zip(_view(dst, nw, lo - na, hi - lo), _view(src[w[0]], w, lo - a, hi - lo),
+                        strict=True):
+            x.copy_(y)
+        n += hi - lo
+    return n
+
+
+def _uncovered(spans: list[Span], held: list[Span]) -> int:
+    """Elements of ``spans`` outside ``held`` (a rank's own old primaries and copies)."""
+    by: dict[Key, list[tuple[int, int]]] = defaultdict(list)
+    for key, a, b in held:
+        by[key].append((a, b))
+    n = 0
+    for key, a, b in spans:
+        cover = 0
+        for x, y in by.get(key, ()):
+            cover += max(0, min(b, y) - max(a, x))
+        n += (b - a) - cover
+    return n
