@@ -23,6 +23,10 @@
   after one step of the tiny model in one spawned world, worst rank, for TP4+TP3 (R=2) and
   TP3+TP2+TP2 (R=3) in fp32 and bf16; the target is 1/R + 0.05. ``optimizer_step_s``: the
   median optimizer step (incl. the parameter all-gather and reshard) of both, same world.
+* ``optimizer_state_ratio_redundant``: the same ratio with ``recovery.live_redundancy`` (a
+  copy of every slice on the next member of its group; fp32 models keep their masters too),
+  same world; expected 2 x 12 B / (R x megatron's bytes per element: 8 fp32, 12 bf16), i.e.
+  3/R (fp32) and 2/R (bf16), within the sync layout's imbalance.
 
 Usage: python benchmarks/sync_scale.py [--steps 8] [--descriptors-only] [--optimizer-only]
        [--out PATH]
@@ -336,22 +340,23 @@ def _optimizer_world(steps: int) -> dict[str, Any]:
         for prec in ("fp32", "bf16"):
             plan = _plan(ModelConfig(), replicas, gb=7)
             row: dict[str, Any] = {"replicas": list(replicas), "precision": prec}
-            for zero in (False, True):
+            for key in ("megatron", "distributed", "redundant"):
                 s = build_session(plan, plan.request.model, lr=1e-3, seed=1,
                                   micro_batch_size=2, precision=Precision(prec),
-                                  distributed_optimizer=zero)
+                                  distributed_optimizer=key != "megatron",
+                                  live_redundancy=key == "redundant")
                 opt_s = [s.step(k).times["optimizer_s"] for k in range(steps)]
-                size = (s.optimizer.state_bytes() if zero else
-                        megatron_state_bytes(s.optimizer))
+                size = (megatron_state_bytes(s.optimizer) if key == "megatron" else
+                        s.optimizer.state_bytes())
                 every: list[Any] = [None] * dist.get_world_size()
                 dist.all_gather_object(every, size)
-                key = "distributed" if zero else "megatron"
                 row[f"{key}_bytes_by_rank"] = every
                 row[f"{key}_optimizer_step_s"] = statistics.median(opt_s)
-            row["ratio_by_rank"] = [a / b for a, b in zip(row["distributed_bytes_by_rank"],
-                                                          row["megatron_bytes_by_rank"],
-                                                          strict=True)]
-            row["ratio"] = max(row["ratio_by_rank"])
+            for key, name in (("distributed", "ratio"), ("redundant", "ratio_redundant")):
+                row[f"{name}_by_rank"] = [a / b for a, b in zip(row[f"{key}_bytes_by_rank"],
+                                                                row["megatron_bytes_by_rank"],
+                                                                strict=True)]
+                row[name] = max(row[f"{name}_by_rank"])
             row["target"] = 1 / len(replicas) + 0.05
             out["+".join(f"tp{r}" for r in replicas) + f"_{prec}"] = row
     return out
@@ -401,9 +406,12 @@ def summarize(desc: dict[str, Any], rt: dict[str, Any] | None, bucket_size: int,
                "bytes<1MiB": all(d["bytes"] < 2 ** 20 for d in desc.values())}
     if opt is not None:
         out["optimizer_state_ratio"] = {k: r["ratio"] for k, r in opt.items()}
+        out["optimizer_state_ratio_redundant"] = {k: r["ratio_redundant"]
+                                                  for k, r in opt.items()}
         out["optimizer_state"] = opt
         out["optimizer_step_s"] = {k: {"megatron": r["megatron_optimizer_step_s"],
-                                       "distributed": r["distributed_optimizer_step_s"]}
+                                       "distributed": r["distributed_optimizer_step_s"],
+                                       "redundant": r["redundant_optimizer_step_s"]}
                                    for k, r in opt.items()}
         targets["optimizer_state_ratio<=1/R+0.05"] = all(r["ratio"] <= r["target"]
                                                          for r in opt.values())
@@ -474,13 +482,16 @@ def show(res: dict[str, Any]) -> None:
         o = Table(title="Optimizer state per rank: distributed / megatron non-distributed "
                         "(worst rank, tiny model)")
         for col in ("layout", "megatron bytes", "distributed bytes", "ratio", "target",
-                    "opt. step s megatron", "opt. step s distributed"):
+                    "redundant bytes", "ratio redundant", "opt. step s megatron",
+                    "opt. step s distributed", "opt. step s redundant"):
             o.add_column(col, justify="right")
         for k, r in res["optimizer_state"].items():
             o.add_row(k, f"{max(r['megatron_bytes_by_rank']):,}",
                       f"{max(r['distributed_bytes_by_rank']):,}", f"{r['ratio']:.3f}",
-                      f"{r['target']:.3f}", f"{r['megatron_optimizer_step_s']:.4f}",
-                      f"{r['distributed_optimizer_step_s']:.4f}")
+                      f"{r['target']:.3f}", f"{max(r['redundant_bytes_by_rank']):,}",
+                      f"{r['ratio_redundant']:.3f}", f"{r['megatron_optimizer_step_s']:.4f}",
+                      f"{r['distributed_optimizer_step_s']:.4f}",
+                      f"{r['redundant_optimizer_step_s']:.4f}")
         Console().print(o)
     print("targets:", res["targets"])
 

@@ -516,6 +516,7 @@ def memory_spec(cfg: JobConfig) -> MemorySpec | None:
         gpu_memory_gib=hw.gpu_memory_gib, param_bytes=4 if t.precision == "fp32" else 2,
         grad_bytes=4 if t.grad_reduce_in_fp32 else 2, optimizer=t.optimizer,
         distributed_optimizer=t.distributed_optimizer, replicas=replicas,
+        zero_redundancy=cfg.recovery.live_redundancy,
         micro_batch_size=t.micro_batch_size, sequence_parallel=p.sequence_parallel,
         flash_attention=m.core_attention != "megatron" or m.transformer_impl ==
         "transformer_engine", dropout=m.hidden_dropout > 0 or m.attention_dropout > 0,

@@ -7,7 +7,9 @@ shards show up) it counts, in bytes:
   ``main_grad`` buffer: 4 when reduced in fp32), **optimizer state**: Adam's two moments (4 + 4)
   plus an fp32 master copy for half-precision weights (4); SGD: momentum (4) + master. With the
   distributed optimizer (``sync/zero.py``: ZeRO-1 over the sync owner groups, one owner per
-  replica) the optimizer state is divided by the replica count.
+  replica) the optimizer state is divided by the replica count; with its redundancy
+  (``recovery.live_redundancy``) it is kept twice (a copy of each slice on another rank, and
+  fp32 models keep masters).
 * **activations** saved for backward per micro-batch, by component (Korthikanti et al.,
   "Reducing Activation Recomputation in Large Transformer Models", 2022, section 4, generalised
   to GQA, gated MLPs and dropout off): per layer, at half precision, the two norm inputs
@@ -137,8 +139,10 @@ def stage_memory(dims: ModelDims, t: int, spec: MemorySpec, *, stage: int, pp: i
     """Memory of the most loaded rank of stage ``stage`` of ``pp`` at degree ``t``."""
     n = rank_params(dims, t, stage=stage, pp=pp, balance=balance)
     state = 8 if spec.optimizer == "adam" else 4
-    master = 4 if spec.param_bytes < 4 else 0
+    redundant = spec.distributed_optimizer and spec.zero_redundancy
+    master = 4 if spec.param_bytes < 4 or redundant else 0
     opt = n * (state + master) / (spec.replicas if spec.distributed_optimizer else 1)
+    opt *= 2 if redundant else 1
     return StageMemory(
         weights=float(n * spec.param_bytes), grads=float(n * spec.grad_bytes),
         optimizer=float(opt),

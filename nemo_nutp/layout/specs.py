@@ -44,6 +44,9 @@ class MemorySpec:
     """Optimizer state sharded over the replicas (``train.distributed_optimizer``)."""
     replicas: int = 1
     """Replicas the distributed optimizer shards over."""
+    zero_redundancy: bool = False
+    """``recovery.live_redundancy``: every distributed-optimizer slice kept twice (fp32 models
+    keep their masters too)."""
     micro_batch_size: int = 1
     """Samples per micro-batch."""
     sequence_parallel: bool = False

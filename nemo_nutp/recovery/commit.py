@@ -91,9 +91,10 @@ def decide(reports: Mapping[int, Report]) -> Decision:
     return Decision(committed, tuple(apply))
 
 
-def live_blocker(job: Any, failure: Any, *, survivors: int) -> str | None:
+def live_blocker(job: Any, failure: Any, *, survivors: int, replicas: int = 2) -> str | None:
     """Why a failure cannot be handled live (the restart path takes it, this is logged), or
-    None. ``failure``: ``decisions.Failure``; ``survivors``: ranks still alive."""
+    None. ``failure``: ``decisions.Failure``; ``survivors``: ranks still alive; ``replicas``:
+    the running layout's."""
     if job.recovery.mode != "live":
         return "recovery.mode is restart"
     if failure.bad_input:
@@ -103,6 +104,9 @@ def live_blocker(job: Any, failure: Any, *, survivors: int) -> str | None:
     if job.train.distributed_optimizer and not job.recovery.live_redundancy:
         return ("train.distributed_optimizer=true: a dead rank's optimizer slices exist "
                 "nowhere else (recovery.live_redundancy=true keeps a copy)")
+    if job.train.distributed_optimizer and replicas < 2:
+        return ("train.distributed_optimizer=true with one replica: no copy of the optimizer "
+                "slices exists (recovery.live_redundancy needs two replicas)")
     if survivors == 0:
         return "no survivor"
     return None

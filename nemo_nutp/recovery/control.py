@@ -387,7 +387,8 @@ def handle(store: Any, cfg: Any, w: World, failure: Failure, cause: str, *, dete
            rdir: Path, attempt: int, console: Any) -> World | str:
     """A failure of the running world: the next world (live) or the fallback reason."""
     events = rdir / "events.jsonl"
-    reason = live_blocker(w.job, failure, survivors=len(w.alive()) - len(failure.ranks))
+    reason = live_blocker(w.job, failure, survivors=len(w.alive()) - len(failure.ranks),
+                          replicas=len(w.plan.replicas))
     if reason is None:
         try:
             nw, fields = relayout(store, cfg, w, failure, detected=detected, rdir=rdir,

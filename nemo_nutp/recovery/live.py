@@ -217,7 +217,8 @@ def move(old: Any | None, new: Any, *, old_plan: Any, rank_map: dict[int, int],
          joiners: frozenset[int] = frozenset(), dead: frozenset[int] = frozenset()
          ) -> dict[str, Any]:
     """Move the old session's state into the new one (collective over the new world;
-    ``old=None``: this rank joins with nothing; ``dead``: the old world's dead ranks). Returns
+    ``old=None``: this rank joins with nothing; ``dead``: the old world's ranks that take no
+    part: dead, or left out by the new plan). Returns
     this rank's figures: bytes received, its lower bound, peak memory ratio, seconds."""
     from ..relayout.move import MoveImpossible, move_state
     from ..relayout.plan import plan_move

@@ -5,6 +5,7 @@ one in the same process (``live.py`` has the protocol, ``commit.py`` its invaria
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from typing import Any
@@ -73,9 +74,25 @@ def _missing_row(run: Any, link: LiveRank, step: int) -> None:
                "recovered_row": True})
 
 
-def _digest(session: Any, gen: int) -> None:
+def final_check(run: Any, link: LiveRank) -> None:
+    """``NUTP_LIVE_DIGEST=1`` (tests), at the end of the job: the replicas' digests and, under
+    the distributed optimizer, the largest difference between an optimizer slice's copy and
+    its primary (``live_final``; 0.0: bit for bit). Collective."""
+    if os.environ.get("NUTP_LIVE_DIGEST") != "1":
+        return
+    from ..checkpoint.events import log_event
+
+    check = getattr(run.session.optimizer, "check_backups", None)
+    worst = reduce_max([check() if check is not None else 0.0], None)[0]
+    _digest(run.session, link.gen, event="live_final")
+    if dist.get_rank() == 0:
+        log_event("live_final_slices", gen=link.gen, backup_max_diff=worst,
+                  redundancy=bool(getattr(run.session.optimizer, "redundancy", False)))
+
+
+def _digest(session: Any, gen: int, *, event: str = "live_digest") -> None:
     """``NUTP_LIVE_DIGEST=1`` (tests): rank 0 logs a digest of every replica's assembled global
-    parameters (``live_digest``); replicas are bitwise equal iff their digests are."""
+    parameters (``event``); replicas are bitwise equal iff their digests are."""
     import hashlib
 
     from ..checkpoint.events import log_event
@@ -103,7 +120,7 @@ def _digest(session: Any, gen: int) -> None:
         for k in sorted(merged):
             h.update(k.encode())
             h.update(merged[k].contiguous().numpy().tobytes())
-        log_event("live_digest", gen=gen, replica=i, digest=h.hexdigest())
+        log_event(event, gen=gen, replica=i, digest=h.hexdigest())
 
 
 def relayout(cfg: Any, run: Any, link: LiveRank, error: BaseException | None, *,
@@ -127,6 +144,11 @@ def relayout(cfg: Any, run: Any, link: LiveRank, error: BaseException | None, *,
     old = run.session
     if link.slot in d["apply"]:
         _apply(old, link, d["step"])
+    c = link.committed
+    if c.step == d["step"] and c.grad_norm is None and getattr(old.optimizer, "nutp_zero",
+                                                                False):
+        # stopped in the parameter all-gather after its update: the step's norm (the sync's)
+        c.grad_norm = math.sqrt(old.model.nutp_engine.grad_sumsq)
     job = job_for(cfg, frozenset(d["failed_gpus"]), _slow(d))
     plan = replan(old.plan, job)
     if list(plan.rank_to_gpu) != d["rank_to_gpu"]:
@@ -144,8 +166,10 @@ def relayout(cfg: Any, run: Any, link: LiveRank, error: BaseException | None, *,
     os.environ["NUTP_HEARTBEAT_DIR"] = d["heartbeat_dir"]
     session = build(job, plan, device)
     rank_map = _rank_map(old.plan, plan, d)
+    # gone: dead, or healthy but left out by the new plan (those exited above)
+    gone = frozenset(range(old.plan.world_size)) - set(rank_map)
     stats = move(old, session, old_plan=old.plan, rank_map=rank_map,
-                 joiners=frozenset(d.get("joiners", ())), dead=frozenset(d["dead_ranks"]))
+                 joiners=frozenset(d.get("joiners", ())), dead=gone)
     del old
     run.session = None
     ledger, rng = _share(d, rank_map, run.ledger, rng)

@@ -156,10 +156,12 @@ class ZeroOptimizer:
         self.sizes = sizes
         # recovery.live_redundancy: a copy of the predecessor's slice of every bucket (ring
         # order in the bucket's group), updated redundantly from its reduced gradient chunk
-        self.redundancy = redundancy
         if redundancy and any(sl.size < 2 for sl in self.slices):
-            raise ValueError("recovery.live_redundancy=true: a sync group has one member (one "
-                             "replica): no other rank can keep the copy of its slices")
+            redundancy = False  # one replica left (after live re-layouts): nowhere to copy;
+            if dist.get_rank() == 0:  # a failure then restarts (commit.live_blocker)
+                print("nutp: recovery.live_redundancy: one replica, no copies of the "
+                      "optimizer slices kept (a failure now restarts)", flush=True)
+        self.redundancy = redundancy
         self.backup_bounds = [bucket_slice(b.spec.numel, sl.size, (sl.index - 1) % sl.size)[:2]
                               for b, sl in zip(engine.buckets, self.slices, strict=True)
                               ] if redundancy else []
@@ -319,14 +321,7 @@ class ZeroOptimizer:
         messages in one order both sides derive: by bucket (canonical order, shared by all
         members), then sender; a two-member group sends both ways in one bucket."""
         got = [torch.empty_like(t) for t in outs]
-        me = dist.get_rank()
-        seq = []
-        for i, (sl, t) in enumerate(zip(self.slices, outs, strict=True)):
-            seq.append((sl.succ, i, me, "send", t))
-            seq.append((sl.pred, i, sl.pred, "recv", got[i]))
-        seq.sort(key=lambda x: (x[0], x[1], x[2]))
-        ops = [p2p.Op(kind, t, peer) for peer, _, _, kind, t in seq]  # type: ignore[arg-type]
-        for work in p2p.backend().exchange(ops):
+        for work in p2p.backend().exchange(ring_ops(self.slices, outs, got, dist.get_rank())):
             work.wait()
         return got
 
@@ -576,6 +571,20 @@ class ZeroOptimizer:
                 m.data.copy_(flat)
         else:
             self.reload_model_params()
+
+
+def ring_ops(slices: Sequence[_Slice], outs: Sequence[torch.Tensor],
+             ins: Sequence[torch.Tensor], me: int) -> list[p2p.Op]:
+    """The redundancy's ring exchange of one rank (``me``, global): per bucket ``i`` send
+    ``outs[i]`` to the group's next member, receive ``ins[i]`` from the previous one; sorted
+    per peer by (bucket, sender), the same sequence on both sides of every pair (buckets are a
+    restriction of one canonical order on every member)."""
+    seq = []
+    for i, (sl, out, inp) in enumerate(zip(slices, outs, ins, strict=True)):
+        seq.append((sl.succ, i, me, "send", out))
+        seq.append((sl.pred, i, sl.pred, "recv", inp))
+    seq.sort(key=lambda x: (x[0], x[1], x[2]))
+    return [p2p.Op(kind, t, peer) for peer, _, _, kind, t in seq]  # type: ignore[arg-type]
 
 
 def _flats_of(bufs: Sequence[tuple[torch.Tensor | None, int]], segments: list[_Segment],

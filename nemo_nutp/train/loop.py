@@ -258,6 +258,10 @@ def train_rank(cfg: JobConfig, plan: Plan, *, device: torch.device | None = None
                 continue
             step += 1
         run.hooks.finish()  # a background save in flight completes before the run ends
+        if link is not None:
+            from ..recovery.relayout import final_check
+
+            final_check(run, link)  # tests only (NUTP_LIVE_DIGEST)
     finally:
         run.close()
     if run.out is None:

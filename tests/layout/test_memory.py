@@ -113,6 +113,20 @@ def test_explicit_degrees_that_do_not_fit_name_the_fields() -> None:
     assert [r.tp[0] for r in plan.replicas] == [4, 2]
 
 
+def test_live_redundancy_doubles_the_distributed_optimizer_state() -> None:
+    """``recovery.live_redundancy``: each slice twice; fp32 models keep masters too."""
+    spec = _req(None).memory
+    assert spec is not None
+    for pb in (2, 4):
+        zero = dataclasses.replace(spec, param_bytes=pb, distributed_optimizer=True,
+                                   replicas=16)
+        red = dataclasses.replace(zero, zero_redundancy=True)
+        a = stage_memory(_req(None).model, 8, zero, stage=0, pp=1)
+        b = stage_memory(_req(None).model, 8, red, stage=0, pp=1)
+        assert b.optimizer == a.optimizer * (2 if pb == 2 else 3)  # fp32: + 4 B masters
+        assert b.weights == a.weights and b.grads == a.grads
+
+
 @pytest.mark.parametrize("name", ["llama3_8b_h100", "llama3_70b_h100"])
 def test_h100_recipes_fit_80gb_in_bf16(name: str, capsys: pytest.CaptureFixture[str]) -> None:
     cfg = load_recipe(name)

@@ -28,6 +28,9 @@ CASES = [
     _zero("zero_tp4_tp3_bf16_clip", (4, 3), model=GQA_SWIGLU, precision="bf16"),
     _zero("zero_control_no_allgather", (4, 3), model=GQA_SWIGLU, control="no_allgather",
           steps=2),
+    # recovery.live_redundancy: the copies' redundant update leaves the primaries' math alone
+    _zero("zero_tp4_tp3_bf16_redundant_clip", (4, 3), model=GQA_SWIGLU, precision="bf16",
+          steps=3, zero_redundancy=True),
 ]
 CASES3 = [
     _zero("zero_tp3_tp2_tp2_clip_tied", (3, 2, 2), model=dict(tie_embeddings=True),
@@ -35,6 +38,9 @@ CASES3 = [
     # pipeline stages at different degrees, tied embeddings combined across stages
     _zero("zero_pp2_tied", ((2, 1), (2, 2)), pp=2, global_batch=7, steps=4,
           model=dict(tie_embeddings=True, add_bias=True)),
+    # redundancy on the all-reduced path (pipeline + tied embeddings: copies from full buckets)
+    _zero("zero_pp2_tied_redundant", ((2, 1), (2, 2)), pp=2, global_batch=7, steps=3,
+          model=dict(tie_embeddings=True, add_bias=True), zero_redundancy=True),
 ]
 
 
@@ -80,11 +86,14 @@ def check_cases(res: dict[str, dict[str, Any]], cases: list[Case]) -> None:
 def _check_state(r: dict[str, Any], *, precision: str) -> None:
     """State bytes per rank vs what the non-distributed optimizer keeps for the rank's local
     parameters: Adam moments (fp32), plus fp32 masters for bf16; ~1/R of it per rank (within
-    the sync layout's imbalance)."""
-    per_elem = 8 if precision == "fp32" else 12
+    the sync layout's imbalance). Redundancy: twice that (fp32 models keep their masters
+    too), and every copy equal to its primary bit for bit after the steps."""
+    per_elem = 8 if precision == "fp32" and not r["redundancy"] else 12
+    copies = 2 if r["redundancy"] else 1
     for b, n in r["state"]:
-        assert b <= (1 / r["replicas"] + 0.05) * n * per_elem, (b, n, r["state"])
+        assert b <= copies * (1 / r["replicas"] + 0.05) * n * per_elem, (b, n, r["state"])
     assert all(b > 0 for b, _ in r["state"]), r["state"]
+    assert r["backup_diff"] == 0.0, r["backup_diff"]
 
 
 @pytest.mark.dist

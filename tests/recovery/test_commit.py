@@ -82,6 +82,12 @@ def test_live_blockers_name_their_reason() -> None:
     why = live_blocker(_job("recovery.mode=live", "train.distributed_optimizer=true"), f,
                        survivors=6)
     assert why is not None and "train.distributed_optimizer" in why
+    assert "recovery.live_redundancy=true" in why  # what would make it live
+    zero = _job("recovery.mode=live", "train.distributed_optimizer=true",
+                "recovery.live_redundancy=true")
+    assert live_blocker(zero, f, survivors=6, replicas=2) is None
+    one = live_blocker(zero, f, survivors=6, replicas=1)  # no other replica kept a copy
+    assert one is not None and "one replica" in one
     assert live_blocker(_job("recovery.mode=live"), Failure((), "stalled"),
                         survivors=7) == "no rank blamed for the failure"
     bad = dataclasses.replace(f, bad_input=True)
@@ -91,6 +97,24 @@ def test_live_blockers_name_their_reason() -> None:
 def test_mode_is_validated() -> None:
     with pytest.raises(ValueError, match=r"recovery\.mode"):
         load_config(["recovery.mode=sometimes"])
+
+
+def test_live_redundancy_is_validated_before_anything_runs(tmp_path: object) -> None:
+    """``recovery.live_redundancy`` without the distributed optimizer, or with one replica:
+    one line naming the field, exit 2, before any process (group)."""
+    with pytest.raises(ValueError, match=r"^recovery\.live_redundancy=True: needs "
+                       r"train\.distributed_optimizer=true"):
+        load_config(["recovery.live_redundancy=true"])
+    from nemo_nutp.launch.nutp_train import check_inputs
+    from nemo_nutp.layout import build_plan
+
+    cfg = load_config(["train.distributed_optimizer=true", "recovery.live_redundancy=true",
+                       "nutp.replicas=[4]"])
+    from nemo_nutp.config import plan_request
+
+    with pytest.raises(ValueError, match=r"^recovery\.live_redundancy=true: the plan has 1 "
+                       "replica"):
+        check_inputs(cfg, build_plan(plan_request(cfg)))
 
 
 def test_renumber_follows_gpus() -> None:

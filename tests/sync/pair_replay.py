@@ -153,6 +153,46 @@ def replay_ranks(plan: Plan, ranks: list[int], *, bucket_size: int, layers: int 
         return dict(rec.ops)
 
 
+def _members(plan: Plan, group: Any) -> tuple[int, ...]:
+    """Global ranks of a fake group, in group-rank order (``parallel.groups`` makes every
+    group over its sorted ranks)."""
+    kind, stage = group[0], group[1]
+    if kind == "sync":
+        return tuple(sorted(group[2]))
+    if kind == "leaders":
+        return tuple(sorted(rep.ranks[stage][0] for rep in plan.replicas))
+    assert kind == "stage", group
+    return tuple(sorted(r for rep in plan.replicas for r in rep.ranks[stage]))
+
+
+def replay_ring(plan: Plan, ranks: list[int], *, bucket_size: int, layers: int | None = None
+                ) -> dict[int, list[Record]]:
+    """Every rank's recorded p2p of the distributed optimizer's redundancy ring
+    (``zero.ring_ops``: each bucket's chunk to the next member of its group), for ``ranks``:
+    all ranks of one stage, every replica (the ring crosses replicas)."""
+    with recording() as rec:
+        for r in ranks:
+            rec.rank = r
+            eng = engine_mod.GradSyncEngine(plan, fake_groups(plan, r),
+                                            stage_parameters(plan, r, layers=layers),
+                                            bucket_size=bucket_size)
+            slices = []
+            for b in eng.buckets:
+                members = _members(plan, b.group)
+                j = members.index(r)
+                start, stop, chunk = zero_mod.bucket_slice(b.spec.numel, len(members), j)
+                slices.append(zero_mod._Slice(b.group, len(members), j, start, stop, chunk,
+                                              members))
+            bufs = [torch.empty(sl.chunk, device="meta") for sl in slices]
+            rec.exchange(zero_mod.ring_ops(slices, bufs, bufs, r))
+        return dict(rec.ops)
+
+
+def stage_ranks(plan: Plan) -> list[list[int]]:
+    """Per stage, its ranks in every replica."""
+    return [sorted(r for rep in plan.replicas for r in rep.ranks[s]) for s in range(plan.pp)]
+
+
 def mismatches(ops: dict[int, list[Record]]) -> list[str]:
     """Per rank pair, where the two op sequences stop matching head to head (empty: none)."""
     per: dict[tuple[int, int], list[tuple[str, int]]] = defaultdict(list)
