@@ -25,6 +25,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from .bridge_state import check_continuation
 from .events import log_event
 from .faults import Fault
 from .interval import AutoInterval
@@ -183,6 +184,12 @@ class CheckpointHooks:
                                  load_optimizer=ck.load_optimizer, warn=self._say)
         if info is None:
             raise CheckpointError(f"no checkpoint passed verification among {paths}")
+        bridge = None if info["weights_only"] else info["extra"].get("bridge")
+        if bridge is not None:  # saved by nutp-bridge: its schedule must continue here
+            t = self.cfg.train
+            check_continuation(bridge, path=info["path"], step=int(info["step"]),
+                               steps=t.steps, global_batch=t.global_batch_size, lr=t.lr,
+                               weight_decay=t.weight_decay)
         saved = None if info["weights_only"] else info["extra"].get("ledger")
         if saved:
             ledger.restore(saved)  # any cluster size: earlier GPU-seconds are carried

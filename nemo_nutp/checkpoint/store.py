@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from ..model.te_names import read_back_on_load
 from . import integrity
+from .bridge_state import align_param_groups
 from .megatron_format import (
     META,
     candidates,
@@ -373,6 +374,8 @@ def _load(session: Any, path: Path, marker: dict[str, Any] | None, *,
         for name, p in session.gpt.named_parameters():
             p.copy_(loaded["model"][name.removeprefix("module.")].view_as(p))
     if load_optimizer:
+        # A Bridge / Megatron-LM optimizer's groups carry its scheduler's keys (bridge_state)
+        align_param_groups(list(session.optimizer.param_groups), loaded["optimizer"])
         session.optimizer.load_state_dict(loaded["optimizer"])
     else:
         _refresh_master_weights(session.optimizer)

@@ -81,26 +81,65 @@ def uniform_worker(rank: int, world: int, port: int, overrides: list[str], init:
     gloo_rank(rank, world, port, outdir, body)
 
 
-def saving_worker(rank: int, world: int, port: int, overrides: list[str], outdir: str) -> None:
-    """nutp-bridge's run that saves through Bridge's loop (``checkpoint.save``)."""
-    from tests._dist import gloo_rank
+def resume_overrides(job: Any, root: str | Path, out: str | Path, *, replicas: list[int],
+                     steps: int) -> list[str]:
+    """``nutp-train``'s command line that resumes the Bridge run's checkpoint under ``root`` in
+    another layout and trains on to ``steps``: the recipe's model, batch, optimizer and seed as
+    ``nutp-bridge`` maps them (``bridge_keys``), NUTP's own keys of the job, then the layout."""
+    from nemo_nutp.integrations.bridge_config import bridge_keys
 
-    def body() -> None:
-        from nemo_nutp.config import plan_request
-        from nemo_nutp.integrations.bridge_run import train_rank
-        from nemo_nutp.layout import build_plan
-
-        job = load(overrides)
-        plan = build_plan(plan_request(job.nutp))
-        got = train_rank(job, plan, outdir, seed=job.nutp.train.seed)
-        if rank == 0:
-            Path(outdir, "saving_result.json").write_text(json.dumps(
-                {"steps": got["steps"], "saved": got["saved"]}))
-
-    gloo_rank(rank, world, port, outdir, body)
+    tb = max(replicas)
+    return [*bridge_keys(job.bridge), *job.nutp_overrides, f"parallel.tp_base={tb}",
+            f"nutp.replicas={json.dumps(replicas)}", f"train.steps={steps}",
+            "train.large_grad_factor=0", f"checkpoint.load_dir={root}",
+            "checkpoint.resume=required", f"output.dir={out}"]
 
 
-def bridge_worker(rank: int, world: int, port: int, overrides: list[str], outdir: str) -> None:
+def nutp_train_resume(overrides: list[str]) -> list[dict[str, Any]] | None:
+    """``nutp-train``'s rank (``nemo_nutp.train.loop.train_rank``, what ``nutp-train``'s ranks
+    run once their process group exists) in this world; rank 0 returns the metrics rows."""
+    from nemo_nutp.config import plan_request
+    from nemo_nutp.config.recipes import load_job
+    from nemo_nutp.layout import build_plan
+    from nemo_nutp.train.loop import train_rank
+
+    cfg = load_job(overrides)
+    return train_rank(cfg, build_plan(plan_request(cfg)))
+
+
+def stock_loaded(case: Any, path: str) -> dict[str, torch.Tensor]:
+    """Stock megatron-core loads the checkpoint at ``path``: its own ``GPTModel`` (local spec,
+    megatron's global ``parallel_state`` at TP1 in this world) and a plain
+    ``dist_checkpointing.load`` of the model's own sharded state dict, no adapter; its
+    parameters by name (collective)."""
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from nemo_nutp.config import ModelConfig
+    from nemo_nutp.model.init import normalize_name
+    from tests.runtime.reference import _config
+
+    parallel_state.destroy_global_memory_buffer()  # NUTP's scratch buffer; megatron asserts
+    parallel_state.initialize_model_parallel(1, 1)
+    try:
+        d = ModelConfig(**case.model)
+        model = GPTModel(_config(case, d), get_gpt_layer_local_spec(normalization=d.normalization),
+                         vocab_size=d.vocab_size, max_sequence_length=d.seq_length,
+                         position_embedding_type=d.position_embedding,
+                         share_embeddings_and_output_weights=d.tie_embeddings,
+                         parallel_output=True)
+        loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, path)
+        model.load_state_dict(loaded["model"])
+        return {normalize_name(k): p.detach().clone() for k, p in model.named_parameters()}
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def bridge_worker(rank: int, world: int, port: int, overrides: list[str],
+                  resume: list[str] | None, outdir: str) -> None:
+    """``nutp-bridge``'s run of ``overrides``; with ``resume`` (``nutp-train`` overrides, see
+    ``resume_overrides``) ``nutp-train`` then resumes its checkpoint in the same world."""
     from tests._dist import gloo_rank
 
     def body() -> None:
@@ -118,6 +157,10 @@ def bridge_worker(rank: int, world: int, port: int, overrides: list[str], outdir
         mine = (logged, got["state"].train_state.consumed_train_samples)
         every: list[Any] = [None] * world
         torch.distributed.all_gather_object(every, mine)
+        resumed = stock = None
+        if resume is not None:
+            resumed = nutp_train_resume(resume)
+            stock = stock_loaded(reference_case(job), got["saved"][-1])
         if rank != 0:
             return
         ref = torch.load(os.path.join(outdir, "ref_bridge.pt"))
@@ -130,7 +173,11 @@ def bridge_worker(rank: int, world: int, port: int, overrides: list[str], outdir
                "param_rel": params, "shares": [r.microbatches for r in plan.replicas],
                "bridge_lm_loss": [e[0] for e in every],
                "consumed_train_samples": [e[1] for e in every],
-               "global_batch_size": job.bridge.train.global_batch_size}
+               "global_batch_size": job.bridge.train.global_batch_size,
+               "saved": got["saved"], "resumed": resumed,
+               "stock_loads_bitwise": None if stock is None else (
+                   set(stock) == set(reps[0]) and all(torch.equal(stock[k], reps[0][k])
+                                                      for k in stock))}
         Path(outdir, "bridge_result.json").write_text(json.dumps(out))
 
     gloo_rank(rank, world, port, outdir, body)

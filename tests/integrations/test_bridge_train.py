@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ if importlib.util.find_spec("megatron.bridge") is None:
                 allow_module_level=True)
 
 TOL = 1e-5
+AFTER = 2  # steps nutp-train trains after resuming the Bridge run's checkpoint
 
 
 def _rel(a: float, b: float) -> float:
@@ -25,19 +27,45 @@ def _rel(a: float, b: float) -> float:
 
 @pytest.mark.timeout(1500)
 def test_bridge_train_nutp_2_1_matches_stock_megatron(tmp_path: Path) -> None:
+    import torch
+
     from tests._dist import spawn
     from tests.runtime.parity import TENSOR_TOL, run_references
 
-    from .bridge_jobs import bridge_worker, load, reference_case
+    from .bridge_jobs import bridge_worker, load, reference_case, resume_overrides
 
-    overrides = ["model.tensor_model_parallel_size=2", "nutp.replicas=[2,1]"]
+    root = tmp_path / "bridge_ckpt"
+    overrides = ["model.tensor_model_parallel_size=2", "nutp.replicas=[2,1]",
+                 f"checkpoint.save={root}"]
     job = load(overrides)
-    run_references([reference_case(job)], tmp_path)
-    spawn(bridge_worker, 3, (overrides,), tmp_path)
+    saved = job.nutp.train.steps
+    steps = saved + AFTER
+    resume = resume_overrides(job, root, tmp_path / "resumed", replicas=[1, 1, 1],
+                              steps=steps)
+    base = reference_case(job)  # stock megatron: the saved steps, and all steps
+    run_references([base, replace(base, name="bridge_all", steps=steps)], tmp_path)
+    spawn(bridge_worker, 3, (overrides, resume), tmp_path)
     r = json.loads((tmp_path / "bridge_result.json").read_text())
     print(json.dumps({k: v for k, v in r.items() if k != "param_rel"}))
     print("max param rel", max(r["param_rel"].values()))
-    assert len(r["steps"]) == job.nutp.train.steps == len(r["ref_losses"])
+    assert len(r["steps"]) == saved == len(r["ref_losses"])
+    assert r["saved"] == [str(root / f"iter_{saved:07d}")]
+    # Stock megatron-core's own GPTModel loads that checkpoint with a plain
+    # dist_checkpointing.load: every parameter bitwise the NUTP run's (replica 0, gathered).
+    assert r["stock_loads_bitwise"] is True
+    # nutp-train resumed the Bridge run's checkpoint (layout [2,1]) in layout [1,1,1] at its
+    # step and continued as the uninterrupted stock run of all steps did.
+    ref = torch.load(tmp_path / "ref_bridge_all.pt")
+    assert ref["losses"][:saved] == r["ref_losses"]  # the same run, trained longer
+    resumed = r["resumed"]
+    print("resumed", json.dumps(resumed), "reference", ref["losses"], ref["grad_norms"])
+    assert [row["step"] for row in resumed] == list(range(saved, steps))
+    for row, loss, norm in zip(resumed, ref["losses"][saved:], ref["grad_norms"][saved:],
+                               strict=True):
+        assert row["replica_tp"] == [[1], [1], [1]]
+        assert _rel(row["loss"], loss) <= TOL, (row, loss)
+        assert _rel(row["grad_norm"], norm) <= TOL, (row, norm)
+        assert norm > 0.05
     for got, loss, norm in zip(r["steps"], r["ref_losses"], r["ref_grad_norms"], strict=True):
         assert _rel(got["loss"], loss) <= TOL, (got, loss)
         assert _rel(got["grad_norm"], norm) <= TOL, (got, norm)
