@@ -203,6 +203,7 @@ def train_rank(job: Any, plan: Any, out_dir: str, *, seed: int,
     from ..train.step import reduce_replica_loss
     from .bridge import exact_grad_norm, nutp_ddp, nutp_provider
     from .bridge_ckpt import NUTPBridgeCheckpointManager
+    from .bridge_data import train_iterator
 
     apply_bridge_cpu_patches()
     cfg = job.bridge
@@ -216,7 +217,6 @@ def train_rank(job: Any, plan: Any, out_dir: str, *, seed: int,
         parallel_state._set_global_memory_buffer()
     tensor_parallel.model_parallel_cuda_manual_seed(seed, tp_rank=ctx.tp_rank, ep_rank=0,
                                                     etp_rank=0)
-    dims = plan.request.model
     provider = nutp_provider(cfg.model, plan, groups, seed=seed)
     chunks = provider.provide_distributed_model(
         ddp_config=cfg.ddp, wrap_with_ddp=False, pg_collection=groups.pgs,
@@ -248,9 +248,9 @@ def train_rank(job: Any, plan: Any, out_dir: str, *, seed: int,
     record, recorded_forward = recording(optimizer, reduce, report_share=1.0 / ctx.degree)
     global_samples(optimizer, scheduler, state, cfg.train.global_batch_size,
                    counted=groups.pgs.dp.size() * mbs * ctx.microbatches)
-    data = batches(offset=ctx.microbatch_offset, count=ctx.microbatches, seed=seed, mbs=mbs,
-                   seq_length=dims.seq_length, vocab_size=dims.vocab_size,
-                   steps=cfg.train.train_iters)
+    data = train_iterator(cfg, state.train_state, groups.pgs,
+                          num_microbatches=plan.request.global_batch,
+                          offset=ctx.microbatch_offset, count=ctx.microbatches)
     checkpoints = NUTPBridgeCheckpointManager(cfg.checkpoint, plan=plan, groups=groups)
     bridge_train.train(recorded_forward, model, optimizer, scheduler, data, None, state,
                        checkpoints, groups.pgs)

@@ -15,14 +15,12 @@ import torch
 RECIPE = "megatron.bridge.recipes.gpt.vanilla_gpt:vanilla_gpt_pretrain_config"
 TINY = Path(__file__).parent / "data" / "bridge_tiny.yaml"
 # What the parity runs set on the command line (YAML: shrink + dropout 0): fp32, Adam at a
-# constant rate (the reference has no lr schedule), clipping on and active. Weight decay off:
-# the reference (tests/runtime/reference.py) has none; the recipe's comes from its scheduler
-# (constant 0.033, overriding optimizer.weight_decay at every step), and with the reference at
-# 0.033 too, step 2's grad norm differs by 3.9e-5 (step 1 equal): Bridge's optimizer and
-# megatron's default parameter groups do not decay the same parameters (not resolved).
+# constant rate (the reference has no lr schedule), clipping on and active. Weight decay is the
+# recipe's: its scheduler's constant 0.033 (``scheduler.start_weight_decay``, which overrides
+# ``optimizer.weight_decay`` at every step, biases and 1-D parameters at wd_mult 0); the
+# reference applies it with megatron's own OptimizerParamScheduler (tests/runtime/reference.py).
 PARITY = ["mixed_precision=null", "optimizer.bf16=false",
-          "optimizer.use_distributed_optimizer=false", "optimizer.weight_decay=0.0",
-          "scheduler.start_weight_decay=0.0", "scheduler.end_weight_decay=0.0",
+          "optimizer.use_distributed_optimizer=false",
           "optimizer.adam_beta2=0.999", "optimizer.lr=0.001", "optimizer.min_lr=0.001",
           "optimizer.clip_grad=0.05",
           "scheduler.lr_decay_style=constant", "scheduler.lr_warmup_iters=0",
@@ -36,14 +34,37 @@ def load(overrides: list[str]) -> Any:
     return load_bridge_job(RECIPE, str(TINY), [*PARITY, *overrides])
 
 
-def reference_case(job: Any) -> Any:
-    """The stock single-process megatron-core run of the same model, data and optimizer."""
+def reference_case(job: Any, data: str | Path | None = None) -> Any:
+    """The stock single-process megatron-core run of the same model, data and optimizer
+    (``data``: the batches of ``reference_batches``)."""
     from tests.runtime.parity import Case
 
     t = job.nutp.train
+    wd = job.bridge.scheduler
+    assert wd.weight_decay_incr_style == "constant" and wd.start_weight_decay == \
+        wd.end_weight_decay, "the reference's weight decay is constant"
     return Case(name="bridge", replicas=(1,), model=asdict(job.nutp.model),
                 global_batch=t.num_microbatches, micro_batch_size=t.micro_batch_size,
-                steps=t.steps, lr=0.001, clip_grad=0.05, seed=t.seed)
+                steps=t.steps, lr=0.001, clip_grad=0.05, seed=t.seed,
+                weight_decay=t.weight_decay, data=None if data is None else str(data))
+
+
+def reference_batches(overrides: list[str], path: Path) -> Path:
+    """The recipe's dataset as ONE process trains it, written for the reference: Bridge's own
+    dataset (``bridge_data.train_dataset``) and Bridge's own sampler for one data-parallel rank
+    (``build_pretraining_data_loader``), ``train_iters`` global batches of micro-batches in
+    order. Not the share sampler the NUTP ranks use (``bridge_data.ReplicaShareSampler``)."""
+    from nemo_nutp.integrations.bridge_data import stock_loader, train_dataset
+    from nemo_nutp.integrations.bridge_run import validate_as_uniform
+
+    job = load(overrides)
+    cfg = job.bridge
+    validate_as_uniform(cfg, 1)
+    loader = iter(stock_loader(cfg, train_dataset(cfg, None), 0))
+    m = job.nutp.train.num_microbatches
+    steps = [[dict(next(loader)) for _ in range(m)] for _ in range(cfg.train.train_iters)]
+    torch.save(steps, path)
+    return path
 
 
 def bridge_logged_losses() -> list[float]:
@@ -60,6 +81,36 @@ def bridge_logged_losses() -> list[float]:
 
     bridge_train.training_log = training_log
     return logged
+
+
+class _Seen:
+    """A data iterator that records each micro-batch's tokens as it hands it on."""
+
+    def __init__(self, inner: Any, seen: list[Any]) -> None:
+        self.inner, self.seen = inner, seen
+
+    def __iter__(self) -> _Seen:
+        return self
+
+    def __next__(self) -> Any:
+        batch = next(self.inner)
+        self.seen.append(batch["tokens"].tolist())
+        return batch
+
+
+def tokens_seen() -> list[Any]:
+    """The tokens of every micro-batch this process's Bridge training iterator
+    (``bridge_data.train_iterator``) gives Bridge's ``train()``, recorded by wrapping it."""
+    from nemo_nutp.integrations import bridge_data
+
+    seen: list[Any] = []
+    real = bridge_data.train_iterator
+
+    def train_iterator(*args: Any, **kwargs: Any) -> Any:
+        return _Seen(real(*args, **kwargs), seen)
+
+    bridge_data.train_iterator = train_iterator  # type: ignore[assignment]
+    return seen
 
 
 def uniform_worker(rank: int, world: int, port: int, overrides: list[str], init: str,
@@ -151,10 +202,11 @@ def bridge_worker(rank: int, world: int, port: int, overrides: list[str],
         job = load(overrides)
         plan = build_plan(plan_request(job.nutp))
         logged = bridge_logged_losses()
+        seen = tokens_seen()
         got = train_rank(job, plan, outdir, seed=job.nutp.train.seed)
         reps = _gather_replicas(SimpleNamespace(groups=got["groups"], model=got["model"],
                                                 plan=plan))
-        mine = (logged, got["state"].train_state.consumed_train_samples)
+        mine = (logged, got["state"].train_state.consumed_train_samples, seen, got["replica"])
         every: list[Any] = [None] * world
         torch.distributed.all_gather_object(every, mine)
         resumed = stock = None
@@ -173,6 +225,7 @@ def bridge_worker(rank: int, world: int, port: int, overrides: list[str],
                "param_rel": params, "shares": [r.microbatches for r in plan.replicas],
                "bridge_lm_loss": [e[0] for e in every],
                "consumed_train_samples": [e[1] for e in every],
+               "tokens_seen": [e[2] for e in every], "replica_of": [e[3] for e in every],
                "global_batch_size": job.bridge.train.global_batch_size,
                "saved": got["saved"], "resumed": resumed,
                "stock_loads_bitwise": None if stock is None else (

@@ -2,8 +2,9 @@
 the uniform-layout test.
 
 What Bridge's ``setup()`` does for a recipe with ``dist.use_decentralized_pg``, minus what has no
-CPU path (``initialize_megatron`` asserts CUDA; tokenizer and dataset building are replaced by
-the same synthetic batches the NUTP run gets): Bridge's HyperCommGrid process groups
+CPU path (``initialize_megatron`` asserts CUDA); its data is Bridge's own pipeline
+(``setup_data_iterators`` over its DP group, the recipe's dataset): Bridge's HyperCommGrid
+process groups
 (``initialize._create_pg_collection``), Bridge's seeding, the recipe provider's
 ``provide_distributed_model`` (stock megatron ``GPTModel`` with Bridge's local layer spec where
 TE is absent, megatron's DDP through Bridge's ``_ddp_wrap``), Bridge's ``setup_optimizer``,
@@ -48,6 +49,7 @@ def save_initial(model: Any, root: Path, pgs: Any) -> Path:
 
 def stock_rank(job: Any, out_dir: str, init_root: Path) -> list[dict[str, float]]:
     """Collective: Bridge's stock TPxDP run of ``job.bridge``; returns the per-step record."""
+    from megatron.bridge.data.loaders import setup_data_iterators
     from megatron.bridge.training import initialize as bridge_init
     from megatron.bridge.training import train as bridge_train
     from megatron.bridge.training.checkpointing import create_checkpoint_manager
@@ -61,7 +63,8 @@ def stock_rank(job: Any, out_dir: str, init_root: Path) -> list[dict[str, float]
     )
 
     from nemo_nutp.compat.bridge_cpu import apply_bridge_cpu_patches
-    from nemo_nutp.integrations.bridge_run import batches, recording
+    from nemo_nutp.integrations.bridge_data import dataset_provider
+    from nemo_nutp.integrations.bridge_run import recording
 
     apply_bridge_cpu_patches()
     cfg = job.bridge
@@ -96,9 +99,8 @@ def stock_rank(job: Any, out_dir: str, init_root: Path) -> list[dict[str, float]
     _update_model_config_funcs(model, cfg.model, cfg.ddp, optimizer,
                                align_grad_reduce=cfg.dist.align_grad_reduce, pg_collection=pgs)
     save_initial(model[0], init_root, pgs)
-    dp, dp_rank = pgs.dp.size(), pgs.dp.rank()
+    dp = pgs.dp.size()
     mbs = cfg.train.micro_batch_size
-    per_rank = cfg.train.global_batch_size // (mbs * dp)
     destroy_num_microbatches_calculator()
     init_num_microbatches_calculator(dist.get_rank(), None, cfg.train.global_batch_size, mbs, dp)
 
@@ -108,9 +110,11 @@ def stock_rank(job: Any, out_dir: str, init_root: Path) -> list[dict[str, float]
         return float(t) / dp
 
     record, forward = recording(optimizer, reduce)
-    data = batches(offset=dp_rank * per_rank, count=per_rank, seed=seed, mbs=mbs,
-                   seq_length=cfg.model.seq_length, vocab_size=cfg.model.vocab_size,
-                   steps=cfg.train.train_iters)
+    # Bridge's own data pipeline over its DP group (what setup() builds), the recipe's dataset
+    data, _, _ = setup_data_iterators(cfg=cfg, train_state=state.train_state,
+                                      model_length=len(model),
+                                      train_valid_test_datasets_provider=dataset_provider(
+                                          cfg, pgs), dp_group=pgs.dp)
     bridge_train.train(forward, model, optimizer, scheduler, data, None, state,
                        create_checkpoint_manager(cfg.checkpoint), pgs)
     Path(out_dir, f"stock_rank{dist.get_rank()}.json").write_text(json.dumps(record))

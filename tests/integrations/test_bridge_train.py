@@ -1,8 +1,10 @@
 """A real Bridge recipe (``vanilla_gpt_pretrain_config``), shrunk by a YAML file and CLI
 overrides (dropout 0), trains with NUTP replicas [2,1] (clipping on) through Bridge's own
 ``train()``; every step's loss and grad norm equal a stock single-process megatron-core run of
-the same model and data within 1e-5, and the replicas are bitwise equal at the end; Bridge's own
-printed loss and sample count count every sample once."""
+the same model and data within 1e-5 (the recipe's dataset through Bridge's data pipeline, each
+replica its share of the global batch; the recipe's scheduler weight decay), and the replicas
+are bitwise equal at the end; Bridge's own printed loss and sample count count every sample
+once."""
 
 from __future__ import annotations
 
@@ -32,18 +34,32 @@ def test_bridge_train_nutp_2_1_matches_stock_megatron(tmp_path: Path) -> None:
     from tests._dist import spawn
     from tests.runtime.parity import TENSOR_TOL, run_references
 
-    from .bridge_jobs import bridge_worker, load, reference_case, resume_overrides
+    from .bridge_jobs import (
+        bridge_worker,
+        load,
+        reference_batches,
+        reference_case,
+        resume_overrides,
+    )
 
     root = tmp_path / "bridge_ckpt"
     overrides = ["model.tensor_model_parallel_size=2", "nutp.replicas=[2,1]",
                  f"checkpoint.save={root}"]
     job = load(overrides)
+    assert job.nutp.train.weight_decay == 0.033  # the recipe's (scheduler) weight decay, kept
     saved = job.nutp.train.steps
     steps = saved + AFTER
     resume = resume_overrides(job, root, tmp_path / "resumed", replicas=[1, 1, 1],
                               steps=steps)
-    base = reference_case(job)  # stock megatron: the saved steps, and all steps
-    run_references([base, replace(base, name="bridge_all", steps=steps)], tmp_path)
+    # The recipe's dataset (megatron's MockGPTDataset) as one process trains it (Bridge's own
+    # sampler at one DP rank); the NUTP ranks read it through their replica's share sampler.
+    # After the saved steps nutp-train continues on its synthetic stream, and so does the
+    # reference of all steps (reference.py ``load_batches``).
+    data = reference_batches(overrides, tmp_path / "ref_batches.pt")
+    base = reference_case(job, data)  # stock megatron: the saved steps, and all steps
+    # control: the same reference without weight decay (the NUTP run must be far from it)
+    run_references([base, replace(base, name="bridge_all", steps=steps),
+                    replace(base, name="bridge_no_wd", weight_decay=0.0)], tmp_path)
     spawn(bridge_worker, 3, (overrides, resume), tmp_path)
     r = json.loads((tmp_path / "bridge_result.json").read_text())
     print(json.dumps({k: v for k, v in r.items() if k != "param_rel"}))
@@ -71,6 +87,15 @@ def test_bridge_train_nutp_2_1_matches_stock_megatron(tmp_path: Path) -> None:
         assert _rel(got["grad_norm"], norm) <= TOL, (got, norm)
         assert norm > 0.05  # clipping was active at every step
     assert r["replicas_bitwise_equal"]
+    # Bridge's data pipeline: the samples every rank trained on (tokens of each micro-batch, in
+    # order) are its replica's share of the reference's global batches; TP ranks of a replica
+    # read the same ones.
+    ref_tokens = [[mb["tokens"].tolist() for mb in step] for step in torch.load(data)]
+    for rank, (replica, seen) in enumerate(zip(r["replica_of"], r["tokens_seen"],
+                                               strict=True)):
+        lo = sum(r["shares"][:replica])
+        want = [t for step in ref_tokens for t in step[lo:lo + r["shares"][replica]]]
+        assert seen == want, rank
     # What Bridge itself prints: its lm loss (reduced over pg_collection.dp_cp, every TP rank of
     # every replica, each reporting 1/degree of its micro-batches) and consumed samples count
     # every sample once.

@@ -47,6 +47,8 @@ class Case:
     seed: int = 1234
     pp: int = 1
     zero_redundancy: bool = False  # distributed optimizer: recovery.live_redundancy
+    weight_decay: float = 0.0  # the reference: megatron's constant schedule (wd_mult per group)
+    data: str | None = None  # the reference's batches (reference.py ``load_batches``)
 
 
 def make_plan(case: Case) -> Any:
