@@ -95,7 +95,11 @@ def build_optimizer(model: Any, pgs: Any, *, lr: float, optimizer: str = "adam",
     fp32 master weights (fp16: dynamic loss scaler). ``distributed``
     (``train.distributed_optimizer``): NUTP's ZeRO-1 over the sync owner groups
     (``sync/zero.py``), same update math and checkpoint form; ``redundancy``
-    (``recovery.live_redundancy``): its slices kept twice, for live re-layouts."""
+    (``recovery.live_redundancy``): its slices kept twice, for live re-layouts.
+    ``weight_decay`` is megatron's constant schedule: each parameter group decays by
+    ``weight_decay x wd_mult`` (0 for biases and 1-D parameters), as ``OptimizerParamScheduler``
+    sets it in Megatron-LM's and Bridge's loops; megatron's optimizer alone would decay every
+    group by ``weight_decay``."""
     cfg = OptimizerConfig(optimizer=optimizer, lr=lr, weight_decay=weight_decay,
                           clip_grad=clip_grad, adam_eps=adam_eps,
                           params_dtype=DTYPES[precision], bf16=precision == "bf16",
@@ -105,11 +109,18 @@ def build_optimizer(model: Any, pgs: Any, *, lr: float, optimizer: str = "adam",
     if distributed:
         from ..sync.zero import ZeroOptimizer
 
-        return ZeroOptimizer(model, cfg, redundancy=redundancy)
-    opt = get_megatron_optimizer(cfg, [model], use_gloo_process_groups=False, pg_collection=pgs)
+        return _decay_by_group(ZeroOptimizer(model, cfg, redundancy=redundancy), weight_decay)
+    opt = _decay_by_group(get_megatron_optimizer(cfg, [model], use_gloo_process_groups=False,
+                                                 pg_collection=pgs), weight_decay)
     for inner in getattr(opt, "chained_optimizers", [opt]):
         # Replicated params counted once per TP group (TP rank 0), never via globals.
         inner.tp_group = pgs.tp
+    return opt
+
+
+def _decay_by_group(opt: Any, weight_decay: float) -> Any:
+    for group in opt.param_groups:
+        group["weight_decay"] = weight_decay * group.get("wd_mult", 1.0)
     return opt
 
 

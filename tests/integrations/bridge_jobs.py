@@ -216,13 +216,20 @@ def bridge_worker(rank: int, world: int, port: int, overrides: list[str],
         if rank != 0:
             return
         ref = torch.load(os.path.join(outdir, "ref_bridge.pt"))
-        params = {k: float((v - ref["params"][k]).norm() / ref["params"][k].norm())
-                  for k, v in reps[0].items()}
+
+        def rel(other: dict[str, Any]) -> dict[str, float]:
+            return {k: float((v - other["params"][k]).norm() / other["params"][k].norm())
+                    for k, v in reps[0].items()}
+
+        params = rel(ref)
+        no_wd = Path(outdir, "ref_bridge_no_wd.pt")
+        params_no_wd = rel(torch.load(no_wd)) if no_wd.exists() else {}
         out = {"steps": got["steps"], "ref_losses": ref["losses"],
                "ref_grad_norms": ref["grad_norms"],
                "replicas_bitwise_equal": all(torch.equal(r[k], reps[0][k])
                                              for r in reps[1:] for k in reps[0]),
-               "param_rel": params, "shares": [r.microbatches for r in plan.replicas],
+               "param_rel": params, "param_rel_no_wd": params_no_wd,
+               "shares": [r.microbatches for r in plan.replicas],
                "bridge_lm_loss": [e[0] for e in every],
                "consumed_train_samples": [e[1] for e in every],
                "tokens_seen": [e[2] for e in every], "replica_of": [e[3] for e in every],

@@ -269,6 +269,7 @@ def run_case(case: Case, outdir: str) -> None:
     plan = make_plan(case)
     session = build_session(
         plan, plan.request.model, lr=case.lr, seed=case.seed, optimizer=case.optimizer,
+        weight_decay=case.weight_decay,
         micro_batch_size=case.micro_batch_size, bucket_size=case.bucket_size,
         opts=StepOptions(clip_grad=case.clip_grad),
         precision=Precision(case.precision, initial_loss_scale=case.initial_loss_scale))

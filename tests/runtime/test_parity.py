@@ -68,6 +68,10 @@ THREE = [
     _clip("tp2_tp1_sp_clip", (2, 1), model=dict(gated_mlp=False), sequence_parallel=True,
           global_batch=5),
     _clip("tp2_tp1_bf16_clip", (2, 1), model=GQA_SWIGLU, precision="bf16", global_batch=5),
+    # weight decay (nutp-train's train.weight_decay) as megatron's scheduler applies it: biases
+    # and 1-D parameters not decayed (the reference: megatron's OptimizerParamScheduler)
+    _clip("tp2_tp1_wd_clip", (2, 1), model=dict(gated_mlp=False), global_batch=5,
+          weight_decay=0.1),
     # torch SDPA core attention (model/attention.py; GQA: 2 query groups, 4 heads per TP2
     # rank; no mask tensor) against the stock reference's DotProductAttention
     _clip("tp2_tp1_sdpa_clip", (2, 1), model=dict(GQA_SWIGLU, core_attention="sdpa"),
