@@ -28,7 +28,8 @@ TESTS_312 ?= tests/runtime/test_parity.py tests/runtime/test_attention.py \
 # need (requirements-bridge.txt); its full dependency set does not build here.
 BRIDGE ?= megatron-bridge==0.6.2
 STAMPBRIDGE := $(VENV312)/.bridge-installed
-TESTS_BRIDGE ?= tests/integrations/test_bridge_shim.py tests/integrations/test_bridge_train.py \
+TESTS_BRIDGE ?= tests/integrations/test_bridge_shim.py tests/integrations/test_bridge_data.py \
+	tests/integrations/test_bridge_train.py \
 	tests/integrations/test_bridge_uniform.py tests/integrations/test_bridge_readme.py
 
 .PHONY: demo test test-311 test-312 test-bridge lint venv bench sim clean gpu-check-prepare \

@@ -164,9 +164,11 @@ def bridge_keys(cfg: Any) -> list[str]:
     the plan is made, and validated, by the same schema."""
     from dataclasses import asdict
 
+    from .bridge_data import check_dataset
     from .bridge_run import model_config_of, precision_of
 
     check_precision(cfg)
+    check_dataset(cfg)
     vocab = cfg.model.vocab_size or cfg.tokenizer.vocab_size
     model = model_config_of(cfg.model, vocab_size=int(vocab))
     t = cfg.train
