@@ -9,7 +9,9 @@ trains nothing and decides nothing. It connects to the control process's store
   (a world's ranks on this node: the pickled job config, planned here with the same
   ``build_plan`` and checked against the posted rank -> GPU map), ``join`` (one returning GPU's
   process, ``world._join_main``; the stopped world's plan pickled; logged as the event
-  ``agent_join``), ``kill`` (SIGKILL to the
+  ``agent_join``), ``watch`` (be the node watchdog of a new world: ``aggregate.NodeWatch``
+  over its ranks' heartbeat and stack files, one digest per half-second; the previous world's
+  watchdog stops), ``kill`` (SIGKILL to the
   processes' groups), ``exit`` (kill what is left, leave 0); each answered on ``re<seq>``;
 * **exits**: the main thread waits on its processes' sentinels and appends ``"<id> <code>"`` to
   the job's exit log (``exits``, counter ``exits_n``);
@@ -34,6 +36,7 @@ import threading
 import time
 from datetime import timedelta
 from multiprocessing.connection import wait as wait_sentinels
+from pathlib import Path
 from typing import Any
 
 from .hosts import BEAT_S, agent_key, agent_store
@@ -52,6 +55,8 @@ class Agent:
         self._report_lock = threading.Lock()
         self._ctx = mp.get_context("forkserver")
         self._ctx.set_forkserver_preload(list(PRELOAD))
+        self.watcher = agent_store(host, port, is_master=False, timeout_s=timeout_s)
+        self._watching = 0  # the newest ``watch`` request (older watchdog threads stop)
         self._procs: dict[int, Any] = {}  # id -> multiprocessing process, while it runs
         self._lock = threading.Lock()
         self.done = threading.Event()
@@ -104,6 +109,27 @@ class Agent:
             except (ProcessLookupError, PermissionError):
                 p.kill()
 
+    def _watch(self, op: dict[str, Any]) -> None:
+        """This node's watchdog for a new world: its ranks' files -> one digest per period."""
+        import torch.distributed as dist
+
+        from .aggregate import NODE_POLL_S, NodeWatch
+
+        self._watching += 1
+        mine = self._watching
+        nw = NodeWatch(Path(op["dir"]), op["ranks"], self.node,
+                       dist.PrefixStore(op["prefix"], self.watcher))
+
+        def run() -> None:
+            while self._watching == mine and not self.done.is_set():
+                try:
+                    nw.poll()
+                except Exception:  # a store hiccup: the next period publishes again
+                    pass
+                time.sleep(NODE_POLL_S)
+
+        threading.Thread(target=run, name="nutp-node-watch", daemon=True).start()
+
     def serve(self) -> None:
         """The command thread."""
         seq = 0
@@ -127,6 +153,8 @@ class Agent:
                     reply["pids"] = self._join(op)
                 elif op["op"] == "kill":
                     self._kill(op["ids"])
+                elif op["op"] == "watch":
+                    self._watch(op)
                 elif op["op"] == "exit":
                     self.done.set()
             except Exception as e:  # answered: the control process raises it

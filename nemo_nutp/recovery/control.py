@@ -367,13 +367,17 @@ def handle_grow(store: Any, cfg: Any, w: World, back: frozenset[int], *, rdir: P
     return nw
 
 
-def find_failure(w: World, *, now: float, started: float, rec: Any) -> tuple[Failure | None,
-                                                                             str]:
-    """A dead or hung rank of the running world (the restart path's rules)."""
+def find_failure(w: World, *, now: float, started: float, rec: Any, agg: Any = None
+                 ) -> tuple[Failure | None, str]:
+    """A dead or hung rank of the running world (the restart path's rules). ``agg``: the
+    host's hang aggregator over node digests (``hosts.AgentHost.watch``), else the ranks'
+    files are read here."""
     codes = {r: p.exitcode for r, p in enumerate(w.procs)}
     failure = blame_exits(codes)
     if failure is not None:
         return failure, "exit"
+    if agg is not None:
+        return agg.poll(now), "hang"
     first = w.gen == 0  # stack watcher files are named by world-0 rank
     n = w.plan.world_size
     hb0 = w.hb
@@ -451,6 +455,7 @@ def run_world(cfg: Any, job: Any, plan: Any, failed: frozenset[int], attempt: in
     health_watch = watch.HealthWatch(cfg, job, plan, failed, rdir, console)
     started = next_hang = next_health = time.time()
     seen: frozenset[int] = frozenset()
+    watched: tuple[World | None, Any] = (None, None)  # the world the hang aggregator follows
     while True:
         time.sleep(0.05)
         now = time.time()
@@ -460,7 +465,10 @@ def run_world(cfg: Any, job: Any, plan: Any, failed: frozenset[int], attempt: in
         failure, cause = blame_exits({r: p.exitcode for r, p in enumerate(w.procs)}), "exit"
         if failure is None and now >= next_hang:
             next_hang = now + HANG_POLL_S
-            failure, cause = find_failure(w, now=now, started=started, rec=job.recovery)
+            if watched[0] is not w:  # a new world: the host's node watchdogs follow it
+                watched = (w, host.watch(w, started=started, rec=job.recovery))
+            failure, cause = find_failure(w, now=now, started=started, rec=job.recovery,
+                                          agg=watched[1])
         scale, fell_back = None, False  # fell_back: a boundary re-layout fell back
         if failure is None and job.train.distributed_optimizer:  # no live moves of its slices
             scale = health_watch.poll(now) if w.gen == 0 else None  # yet: planned restart

@@ -9,12 +9,14 @@ every process through the same small handle (``pid``, ``exitcode``, ``kill()``,
   server on this machine (``world.PRELOAD``); a handle is the ``multiprocessing`` process.
 * ``AgentHost`` (Slurm, ``nutp sbatch ... recovery.mode=live``): one node agent per node
   (``recovery/agent.py``, one srun task each) starts and kills its node's processes on
-  request and reports their exits. Requests and reports go through the control process's own
-  store (``agent_store``): per node one command key at a time (``agent<n>/cmd<seq>``, the agent
-  blocks on it), its reply (``agent<n>/re<seq>``), one append-only exit log for the whole job
-  (``exits``, with the counter ``exits_n``: the control process reads it only when the counter
-  moved, one request per poll, O(1)) and each agent's liveness beat (``agent<n>/beat``, read
-  with one ``multi_get`` per ``BEAT_CHECK_S``, O(nodes)): an agent silent for ``AGENT_LOST_S``
+  request, reports their exits and is its node's watchdog for hangs (``watch``: the control
+  loop's hang check reads node digests, O(nodes) per poll, instead of every rank's files).
+  Requests and reports go through the control process's own store (``agent_store``): per node
+  one command key at a time (``agent<n>/cmd<seq>``, the agent blocks on it), its reply
+  (``agent<n>/re<seq>``), one append-only exit log for the whole job (``exits``, with the
+  counter ``exits_n``: the control process reads it only when the counter moved, one request
+  per poll, O(1)) and each agent's liveness beat (``agent<n>/beat``, read with one
+  ``multi_get`` per ``BEAT_CHECK_S``, O(nodes)): an agent silent for ``AGENT_LOST_S``
   lost its node, whose processes then count as dead (exit code ``LOST``).
 
 Guarantees: a handle's ``exitcode`` is None until its process ended (or its node was lost),
@@ -110,6 +112,10 @@ class LocalHost:
             p.kill()
         for p in procs:
             p.join()
+
+    def watch(self, w: Any, *, started: float, rec: Any) -> Any:
+        """No hang aggregator: on one machine the control loop reads the ranks' files."""
+        return None
 
     def close(self) -> None:
         pass
@@ -239,6 +245,28 @@ class AgentHost:
         deadline = time.monotonic() + STOP_TIMEOUT_S
         for p in remote:
             p.join(max(0.0, deadline - time.monotonic()))
+
+    def watch(self, w: Any, *, started: float, rec: Any) -> Any:
+        """The hang check of world ``w`` (``control.World``): each node's agent runs the node
+        watchdog (``aggregate.NodeWatch``) over its ranks' heartbeat and stack files and
+        publishes one digest per ``NODE_POLL_S``; the returned ``aggregate.Aggregator`` reads
+        all digests in one ``multi_get`` per poll (O(nodes)), the details only after a stall.
+        One ``watch`` request per node per world."""
+        import torch.distributed as dist
+
+        from .aggregate import Aggregator, StoreSource, node_ranks, preset
+
+        prefix = f"watch{w.gen}.{self._next_id}/"  # a world of its own (ids are never reused)
+        store = dist.PrefixStore(prefix, self.store)
+        preset(store, self.nodes)
+        for n in range(self.nodes):
+            ranks = node_ranks(w.plan.rank_to_gpu, self.gpus_per_node, n)
+            if ranks and n not in self._lost:
+                self._request(n, {"op": "watch", "prefix": prefix, "dir": str(w.hb),
+                                  "ranks": ranks})
+        return Aggregator(StoreSource(store, self.nodes), w.plan.world_size,
+                          timeout_s=rec.heartbeat_timeout_s,
+                          startup_timeout_s=rec.startup_timeout_s, started_at=started)
 
     def close(self) -> None:
         """The job is over: every agent kills what is left on its node and exits."""

@@ -79,3 +79,34 @@ def test_agent_exits_when_the_control_store_is_gone(monkeypatch: pytest.MonkeyPa
     del store  # the control process is gone
     t.join(timeout=60)
     assert codes == [agent.EXIT_LOST]
+
+
+def test_hang_found_from_the_agents_node_digests(tmp_path, monkeypatch) -> None:
+    """The control loop's hang check under the agents (``AgentHost.watch``): node 0's agent
+    digests its ranks' heartbeat files, the aggregator reads the digests and blames the rank
+    that progressed least once every heartbeat is older than the timeout; nothing before."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(agent, "BEAT_S", 0.05)
+    port = free_port()
+    store = _store(port, True)
+    h = hosts.AgentHost(store, nodes=2, gpus_per_node=4, address="127.0.0.1")
+    node = agent.Agent("127.0.0.1", port, 0, timeout_s=30)
+    threading.Thread(target=node.run, daemon=True).start()
+    now = time.time()
+    for r, step in enumerate([5, 5, 4, 5]):  # rank 2 is behind
+        (tmp_path / f"rank{r}").write_text(f"compute {step} {now - 100:.3f}")
+    w = SimpleNamespace(gen=0, hb=tmp_path, plan=SimpleNamespace(rank_to_gpu=[0, 1, 2, 3],
+                                                                 world_size=4))
+    rec = SimpleNamespace(heartbeat_timeout_s=300.0, startup_timeout_s=600.0)
+    agg = h.watch(w, started=now - 200, rec=rec)
+    deadline = time.monotonic() + 20
+    while agg.last_done is None:  # the digest arrived
+        assert agg.poll(time.time()) is None  # younger than the timeout: no hang
+        assert time.monotonic() < deadline, "no node digest published"
+        time.sleep(0.05)
+    assert agg.last_done == 4
+    agg.timeout_s = 10.0
+    failure = agg.poll(time.time())
+    assert failure is not None and failure.ranks == (2,), failure
+    h.close()
