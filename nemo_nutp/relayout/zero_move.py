@@ -16,10 +16,11 @@ optimizer):
 2. every rank derives the same transfers from that directory (each need's span cut at the
    offers it meets; every element is offered exactly once, a gap — two gone ranks adjacent in
    one ring — raises ``MoveImpossible``); a span held by this rank itself is copied locally.
-3. one exchange (``p2p``): at most one message per ordered pair, each pair posting the lower
-   rank's send first on both sides (NCCL-safe; on NCCL one batched group), the spans of a
-   message sorted by coordinate on both sides; masters and optimizer state of a span travel
-   together (fp32).
+3. rounds of one exchange each (``p2p``): per round at most one message per ordered pair
+   (a pair's spans, sorted by coordinate, cut into messages of ``chunk_bytes`` alike on both
+   sides), each pair posting the lower rank's message first on both sides (NCCL-safe; on NCCL
+   one batched group per round); masters and optimizer state of a span travel together
+   (fp32).
 4. the new optimizer's copies from its primaries (``refresh_backups``: one ring exchange) and
    the parameters from the masters (``publish_params``: the step's own all-gather), so the
    weights are those of the last committed step whatever a survivor's parameter all-gather
@@ -29,7 +30,7 @@ Bytes received equal the lower bound (the new slices' elements this rank did not
 bytes per element) by construction; the copies' refresh is reported beside them. Cost: the
 directory is O(W x spans per rank) per rank (fine on CPU; at 10K ranks it should be computed
 from the plans, ``sync/descriptors.py``, for the few ranks whose slices meet this one's:
-not done); the message buffers hold the moved state at once (no chunking yet).
+not done); message buffers: ``chunk_bytes`` per peer per round.
 """
 
 from __future__ import annotations
@@ -125,8 +126,8 @@ def _view(fields: list[list[torch.Tensor]], where: Where, lo: int, n: int) -> li
 
 
 @torch.no_grad()
-def move_zero(old: Any, new: Any, *, dead: frozenset[int], stage: int, new_stage: int
-              ) -> dict[str, Any]:
+def move_zero(old: Any, new: Any, *, dead: frozenset[int], stage: int, new_stage: int,
+              chunk_bytes: int = 32 << 20) -> dict[str, Any]:
     """Fill ``new`` (the new layout's ``ZeroOptimizer``) from the survivors' ``old`` ones
     (module docstring); ``dead``: old ranks gone (their slices come from the copies).
     Collective over the new world. Returns this rank's figures (``live.move``'s keys)."""
@@ -154,35 +155,36 @@ def move_zero(old: Any, new: Any, *, dead: frozenset[int], stage: int, new_stage
     for ts in pairs.values():
         ts.sort(key=lambda t: (t[2], t[3]))
     local = _copy_local(pairs.pop((me, me), []), offers, needs, src, dst) * n_f * 4
-    # per peer, the lower rank's message first on both sides
-    order = sorted(pairs, key=lambda sd: (sd[1] if sd[0] == me else sd[0], min(sd) != sd[0]))
-    ops, unpack, got, sent = [], [], 0, 0
-    for s, d in order:
-        ts = pairs[(s, d)]
-        buf = torch.empty(sum(t[4] - t[3] for t in ts) * n_f, dtype=torch.float32,
-                          device=device)
-        if s == me:
+    limit = max(1, chunk_bytes // (4 * n_f))  # elements per message and round
+    chunks = {sd: _chunks(ts, limit) for sd, ts in pairs.items()}
+    order = pair_order(list(pairs), me)
+    got = sent = peak = 0
+    for r in range(max((len(c) for c in chunks.values()), default=0)):
+        ops, unpack = [], []
+        for s, d in order:
+            if r >= len(chunks[(s, d)]):
+                continue
+            part = chunks[(s, d)][r]
+            buf = torch.empty(sum(hi - lo for lo, hi, _, _ in part) * n_f,
+                              dtype=torch.float32, device=device)
+            if s == me:
+                _pack_part(buf, part, offers, src)
+                ops.append(p2p.Op("send", buf, d))
+                sent += buf.numel() * 4
+            else:
+                ops.append(p2p.Op("recv", buf, s))
+                unpack.append((buf, part))
+                got += buf.numel() * 4
+        peak = max(peak, sum(op.tensor.numel() * 4 for op in ops))
+        for work in p2p.backend().exchange(ops):
+            work.wait()
+        for buf, part in unpack:
             off = 0
-            for _, _, _, lo, hi, j, _ in ts:
-                (_, a, _), w = offers[j]
-                for y in _view(src[w[0]], w, lo - a, hi - lo):
-                    buf[off:off + hi - lo].copy_(y)
+            for lo, hi, _, i in part:
+                (_, na, _), nw = needs[i]
+                for x in _view(dst, nw, lo - na, hi - lo):
+                    x.copy_(buf[off:off + hi - lo])
                     off += hi - lo
-            ops.append(p2p.Op("send", buf, d))
-            sent += buf.numel() * 4
-        else:
-            ops.append(p2p.Op("recv", buf, s))
-            unpack.append((buf, ts))
-            got += buf.numel() * 4
-    for work in p2p.backend().exchange(ops):
-        work.wait()
-    for buf, ts in unpack:
-        off = 0
-        for _, _, _, lo, hi, _, i in ts:
-            (_, na, _), nw = needs[i]
-            for x in _view(dst, nw, lo - na, hi - lo):
-                x.copy_(buf[off:off + hi - lo])
-                off += hi - lo
     refreshed = new.refresh_backups()
     new.publish_params()
     state = sum(t.numel() * 4 for f in dst for t in f) * (2 if new.redundancy else 1)
@@ -192,9 +194,41 @@ def move_zero(old: Any, new: Any, *, dead: frozenset[int], stage: int, new_stage
     copies = [sp for sp, _ in _spans(new, new_stage, new.backup_segments, "b")]
     bound = got + _uncovered(copies, held) * n_f * 4
     return {"received_bytes": got + refreshed, "lower_bound_bytes": bound,
-            "peak_memory_ratio": (old_state + state + got + sent) / max(1, state),
+            "peak_memory_ratio": (old_state + state + peak) / max(1, state),
             "move_s": time.perf_counter() - t0, "refresh_bytes": refreshed,
             "local_bytes": local}
+
+
+def _chunks(ts: list[Any], limit: int) -> list[list[tuple[int, int, int, int]]]:
+    """A pair's transfers (sorted) cut into messages of at most ``limit`` elements each,
+    ``(lo, hi, offer index, need index)``; both sides cut the same list alike."""
+    out: list[list[tuple[int, int, int, int]]] = [[]]
+    room = limit
+    for _, _, _, lo, hi, j, i in ts:
+        while lo < hi:
+            if room == 0:
+                out.append([])
+                room = limit
+            n = min(room, hi - lo)
+            out[-1].append((lo, lo + n, j, i))
+            lo, room = lo + n, room - n
+    return out if out[0] else []
+
+
+def _pack_part(buf: torch.Tensor, part: list[tuple[int, int, int, int]], offers: list[Any],
+               src: dict[str, list[list[torch.Tensor]]]) -> None:
+    off = 0
+    for lo, hi, j, _ in part:
+        (_, a, _), w = offers[j]
+        for y in _view(src[w[0]], w, lo - a, hi - lo):
+            buf[off:off + hi - lo].copy_(y)
+            off += hi - lo
+
+
+def pair_order(pairs: list[tuple[int, int]], me: int) -> list[tuple[int, int]]:
+    """This rank's messages ``(src, dst)`` in posting order: by peer, and with each peer the
+    lower rank's message first, on both sides (NCCL's in-order pair semantics)."""
+    return sorted(pairs, key=lambda sd: (sd[1] if sd[0] == me else sd[0], min(sd) != sd[0]))
 
 
 def _copy_local(ts: list[Any], offers: list[Any], needs: list[Any],
