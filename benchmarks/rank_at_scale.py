@@ -11,7 +11,7 @@ large-grad checks do not apply), then ``--steps`` steps of the per-step control 
 
 * the engine's per-step bookkeeping (``reset``, ``mark_ready`` per parameter in backward order,
   ``finish``: descriptors walked, buffers sliced, collectives and p2p launched on the fake
-  backend; the copies are free on ``meta``, the norm's per-piece kernels are counted, not
+  backend; the copies are free on ``meta``, the norm's fused reductions are counted, not
   timed — torch runs them as Python reference kernels on ``meta``), the step metrics
   reduction of ``train/loop.py``
   (``_gather_times``: one O(replicas) all-reduce and its host read) and the rank's heartbeat
@@ -196,16 +196,25 @@ def one(world: int, pp: int, kind: str, steps: int, staging: float | None = None
     engine = GradSyncEngine(plan, groups, params, bucket_size=DEFAULT_BUCKET_SIZE, **kw)
     engine.warm_up()
     setup_s = time.perf_counter() - t0
-    # The norm's per-piece kernels are device work (one launch each on a GPU); on ``meta``
-    # they run torch's Python reference kernels (~ms each), which is no part of the control
-    # code: counted (``norm_kernels_per_step``), not timed.
-    kernels = [0]
+    # The norm's reductions are device work (a few launches each on a GPU: one fused
+    # foreach sum of squares per bucket, ``sync/norm.py``); on ``meta`` they run torch's
+    # Python reference kernels (~ms per tensor), which is no part of the control code:
+    # counted (``norm_kernels_per_step``: reductions; ``norm_pieces_per_step``: the tensors
+    # they cover, each one reduction before the fused kernels), not timed.
+    kernels = [0, 0]
 
     def sumsq(t: torch.Tensor) -> torch.Tensor:
         kernels[0] += 1
+        kernels[1] += 1
         return torch.empty((), dtype=torch.float64, device=t.device)
 
+    def sumsqs(ts: list[torch.Tensor]) -> torch.Tensor:
+        kernels[0] += 1
+        kernels[1] += len(ts)
+        return torch.empty(len(ts), dtype=torch.float64, device=ts[0].device)
+
     norm_mod.sumsq = sumsq  # type: ignore[assignment]
+    norm_mod.sumsqs = sumsqs  # type: ignore[assignment]
     model = SimpleNamespace(parameters=lambda: iter([torch.zeros(1)]))
     session = SimpleNamespace(plan=plan, groups=groups, model=model)
     times = {"compute_s": 1.0, "sync_s": 0.1, "optimizer_s": 0.05}
@@ -237,6 +246,7 @@ def one(world: int, pp: int, kind: str, steps: int, staging: float | None = None
             "staging_bytes": engine.staging_bytes,
             "rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "norm_kernels_per_step": kernels[0] // steps,
+            "norm_pieces_per_step": kernels[1] // steps,
             "buckets": buckets, "messages": messages}
 
 

@@ -130,6 +130,7 @@ class GradSyncEngine:
         # sets this and calls ``release_buckets`` once it has taken its slices.
         self.keep_buckets = False
         self.scattering = False  # see use_reduce_scatter
+        self._scattered: norm.Scattered | None = None  # its norm plan, made at first use
         self.sumsq_slots: torch.Tensor | None = None
         # Sync buffers beyond megatron's DDP (which reduces its grad buffer in place), bytes:
         # bucket and message buffers, reduce-scatter slices, the norm vector; measured at the
@@ -186,6 +187,7 @@ class GradSyncEngine:
             b = Bucket(spec, self._group(spec.key))
             for pc in spec.pieces:
                 self.order[pc.param].pieces.append((b, pc))
+            b.norm = norm.bucket_plan(b, self.order, self.ctx.tp_rank)  # slots assigned
             out.append(b)
         return out
 
@@ -331,6 +333,7 @@ class GradSyncEngine:
         for b, sl in zip(self.buckets, slices, strict=True):
             b.scatter = sl
         self.scattering = True
+        self._scattered = None
         self.shared = []
 
     def _post(self, e: Param) -> None:
@@ -391,20 +394,15 @@ class GradSyncEngine:
             b.work = None
         assert b.buf is not None
         if b.scatter is None:
-            sumsq = self._tp_buffer(b.buf.device)[:self.n_slots]
+            # the pieces' sums of squares into their slots, all at once (norm.py)
+            norm.add_bucket(b, b.norm, self._tp_buffer(b.buf.device)[:self.n_slots])
             for pc in b.spec.pieces:
                 e = self.order[pc.param]
                 seg = b.buf[pc.offset:pc.offset + pc.numel]
-                if e.kind is None:  # replicated: back into the gradient; norm at TP rank 0
-                    grad = e.param.main_grad  # type: ignore[attr-defined]
+                if e.kind is None:  # replicated: back into the gradient
                     if not b.alias:
-                        grad.view(-1).copy_(seg)
-                    if self.ctx.tp_rank == 0:
-                        sumsq[e.slot] = norm.sumsq(grad)
+                        e.param.main_grad.view(-1).copy_(seg)  # type: ignore[attr-defined]
                     continue
-                # a shard cut over several buckets adds its parts in launch order (the same
-                # on every owner)
-                sumsq[e.slot + pc.k] += norm.sumsq(seg)
                 lo, hi = max(pc.lo, e.units[0]), min(pc.hi, e.units[1])  # type: ignore[index]
                 if hi > lo and not b.alias:
                     u = e.numel_unit
@@ -508,13 +506,15 @@ class GradSyncEngine:
 
     def _finish_scattered(self, sumsq: torch.Tensor) -> None:
         """Reduce-scatter mode: wait; each piece's sum of squares from its members' slices
-        (``norm.scattered``)."""
+        (``norm.Scattered``)."""
         self.reshard.wait_sent()
         for b in self.buckets:
             if b.work is not None:
                 b.work.wait()
                 b.work = None
-        norm.scattered(self.order, self.buckets, sumsq, self.ctx.tp_rank)
+        if self._scattered is None:
+            self._scattered = norm.Scattered(self.order, self.buckets, self.ctx.tp_rank)
+        self._scattered(sumsq)
 
     def warm_up(self) -> None:
         """Initialise every communicator the sync uses now, not lazily inside step 0 under the

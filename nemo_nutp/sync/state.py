@@ -31,6 +31,7 @@ class Bucket:
     out: torch.Tensor | None = None  # reduce-scatter: my reduced slice (chunk elements)
     retired: bool = False  # reduced, written back and its buffer freed (this step)
     alias: bool = False  # buf is a view of the gradient itself (reduced in place)
+    norm: Any = None  # which pieces count in this rank's norm slots (norm.bucket_plan)
 
 
 @dataclass(eq=False)

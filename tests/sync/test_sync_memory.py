@@ -53,14 +53,17 @@ def never_complete() -> Iterator[list[int]]:
     work completes before its ``wait``; yields a counter of the waits on unfinished works."""
     with recording():
         fake = engine_mod.dist
-        saved = fake.all_reduce, fake.reduce_scatter_tensor, norm_mod.sumsq
+        saved = fake.all_reduce, fake.reduce_scatter_tensor, norm_mod.sumsq, norm_mod.sumsqs
         fake.all_reduce = fake.reduce_scatter_tensor = lambda *a, **k: _Pending()
         # the norm's kernels run as Python reference kernels on ``meta`` (slow, no data)
         norm_mod.sumsq = lambda t: torch.empty((), dtype=torch.float64, device=t.device)
+        norm_mod.sumsqs = lambda ts: torch.empty(len(ts), dtype=torch.float64,
+                                                 device=ts[0].device)
         try:
             yield []
         finally:
-            fake.all_reduce, fake.reduce_scatter_tensor, norm_mod.sumsq = saved
+            (fake.all_reduce, fake.reduce_scatter_tensor, norm_mod.sumsq,
+             norm_mod.sumsqs) = saved
 
 
 def _plan(pp: int, sync_layout: str) -> Any:
