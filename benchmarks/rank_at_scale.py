@@ -54,7 +54,7 @@ ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "runs" / "bench" / "rank_at_scale.json"
 
 
-def _plan(world: int, pp: int, *, full: bool = False) -> Any:
+def _plan(world: int, pp: int, *, full: bool = False, layout: str = "refine") -> Any:
     """The job's plan: one layer per stage, or (``full``) llama3_70b's 80 layers."""
     import yaml
 
@@ -66,7 +66,8 @@ def _plan(world: int, pp: int, *, full: bool = False) -> Any:
     model = ModelConfig(**{**raw, "num_layers": layers, "seq_length": 256})
     return build_plan(PlanRequest(
         cluster=ClusterSpec(num_gpus=world, domain_size=8, gpus_per_node=8), model=model,
-        parallel=ParallelSpec(tp_base=8, pp=pp), health=HealthReport(failed_gpus=(7,)),
+        parallel=ParallelSpec(tp_base=8, pp=pp, sync_layout=layout),
+        health=HealthReport(failed_gpus=(7,)),
         global_batch=world // 8 * 2))
 
 
@@ -162,8 +163,8 @@ def _heartbeat_files(hb_dir: Path, world: int) -> None:
             + "\n")
 
 
-def one(world: int, pp: int, kind: str, steps: int, staging: float | None = None
-        ) -> dict[str, Any]:
+def one(world: int, pp: int, kind: str, steps: int, staging: float | None = None,
+        layout: str = "refine") -> dict[str, Any]:
     """One (W, pp, rank kind) in this process."""
     import torch
     import torch.distributed as dist
@@ -176,7 +177,7 @@ def one(world: int, pp: int, kind: str, steps: int, staging: float | None = None
     from nemo_nutp.sync.shapes import stage_parameters
 
     t0 = time.perf_counter()
-    plan = _plan(world, pp)
+    plan = _plan(world, pp, layout=layout)
     rank = _rank(plan, kind)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=plan.world_size)
     calls = [0]
@@ -221,15 +222,17 @@ def one(world: int, pp: int, kind: str, steps: int, staging: float | None = None
     with tempfile.TemporaryDirectory() as tmp:
         hb = Path(tmp)
         cpu, wall = _control_steps(engine, session, times, hb / f"rank{rank}", steps)
+        norm_calls, norm_pieces = kernels  # the timed steps' only (not the runs below)
         _heartbeat_files(hb, plan.world_size)
         poll, agg_poll, agg_blame = watchdog_poll(hb, plan.world_size, time.time(), rank)
     fp32 = sum(p.numel() for _, p in params) * 4
     worst = engine.peak_bytes  # fake works never report completion: retired only in finish
     prompt = _peak_if_prompt(engine, engine_mod)
     buckets, messages = len(engine.buckets), len(engine.out_msgs) + len(engine.in_msgs)
-    full = _full_stage_memory(world, pp, rank, groups_mod, engine_mod, kw)
+    full = _full_stage_memory(world, pp, rank, groups_mod, engine_mod, kw, layout)
     dist.destroy_process_group()
     return {"world": world, "plan_ranks": plan.world_size, "pp": pp, "tp": 8, "rank": rank,
+            "sync_layout": layout,
             "rank_kind": kind, "degree": engine.ctx.degree, "setup_s": setup_s,
             "new_group_calls": calls[0],
             "control_s_per_step": min(sum(x) for x in cpu),
@@ -245,8 +248,8 @@ def one(world: int, pp: int, kind: str, steps: int, staging: float | None = None
             **full,
             "staging_bytes": engine.staging_bytes,
             "rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "norm_kernels_per_step": kernels[0] // steps,
-            "norm_pieces_per_step": kernels[1] // steps,
+            "norm_kernels_per_step": norm_calls // steps,
+            "norm_pieces_per_step": norm_pieces // steps,
             "buckets": buckets, "messages": messages}
 
 
@@ -275,14 +278,14 @@ def _control_steps(engine: Any, session: Any, times: dict[str, float], hb_file: 
 
 
 def _full_stage_memory(world: int, pp: int, rank: int, groups_mod: Any, engine_mod: Any,
-                       kw: dict[str, Any]) -> dict[str, Any]:
+                       kw: dict[str, Any], layout: str) -> dict[str, Any]:
     """The same rank's engine over its real stage (llama3_70b's 80 layers / pp, on ``meta``:
     no memory, no arithmetic), one step: peak sync bytes beside its fp32 gradient bytes (the
     one-layer model above makes every bucket a larger fraction of the rank than it is)."""
     from nemo_nutp.sync.engine import DEFAULT_BUCKET_SIZE, GradSyncEngine
     from nemo_nutp.sync.shapes import stage_parameters
 
-    plan = _plan(world, pp, full=True)
+    plan = _plan(world, pp, full=True, layout=layout)
     params = stage_parameters(plan, rank)
     groups = groups_mod.build_groups(plan)
     engine = GradSyncEngine(plan, groups, params, bucket_size=DEFAULT_BUCKET_SIZE, **kw)
@@ -361,6 +364,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--staging-buckets", type=float, default=None,
                     help="the engine's staging window in buckets (default: the engine's)")
+    ap.add_argument("--sync-layout", choices=["refine", "base"], default="refine",
+                    help="parallel.sync_layout of the planned job (default: refine)")
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--one", nargs=3, metavar=("W", "PP", "KIND"), help=argparse.SUPPRESS)
     ap.add_argument("--aggregator", nargs=4, help=argparse.SUPPRESS)
@@ -372,7 +377,7 @@ def main() -> None:
         return
     if a.one:
         print("RESULT " + json.dumps(one(int(a.one[0]), int(a.one[1]), a.one[2], a.steps,
-                                         a.staging_buckets)))
+                                         a.staging_buckets, a.sync_layout)))
         return
     runs = []
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -383,7 +388,8 @@ def main() -> None:
                 extra = ([] if a.staging_buckets is None
                          else ["--staging-buckets", str(a.staging_buckets)])
                 p = subprocess.run([sys.executable, __file__, "--one", str(w), str(pp), kind,
-                                    "--steps", str(a.steps), *extra], env=env,
+                                    "--steps", str(a.steps), "--sync-layout", a.sync_layout,
+                                    *extra], env=env,
                                    capture_output=True, text=True, check=False)
                 line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
                 if p.returncode or not line:

@@ -121,6 +121,7 @@ class GradSyncEngine:
         self.reshard = Reshard(self.order, self.sync, ctx.rank, self.bucket_size, self._alloc)
         self.out_msgs, self.in_msgs = self.reshard.out_msgs, self.reshard.in_msgs
         self.pairs = self.reshard.pairs
+        self._msg_numel = sum(m.spec.numel for m in self.out_msgs + self.in_msgs)
         # Replicated gradients the leader shares with its TP group (no sequence parallelism):
         # they ride in the grad-norm all-reduce, the others adding zeros (exact).
         self.shared = ([e for e in self.order if e.kind is None]
@@ -270,13 +271,13 @@ class GradSyncEngine:
         """Stage the buckets whose parameters are all posted, in launch order, launching each:
         a bucket's pieces are copied from the (scaled) gradients only then, so no bucket sits
         half-filled while later parameters are computed. A new staging buffer is taken only
-        while the staged buffers alive stay within ``staging_bytes``; else the oldest launched
-        bucket is retired first — from the hooks (``block=False``) only if already complete
+        while the staged buffers alive stay within the window (``_window``); else the oldest
+        launched bucket is retired first — from the hooks (``block=False``) only if already complete
         (else staging stops until the next hook), in ``finish`` by waiting for it. Only
         launched buckets are waited for, all of them before (in the one global launch order)
         every bucket not yet launched, so no two ranks wait on each other in a cycle; the
         reshard sends are posted (``_post``/``_advance``) whatever the staging does. If
-        nothing is launched the buffer is taken anyway (a bucket larger than the window)."""
+        nothing is staged the buffer is taken anyway (a bucket larger than the window)."""
         while self.staged < len(self.buckets):
             b = self.buckets[self.staged]
             if b.spec.ready_at >= self.posted:
@@ -284,11 +285,11 @@ class GradSyncEngine:
             if not self._aliasable(b):
                 grad = self.order[b.spec.ready_at].param.main_grad  # type: ignore[attr-defined]
                 need = self._buffer_bytes(b, grad)
-                while self._staging + need > self.staging_bytes:
+                while self._staging + need > self._window(grad):
                     if self.launched < self.staged:
                         self._launch_ready(block=block)
                     if self.retired == self.launched:
-                        if block:
+                        if block or not self._staging:
                             break  # nothing to wait for: over the window, to make progress
                         return
                     oldest = self.buckets[self.retired]
@@ -301,6 +302,13 @@ class GradSyncEngine:
             self.staged += 1
             self._launch_ready(block=block)
             self._retire(block=False)
+
+    def _window(self, grad: torch.Tensor) -> int:
+        """Bytes the staged buckets may take: ``staging_bytes`` less the reshard messages',
+        which live from their first piece to the way back in ``finish`` (``base`` layout,
+        degraded replicas), so that the two together stay within the window even if no
+        collective completes before ``finish``; one bucket is staged whatever it is."""
+        return max(0, self.staging_bytes - self._msg_numel * grad.element_size())
 
     def _fill(self, e: Param, b: Bucket, pc: Piece) -> None:
         """Stage one piece: copy it from the (scaled) gradient into its bucket, or alias the

@@ -62,6 +62,7 @@ class Slots:
     bits on every rank); the index tensors are made once per device, not per step."""
 
     def __init__(self, pairs: Sequence[tuple[int, int]]) -> None:
+        self.pairs = list(pairs)
         seen: dict[int, int] = {}
         self.passes: list[tuple[list[int], list[int]]] = []
         for row, slot in pairs:

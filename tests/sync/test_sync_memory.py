@@ -7,8 +7,9 @@ step driven as megatron drives it, its collectives stubbed so that *none ever co
 before it is waited for* (the worst case: nothing can be retired from the hooks). The engine's
 own accounting (``peak_bytes``: every bucket, message and norm buffer at allocation) must stay
 within 0.25x the rank's fp32 gradient bytes (plus, in the ``base`` sync layout, the reshard
-messages kept for the way back: 0.10-0.125x on a TP7 rank); before the staging window it was
-1.0x.
+messages kept for the way back: 0.07-0.125x on a TP7 rank; they share the staging window, so
+the two together stay within the window or one bucket beside them); before the staging window
+it was 1.0x.
 """
 
 from __future__ import annotations
@@ -108,8 +109,14 @@ def test_peak_sync_bytes_within_a_quarter_of_the_gradients(pp: int, sync_layout:
                 # the reverse) stay alive for the way back in finish, beside the window
                 messages = sum(m.spec.numel * 4 for m in eng.out_msgs + eng.in_msgs)
                 assert (messages == 0) == (sync_layout == "refine" or len(ranks) == 8), rank
-                window = eng.staging_bytes + max(_nbytes_bucket(b) for b in eng.buckets)
-                assert 0 < peak <= window + messages + 8 * (eng.n_slots + 10 ** 6), rank
+                big = max(_nbytes_bucket(b) for b in eng.buckets)
+                slots = 8 * (eng.n_slots + 10 ** 6)
+                assert 0 < peak <= eng.staging_bytes + big + messages + slots, rank
+                # the messages share the staging window (engine._window): together they stay
+                # within it, or within one bucket beside the messages (before: the window
+                # beside the messages, 0.30x on the last PP4 stage's TP7 rank)
+                assert peak <= max(eng.staging_bytes, big + messages) + slots, (
+                    rank, peak / fp32, messages / fp32, eng.staging_bytes / fp32)
                 if stage in (0, pp - 1):
                     assert peak <= 0.25 * fp32 + messages, (rank, peak / fp32, messages / fp32)
     assert kinds[True] and kinds[False]  # a degraded (TP7) and a healthy replica stage
