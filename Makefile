@@ -82,6 +82,7 @@ test-bridge: $(STAMPBRIDGE)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/plan_scale.py
+	$(BIN)/python benchmarks/norm_kernels.py
 
 sim: $(STAMP)
 	$(BIN)/nutp simulate sim=paper_32k
@@ -95,7 +96,8 @@ sim: $(STAMP)
 # GPU checks (never needed by CI; README "What is verified where"). On a CPU machine with
 # network: gather the wheels (< 64 MiB, .gpu-check/, ignored). On the GPU machine (Python 3.12
 # with its own torch, no network): install them beside that torch, run the gpu-marked tests
-# (< 8 min), write runs/gpu_check/gpu_check.json + .log ($$GPU_CHECK_OUT); skips without CUDA.
+# (< 8 min; tests/gpu/test_nccl.py's NCCL runs need 2, 3 or 5 GPUs and skip below), write
+# runs/gpu_check/gpu_check.json + .log ($$GPU_CHECK_OUT); skips without CUDA.
 gpu-check-prepare: $(STAMP312)
 	$(PY) tests/gpu/check.py prepare --python $(VENV312)/bin/python
 

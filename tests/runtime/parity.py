@@ -155,7 +155,7 @@ def _shards(model: torch.nn.Module, *, grads: bool = False
         if getattr(p, "nutp_tied_copy", False):
             key = "tied_copy:" + key
         out[key] = (getattr(p, "nutp_kind", None), getattr(p, "nutp_units", None),
-                    t.detach().float().clone().view(p.shape))
+                    t.detach().float().cpu().clone().view(p.shape))  # (CUDA: gathered on CPU)
     return out
 
 
@@ -260,7 +260,9 @@ def _compare(case: Case, got: dict[str, Any], ref: dict[str, Any]) -> dict[str, 
     }
 
 
-def run_case(case: Case, outdir: str) -> None:
+def run_case(case: Case, outdir: str, device: torch.device | None = None) -> None:
+    """One case on this world (``device``: the rank's GPU under NCCL, tests/gpu/test_nccl.py;
+    default CPU)."""
     import torch.distributed as dist
 
     from nemo_nutp.train.session import Precision, build_session
@@ -272,7 +274,8 @@ def run_case(case: Case, outdir: str) -> None:
         weight_decay=case.weight_decay,
         micro_batch_size=case.micro_batch_size, bucket_size=case.bucket_size,
         opts=StepOptions(clip_grad=case.clip_grad),
-        precision=Precision(case.precision, initial_loss_scale=case.initial_loss_scale))
+        precision=Precision(case.precision, initial_loss_scale=case.initial_loss_scale),
+        device=device)
     _apply_control(session, case.control)
     got = _train(case, session)
     megatron = _megatron_ddp(case, session) if case.vs_megatron_ddp else None
