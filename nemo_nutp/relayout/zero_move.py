@@ -12,7 +12,9 @@ optimizer):
 
 1. offers: each survivor's old primary slices, and the copies it keeps of the slices of ranks
    that are gone (dead, or left out by the new plan), as global-coordinate spans; needs: the
-   spans of its new slices. One ``all_gather_object`` of both lists over the new world.
+   spans of its new slices and of the new copies it keeps, less what it held itself (its old
+   primaries and copies: copied locally). One ``all_gather_object`` of both lists over the new
+   world.
 2. every rank derives the same transfers from that directory (each need's span cut at the
    offers it meets; every element is offered exactly once, a gap — two gone ranks adjacent in
    one ring — raises ``MoveImpossible``); a span held by this rank itself is copied locally.
@@ -21,13 +23,13 @@ optimizer):
    sides), each pair posting the lower rank's message first on both sides (NCCL-safe; on NCCL
    one batched group per round); masters and optimizer state of a span travel together
    (fp32).
-4. the new optimizer's copies from its primaries (``refresh_backups``: one ring exchange) and
-   the parameters from the masters (``publish_params``: the step's own all-gather), so the
+4. the parameters from the masters (``publish_params``: the step's own all-gather), so the
    weights are those of the last committed step whatever a survivor's parameter all-gather
-   had reached when the world stopped.
+   had reached when the world stopped. A new copy and its new primary come from the same old
+   holder: bit for bit equal.
 
-Bytes received equal the lower bound (the new slices' elements this rank did not hold, x
-bytes per element) by construction; the copies' refresh is reported beside them. Cost: the
+Bytes received equal the lower bound (the elements of its new slices and copies this rank did
+not hold, x 4 bytes x fields) by construction. Cost: the
 directory is O(W x spans per rank) per rank (fine on CPU; at 10K ranks it should be computed
 from the plans, ``sync/descriptors.py``, for the few ranks whose slices meet this one's:
 not done); message buffers: ``chunk_bytes`` per peer per round.
@@ -113,7 +115,7 @@ def _init_state(new: Any, step: int) -> None:
     """The new optimizer's state entries (filled by the move), as a stepped optimizer has."""
     if not step:
         return
-    for m in new.masters:
+    for m in (*new.masters, *new.backups):
         st = new.optimizer.state[m]
         for k in new._state_keys():
             st[k] = torch.zeros_like(m.data)
@@ -138,23 +140,28 @@ def move_zero(old: Any, new: Any, *, dead: frozenset[int], stage: int, new_stage
     step = _common_step(old, device)
     offers = _spans(old, stage, old.segments, "p") + _spans(
         old, stage, old.backup_segments, "b", only=lambda i: old.slices[i].pred in dead)
-    needs = _spans(new, new_stage, new.segments, "p")
+    _init_state(new, step)
+    src = {"p": old._fields(old.masters), "b": old._fields(old.backups)}
+    dst = {"p": new._fields(new.masters), "b": new._fields(new.backups)}
+    n_f = len(dst["p"][0]) if dst["p"] else 1
+    if src["p"] and len(src["p"][0]) != n_f:
+        raise RuntimeError("relayout: old and new optimizer keep different state fields")
+    # what this rank held itself (its primaries and all its copies) is copied here; only the
+    # rest is asked for: received bytes == the lower bound
+    held = _spans(old, stage, old.segments, "p") + _spans(old, stage, old.backup_segments, "b")
+    wanted = _spans(new, new_stage, new.segments, "p") + _spans(new, new_stage,
+                                                                 new.backup_segments, "b")
+    needs, local = _take_local(wanted, held, src, dst)
     dirs: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(dirs, ([s for s, _ in offers], [s for s, _ in needs]))
     me = dist.get_rank()
     moves = [t for t in _transfers(dirs) if me in (t[0], t[1])]
-    _init_state(new, step)
-    src = {"p": old._fields(old.masters), "b": old._fields(old.backups)}
-    dst = new._fields(new.masters)
-    n_f = len(dst[0]) if dst else 1
-    if src["p"] and len(src["p"][0]) != n_f:
-        raise RuntimeError("relayout: old and new optimizer keep different state fields")
+    assert all(t[0] != t[1] for t in moves), "a span held here is asked for"
     pairs: dict[tuple[int, int], list[Any]] = defaultdict(list)
     for t in moves:
         pairs[(t[0], t[1])].append(t)
     for ts in pairs.values():
         ts.sort(key=lambda t: (t[2], t[3]))
-    local = _copy_local(pairs.pop((me, me), []), offers, needs, src, dst) * n_f * 4
     limit = max(1, chunk_bytes // (4 * n_f))  # elements per message and round
     chunks = {sd: _chunks(ts, limit) for sd, ts in pairs.items()}
     order = pair_order(list(pairs), me)
@@ -182,21 +189,18 @@ def move_zero(old: Any, new: Any, *, dead: frozenset[int], stage: int, new_stage
             off = 0
             for lo, hi, _, i in part:
                 (_, na, _), nw = needs[i]
-                for x in _view(dst, nw, lo - na, hi - lo):
+                for x in _view(dst[nw[0]], nw, lo - na, hi - lo):
                     x.copy_(buf[off:off + hi - lo])
                     off += hi - lo
-    refreshed = new.refresh_backups()
+    for b in new.backups if step else ():  # the copies' step, as a stepped optimizer has
+        new.optimizer.state[b]["step"] = torch.tensor(float(step))
     new.publish_params()
-    state = sum(t.numel() * 4 for f in dst for t in f) * (2 if new.redundancy else 1)
+    state = sum(t.numel() * 4 for fs in dst.values() for f in fs for t in f)
     old_state = sum(t.numel() * 4 for fs in src.values() for f in fs for t in f)
-    held = [sp for sp, _ in _spans(old, stage, old.segments, "p")] + \
-        [sp for sp, _ in _spans(old, stage, old.backup_segments, "b")]
-    copies = [sp for sp, _ in _spans(new, new_stage, new.backup_segments, "b")]
-    bound = got + _uncovered(copies, held) * n_f * 4
-    return {"received_bytes": got + refreshed, "lower_bound_bytes": bound,
+    bound = sum(b - a for (_, a, b) in (s for s, _ in needs)) * n_f * 4
+    return {"received_bytes": got, "lower_bound_bytes": bound,
             "peak_memory_ratio": (old_state + state + peak) / max(1, state),
-            "move_s": time.perf_counter() - t0, "refresh_bytes": refreshed,
-            "local_bytes": local}
+            "move_s": time.perf_counter() - t0, "local_bytes": local * n_f * 4}
 
 
 def _chunks(ts: list[Any], limit: int) -> list[list[tuple[int, int, int, int]]]:
@@ -231,29 +235,37 @@ def pair_order(pairs: list[tuple[int, int]], me: int) -> list[tuple[int, int]]:
     return sorted(pairs, key=lambda sd: (sd[1] if sd[0] == me else sd[0], min(sd) != sd[0]))
 
 
-def _copy_local(ts: list[Any], offers: list[Any], needs: list[Any],
-                src: dict[str, list[list[torch.Tensor]]], dst: list[list[torch.Tensor]]) -> int:
-    """Spans this rank offers and needs itself; returns the elements copied."""
-    n = 0
-    for _, _, _, lo, hi, j, i in ts:
-        (_, a, _), w = offers[j]
-        (_, na, _), nw = needs[i]
-        for x, y in zip(_view(dst, nw, lo - na, hi - lo), _view(src[w[0]], w, lo - a, hi - lo),
-                        strict=True):
-            x.copy_(y)
-        n += hi - lo
-    return n
-
-
-def _uncovered(spans: list[Span], held: list[Span]) -> int:
-    """Elements of ``spans`` outside ``held`` (a rank's own old primaries and copies)."""
-    by: dict[Key, list[tuple[int, int]]] = defaultdict(list)
-    for key, a, b in held:
-        by[key].append((a, b))
-    n = 0
-    for key, a, b in spans:
-        cover = 0
-        for x, y in by.get(key, ()):
-            cover += max(0, min(b, y) - max(a, x))
-        n += (b - a) - cover
-    return n
+def _take_local(wanted: list[tuple[Span, Where]], held: list[tuple[Span, Where]],
+                src: dict[str, list[list[torch.Tensor]]],
+                dst: dict[str, list[list[torch.Tensor]]]
+                ) -> tuple[list[tuple[Span, Where]], int]:
+    """Copy the parts of ``wanted`` this rank ``held`` (old primaries and copies); returns the
+    rest (to be received) and the elements copied."""
+    by: dict[Key, list[tuple[int, int, Where]]] = defaultdict(list)
+    for (key, a, b), w in held:
+        by[key].append((a, b, w))
+    for v in by.values():
+        v.sort(key=lambda x: x[0])
+    starts = {k: [x[0] for x in v] for k, v in by.items()}
+    rest: list[tuple[Span, Where]] = []
+    copied = 0
+    for (key, a, b), nw in wanted:
+        v, at = by.get(key, []), a
+        k = max(0, bisect.bisect_right(starts.get(key, []), a) - 1)
+        while at < b:
+            while k < len(v) and v[k][1] <= at:
+                k += 1
+            if k == len(v) or v[k][0] >= b:  # nothing held from ``at`` on
+                rest.append(((key, at, b), (nw[0], nw[1], nw[2] + at - a)))
+                break
+            ha, hb, hw = v[k]
+            if ha > at:  # a gap before the next held span
+                rest.append(((key, at, ha), (nw[0], nw[1], nw[2] + at - a)))
+                at = ha
+            n = min(b, hb) - at
+            for x, y in zip(_view(dst[nw[0]], nw, at - a, n), _view(src[hw[0]], hw, at - ha, n),
+                            strict=True):
+                x.copy_(y)
+            copied += n
+            at += n
+    return rest, copied

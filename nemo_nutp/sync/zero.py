@@ -354,26 +354,6 @@ class ZeroOptimizer:
         return chunks
 
     @torch.no_grad()
-    def refresh_backups(self) -> int:
-        """Every copy from its primary (master and optimizer state): one ring exchange over
-        the sync groups; after a checkpoint load or a live move. Collective; returns the
-        bytes received."""
-        if not self.redundancy:
-            return 0
-        step = self._step()
-        got = self._ring(self._pack(self._fields(self.masters), self.segments,
-                                    [(sl.start, sl.stop) for sl in self.slices]))
-        mine = self._fields(self.backups)
-        for s in self.backup_segments:
-            lo = self.backup_bounds[s.bucket][0]
-            for f, t in enumerate(mine[s.group]):
-                t[s.offset:s.offset + s.z - s.a].copy_(got[s.bucket][f, s.a - lo:s.z - lo])
-        if step:
-            for b in self.backups:
-                self.optimizer.state[b]["step"] = torch.tensor(float(step))
-        return sum(t.numel() * t.element_size() for t in got)
-
-    @torch.no_grad()
     def check_backups(self) -> float:
         """Largest difference between a copy and its primary (0.0: bit for bit, as
         redundant updates from the same reduced gradient give); collective (tests)."""

@@ -84,3 +84,23 @@ def test_a_pairs_spans_cut_into_bounded_messages(lengths: list[int], limit: int)
     assert all(0 < sum(hi - lo for lo, hi, _, _ in p) <= limit for p in parts)
     flat = [(x, j) for p in parts for lo, hi, j, _ in p for x in range(lo, hi)]
     assert flat == [(x, k) for k, t in enumerate(ts) for x in range(t[3], t[4])]
+
+
+def test_what_a_rank_held_is_copied_and_only_the_rest_asked_for() -> None:
+    """``_take_local``: wanted spans cut at what this rank held (primaries and copies, two
+    fields each); the held parts copied with their values, the rest returned with its offset."""
+    import torch
+
+    from nemo_nutp.relayout.zero_move import _take_local
+
+    old = {"p": [[torch.arange(10.0), -torch.arange(10.0)]],
+           "b": [[100 + torch.arange(5.0), -100 - torch.arange(5.0)]]}
+    new = {"p": [[torch.zeros(12), torch.zeros(12)]], "b": [[torch.zeros(3), torch.zeros(3)]]}
+    held = [((KEY, 20, 30), ("p", 0, 0)), ((KEY, 40, 45), ("b", 0, 0))]
+    wanted = [((KEY, 15, 27), ("p", 0, 0)), ((KEY, 43, 46), ("b", 0, 0))]
+    rest, copied = _take_local(wanted, held, old, new)
+    assert copied == 7 + 2
+    assert rest == [((KEY, 15, 20), ("p", 0, 0)), ((KEY, 45, 46), ("b", 0, 2))]
+    assert new["p"][0][0].tolist() == [0] * 5 + list(range(7))  # elements 20..26
+    assert new["p"][0][1][5:].tolist() == [-x for x in range(7)]
+    assert new["b"][0][0].tolist() == [103, 104, 0]  # elements 43, 44 of the copy
