@@ -19,8 +19,9 @@ trains nothing and decides nothing. It connects to the control process's store
 
 Processes fork from one fork server per agent that imported torch and megatron once
 (``world.PRELOAD``), as the CPU supervisor's do; each rank drives local GPU ``gpu %
-gpus_per_node`` of its node. If the control process's store stops answering, the agent kills
-its processes and exits 3 (nobody is left to re-plan).
+gpus_per_node`` of its node, and ends with the agent (``world.AGENT_PID``: an agent that is
+killed leaves no rank behind, as a lost node would). If the control process's store stops
+answering, the agent kills its processes and exits 3 (nobody is left to re-plan).
 
 Cost: per agent O(ranks on its node) processes and one store request per exit, per command and
 per beat; nothing per training step.
@@ -40,9 +41,15 @@ from pathlib import Path
 from typing import Any
 
 from .hosts import BEAT_S, agent_key, agent_store
-from .world import PRELOAD, _join_main, _rank_main
+from .world import AGENT_PID, PRELOAD, _join_main, _rank_main
 
 EXIT_LOST = 3  # the control process's store is gone
+
+
+def _env(op: dict[str, Any]) -> dict[str, str]:
+    """A rank's environment: the control process's, and this agent's pid (``world.enter``: the
+    rank ends when the agent does)."""
+    return {**op["env"], AGENT_PID: str(os.getpid())}
 
 
 class Agent:
@@ -78,7 +85,7 @@ class Agent:
         started = []
         for rank, gpu, pid_id in op["ranks"]:
             p = self._ctx.Process(target=_rank_main, args=(rank, plan.world_size, job, plan, 0,
-                                                           op["env"]),
+                                                           _env(op)),
                                   kwargs={"local": gpu % gpn})
             started.append(self._add(pid_id, p))
         return started
@@ -88,7 +95,7 @@ class Agent:
 
         job, old_plan = pickle.loads(self.cmds.get(op["key"]))
         p = self._ctx.Process(target=_join_main, args=(op["slot"], job, old_plan, op["gpu"],
-                                                       op["gen"], op["env"]))
+                                                       op["gen"], _env(op)))
         started = self._add(op["id"], p)
         log_event("agent_join", file=op["env"]["NUTP_EVENTS"], node=self.node, gpu=op["gpu"],
                   slot=op["slot"], gen=op["gen"], pid=started[1])

@@ -34,12 +34,44 @@ class Attempt:
     stop_s: float  # time taken to kill and reap the world
 
 
+AGENT_PID = "NUTP_AGENT_PID"
+"""Set by a node agent to its pid: its ranks end (SIGKILL to their process group) when the agent
+dies, so an agent that dies leaves no rank behind. (Not ``PR_SET_PDEATHSIG``: a rank's parent is
+the agent's fork server, which stays up while any process it forked lives.)"""
+
+
+def _die_with(pid: int) -> None:
+    import select
+    import threading
+
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:  # already gone
+        os.killpg(0, signal.SIGKILL)
+        return
+
+    def wait() -> None:
+        select.select([fd], [], [])  # readable when the process exits
+        os.killpg(0, signal.SIGKILL)
+
+    threading.Thread(target=wait, name="nutp-die-with-agent", daemon=True).start()
+
+
+def enter(env: dict[str, str]) -> None:
+    """A rank process's first steps: its own process group (the supervisor or agent stops it
+    with its helpers), the environment it was given, and -- under a node agent -- its end with
+    the agent."""
+    os.setpgrp()
+    os.environ.update(env)
+    if env.get(AGENT_PID, "").isdigit():
+        _die_with(int(env[AGENT_PID]))
+
+
 def _rank_main(rank: int, world: int, cfg: Any, plan: Any, port: int,
                env: dict[str, str], local: int | None = None) -> None:
     """``local``: the rank's device index on its node (a node agent's ranks; default: the
     rank, every rank on this machine)."""
-    os.setpgrp()  # own process group: the supervisor can stop the rank with its helpers
-    os.environ.update(env)
+    enter(env)
     watch.start_stack_watcher(Path(env["NUTP_HEARTBEAT_DIR"]) / f"rank{rank}.stack")
     from ..train.worker import run_rank
 
@@ -49,8 +81,7 @@ def _rank_main(rank: int, world: int, cfg: Any, plan: Any, port: int,
 def _join_main(slot: int, cfg: Any, old_plan: Any, gpu: int, gen: int,
                env: dict[str, str]) -> None:
     """A returning GPU's process (live grow back): joins world ``gen`` of a running job."""
-    os.setpgrp()
-    os.environ.update(env)
+    enter(env)
     from ..train.worker import join_rank
 
     join_rank(slot, cfg, old_plan, gpu, gen)

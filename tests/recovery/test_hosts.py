@@ -110,3 +110,55 @@ def test_hang_found_from_the_agents_node_digests(tmp_path, monkeypatch) -> None:
     failure = agg.poll(time.time())
     assert failure is not None and failure.ranks == (2,), failure
     h.close()
+
+
+AGENT_DIES = """
+import multiprocessing as mp, os, sys, time
+
+
+def rank(env, ready):
+    from nemo_nutp.recovery.world import enter  # imported here: the agent stays light
+
+    enter(env)
+    open(ready, "w").close()
+    time.sleep(300)
+
+
+if __name__ == "__main__":
+    ready = sys.argv[1]
+    ctx = mp.get_context("forkserver")  # as the agent starts its ranks
+    p = ctx.Process(target=rank, args=({"NUTP_AGENT_PID": str(os.getpid())}, ready))
+    p.start()
+    print(p.pid, flush=True)
+    while not os.path.exists(ready):  # the rank is watching this process
+        time.sleep(0.05)
+    os.kill(os.getpid(), 9)  # the agent is killed: no cleanup of its own
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "\\tZ" not in f.read().split("State:")[1].split("\\n")[0]
+    except (OSError, IndexError):
+        return False
+
+
+def test_ranks_die_with_their_agent(tmp_path) -> None:
+    """An agent killed while its node lives leaves no rank running (its fork server exits with
+    it, and the ranks ask for SIGKILL when their parent dies)."""
+    import subprocess
+    import sys
+
+    from nemo_nutp.recovery.world import AGENT_PID
+
+    assert AGENT_PID == "NUTP_AGENT_PID"  # what the script sets, as the agent does (_env)
+    script = tmp_path / "agent_dies.py"
+    script.write_text(AGENT_DIES)
+    r = subprocess.run([sys.executable, str(script), str(tmp_path / "ready")],
+                       capture_output=True, text=True, timeout=240)
+    pid = int(r.stdout.split()[0])
+    deadline = time.monotonic() + 30
+    while _alive(pid):
+        assert time.monotonic() < deadline, "a rank outlived its agent"
+        time.sleep(0.05)
