@@ -33,6 +33,9 @@ numbers come from the run's own ``recovery/events.jsonl`` / ``recovery/summary.j
   new world; ``bytes_received_rank_max``: bytes a rank receives from its peers to take its new
   share: 0 on this path (all state comes back through the checkpoint, counted above).
 
+``live_zero``: ``live`` with ``train.distributed_optimizer=true recovery.live_redundancy=true``
+(kill, hang).
+
 Usage: python benchmarks/transition_cost.py [--quick] [--paths restart] [--events kill,hang]
            [--out runs/bench/transitions.json]
 (--quick: fewer steps and a shorter hang timeout; ~1-2 min per event on the shared 2 cores.)
@@ -292,6 +295,24 @@ def live(event: str, opts: Options) -> dict[str, Any] | None:
         return None
     out = opts.work / f"live_{event}"
     over = [*JOB, "recovery.mode=live", f"train.steps={opts.steps}"]
+    if event == "hang":
+        over.append(f"recovery.heartbeat_timeout_s={opts.hang_timeout_s}")
+    with Job(out, over, env={"NUTP_FAULT": f"{event}:1:{opts.fault_step}"}) as job:
+        job.wait()
+    return _live_entry(out)
+
+
+@path("live_zero")
+def live_zero(event: str, opts: Options) -> dict[str, Any] | None:
+    """``live`` under the distributed optimizer with ``recovery.live_redundancy``: a failure's
+    optimizer slices rebuilt from the survivors' primaries and the dead rank's copies
+    (``relayout/zero_move.py``). Kill and hang only (a GPU back or a straggler under the
+    distributed optimizer is the planned restart)."""
+    if event not in ("kill", "hang"):
+        return None
+    out = opts.work / f"live_zero_{event}"
+    over = [*JOB, "recovery.mode=live", "train.distributed_optimizer=true",
+            "recovery.live_redundancy=true", f"train.steps={opts.steps}"]
     if event == "hang":
         over.append(f"recovery.heartbeat_timeout_s={opts.hang_timeout_s}")
     with Job(out, over, env={"NUTP_FAULT": f"{event}:1:{opts.fault_step}"}) as job:
