@@ -36,11 +36,11 @@ larger), so a bucket's squares never take a second bucket of memory."""
 
 
 def sumsqs(segs: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The sums of squares of ``segs`` as one 1-D fp64 tensor, the same values as ``sumsq``
-    per tensor (each square rounded in fp32, accumulated in fp64, so the sums are near-exact
-    and do not depend on how the elements are cut into pieces) in a few fused launches per
-    ``SQUARES_ELEMENTS`` elements: foreach squares (fresh, aligned buffers), then a foreach
-    fp64 L1 norm of them."""
+    """The sums of squares of ``segs`` as one 1-D fp64 tensor, ``sumsq``'s values per tensor
+    (each square rounded in fp32, accumulated in fp64; the sum's order differs, so they agree
+    within fp64 rounding, ~1e-16 relative) in a few fused launches per ``SQUARES_ELEMENTS``
+    elements: foreach squares (fresh, aligned buffers), then a foreach fp64 L1 norm of them.
+    Deterministic: the same tensors give the same bits."""
     vals: list[torch.Tensor] = []
     run: list[torch.Tensor] = []
     size = 0
