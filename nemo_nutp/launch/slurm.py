@@ -455,6 +455,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         recipe, overrides = split_recipe(args.overrides, args.recipe)
         cfg = load_job(overrides, config_name=args.config_name, recipe=recipe)
+        if cfg.recovery.mode == "live" and not cfg.recovery.enabled:
+            raise ValueError("recovery.mode='live': needs recovery.enabled=true (the control "
+                             "process supervises the job)")
         plan = build_plan(plan_request(cfg))
         opts = SbatchOptions(partition=args.partition, account=args.account, image=args.image,
                              mounts=tuple(m for arg in args.mounts for m in arg.split(",") if m),

@@ -87,6 +87,16 @@ def test_live_under_a_launcher_prints_the_restart_reason(tmp_path: Path) -> None
     assert r.returncode == 2 and "MASTER_ADDR" in r.stderr
 
 
+def test_sbatch_live_needs_recovery_enabled(tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    from nemo_nutp.launch.nutp_cli import main
+
+    out = tmp_path / "job.sbatch"
+    assert main(["sbatch", "recovery.mode=live", "--out", str(out)]) == 2
+    assert "recovery.mode='live': needs recovery.enabled=true" in capsys.readouterr().err
+    assert not out.exists()
+
+
 def test_standalone_control_rejects_restart_mode(capsys: pytest.CaptureFixture[str]) -> None:
     assert standalone.main(["--listen=30000", "recovery.enabled=true",
                             "checkpoint.interval=2"]) == 2
