@@ -65,16 +65,17 @@ def test_share_outside_the_global_batch_is_an_error() -> None:
         ReplicaShareSampler([], num_microbatches=6, offset=4, count=3)
 
 
-@pytest.mark.parametrize("override, message", [
-    ("dataset.dataloader_type=batch", "dataset.dataloader_type=batch: not supported with NUTP"),
-    ("validation.eval_interval=2", "validation.eval_interval=2: evaluation during training"),
-    ("tokenizer.vocab_size=300", "tokenizer.vocab_size=300: larger than model.vocab_size=256"),
+@pytest.mark.parametrize("overrides, message", [
+    (["dataset.dataloader_type=batch"], "dataset.dataloader_type=batch: not supported with NUTP"),
+    (["validation.eval_iters=4", "validation.eval_interval=2"],
+     "validation.eval_interval=2: evaluation during training"),
+    (["tokenizer.vocab_size=300"], "tokenizer.vocab_size=300: larger than model.vocab_size=256"),
 ])
-def test_data_settings_nutp_cannot_honour_are_rejected_by_name(override: str,
+def test_data_settings_nutp_cannot_honour_are_rejected_by_name(overrides: list[str],
                                                                message: str) -> None:
     import torch.distributed as dist
 
     with pytest.raises(ValueError) as e:
-        load_bridge_job(RECIPE, str(TINY), [override])
+        load_bridge_job(RECIPE, str(TINY), overrides)
     assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
     assert not dist.is_initialized()
