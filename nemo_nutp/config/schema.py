@@ -46,6 +46,10 @@ class ModelConfig(ModelDims):
     """Dropout after attention/MLP output (megatron hidden_dropout)."""
     attention_dropout: float = 0.0
     """Dropout on attention probabilities."""
+    cross_entropy_loss_fusion: bool = False
+    """megatron's fused cross entropy (``cross_entropy_fusion_impl=native``, on in Bridge's
+    recipes): the same loss, and the logits gradient rounded to bf16 whatever the model's
+    precision, as megatron-core's ``fusions/fused_cross_entropy.py`` does."""
     transformer_impl: str = "local"
     """'local' (megatron-core's own layers), 'transformer_engine' (TE layers, norms fused into
     linear_qkv/linear_fc1) or 'auto' (TE when CUDA and transformer_engine are present). The

@@ -56,6 +56,11 @@ def model_config_of(provider: Any, *, vocab_size: int) -> Any:
     pos = provider.position_embedding_type
     if pos not in ("rope", "learned_absolute"):
         raise ValueError(f"model.position_embedding_type={pos}: rope or learned_absolute")
+    fused_ce = bool(getattr(provider, "cross_entropy_loss_fusion", False))
+    impl = getattr(provider, "cross_entropy_fusion_impl", "native")
+    if fused_ce and impl != "native":
+        raise ValueError(f"model.cross_entropy_fusion_impl={impl}: not supported by the NUTP "
+                         "model (needs native, or model.cross_entropy_loss_fusion=false)")
     heads = provider.num_attention_heads
     return ModelConfig(
         num_layers=provider.num_layers, hidden_size=provider.hidden_size,
@@ -67,7 +72,7 @@ def model_config_of(provider: Any, *, vocab_size: int) -> Any:
         normalization=provider.normalization, position_embedding=pos,
         init_std=float(provider.init_method_std),
         hidden_dropout=float(provider.hidden_dropout),
-        attention_dropout=float(provider.attention_dropout))
+        attention_dropout=float(provider.attention_dropout), cross_entropy_loss_fusion=fused_ce)
 
 
 def precision_of(cfg: Any) -> str:

@@ -95,7 +95,8 @@ def fusions(*, cuda: bool, te: bool) -> dict[str, bool]:
     """megatron's fusion switches: off on CPU (portable math); on CUDA the pure-torch (jit)
     fusions, and with Transformer Engine also those that need its kernels (softmax, RoPE,
     weight-gradient accumulation into ``main_grad``). Never on: ``persist_layer_norm`` (apex)
-    and ``cross_entropy_loss_fusion`` (NUTP computes the vocab-range loss itself)."""
+    and ``cross_entropy_loss_fusion`` (NUTP computes the vocab-range loss itself; with
+    ``model.cross_entropy_loss_fusion`` it rounds the logits gradient as megatron's fused one)."""
     return dict(bias_activation_fusion=cuda, bias_dropout_fusion=cuda,
                 masked_softmax_fusion=cuda and te, apply_rope_fusion=cuda and te,
                 gradient_accumulation_fusion=cuda and te, persist_layer_norm=False,
@@ -295,6 +296,8 @@ def build_gpt_model(plan: Plan, rank: int, model_cfg: Any, pgs: ProcessGroupColl
                                 balance=balance, num_layers=last - first, impl=impl,
                                 core_attention=core),
         vocab_range=(v0, v1),
+        bf16_loss_grad=(plan.replicas[i].weight
+                        if getattr(model_cfg, "cross_entropy_loss_fusion", False) else None),
         max_sequence_length=model_cfg.seq_length,
         position_embedding_type=getattr(model_cfg, "position_embedding", "rope"),
         share_embeddings_and_output_weights=model_cfg.tie_embeddings,

@@ -84,11 +84,20 @@ class NUTPNorm:
 
 
 class _VocabRangeCrossEntropy(torch.autograd.Function):
-    """megatron's vocab-parallel cross entropy with an explicit (possibly uneven) vocab range."""
+    """megatron's vocab-parallel cross entropy with an explicit (possibly uneven) vocab range.
+
+    ``bf16_grad_weight`` (``model.cross_entropy_loss_fusion``): the logits gradient rounded to
+    bf16, as megatron's fused cross entropy (native impl, ``calculate_gradients``) returns it,
+    at the scale one process training the whole global batch rounds it: this replica's loss
+    is scaled by ``1/m_r`` (its micro-batches), the single process's by ``1/M``, so the
+    gradient is scaled by the replica weight ``m_r/M`` for the rounding and back after it
+    (bf16 rounding commutes only with powers of two: without this, replicas [2,1] of a
+    6-micro-batch step differ from one process by 3e-5 in the grad norm)."""
 
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, start: int, end: int,
-                group: dist.ProcessGroup) -> torch.Tensor:
+                group: dist.ProcessGroup, bf16_grad_weight: float | None = None
+                ) -> torch.Tensor:
         logits, logits_max = _VPCE.calculate_logits_max(logits)
         dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
         mask, masked_target, predicted, sum_exp, exp_logits = _VPCE.calculate_predicted_logits(
@@ -97,6 +106,7 @@ class _VocabRangeCrossEntropy(torch.autograd.Function):
         dist.all_reduce(sum_exp, group=group)
         exp_logits, loss = _VPCE.calculate_cross_entropy_loss(exp_logits, predicted, sum_exp)
         ctx.save_for_backward(exp_logits, mask, masked_target)
+        ctx.bf16_grad_weight = bf16_grad_weight
         return loss
 
     @staticmethod
@@ -106,19 +116,26 @@ class _VocabRangeCrossEntropy(torch.autograd.Function):
             softmax, mask)
         grad = _VPCE.calculate_gradients(grad_2d, arange_1d, masked_target, update, grad_input,
                                          grad_output)
-        return grad, None, None, None, None
+        w = ctx.bf16_grad_weight
+        if w is not None:  # megatron returns bf16; autograd casts it to the logits' dtype
+            grad = (grad * w).to(torch.bfloat16).to(grad.dtype) / w
+        return grad, None, None, None, None, None
 
 
 class NUTPGPTModel(GPTModel):
     """megatron ``GPTModel`` whose embedding and output layer hold vocab rows [start, end)."""
 
     def __init__(self, config: TransformerConfig, transformer_layer_spec: Any, *,
-                 vocab_range: tuple[int, int], **kwargs: Any) -> None:
+                 vocab_range: tuple[int, int], bf16_loss_grad: float | None = None,
+                 **kwargs: Any) -> None:
         pgs = kwargs["pg_collection"]
         start, end = vocab_range
         super().__init__(config, transformer_layer_spec,
                          vocab_size=(end - start) * pgs.tp.size(), **kwargs)
         self.vocab_start, self.vocab_end = start, end
+        # model.cross_entropy_loss_fusion: this replica's weight m_r/M (train/rebalance.py
+        # updates it with the shares), or None
+        self.bf16_loss_grad = bf16_loss_grad
         if self.pre_process:
             emb = self.embedding.word_embeddings
             emb.vocab_start_index, emb.vocab_end_index = start, end
@@ -127,5 +144,5 @@ class NUTPGPTModel(GPTModel):
                                     ) -> torch.Tensor:
         labels = labels.transpose(0, 1).contiguous()  # [b s] -> [s b], like megatron
         loss = _VocabRangeCrossEntropy.apply(logits, labels, self.vocab_start, self.vocab_end,
-                                             self.pg_collection.tp)
+                                             self.pg_collection.tp, self.bf16_loss_grad)
         return loss.transpose(0, 1).contiguous()

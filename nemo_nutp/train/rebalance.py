@@ -112,6 +112,8 @@ def apply_shares(session: Any, shares: Sequence[int]) -> None:
                               weight=float(shares[i]) / m)
     session.groups.ctx = new
     session.model.nutp_engine.ctx = new
+    if getattr(session.gpt, "bf16_loss_grad", None) is not None:  # fused cross entropy
+        session.gpt.bf16_loss_grad = new.weight
 
 
 class LiveBalance:

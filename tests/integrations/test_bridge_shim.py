@@ -137,6 +137,7 @@ def test_cpu_patch_targets_still_exist_and_call_cuda() -> None:
     ("model.context_parallel_size=2", "model.context_parallel_size=2: not supported"),
     ("model.position_embedding_type=none", "model.position_embedding_type=none: rope or"),
     ("model.add_qkv_bias=true", "model.add_qkv_bias=True: must equal model.add_bias_linear"),
+    ("model.cross_entropy_fusion_impl=te", "model.cross_entropy_fusion_impl=te: not supported"),
 ])
 def test_model_fields_the_nutp_model_cannot_honour_are_rejected_by_name(
         override: str, message: str) -> None:

@@ -39,7 +39,9 @@ def _config(case: Any, dims: Any) -> Any:
         use_cpu_initialization=True, perform_initialization=False, params_dtype=half,
         bf16=case.precision == "bf16", fp16=case.precision == "fp16",
         bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
-        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False)
+        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+        cross_entropy_loss_fusion=getattr(dims, "cross_entropy_loss_fusion", False),
+        cross_entropy_fusion_impl="native")
 
 
 def _build(case: Any, dims: Any) -> tuple[Any, Any, Any]:
