@@ -10,7 +10,9 @@ optimizer), ``iter_NNNNNNN`` + ``latest_checkpointed_iteration.txt`` under ``che
 atomic (temp name, then rename), checksummed. So ``nutp-train`` resumes it in any layout, and a
 stock megatron-core ``GPTModel`` loads it with ``dist_checkpointing.load``. Bridge's own extra
 state (consumed samples, the lr/weight-decay scheduler) rides along in the metadata
-(``extra["bridge"]``).
+(``extra["bridge"]``): ``nutp-train``'s resume checks that schedule against its constant
+``train.lr`` / ``train.weight_decay`` at every step it will run, and pairs Bridge's optimizer
+parameter groups with its own (``nemo_nutp/checkpoint/bridge_state.py``).
 """
 
 from __future__ import annotations

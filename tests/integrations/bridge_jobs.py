@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import asdict
 from pathlib import Path
 from types import SimpleNamespace
@@ -210,9 +211,11 @@ def bridge_worker(rank: int, world: int, port: int, overrides: list[str],
         every: list[Any] = [None] * world
         torch.distributed.all_gather_object(every, mine)
         resumed = stock = None
+        t0 = time.perf_counter()
         if resume is not None:
             resumed = nutp_train_resume(resume)
             stock = stock_loaded(reference_case(job), got["saved"][-1])
+        resume_s = time.perf_counter() - t0  # what the resume and the stock load add
         if rank != 0:
             return
         ref = torch.load(os.path.join(outdir, "ref_bridge.pt"))
@@ -234,7 +237,7 @@ def bridge_worker(rank: int, world: int, port: int, overrides: list[str],
                "consumed_train_samples": [e[1] for e in every],
                "tokens_seen": [e[2] for e in every], "replica_of": [e[3] for e in every],
                "global_batch_size": job.bridge.train.global_batch_size,
-               "saved": got["saved"], "resumed": resumed,
+               "saved": got["saved"], "resumed": resumed, "resume_s": resume_s,
                "stock_loads_bitwise": None if stock is None else (
                    set(stock) == set(reps[0]) and all(torch.equal(stock[k], reps[0][k])
                                                       for k in stock))}
