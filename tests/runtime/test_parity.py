@@ -76,6 +76,11 @@ THREE = [
     # rank; no mask tensor) against the stock reference's DotProductAttention
     _clip("tp2_tp1_sdpa_clip", (2, 1), model=dict(GQA_SWIGLU, core_attention="sdpa"),
           global_batch=5),
+    # megatron's fused cross entropy (Bridge's recipes turn it on): its backward rounds the
+    # logits gradient to bf16; the reference runs megatron's own fused function, NUTP rounds at
+    # the global-batch scale (shares 3 and 2 of 5: not a power of two)
+    _clip("tp2_tp1_fused_ce_clip", (2, 1),
+          model=dict(gated_mlp=False, cross_entropy_loss_fusion=True), global_batch=5),
 ]
 FIVE = [_clip("tp3_tp2_clip", (3, 2), model=GQA_SWIGLU, global_batch=7)]
 FOUR = [
