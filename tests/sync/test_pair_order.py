@@ -73,7 +73,7 @@ def _model_plans(path: Path, layout: str) -> list[Plan]:
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("path", MODELS, ids=[p.stem for p in MODELS])
 def test_every_model(path: Path, layout: str) -> None:
-    t0 = time.perf_counter()
+    t0 = time.thread_time()  # this thread's CPU time: the replay's work, not the machine's load
     for plan in _model_plans(path, layout):
         n = _check(plan, 40_000_000)
         tps = [r.tp[0] for r in plan.replicas]
@@ -82,7 +82,7 @@ def test_every_model(path: Path, layout: str) -> None:
         else:
             assert n > 0, tps
         _check(plan, 4_000_000)  # several messages per pair
-    assert time.perf_counter() - t0 < 60
+    assert time.thread_time() - t0 < 60
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
