@@ -4,14 +4,15 @@
 the NUTP GPT (``model_config_of``: every field that changes the math is honoured or rejected by
 name), the NUTP DDP, Bridge's optimizer and scheduler (``setup_optimizer``) with the exact NUTP
 grad norm, megatron's micro-batch calculator at this replica's share, the finalize / grad-scale
-functions Bridge's ``setup()`` would set (here: NUTP's gradient finalisation), and then calls
-``megatron.bridge.training.train.train``. Only ``pp=1`` (no virtual stages) for now.
+functions Bridge's ``setup()`` would set (here: NUTP's gradient finalisation), the recipe's
+dataset through Bridge's data pipeline with this replica's share of every global batch
+(``bridge_data.train_iterator``), and then calls ``megatron.bridge.training.train.train``.
+Only ``pp=1`` (no virtual stages) for now.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -78,23 +79,6 @@ def model_config_of(provider: Any, *, vocab_size: int) -> Any:
 def precision_of(cfg: Any) -> str:
     m = cfg.model
     return "bf16" if m.bf16 else "fp16" if m.fp16 else "fp32"
-
-
-def batches(*, offset: int, count: int, seed: int, mbs: int, seq_length: int, vocab_size: int,
-            steps: int) -> Iterator[dict[str, torch.Tensor]]:
-    """Micro-batches ``offset .. offset+count-1`` of every step's synthetic global batch (one
-    replica's share; every TP rank of a replica the same), as Bridge's GPT batch dicts."""
-    from ..compat.cpu import cpu_attention_mask
-    from ..data import replica_microbatches
-
-    mask = cpu_attention_mask(seq_length)
-    for step in range(steps):
-        for mb in replica_microbatches(offset=offset, count=count, seed=seed, step=step,
-                                       micro_batch_size=mbs, seq_length=seq_length,
-                                       vocab_size=vocab_size):
-            yield {"tokens": mb.tokens, "labels": mb.labels, "position_ids": mb.position_ids,
-                   "loss_mask": torch.ones(mb.tokens.shape, dtype=torch.float),
-                   "attention_mask": mask.expand(mbs, 1, -1, -1)}
 
 
 def recording(optimizer: Any, reduce: Any, *,
