@@ -130,6 +130,14 @@ def fake_groups(plan: Plan, rank: int) -> NUTPGroups:
                       sync=sync)
 
 
+def _engine(plan: Plan, rank: int, *, bucket_size: int, layers: int | None
+            ) -> Any:
+    """The engine's own construction for ``rank``, over fake groups."""
+    return engine_mod.GradSyncEngine(plan, fake_groups(plan, rank),
+                                     stage_parameters(plan, rank, layers=layers),
+                                     bucket_size=bucket_size)
+
+
 def replay_ranks(plan: Plan, ranks: list[int], *, bucket_size: int, layers: int | None = None,
                  step: bool = True, mover: bool = True) -> dict[int, list[Record]]:
     """Every rank's recorded p2p of one step (``step``) and of the distributed optimizer's
@@ -137,9 +145,7 @@ def replay_ranks(plan: Plan, ranks: list[int], *, bucket_size: int, layers: int 
     with recording() as rec:
         for r in ranks:
             rec.rank = r
-            eng = engine_mod.GradSyncEngine(plan, fake_groups(plan, r),
-                                            stage_parameters(plan, r, layers=layers),
-                                            bucket_size=bucket_size)
+            eng = _engine(plan, r, bucket_size=bucket_size, layers=layers)
             if step:
                 for e in eng.order:  # backward order, one readiness call per parameter
                     eng.mark_ready([e.param])
@@ -173,9 +179,7 @@ def replay_ring(plan: Plan, ranks: list[int], *, bucket_size: int, layers: int |
     with recording() as rec:
         for r in ranks:
             rec.rank = r
-            eng = engine_mod.GradSyncEngine(plan, fake_groups(plan, r),
-                                            stage_parameters(plan, r, layers=layers),
-                                            bucket_size=bucket_size)
+            eng = _engine(plan, r, bucket_size=bucket_size, layers=layers)
             slices = []
             for b in eng.buckets:
                 members = _members(plan, b.group)
