@@ -50,6 +50,9 @@ from dataclasses import dataclass
 from typing import Any
 
 PHASES = ("compute", "voting", "committed")
+UNMOVABLE = "unmovable"
+"""Store key prefix (``unmovable<gen>``): a rank of world ``gen`` found that the state cannot move
+live (``relayout.move.MoveImpossible``); the control process restarts the job with that reason."""
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ from typing import Any
 
 from ..checkpoint.events import log_event
 from . import watch
-from .commit import Report, decide, live_blocker, renumber, replan
+from .commit import UNMOVABLE, Report, decide, live_blocker, renumber, replan
 from .decisions import Failure, blame_exits, blame_hang, job_for, next_failed
 
 POLL_S = 0.01  # while a re-layout waits for reports / the new world
@@ -92,9 +92,13 @@ def _kill(p: Any) -> None:
 def _wait_keys(store: Any, keys: list[str], w: World, watched: list[int], timeout_s: float,
                what: str) -> None:
     deadline = time.monotonic() + timeout_s
+    unmovable = f"{UNMOVABLE}{w.gen}"  # posted by ranks of the world being built (``w``)
     while not store.check(keys):
         for r in watched:
             if w.procs[r].exitcode is not None:
+                if store.check([unmovable]):
+                    why = json.loads(store.get(unmovable))["reason"]
+                    raise Fallback(f"the state cannot move live: {why}")
                 raise Fallback(f"second failure during the re-layout: rank {r} exited "
                                f"({w.procs[r].exitcode}) while {what}")
         if time.monotonic() > deadline:

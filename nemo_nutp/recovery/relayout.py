@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .commit import renumber, replan
+from .commit import UNMOVABLE, renumber, replan
 from .live import Committed, LiveRank, move, reduce_max
 
 EXIT_FALLBACK = 3
@@ -168,8 +168,14 @@ def relayout(cfg: Any, run: Any, link: LiveRank, error: BaseException | None, *,
     rank_map = _rank_map(old.plan, plan, d)
     # gone: dead, or healthy but left out by the new plan (those exited above)
     gone = frozenset(range(old.plan.world_size)) - set(rank_map)
-    stats = move(old, session, old_plan=old.plan, rank_map=rank_map,
-                 joiners=frozenset(d.get("joiners", ())), dead=gone)
+    from ..relayout.move import MoveImpossible
+
+    try:
+        stats = move(old, session, old_plan=old.plan, rank_map=rank_map,
+                     joiners=frozenset(d.get("joiners", ())), dead=gone)
+    except MoveImpossible as e:  # the same transfer list on every rank: all of them land here
+        link.post(UNMOVABLE, {"reason": str(e), "slot": link.slot})
+        os._exit(EXIT_FALLBACK)  # the control process restarts the job, naming the reason
     del old
     run.session = None
     ledger, rng = _share(d, rank_map, run.ledger, rng)
