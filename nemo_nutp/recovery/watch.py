@@ -248,7 +248,8 @@ def watch_stack(path: Path, main: threading.Thread, log: CollectiveLog | None = 
         stack = []
         f = frame
         while f is not None:
-            stack.append((f.f_code.co_filename, f.f_lineno, f.f_code.co_name))
+            # f_lineno is None while a frame runs no line (e.g. between instructions)
+            stack.append((f.f_code.co_filename, f.f_lineno or 0, f.f_code.co_name))
             f = f.f_back
         del frame, f
         now, used = time.time(), cpu_s(clock)
