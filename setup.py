@@ -30,7 +30,7 @@ setup(
         "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100"],
         "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "ruff>=0.6",
                 "mypy>=1.10", "nvidia-resiliency-ext>=0.4; python_version < '3.12'"],
-        # ft_launcher and its rank monitor (recovery under a launcher, recovery/elastic.py).
+        # ft_launcher and its rank monitor (recovery under a launcher, train/elastic.py).
         # Python 3.12: 0.4.1 (what >=0.4 resolves to) breaks `import megatron.core` 0.19.2
         # (dist_checkpointing/strategies/nvrx.py reads its missing __version__); no working
         # version is known there, so it is excluded.
@@ -41,7 +41,7 @@ setup(
         "console_scripts": [
             "nutp=nemo_nutp.launch.nutp_cli:main",
             "nutp-train=nemo_nutp.launch.nutp_train:main",
-            "nutp-bridge=nemo_nutp.integrations.bridge_cli:main",
+            "nutp-bridge=nemo_nutp.launch.bridge_cli:main",
         ],
     },
 )

@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             raise SystemExit(f"--{name}={getattr(args, name)}: must be >= 1")
     from rich.progress import Progress
 
-    from nemo_nutp.launch.ports import free_port
+    from nemo_nutp.common.ports import free_port
     from nemo_nutp.layout.serialize import write_json_atomic
 
     world = sum(int(x) for x in args.replicas.split(","))

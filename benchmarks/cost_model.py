@@ -156,7 +156,7 @@ def _comm_worker(rank: int, world: int, port: int, args: argparse.Namespace, out
 
 
 def _spawn(fn: Any, world: int, *extra: Any) -> Path:
-    from nemo_nutp.launch.ports import free_port
+    from nemo_nutp.common.ports import free_port
 
     tmp = Path(tempfile.mkdtemp(prefix="nutp_cost_"))
     mp.spawn(fn, args=(world, free_port(), *extra, str(tmp)), nprocs=world)

@@ -17,7 +17,7 @@ large-grad checks do not apply), then ``--steps`` steps of the per-step control 
   (``_gather_times``: one O(replicas) all-reduce and its host read) and the rank's heartbeat
   write (``checkpoint/hooks.py``): ``control_s_per_step`` is their sum, median over steps;
 * ``watchdog_poll_s``: one poll of the recovery watchdog on a training rank (``watchdog_poll``:
-  the node watchdog of ``recovery/aggregate.py`` over its node's 8 ranks' heartbeat and stack
+  the node watchdog of ``health/aggregate.py`` over its node's 8 ranks' heartbeat and stack
   files, one digest ``multi_set`` in a loopback TCPStore); ``aggregator_poll_s``: one poll of
   the job-level aggregator in a process of its own (as under a launcher, off the training
   ranks): every node's summary in one ``multi_get``; ``aggregator_blame_s``: its poll after a
@@ -92,7 +92,7 @@ def watchdog_poll(hb_dir: Path, world: int, started: float, rank: int
 
     import torch.distributed as dist
 
-    from nemo_nutp.recovery import aggregate
+    from nemo_nutp.health import aggregate
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                            timeout=timedelta(seconds=60))
@@ -130,7 +130,7 @@ def _aggregator(port: int, nodes: int, world: int, started: float) -> dict[str, 
 
     import torch.distributed as dist
 
-    from nemo_nutp.recovery import aggregate
+    from nemo_nutp.health import aggregate
 
     gc.freeze()
     store = dist.PrefixStore("nutp/attempt0/", dist.TCPStore(

@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit(f"--warmup={args.warmup}: must be below --steps={args.steps}")
     import tempfile
 
-    from nemo_nutp.launch.ports import free_port
+    from nemo_nutp.common.ports import free_port
     from nemo_nutp.layout.serialize import write_json_atomic
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -110,7 +110,7 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from nemo_nutp.launch.ports import free_port
+    from nemo_nutp.common.ports import free_port
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -375,7 +375,7 @@ def _optimizer_worker(rank: int, world: int, port: int, steps: int, out: str) ->
 def optimizer_state(steps: int) -> dict[str, Any]:
     import torch.multiprocessing as mp
 
-    from nemo_nutp.launch.ports import free_port
+    from nemo_nutp.common.ports import free_port
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "optimizer.json"
@@ -386,7 +386,7 @@ def optimizer_state(steps: int) -> dict[str, Any]:
 def runtime(steps: int) -> dict[str, Any]:
     import torch.multiprocessing as mp
 
-    from nemo_nutp.launch.ports import free_port
+    from nemo_nutp.common.ports import free_port
 
     res: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:

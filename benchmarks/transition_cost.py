@@ -61,8 +61,8 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from nemo_nutp.common.procs import kill_session
 from nemo_nutp.layout.serialize import write_json_atomic
-from nemo_nutp.procs import kill_session
 
 EVENTS = ("kill", "hang", "gpu_back", "straggler")
 FIELDS = ("detect_s", "transition_s", "lost_steps", "step_s", "checkpoint_bytes_read",

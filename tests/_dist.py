@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from nemo_nutp.launch.ports import free_port
+from nemo_nutp.common.ports import free_port
 
 __all__ = ["free_port", "gloo_rank", "spawn"]
 

@@ -1,4 +1,4 @@
-"""A SIGKILLed rank leaves no checkpoint-writer helper behind (``nemo_nutp.procs``)."""
+"""A SIGKILLed rank leaves no checkpoint-writer helper behind (``nemo_nutp.common.procs``)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 
 CHILD = textwrap.dedent("""
     import multiprocessing as mp
-    from nemo_nutp.procs import results_queue_dies_with_rank
+    from nemo_nutp.common.procs import results_queue_dies_with_rank
     from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
     if {ours}:
         results_queue_dies_with_rank()
@@ -65,7 +65,7 @@ def test_memfd_results_queue_starts_no_process_and_crosses_fork() -> None:
     import multiprocessing as mp
     import queue
 
-    from nemo_nutp.procs import MemfdQueue
+    from nemo_nutp.common.procs import MemfdQueue
 
     q = MemfdQueue()
     assert mp.active_children() == []
@@ -97,7 +97,7 @@ WRITERS = textwrap.dedent("""
     from megatron.core.dist_checkpointing.strategies.async_utils import (
         AsyncCallsQueue, AsyncRequest)
     from nemo_nutp.checkpoint.background import BackgroundSaves
-    from nemo_nutp.procs import results_queue_dies_with_rank
+    from nemo_nutp.common.procs import results_queue_dies_with_rank
     results_queue_dies_with_rank()
     root = Path(sys.argv[1])
     lines, done = [], []
@@ -142,7 +142,7 @@ def _writers(ours: bool, root: Path) -> tuple[dict, list[int]]:
     """Run WRITERS; SIGKILL it once its last writer runs. (its first report, orphans)."""
     import json
 
-    from nemo_nutp.launch.ports import free_port
+    from nemo_nutp.common.ports import free_port
 
     p = subprocess.Popen([sys.executable, "-c", WRITERS.format(ours=ours, port=free_port()),
                           str(root)], stdout=subprocess.PIPE, text=True, start_new_session=True)

@@ -65,7 +65,7 @@ def snapshot_bytes(request: Any) -> int:
 
 
 def _writer_dies_with_parent(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    from ..procs import die_with_parent
+    from ..common.procs import die_with_parent
 
     die_with_parent()
     return original(*args, **kwargs)
@@ -79,7 +79,7 @@ def _background_write(fn: Callable[..., Any], directory: str, rank: int, *args: 
         FileSystemWriterAsync,
     )
 
-    from ..procs import die_with_parent
+    from ..common.procs import die_with_parent
 
     die_with_parent()
     # Training keeps the CPU: the writer (and the per-file writers it forks, which inherit
@@ -114,7 +114,7 @@ def _own_digests(directory: Path, rank: int) -> dict[str, str]:
     return digests
 
 
-def _why(e: BaseException) -> str:
+def why_failed(e: BaseException) -> str:
     """One line: torch DCP's ``CheckpointException`` names only the failed ranks; their first
     error (e.g. ``[Errno 28] No space left on device``) is in ``failures``."""
     failures = getattr(e, "failures", None)
@@ -187,7 +187,7 @@ class BackgroundSaves:
         except (Exception, CheckpointException) as e:  # a writer failed (any rank): abort
             self.pending = None
             self.queue = type(self.queue)(persistent=False)
-            self._abort(p, _why(e))
+            self._abort(p, why_failed(e))
             return True
         if not done:
             return False

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .events import log_event
+from ..common.events import log_event
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ class Fault:
         if self.kind in ("kill", "hang"):
             self._fire(rank, step)
         elif self.kind == "slow":
-            # Not a "fault" event: recovery.watch times failure detection from those; the
+            # Not a "fault" event: health.watch times failure detection from those; the
             # slowdown itself is applied by the step (slow_factor), nothing dies.
             log_event("slow_fault", rank=rank, step=step, factor=self.factor, pid=os.getpid())
 

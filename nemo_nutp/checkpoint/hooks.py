@@ -25,8 +25,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ..common.events import log_event
 from .bridge_state import check_continuation
-from .events import log_event
 from .faults import Fault
 from .interval import AutoInterval
 from .megatron_format import describe, restore_asides, sources
@@ -137,7 +137,7 @@ class CheckpointHooks:
             self._say(self.auto.start_line())
         self.saves: Any = None
         if self.saving:
-            from ..procs import start_results_queue
+            from ..common.procs import start_results_queue
 
             start_results_queue()  # the first save's one-time cost, overlapped with the first steps
             if getattr(ck, "async_save", False):
@@ -250,10 +250,10 @@ class CheckpointHooks:
             path = save_checkpoint(self.session, self.root, step=step, extra=extra, fault=hook,
                                    background=self.saves)
         except save_errors() as e:  # e.g. no space left: the save is aborted
-            from .background import _why
+            from .background import why_failed
 
             self._failed(None, f"checkpoint: save of step {step} under {self.root} failed "
-                         f"({_why(e)}); the previous complete checkpoint stays the one to "
+                         f"({why_failed(e)}); the previous complete checkpoint stays the one to "
                          "resume from")
             return
         stall = time.time() - t0

@@ -44,7 +44,7 @@ from megatron.core.dist_checkpointing.mapping import (
 
 from ..layout import PARAM_KINDS
 from ..layout.specs import ModelDims
-from ..layout.units import _geometry
+from ..layout.units import unit_geometry
 from ..model.build import global_name
 
 LOCAL_SPEC_KEYS_MAP = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
@@ -104,7 +104,7 @@ def pieces(name: str, kind: str | None, dims: ModelDims, units: tuple[int, int] 
         return [Piece(key, None, one + local_shape, lead + local_shape,
                       lead_off + (0,) * len(local_shape))]
     assert units is not None, name
-    shape, per_unit, half = _geometry(kind, dims)
+    shape, per_unit, half = unit_geometry(kind, dims)
     axis = PARAM_KINDS[kind].axis
     lo, hi = units
     if half:  # gated fc1: [gate rows lo..hi; up rows F+lo..F+hi] of the global (2F, ...)

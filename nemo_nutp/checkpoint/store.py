@@ -118,7 +118,7 @@ def save_checkpoint(session: Any, root: str | Path, *, step: int,
     """
     from megatron.core import dist_checkpointing
 
-    from ..procs import results_queue_dies_with_rank
+    from ..common.procs import results_queue_dies_with_rank
 
     results_queue_dies_with_rank()  # no orphaned helper holds the job's output after a crash
     root = Path(root)

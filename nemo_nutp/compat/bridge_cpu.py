@@ -205,7 +205,7 @@ def apply_bridge_cpu_patches() -> list[str]:
     was patched. megatron-core's own patches (compat.cpu) are applied first."""
     import torch
 
-    from .cpu import _CpuStream, _TorchProxy, apply_cpu_patches
+    from .cpu import CpuStream, TorchProxy, apply_cpu_patches
 
     if torch.cuda.is_available():
         return []
@@ -213,8 +213,8 @@ def apply_bridge_cpu_patches() -> list[str]:
         return list(_bridge_patched)
     install_import_shim()
     done = apply_cpu_patches()
-    proxy = _TorchProxy()
-    proxy.cuda.Stream = _CpuStream  # _ddp_wrap: ``torch.cuda.Stream()``; waits are no-ops
+    proxy = TorchProxy()
+    proxy.cuda.Stream = CpuStream  # _ddp_wrap: ``torch.cuda.Stream()``; waits are no-ops
     for modname, _funcs in TORCH_PROXY_MODULES:
         module = importlib.import_module(modname)
         module.torch = proxy  # type: ignore[attr-defined]

@@ -101,7 +101,7 @@ def _factory(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-class _CpuStream:
+class CpuStream:
     """The one (synchronous) CPU "stream": waits are no-ops. megatron-core 0.19's bucket groups
     ask for ``torch.cuda.current_stream()`` on every grad sync."""
 
@@ -131,8 +131,8 @@ class _CudaProxy(types.SimpleNamespace):
         return None
 
     @staticmethod
-    def current_stream(device: Any = None) -> _CpuStream:
-        return _CpuStream()
+    def current_stream(device: Any = None) -> CpuStream:
+        return CpuStream()
 
     @staticmethod
     def stream(stream: Any) -> contextlib.AbstractContextManager[None]:
@@ -156,7 +156,7 @@ class _CudaProxy(types.SimpleNamespace):
         return getattr(torch.cuda, name)
 
 
-class _TorchProxy(types.ModuleType):
+class TorchProxy(types.ModuleType):
     """``torch`` as megatron sees it on CPU; everything not overridden is the real torch."""
 
     def __init__(self) -> None:
@@ -236,7 +236,7 @@ def apply_cpu_patches() -> list[str]:
         return []
     if _patched:
         return list(_patched)
-    proxy = _TorchProxy()
+    proxy = TorchProxy()
     done: list[str] = []
     for modname in _SHIMMED_MODULES:
         module = importlib.import_module(modname)

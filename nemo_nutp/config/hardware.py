@@ -14,7 +14,7 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from ..layout.specs import CostSpec, _bad
+from ..layout.specs import CostSpec, bad_value
 
 DEFAULT_MFU = 0.45
 """Fraction of peak FLOP/s the matmuls reach (planner and simulator default)."""
@@ -45,12 +45,12 @@ class HardwareSpec:
     def __post_init__(self) -> None:
         for k in ("peak_tflops", "nvlink_gbps", "network_gbps", "tdp_w", "usd_per_gpu_hour"):
             if not float(getattr(self, k)) > 0:
-                raise _bad(f"hardware.{k}", getattr(self, k), "must be > 0")
+                raise bad_value(f"hardware.{k}", getattr(self, k), "must be > 0")
         if self.gpu_memory_gib is not None and not self.gpu_memory_gib > 0:
-            raise _bad("hardware.gpu_memory_gib", self.gpu_memory_gib, "must be > 0 (or null)")
+            raise bad_value("hardware.gpu_memory_gib", self.gpu_memory_gib, "must be > 0 (or null)")
 
 
-def _writable(node: Any) -> None:
+def writable_dir_check(node: Any) -> None:
     """Frozen dataclasses make read-only nodes; clear the flag so YAML can overlay them."""
     OmegaConf.set_readonly(node, None)
     if OmegaConf.is_dict(node):
@@ -58,12 +58,12 @@ def _writable(node: Any) -> None:
             child = node._get_node(key)
             OmegaConf.set_readonly(child, None)
             if OmegaConf.is_config(child):
-                _writable(child)
+                writable_dir_check(child)
 
 
 def _strict(schema: type, raw: Any, prefix: str) -> Any:
     base = OmegaConf.structured(schema)
-    _writable(base)
+    writable_dir_check(base)
     try:
         return OmegaConf.to_object(OmegaConf.merge(base, raw))
     except OmegaConfBaseException as e:
@@ -85,8 +85,8 @@ def hardware_spec(hardware: str | None, dirs: list[Path]) -> HardwareSpec | None
     found = [d / f"{hardware}.yaml" for d in dirs if (d / f"{hardware}.yaml").is_file()]
     if not found:
         known = sorted({q.stem for d in dirs for q in d.glob("*.yaml")})
-        raise _bad("cluster.hardware", hardware,
-                   f"no such file in {dirs[0]} (known: {', '.join(known)})")
+        raise bad_value("cluster.hardware", hardware,
+                        f"no such file in {dirs[0]} (known: {', '.join(known)})")
     return load_yaml_strict(HardwareSpec, found[0], "hardware")  # type: ignore[no-any-return]
 
 

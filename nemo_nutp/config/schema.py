@@ -21,9 +21,9 @@ from ..layout import ClusterSpec, HealthReport, ModelDims, ParallelSpec, PlanReq
 from ..layout.cost import CostSpec
 from ..layout.memory import MemorySpec
 from ..layout.plan import fit_cluster, slices_of
-from ..layout.specs import _bad, _positive, normalize_replicas
-from .hardware import _writable, hardware_spec
+from ..layout.specs import bad_value, check_positive, normalize_replicas
 from .hardware import cost_spec as hardware_cost_spec
+from .hardware import hardware_spec, writable_dir_check
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 """The shipped YAML tree (repository layout); ``NUTP_CONFIG_DIR`` overrides it."""
@@ -69,41 +69,43 @@ class ModelConfig(ModelDims):
         super().__post_init__()
         self._check_impl()
         if self.normalization not in ("RMSNorm", "LayerNorm"):
-            raise _bad("model.normalization", self.normalization, "must be RMSNorm or LayerNorm")
+            raise bad_value("model.normalization", self.normalization,
+                            "must be RMSNorm or LayerNorm")
         if self.position_embedding not in ("rope", "learned_absolute"):
-            raise _bad("model.position_embedding", self.position_embedding,
-                       "must be rope or learned_absolute")
+            raise bad_value("model.position_embedding", self.position_embedding,
+                            "must be rope or learned_absolute")
         if self.position_embedding == "rope" and self.kv % 2:
             # RoPE rotates channel pairs; megatron's rotate_half cannot split an odd width.
             if self.kv_channels is not None:
-                raise _bad("model.kv_channels", self.kv_channels,
-                           "RoPE needs an even head dimension")
-            raise _bad("model.hidden_size", self.hidden_size,
-                       f"RoPE needs an even head dimension "
-                       f"({self.hidden_size}/{self.num_attention_heads} heads={self.kv})")
+                raise bad_value("model.kv_channels", self.kv_channels,
+                                "RoPE needs an even head dimension")
+            raise bad_value("model.hidden_size", self.hidden_size,
+                            f"RoPE needs an even head dimension "
+                            f"({self.hidden_size}/{self.num_attention_heads} heads={self.kv})")
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
-                raise _bad(f"model.{name}", getattr(self, name), "must be in [0, 1)")
+                raise bad_value(f"model.{name}", getattr(self, name), "must be in [0, 1)")
 
 
     def _check_impl(self) -> None:
         if self.transformer_impl not in TRANSFORMER_IMPLS:
-            raise _bad("model.transformer_impl", self.transformer_impl,
-                       f"must be one of {TRANSFORMER_IMPLS}")
+            raise bad_value("model.transformer_impl", self.transformer_impl,
+                            f"must be one of {TRANSFORMER_IMPLS}")
         if self.core_attention not in CORE_ATTENTIONS:
-            raise _bad("model.core_attention", self.core_attention,
-                       f"must be one of {CORE_ATTENTIONS}")
+            raise bad_value("model.core_attention", self.core_attention,
+                            f"must be one of {CORE_ATTENTIONS}")
         g, m, n = self.recompute_granularity, self.recompute_method, self.recompute_num_layers
         if g not in (None, "selective", "full"):
-            raise _bad("model.recompute_granularity", g, "must be null, selective or full")
+            raise bad_value("model.recompute_granularity", g, "must be null, selective or full")
         if m not in (None, "uniform", "block"):
-            raise _bad("model.recompute_method", m, "must be null, uniform or block")
+            raise bad_value("model.recompute_method", m, "must be null, uniform or block")
         if g == "full" and (m is None or n is None or n < 1):
-            raise _bad("model.recompute_granularity", g, "needs model.recompute_method "
-                       "(uniform|block) and model.recompute_num_layers >= 1")
+            raise bad_value("model.recompute_granularity", g, "needs model.recompute_method "
+                            "(uniform|block) and model.recompute_num_layers >= 1")
         if g != "full" and (m is not None or n is not None):
-            raise _bad("model.recompute_method" if m is not None else "model.recompute_num_layers",
-                       m if m is not None else n, "only with model.recompute_granularity=full")
+            field = "model.recompute_method" if m is not None else "model.recompute_num_layers"
+            raise bad_value(field, m if m is not None else n,
+                            "only with model.recompute_granularity=full")
 
 
 @dataclass(frozen=True)
@@ -127,7 +129,7 @@ class FailuresConfig:
             if not path.exists() and (CONFIG_DIR / path).exists():
                 path = CONFIG_DIR / path
             if not path.exists():
-                raise _bad("failures.report", self.report, "file not found")
+                raise bad_value("failures.report", self.report, "file not found")
             rep = HealthReport.from_file(path)
             ids += list(rep.failed_gpus)
             slow.update(rep.slow_gpus)
@@ -168,22 +170,23 @@ class NutpConfig:
 
     def __post_init__(self) -> None:
         if not 0.0 < self.rebalance_smoothing <= 1.0:
-            raise _bad("nutp.rebalance_smoothing", self.rebalance_smoothing, "must be in (0, 1]")
+            raise bad_value("nutp.rebalance_smoothing", self.rebalance_smoothing,
+                            "must be in (0, 1]")
         if not 0.0 <= self.rebalance_hysteresis < 1.0:
-            raise _bad("nutp.rebalance_hysteresis", self.rebalance_hysteresis,
-                       "must be in [0, 1)")
-        _positive("nutp.rebalance_max_shift", self.rebalance_max_shift)
+            raise bad_value("nutp.rebalance_hysteresis", self.rebalance_hysteresis,
+                            "must be in [0, 1)")
+        check_positive("nutp.rebalance_max_shift", self.rebalance_max_shift)
         if isinstance(self.rebalance_warmup, bool) or self.rebalance_warmup < 0:
-            raise _bad("nutp.rebalance_warmup", self.rebalance_warmup, "must be >= 0")
+            raise bad_value("nutp.rebalance_warmup", self.rebalance_warmup, "must be >= 0")
         if self.straggler_probe_interval < 0:
-            raise _bad("nutp.straggler_probe_interval", self.straggler_probe_interval,
-                       "must be >= 0 (0 disables)")
+            raise bad_value("nutp.straggler_probe_interval", self.straggler_probe_interval,
+                            "must be >= 0 (0 disables)")
         if not 1.0 < self.straggler_threshold < math.inf:
-            raise _bad("nutp.straggler_threshold", self.straggler_threshold, "must be > 1")
-        _positive("nutp.straggler_window", self.straggler_window)
+            raise bad_value("nutp.straggler_threshold", self.straggler_threshold, "must be > 1")
+        check_positive("nutp.straggler_window", self.straggler_window)
         if self.exclude_stragglers and self.straggler_probe_interval == 0:
-            raise _bad("nutp.exclude_stragglers", True,
-                       "needs detection: set nutp.straggler_probe_interval > 0")
+            raise bad_value("nutp.exclude_stragglers", True,
+                            "needs detection: set nutp.straggler_probe_interval > 0")
 
 
 @dataclass(frozen=True)
@@ -233,38 +236,38 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         for name in ("steps", "global_batch_size", "micro_batch_size"):
-            _positive(f"train.{name}", getattr(self, name))
+            check_positive(f"train.{name}", getattr(self, name))
         if self.global_batch_size % self.micro_batch_size:
-            raise _bad("train.global_batch_size", self.global_batch_size,
-                       f"must be a multiple of train.micro_batch_size={self.micro_batch_size}")
+            raise bad_value("train.global_batch_size", self.global_batch_size,
+                            f"must be a multiple of train.micro_batch_size={self.micro_batch_size}")
         if self.optimizer not in ("adam", "sgd"):
-            raise _bad("train.optimizer", self.optimizer, "must be adam or sgd")
+            raise bad_value("train.optimizer", self.optimizer, "must be adam or sgd")
         if not self.lr > 0:
-            raise _bad("train.lr", self.lr, "must be > 0")
+            raise bad_value("train.lr", self.lr, "must be > 0")
         if not 0.0 <= self.clip_grad < math.inf:
-            raise _bad("train.clip_grad", self.clip_grad, "must be >= 0 (0 disables)")
+            raise bad_value("train.clip_grad", self.clip_grad, "must be >= 0 (0 disables)")
         if self.distributed_optimizer and self.precision == "fp16":
-            raise _bad("train.distributed_optimizer", True,
-                       "not supported with train.precision=fp16 (use bf16 or fp32)")
+            raise bad_value("train.distributed_optimizer", True,
+                            "not supported with train.precision=fp16 (use bf16 or fp32)")
         self._check_numerics()
 
     def _check_numerics(self) -> None:
         if self.precision not in PRECISIONS:
-            raise _bad("train.precision", self.precision, f"must be one of {PRECISIONS}")
+            raise bad_value("train.precision", self.precision, f"must be one of {PRECISIONS}")
         if self.precision == "fp16" and not self.grad_reduce_in_fp32:
-            raise _bad("train.grad_reduce_in_fp32", False,
-                       "must be true with train.precision=fp16")
+            raise bad_value("train.grad_reduce_in_fp32", False,
+                            "must be true with train.precision=fp16")
         for name in ("initial_loss_scale", "min_loss_scale"):
             if not 0.0 < getattr(self, name) < math.inf:
-                raise _bad(f"train.{name}", getattr(self, name), "must be a finite number > 0")
+                raise bad_value(f"train.{name}", getattr(self, name), "must be a finite number > 0")
         if self.min_loss_scale > self.initial_loss_scale:
-            raise _bad("train.min_loss_scale", self.min_loss_scale,
-                       f"exceeds train.initial_loss_scale={self.initial_loss_scale}")
-        _positive("train.loss_scale_window", self.loss_scale_window)
+            raise bad_value("train.min_loss_scale", self.min_loss_scale,
+                            f"exceeds train.initial_loss_scale={self.initial_loss_scale}")
+        check_positive("train.loss_scale_window", self.loss_scale_window)
         if not (self.large_grad_factor == 0.0 or 1.0 < self.large_grad_factor < math.inf):
-            raise _bad("train.large_grad_factor", self.large_grad_factor,
-                       "must be 0 (off) or a finite number > 1")
-        _positive("train.large_grad_window", self.large_grad_window)
+            raise bad_value("train.large_grad_factor", self.large_grad_factor,
+                            "must be 0 (off) or a finite number > 1")
+        check_positive("train.large_grad_window", self.large_grad_window)
 
     @property
     def num_microbatches(self) -> int:
@@ -315,16 +318,16 @@ class CheckpointConfig:
         if isinstance(iv, str) and iv.strip().lower() == "auto":
             object.__setattr__(self, "interval", "auto")
         elif isinstance(iv, bool) or not isinstance(iv, int) or iv < 0:
-            raise _bad("checkpoint.interval", iv, "must be an integer >= 0 or auto")
+            raise bad_value("checkpoint.interval", iv, "must be an integer >= 0 or auto")
         if self.interval_min < 1:
-            raise _bad("checkpoint.interval_min", self.interval_min, "must be >= 1")
+            raise bad_value("checkpoint.interval_min", self.interval_min, "must be >= 1")
         if self.interval_max < self.interval_min:
-            raise _bad("checkpoint.interval_max", self.interval_max,
-                       f"must be >= checkpoint.interval_min ({self.interval_min})")
+            raise bad_value("checkpoint.interval_max", self.interval_max,
+                            f"must be >= checkpoint.interval_min ({self.interval_min})")
         mode = RESUME_ALIASES.get(str(self.resume).lower(), str(self.resume).lower())
         if mode not in ("auto", "required", "never"):
-            raise _bad("checkpoint.resume", self.resume,
-                       "must be auto, required or never (true/false: auto/never)")
+            raise bad_value("checkpoint.resume", self.resume,
+                            "must be auto, required or never (true/false: auto/never)")
         object.__setattr__(self, "resume", mode)
 
     @property
@@ -349,10 +352,10 @@ class FaultConfig:
 
     def __post_init__(self) -> None:
         if self.kind not in (None, "kill", "hang", "save_crash", "slow"):
-            raise _bad("recovery.fault.kind", self.kind,
-                       "must be null, kill, hang, save_crash or slow")
+            raise bad_value("recovery.fault.kind", self.kind,
+                            "must be null, kill, hang, save_crash or slow")
         if not 1.0 <= self.factor < 1e6:
-            raise _bad("recovery.fault.factor", self.factor, "must be >= 1")
+            raise bad_value("recovery.fault.factor", self.factor, "must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -364,7 +367,7 @@ class RecoveryConfig:
     mode: str = "restart"
     """On a failure: ``restart`` (stop every rank, re-plan, resume from the newest checkpoint)
     or ``live`` (survivors keep their processes: re-plan, new groups, state moved in memory;
-    see ``recovery/commit.py``; falls back to restart, with the reason logged, where it can't)."""
+    see ``health/commit.py``; falls back to restart, with the reason logged, where it can't)."""
     max_restarts: int = 3
     """Give up after this many restarts."""
     heartbeat_timeout_s: float = 60.0
@@ -387,14 +390,14 @@ class RecoveryConfig:
 
     def __post_init__(self) -> None:
         if not self.rate_per_gpu_day >= 0:
-            raise _bad("recovery.rate_per_gpu_day", self.rate_per_gpu_day, "must be >= 0")
+            raise bad_value("recovery.rate_per_gpu_day", self.rate_per_gpu_day, "must be >= 0")
         if self.max_restarts < 0:
-            raise _bad("recovery.max_restarts", self.max_restarts, "must be >= 0")
+            raise bad_value("recovery.max_restarts", self.max_restarts, "must be >= 0")
         if self.mode not in ("restart", "live"):
-            raise _bad("recovery.mode", self.mode, "must be restart or live")
+            raise bad_value("recovery.mode", self.mode, "must be restart or live")
         for name in ("heartbeat_timeout_s", "startup_timeout_s", "probe_timeout_s"):
             if not getattr(self, name) > 0:
-                raise _bad(f"recovery.{name}", getattr(self, name), "must be > 0")
+                raise bad_value(f"recovery.{name}", getattr(self, name), "must be > 0")
 
 
 GRAD_REDUCE_DTYPES = ("fp32", "bf16")
@@ -413,10 +416,11 @@ class SyncConfig:
     ``train.grad_reduce_in_fp32`` is rewritten to match. bf16 needs ``train.precision=bf16``."""
 
     def __post_init__(self) -> None:
-        _positive("sync.bucket_size", self.bucket_size)
+        check_positive("sync.bucket_size", self.bucket_size)
         if self.grad_reduce_dtype not in (None, *GRAD_REDUCE_DTYPES):
-            raise _bad("sync.grad_reduce_dtype", self.grad_reduce_dtype,
-                       f"must be one of {GRAD_REDUCE_DTYPES} (or null: train.grad_reduce_in_fp32)")
+            raise bad_value("sync.grad_reduce_dtype", self.grad_reduce_dtype,
+                            f"must be one of {GRAD_REDUCE_DTYPES} "
+                            "(or null: train.grad_reduce_in_fp32)")
 
 
 def _resolve_grad_reduce(train: TrainConfig, sync: SyncConfig) -> None:
@@ -427,11 +431,11 @@ def _resolve_grad_reduce(train: TrainConfig, sync: SyncConfig) -> None:
     if dt is None:
         dt = "fp32" if train.grad_reduce_in_fp32 or train.precision == "fp32" else "bf16"
     elif dt == "fp32" and not train.grad_reduce_in_fp32 and train.precision != "fp32":
-        raise _bad("sync.grad_reduce_dtype", dt, "contradicts train.grad_reduce_in_fp32=false "
-                   "(the same setting; set one of them)")
+        raise bad_value("sync.grad_reduce_dtype", dt, "contradicts train.grad_reduce_in_fp32=false "
+                        "(the same setting; set one of them)")
     if dt == "bf16" and train.precision != "bf16":
-        raise _bad("sync.grad_reduce_dtype", dt,
-                   f"needs train.precision=bf16 (got {train.precision!r})")
+        raise bad_value("sync.grad_reduce_dtype", dt,
+                        f"needs train.precision=bf16 (got {train.precision!r})")
     object.__setattr__(sync, "grad_reduce_dtype", dt)
     object.__setattr__(train, "grad_reduce_in_fp32", dt == "fp32")
 
@@ -455,17 +459,17 @@ class JobConfig:
         _resolve_grad_reduce(self.train, self.sync)
         _check_layout(self)
         if self.recovery.live_redundancy and not self.train.distributed_optimizer:
-            raise _bad("recovery.live_redundancy", True, "needs train.distributed_optimizer="
-                       "true (the non-distributed optimizer's state is replicated already)")
+            raise bad_value("recovery.live_redundancy", True, "needs train.distributed_optimizer="
+                            "true (the non-distributed optimizer's state is replicated already)")
         if self.recovery.enabled and not self.checkpoint.saves:
-            raise _bad("checkpoint.interval", self.checkpoint.interval,
-                       "must be > 0 when recovery.enabled is true")
+            raise bad_value("checkpoint.interval", self.checkpoint.interval,
+                            "must be > 0 when recovery.enabled is true")
         if self.nutp.exclude_stragglers and not isinstance(self.checkpoint.interval, int):
-            raise _bad("checkpoint.interval", self.checkpoint.interval,
-                       "must be a fixed number of steps when nutp.exclude_stragglers is true")
+            raise bad_value("checkpoint.interval", self.checkpoint.interval,
+                            "must be a fixed number of steps when nutp.exclude_stragglers is true")
         if self.nutp.exclude_stragglers and not self.checkpoint.saves:
-            raise _bad("checkpoint.interval", self.checkpoint.interval,
-                       "must be > 0 when nutp.exclude_stragglers is true")
+            raise bad_value("checkpoint.interval", self.checkpoint.interval,
+                            "must be > 0 when nutp.exclude_stragglers is true")
 
     @property
     def checkpoint_dir(self) -> str | None:
@@ -485,11 +489,11 @@ def _check_layout(cfg: JobConfig) -> None:
     have ``parallel.pp`` per-stage degrees; the CPU default cluster grows to fit them."""
     p, m = cfg.parallel, cfg.model
     if m.num_layers % p.pp:
-        raise _bad("parallel.pp", p.pp, f"must divide model.num_layers={m.num_layers}")
+        raise bad_value("parallel.pp", p.pp, f"must divide model.num_layers={m.num_layers}")
     if m.recompute_num_layers is not None and m.recompute_num_layers > m.num_layers // p.pp:
-        raise _bad("model.recompute_num_layers", m.recompute_num_layers,
-                   f"exceeds the layers per stage (model.num_layers / parallel.pp = "
-                   f"{m.num_layers // p.pp})")
+        raise bad_value("model.recompute_num_layers", m.recompute_num_layers,
+                        f"exceeds the layers per stage (model.num_layers / parallel.pp = "
+                        f"{m.num_layers // p.pp})")
     if cfg.nutp.replicas is None:
         return
     reps = normalize_replicas(cfg.nutp.replicas, p.pp)
@@ -554,7 +558,7 @@ def _register_defaults() -> None:
     ConfigStore.instance().store(name="nutp_defaults", node=defaults)
 
 
-def _compose(config_name: str, overrides: list[str], directory: Path) -> Any:
+def compose_config(config_name: str, overrides: list[str], directory: Path) -> Any:
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
@@ -572,11 +576,11 @@ def load_config(overrides: list[str] | None = None, *, config_name: str = "confi
     """
     directory = directory or config_dir()
     try:
-        raw = _compose(config_name, list(overrides or []), directory)
+        raw = compose_config(config_name, list(overrides or []), directory)
         OmegaConf.set_struct(raw, False)
         raw.pop("hydra", None)
         base = OmegaConf.structured(JobConfig)
-        _writable(base)
+        writable_dir_check(base)
         merged = OmegaConf.merge(base, raw)
         return OmegaConf.to_object(merged)  # type: ignore[return-value]
     except OmegaConfBaseException as e:

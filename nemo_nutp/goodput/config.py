@@ -22,8 +22,8 @@ from ..config.hardware import (
     _strict,
     load_yaml_strict,
 )
-from ..config.schema import ModelConfig, _compose, config_dir
-from ..layout.specs import _bad, _positive
+from ..config.schema import ModelConfig, compose_config, config_dir
+from ..layout.specs import bad_value, check_positive
 
 POLICIES = ("drop", "drop-live", "drop+spares", "uniform-reduce", "nutp-restart", "nutp-live",
             "nutp+boost", "stop-wait")
@@ -51,7 +51,7 @@ straggler slows leave (planned restarts)."""
 
 def _frac(name: str, value: float, *, lo: float = 0.0, hi: float = 1.0) -> None:
     if not lo <= float(value) <= hi:
-        raise _bad(name, value, f"must be in [{lo}, {hi}]")
+        raise bad_value(name, value, f"must be in [{lo}, {hi}]")
 
 
 @dataclass(frozen=True)
@@ -69,8 +69,8 @@ class BlastConfig:
         for k in BLAST_KINDS:
             _frac(f"sim.failures.blast.{k}", getattr(self, k))
         if abs(self.gpu + self.node + self.domain - 1.0) > 1e-6:
-            raise _bad("sim.failures.blast", (self.gpu, self.node, self.domain),
-                       "gpu + node + domain shares must sum to 1")
+            raise bad_value("sim.failures.blast", (self.gpu, self.node, self.domain),
+                            "gpu + node + domain shares must sum to 1")
 
     def shares(self) -> dict[str, float]:
         return {k: float(getattr(self, k)) for k in BLAST_KINDS}
@@ -102,10 +102,10 @@ class FailureConfig:
         for k in ("rate_per_gpu_day", "multiplier", "hardware_repair_hours",
                   "software_recovery_hours"):
             if not float(getattr(self, k)) >= 0:
-                raise _bad(f"sim.failures.{k}", getattr(self, k), "must be >= 0")
+                raise bad_value(f"sim.failures.{k}", getattr(self, k), "must be >= 0")
         if self.repair_distribution not in ("fixed", "exponential"):
-            raise _bad("sim.failures.repair_distribution", self.repair_distribution,
-                       "must be 'fixed' or 'exponential'")
+            raise bad_value("sim.failures.repair_distribution", self.repair_distribution,
+                            "must be 'fixed' or 'exponential'")
 
     @property
     def rate(self) -> float:
@@ -133,14 +133,14 @@ class CostConfig:
 
     def __post_init__(self) -> None:
         if self.mode not in ("full", "compute"):
-            raise _bad("sim.cost.mode", self.mode, "must be 'full' or 'compute'")
+            raise bad_value("sim.cost.mode", self.mode, "must be 'full' or 'compute'")
         if self.shard_balance not in ("planner", "balanced"):
-            raise _bad("sim.cost.shard_balance", self.shard_balance,
-                       "must be 'planner' or 'balanced'")
+            raise bad_value("sim.cost.shard_balance", self.shard_balance,
+                            "must be 'planner' or 'balanced'")
         _frac("sim.cost.mfu", self.mfu, lo=1e-3)
         _frac("sim.cost.tp_overlap", self.tp_overlap)
         _frac("sim.cost.dp_overlap", self.dp_overlap)
-        _positive("sim.cost.grad_bytes", self.grad_bytes)
+        check_positive("sim.cost.grad_bytes", self.grad_bytes)
 
 
 @dataclass(frozen=True)
@@ -176,18 +176,20 @@ class StragglerConfig:
 
     def __post_init__(self) -> None:
         if not float(self.rate_per_gpu_day) >= 0:
-            raise _bad("sim.stragglers.rate_per_gpu_day", self.rate_per_gpu_day, "must be >= 0")
+            raise bad_value("sim.stragglers.rate_per_gpu_day", self.rate_per_gpu_day,
+                            "must be >= 0")
         if not 0.0 < self.min_speed <= self.max_speed <= 1.0:
-            raise _bad("sim.stragglers.min_speed", self.min_speed,
-                       f"need 0 < min_speed <= max_speed={self.max_speed} <= 1")
+            raise bad_value("sim.stragglers.min_speed", self.min_speed,
+                            f"need 0 < min_speed <= max_speed={self.max_speed} <= 1")
         if not self.duration_hours > 0:
-            raise _bad("sim.stragglers.duration_hours", self.duration_hours, "must be > 0")
+            raise bad_value("sim.stragglers.duration_hours", self.duration_hours, "must be > 0")
         if self.duration_distribution not in ("fixed", "exponential"):
-            raise _bad("sim.stragglers.duration_distribution", self.duration_distribution,
-                       "must be 'fixed' or 'exponential'")
+            raise bad_value("sim.stragglers.duration_distribution", self.duration_distribution,
+                            "must be 'fixed' or 'exponential'")
         for q in self.policies:
             if q not in STRAGGLER_POLICIES:
-                raise _bad("sim.stragglers.policies", q, f"unknown; known: {STRAGGLER_POLICIES}")
+                raise bad_value("sim.stragglers.policies", q,
+                                f"unknown; known: {STRAGGLER_POLICIES}")
 
 
 @dataclass(frozen=True)
@@ -267,39 +269,39 @@ class TransitionConfig:
         for k in ("detect_s", "checkpoint_interval_hours", "save_s", "live_base_s",
                   "live_group_s"):
             if not float(getattr(self, k)) >= 0:
-                raise _bad(f"sim.transitions.{k}", getattr(self, k), "must be >= 0")
+                raise bad_value(f"sim.transitions.{k}", getattr(self, k), "must be >= 0")
         for k in ("weight_bytes", "optimizer_bytes", "live_lost_steps"):
             if not getattr(self, k) >= 0:
-                raise _bad(f"sim.transitions.{k}", getattr(self, k), "must be >= 0")
+                raise bad_value(f"sim.transitions.{k}", getattr(self, k), "must be >= 0")
         if not self.storage_gbps > 0:
-            raise _bad("sim.transitions.storage_gbps", self.storage_gbps, "must be > 0")
+            raise bad_value("sim.transitions.storage_gbps", self.storage_gbps, "must be > 0")
         if self.live_gbps is not None and not self.live_gbps > 0:
-            raise _bad("sim.transitions.live_gbps", self.live_gbps, "must be > 0 or null")
+            raise bad_value("sim.transitions.live_gbps", self.live_gbps, "must be > 0 or null")
         if self.max_wait_hours is not None and not self.max_wait_hours >= 0:
-            raise _bad("sim.transitions.max_wait_hours", self.max_wait_hours, "must be >= 0")
+            raise bad_value("sim.transitions.max_wait_hours", self.max_wait_hours, "must be >= 0")
         if self.checkpoint_interval_hours == 0 and self.save_s > 0:
-            raise _bad("sim.transitions.save_s", self.save_s,
-                       "must be 0 when sim.transitions.checkpoint_interval_hours is 0")
+            raise bad_value("sim.transitions.save_s", self.save_s,
+                            "must be 0 when sim.transitions.checkpoint_interval_hours is 0")
         if self.recompute not in ("capped", "half_interval"):
-            raise _bad("sim.transitions.recompute", self.recompute,
-                       "must be 'capped' or 'half_interval'")
+            raise bad_value("sim.transitions.recompute", self.recompute,
+                            "must be 'capped' or 'half_interval'")
         if self.calibration not in ("plain", "warm_standby"):
-            raise _bad("sim.transitions.calibration", self.calibration,
-                       "must be 'plain' or 'warm_standby'")
+            raise bad_value("sim.transitions.calibration", self.calibration,
+                            "must be 'plain' or 'warm_standby'")
         for name in ("restart_points", "warm_standby_points"):
             for pt in getattr(self, name):
                 if pt.gpus < 1 or not pt.seconds >= 0:
-                    raise _bad(f"sim.transitions.{name}", (pt.gpus, pt.seconds),
-                               "need gpus >= 1 and seconds >= 0")
+                    raise bad_value(f"sim.transitions.{name}", (pt.gpus, pt.seconds),
+                                    "need gpus >= 1 and seconds >= 0")
         if not self.restart_points:
-            raise _bad("sim.transitions.restart_points", [], "needs at least one point")
+            raise bad_value("sim.transitions.restart_points", [], "needs at least one point")
         if self.restart_exponent is None and len({p.gpus for p in self.restart_points}) < 2:
-            raise _bad("sim.transitions.restart_exponent", None,
-                       "needed when restart_points has fewer than two GPU counts")
-        _positive("sim.transitions.repair_batch_trials", self.repair_batch_trials)
+            raise bad_value("sim.transitions.restart_exponent", None,
+                            "needed when restart_points has fewer than two GPU counts")
+        check_positive("sim.transitions.repair_batch_trials", self.repair_batch_trials)
         if not self.repair_batch_hours or any(not h >= 0 for h in self.repair_batch_hours):
-            raise _bad("sim.transitions.repair_batch_hours", self.repair_batch_hours,
-                       "needs at least one entry, each >= 0")
+            raise bad_value("sim.transitions.repair_batch_hours", self.repair_batch_hours,
+                            "needs at least one entry, each >= 0")
 
 
 @dataclass(frozen=True)
@@ -357,19 +359,20 @@ class SimConfig:
     def __post_init__(self) -> None:
         for k in ("num_gpus", "domain_size", "gpus_per_node", "tp_base", "pp", "min_tp",
                   "micro_batches_per_replica", "micro_batch_tokens", "trials"):
-            _positive(f"sim.{k}", getattr(self, k))
+            check_positive(f"sim.{k}", getattr(self, k))
         if self.tp_base > self.domain_size:
-            raise _bad("sim.tp_base", self.tp_base, f"exceeds sim.domain_size={self.domain_size}")
+            raise bad_value("sim.tp_base", self.tp_base,
+                            f"exceeds sim.domain_size={self.domain_size}")
         if self.spare_domains < 0:
-            raise _bad("sim.spare_domains", self.spare_domains, "must be >= 0")
+            raise bad_value("sim.spare_domains", self.spare_domains, "must be >= 0")
         for p in self.policies:
             if p not in POLICIES:
-                raise _bad("sim.policies", p, f"unknown policy; known: {POLICIES}")
+                raise bad_value("sim.policies", p, f"unknown policy; known: {POLICIES}")
         for f in self.fractions:
             _frac("sim.fractions", f, hi=0.5)
         _frac("sim.blast_fraction", self.blast_fraction, hi=0.5)
         if not (self.days > 0 and 0 < self.step_hours <= self.days * 24):
-            raise _bad("sim.step_hours", self.step_hours, "must be in (0, sim.days*24]")
+            raise bad_value("sim.step_hours", self.step_hours, "must be in (0, sim.days*24]")
 
 
 def load_sim_config(overrides: list[str] | None = None, *, directory: Path | None = None
@@ -377,7 +380,7 @@ def load_sim_config(overrides: list[str] | None = None, *, directory: Path | Non
     """Compose ``configs/simulate.yaml`` + Hydra overrides into a validated ``SimConfig``."""
     directory = directory or config_dir()
     try:
-        raw = _compose("simulate", list(overrides or []), directory)
+        raw = compose_config("simulate", list(overrides or []), directory)
     except Exception as e:
         if type(e).__module__.startswith(("hydra", "omegaconf")):
             raise ValueError(f"config: {str(e).splitlines()[0]}") from None

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..layout.cost import FLOPS_PER_MAC, FWD_BWD, tp_bytes
-from ..layout.plan import _best_degree_table
+from ..layout.plan import best_degree_table
 from ..layout.specs import ModelDims
 from ..layout.units import max_degree, rank_work, space_bounds
 from .config import BoostConfig, HardwareSpec, SimConfig
@@ -59,7 +59,7 @@ def valid_degrees(dims: ModelDims, tp_base: int, min_tp: int) -> np.ndarray:
     return ok
 
 
-def _max_rank_params(dims: ModelDims, t: int, layers: int, with_vocab: bool) -> float:
+def max_rank_params(dims: ModelDims, t: int, layers: int, with_vocab: bool) -> float:
     h, kv, hpg = dims.hidden_size, dims.kv, dims.heads_per_group
     qg = np.diff(space_bounds(dims, "qg", t)).astype(np.float64)
     ff = np.diff(space_bounds(dims, "ffn", t)).astype(np.float64)
@@ -108,7 +108,7 @@ class CostModel:
             return comp, 0.0
         tp = mb * tp_bytes(d, t, self.layers, tokens=tokens, act_bytes=2) / (hw.nvlink_gbps * 1e9)
         dp_n = max(2, cfg.num_gpus // (cfg.tp_base * cfg.pp))
-        grads = cc.grad_bytes * _max_rank_params(d, t, self.layers, stage == cfg.pp - 1)
+        grads = cc.grad_bytes * max_rank_params(d, t, self.layers, stage == cfg.pp - 1)
         dp = 2 * (dp_n - 1) / dp_n * grads / (hw.network_gbps * 1e9)
         return comp, tp * (1 - cc.tp_overlap) + dp * (1 - cc.dp_overlap)
 
@@ -123,7 +123,7 @@ class CostModel:
         full = float((c[:, tb] + o[:, tb]).max())
         s_b = int(np.argmax(c[:, tb] + o[:, tb]))
         parts = {"step_s": full, "compute_s": float(c[s_b, tb]), "other_s": float(o[s_b, tb])}
-        return StageTables(c=c / full, o=o / full, best=_best_degree_table(valid), parts_s=parts)
+        return StageTables(c=c / full, o=o / full, best=best_degree_table(valid), parts_s=parts)
 
 
 def boost_gain(boost: BoostConfig) -> float:

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from ..launch.console import make_console, print_error
+from ..common.console import make_console, print_error
 from ..layout.serialize import write_json_atomic
 
 

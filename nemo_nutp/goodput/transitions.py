@@ -63,7 +63,7 @@ from typing import Any
 import numpy as np
 
 from .config import MODE_OF, SimConfig
-from .cost import _max_rank_params
+from .cost import max_rank_params
 from .failures import Events
 
 H = 3600.0
@@ -121,12 +121,12 @@ def _state_bytes(cfg: SimConfig, dims: Any, n_replicas: int) -> tuple[float, flo
     stage receives at most in a live re-layout)."""
     t, layers = cfg.transitions, dims.num_layers // cfg.pp
     tb = cfg.tp_base
-    stage_params = [_max_rank_params(dims, tb, layers, s == cfg.pp - 1) * tb
+    stage_params = [max_rank_params(dims, tb, layers, s == cfg.pp - 1) * tb
                     for s in range(cfg.pp)]
     total = float(sum(stage_params))
     read = t.weight_bytes * total * n_replicas + t.optimizer_bytes * total
     new = max(1, tb - 1)
-    live = max(t.weight_bytes * _max_rank_params(dims, new, layers, s == cfg.pp - 1)
+    live = max(t.weight_bytes * max_rank_params(dims, new, layers, s == cfg.pp - 1)
                for s in range(cfg.pp))
     return read, float(live)
 

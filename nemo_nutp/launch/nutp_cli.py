@@ -7,15 +7,15 @@ import dataclasses
 import sys
 import time
 
-from .console import make_console, print_error
+from ..common.console import make_console, print_error
 
 
 def _plan(args: argparse.Namespace) -> int:
+    from ..common.plan_report import print_plan
     from ..config import plan_request
     from ..config.recipes import load_job
     from ..layout import HealthReport, build_plan
     from ..layout.serialize import plan_to_dict, write_json_atomic
-    from .plan_report import print_plan
 
     console = make_console()
     try:
@@ -43,7 +43,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..compat.quiet import quiet_optional_kernel_notes
+    from ..common.quiet import quiet_optional_kernel_notes
 
     quiet_optional_kernel_notes()
     parser = argparse.ArgumentParser(prog="nutp", description=__doc__)

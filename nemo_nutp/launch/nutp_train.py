@@ -17,7 +17,7 @@ import os
 import sys
 from typing import Any
 
-from .console import make_console, print_error
+from ..common.console import make_console, print_error
 
 
 def _launcher_env() -> tuple[int, int, int] | None:
@@ -34,9 +34,9 @@ def check_launch(cfg: Any, plan: Any, env: tuple[int, int, int], environ: dict[s
     """Under a plain ``torchrun``/``srun`` (no recovery) the launcher's rank is the plan rank
     and ``cuda:LOCAL_RANK`` its GPU: refuse (one line, before any process group) unless the
     plan puts this rank on this worker's GPU slot (node index x gpus_per_node + local rank,
-    ``recovery.elastic.gpu_slot``), so a degraded TP group never straddles nodes or lands on
+    ``train.elastic.gpu_slot``), so a degraded TP group never straddles nodes or lands on
     a failed GPU."""
-    from ..recovery.elastic import gpu_slot
+    from ..train.elastic import gpu_slot
 
     rank, world, local = env
     if world != plan.world_size:
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="validate, plan and print the plan (per-stage degrees and predicted "
                          "times); spawn nothing, exit 0 (2 on a bad config)")
     args = ap.parse_intermixed_args(argv)  # overrides may follow --dry-run
-    from ..compat.quiet import quiet_optional_kernel_notes
+    from ..common.quiet import quiet_optional_kernel_notes
 
     quiet_optional_kernel_notes()
     console = make_console()
@@ -114,9 +114,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_job(args.overrides, config_name=args.config_name)
         under_recovery = env is not None and cfg.recovery.enabled
         slot = -1
-        if under_recovery:  # one worker per GPU slot; each attempt re-plans (recovery/elastic.py)
+        if under_recovery:  # one worker per GPU slot; each attempt re-plans (train/elastic.py)
             assert env is not None
-            from ..recovery import elastic
+            from ..train import elastic
 
             elastic.check_world(cfg, env[1])
             slot = elastic.gpu_slot(dict(os.environ), env[1], env[2], cfg.cluster.gpus_per_node)
@@ -140,10 +140,10 @@ def _dry_run(args: argparse.Namespace, console: Any) -> int:
     """Validate and plan as a launch would, print the plan; no process, lock or file. The
     runtime's own limits (``preflight``'s first checks) are not applied: a plan of any layout
     prints."""
+    from ..common.plan_report import memory_table, replicas_table
     from ..config import plan_request
     from ..config.recipes import load_job
     from ..layout import build_plan
-    from .plan_report import memory_table, replicas_table
 
     try:
         cfg = load_job(args.overrides, config_name=args.config_name)
@@ -169,7 +169,7 @@ def _lock_for(cfg: Any, env: tuple[int, int, int] | None) -> Any:
     local launcher, or rank 0 (worker slot 0 under recovery) of an external launcher."""
     if env is not None and env[0] != 0:
         return None
-    from .output_lock import OutputLock
+    from ..common.output_lock import OutputLock
 
     return OutputLock(cfg.output.dir).acquire()
 
@@ -179,13 +179,13 @@ def _run(cfg: Any, plan: Any, env: tuple[int, int, int] | None, slot: int,
     under_recovery = env is not None and cfg.recovery.enabled
     if under_recovery:
         assert env is not None
-        from ..recovery import elastic
+        from ..train import elastic
 
         attempt = elastic.attempt_number(dict(os.environ))
         return elastic.run_worker(
             cfg, elastic.LauncherEnv(env[0], env[1], env[2], attempt, slot), console)
     if env is None or env[0] == 0:
-        from .plan_report import replicas_table
+        from ..common.plan_report import replicas_table
 
         console.print(replicas_table(plan))
     if env is not None:
@@ -206,7 +206,7 @@ def _spawn_local(cfg: Any, plan: Any) -> int:
 
     import torch.multiprocessing as mp
 
-    from ..launch.ports import free_port
+    from ..common.ports import free_port
     from ..train.worker import PARENT_REPORTS, first_error, spawned
     from .local import start_ranks
 

@@ -257,7 +257,7 @@ _RECOVERY_DOC = """\
 # Recovery (recovery.enabled=true): one worker per GPU slot of the whole cluster, numbered
 # node-major (Slurm node id x GPUs per node + local GPU). Each attempt the workers agree on the
 # failed GPUs (health report, device probes, who ended the previous attempt), re-plan, and the
-# plan's ranks train while the other slots wait (nemo_nutp/recovery/elastic.py). Slurm node id k
+# plan's ranks train while the other slots wait (nemo_nutp/train/elastic.py). Slurm node id k
 # is taken to be cluster node k: pin hosts with --nodelist when GPU ids must match nodes.
 """
 
@@ -323,7 +323,7 @@ def _launch_recovery(opts: SbatchOptions, gpn: int, train: list[str], recovery: 
 
 
 _LIVE_DOC = """\
-# Live recovery (recovery.mode=live, nemo_nutp/recovery/standalone.py, agent.py). Two job
+# Live recovery (recovery.mode=live, nemo_nutp/launch/control.py, agent.py). Two job
 # steps, both started here, and no other for the whole job: failures, GPUs coming back and
 # restart fallbacks are handled inside them.
 # 1. The control process (one task on the first node, no GPU, --overlap beside the agents):
@@ -338,7 +338,7 @@ _LIVE_DOC = """\
 
 
 def _launch_live(opts: SbatchOptions, train: list[str], recovery: Any) -> str:
-    live = ["python", "-m", "nemo_nutp.recovery.standalone", *train[1:]]
+    live = ["python", "-m", "nemo_nutp.launch.control", *train[1:]]
     wait_agents = 60
     lines = [
         "# pyxis: the container runs every task; srun's environment is passed in.",
@@ -446,10 +446,10 @@ def write_text_atomic(text: str, path: str | Path, *, mode: int = 0o755) -> None
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..common.console import make_console, print_error
     from ..config import plan_request
     from ..config.recipes import load_job, split_recipe
     from ..layout import build_plan
-    from .console import make_console, print_error
 
     console = make_console()
     try:

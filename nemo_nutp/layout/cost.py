@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .specs import CostSpec, ModelDims, _bad
+from .specs import CostSpec, ModelDims, bad_value
 from .units import rank_work, space_bounds
 
 FWD_BWD = 3.0
@@ -41,7 +41,7 @@ FLOPS_PER_MAC = 2.0
 def stage_layers(num_layers: int, pp: int) -> list[tuple[int, int]]:
     """``[first, last_exclusive)`` transformer layers of each of ``pp`` stages (even split)."""
     if pp < 1 or num_layers % pp:
-        raise _bad("parallel.pp", pp, f"must divide model.num_layers={num_layers}")
+        raise bad_value("parallel.pp", pp, f"must divide model.num_layers={num_layers}")
     n = num_layers // pp
     return [(s * n, (s + 1) * n) for s in range(pp)]
 

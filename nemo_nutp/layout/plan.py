@@ -37,7 +37,7 @@ import numpy as np
 
 from .cost import StageTime, stage_time
 from .memory import fits_every_stage, stage_memory, why_not
-from .specs import ClusterSpec, PlanRequest, _bad
+from .specs import ClusterSpec, PlanRequest, bad_value
 from .sync import SyncLayout, make_sync_layout, reshard_plan
 from .units import (
     PARAM_KINDS,
@@ -186,7 +186,7 @@ def _valid_degrees(req: PlanRequest, *, memory: bool = True) -> np.ndarray:
     return ok
 
 
-def _best_degree_table(valid: np.ndarray) -> np.ndarray:
+def best_degree_table(valid: np.ndarray) -> np.ndarray:
     """best[h]: largest valid degree <= h (0 if none)."""
     idx = np.where(valid, np.arange(len(valid)), 0)
     return np.maximum.accumulate(idx)
@@ -195,21 +195,21 @@ def _best_degree_table(valid: np.ndarray) -> np.ndarray:
 def _validate(req: PlanRequest) -> None:
     p, m, c = req.parallel, req.model, req.cluster
     if req.policy not in POLICIES:
-        raise _bad("nutp.policy", req.policy, f"must be one of {POLICIES}")
+        raise bad_value("nutp.policy", req.policy, f"must be one of {POLICIES}")
     if m.num_layers % p.pp:
-        raise _bad("parallel.pp", p.pp, f"must divide model.num_layers={m.num_layers}")
+        raise bad_value("parallel.pp", p.pp, f"must divide model.num_layers={m.num_layers}")
     if p.tp_base > c.domain_size:
-        raise _bad("parallel.tp_base", p.tp_base,
-                   f"a TP group must fit in one domain (cluster.domain_size={c.domain_size})")
+        raise bad_value("parallel.tp_base", p.tp_base,
+                        f"a TP group must fit in one domain (cluster.domain_size={c.domain_size})")
     for space in SPACES:
         if p.tp_base > num_units(m, space):
             field_name = {"qg": "num_query_groups", "ffn": "ffn_hidden_size",
                           "vocab": "vocab_size"}[space]
-            raise _bad("parallel.tp_base", p.tp_base,
-                       f"exceeds model.{field_name}={num_units(m, space)} units")
+            raise bad_value("parallel.tp_base", p.tp_base,
+                            f"exceeds model.{field_name}={num_units(m, space)} units")
     if p.sequence_parallel and m.seq_length % p.tp_base:
-        raise _bad("model.seq_length", m.seq_length,
-                   f"must be divisible by parallel.tp_base={p.tp_base} with sequence parallel")
+        raise bad_value("model.seq_length", m.seq_length,
+                        f"must be divisible by parallel.tp_base={p.tp_base} with sequence parallel")
     req.health.check_against(c)
     _check_memory(req)
     if req.replicas is not None:
@@ -218,10 +218,11 @@ def _validate(req: PlanRequest) -> None:
         for k, degs in enumerate(req.replicas):
             for s, t in enumerate(degs):
                 if not (0 < t <= p.tp_base and valid[t]):
-                    raise _bad("nutp.replicas", shown,
-                               f"replica {k} stage {s}: degree {t} is not valid (1..tp_base="
-                               f"{p.tp_base}, <= the model's units, >= parallel.min_tp="
-                               f"{p.min_tp}, divides model.seq_length under sequence parallel)")
+                    raise bad_value("nutp.replicas", shown,
+                                    f"replica {k} stage {s}: degree {t} is not valid (1..tp_base="
+                                    f"{p.tp_base}, <= the model's units, >= parallel.min_tp="
+                                    f"{p.min_tp}, divides model.seq_length under sequence "
+                                    "parallel)")
 
 
 def _check_memory(req: PlanRequest) -> None:
@@ -231,17 +232,17 @@ def _check_memory(req: PlanRequest) -> None:
     p, m, mem = req.parallel, req.model, req.memory
     why = why_not(m, p.tp_base, mem, pp=p.pp, balance=p.unit_balance)
     if why:
-        raise _bad("parallel.tp_base", p.tp_base, why)
+        raise bad_value("parallel.tp_base", p.tp_base, why)
     for k, degs in enumerate(req.replicas or ()):
         for s, t in enumerate(degs):
             if 0 < t <= p.tp_base and not stage_memory(m, t, mem, stage=s, pp=p.pp,
                                                        balance=p.unit_balance).fits:
-                raise _bad("nutp.replicas", [list(r) for r in req.replicas or ()],
-                           f"replica {k}: " + why_not(m, t, mem, pp=p.pp, stage=s,
+                raise bad_value("nutp.replicas", [list(r) for r in req.replicas or ()],
+                                f"replica {k}: " + why_not(m, t, mem, pp=p.pp, stage=s,
                                                       balance=p.unit_balance))
 
 
-def _slices(req: PlanRequest) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def plan_slices(req: PlanRequest) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Start GPU of every TP slice (tp_base consecutive GPUs inside one domain), healthy count."""
     c, tb = req.cluster, req.parallel.tp_base
     full = c.num_gpus // c.domain_size
@@ -262,10 +263,11 @@ def apportion(speeds: np.ndarray, total: int, field_name: str = "global_batch"
     live = speeds > 0
     n = int(live.sum())
     if n == 0:
-        raise _bad("health.failed_gpus", "...", "no replica can run: every replica lost too much")
+        raise bad_value("health.failed_gpus", "...",
+                        "no replica can run: every replica lost too much")
     if total < n:
-        raise _bad(field_name, total, f"fewer micro-batches than live replicas ({n}); "
-                   "raise train.global_batch_size or lower train.micro_batch_size")
+        raise bad_value(field_name, total, f"fewer micro-batches than live replicas ({n}); "
+                        "raise train.global_batch_size or lower train.micro_batch_size")
     shares = np.zeros(len(speeds), dtype=np.int64)
     shares[live] = np.maximum(1, np.floor(total * speeds[live] / speeds[live].sum()))
     excess = int(shares.sum()) - total
@@ -373,7 +375,7 @@ def _straggler_degrees(req: PlanRequest, speed: _Speed, starts: np.ndarray, fail
     the smallest predicted stage time (ties: more GPUs); updates ``deg`` in place. Returns per
     replica row (choice, speed keeping every slow GPU, speed excluding every slow GPU)."""
     tb = req.parallel.tp_base
-    best = _best_degree_table(_valid_degrees(req))
+    best = best_degree_table(_valid_degrees(req))
     out: dict[int, tuple[str, float, float]] = {}
     for i in range(deg.shape[0]):
         if (deg[i] == 0).any():
@@ -408,7 +410,7 @@ def _degrees(req: PlanRequest, healthy: np.ndarray, speed: _Speed) -> np.ndarray
     predicts fastest."""
     tb = req.parallel.tp_base
     valid = _valid_degrees(req)
-    best = _best_degree_table(valid)
+    best = best_degree_table(valid)
     if req.policy == "drop":
         ok = (healthy == tb).all(axis=1)
         return np.where(ok[:, None], tb, 0) * np.ones_like(healthy)
@@ -439,8 +441,9 @@ def fit_cluster(cluster: ClusterSpec, tp_base: int, slices: int) -> ClusterSpec:
     if slices_of(cluster, tp_base) >= slices:
         return cluster
     if tp_base > cluster.domain_size:
-        raise _bad("parallel.tp_base", tp_base,
-                   f"a TP group must fit in one domain (cluster.domain_size={cluster.domain_size})")
+        raise bad_value("parallel.tp_base", tp_base,
+                        "a TP group must fit in one domain "
+                        f"(cluster.domain_size={cluster.domain_size})")
     n = cluster.gpus_per_node
     while slices_of(dataclasses.replace(cluster, num_gpus=n), tp_base) < slices:
         n += cluster.gpus_per_node
@@ -456,21 +459,22 @@ def _explicit(req: PlanRequest, healthy: np.ndarray, n_slices: int
     n = len(req.replicas)
     if n * p.pp > n_slices:
         fit = fit_cluster(c, p.tp_base, n * p.pp)
-        raise _bad("nutp.replicas", shown,
-                   f"{n} replicas x parallel.pp={p.pp} stages need {n * p.pp} slices of "
-                   f"parallel.tp_base={p.tp_base} GPUs; the cluster has {n_slices}: set "
-                   f"cluster.num_gpus={fit.num_gpus} (with cluster.domain_size="
-                   f"{c.domain_size}, cluster.gpus_per_node={c.gpus_per_node}) or lower "
-                   "parallel.tp_base")
+        raise bad_value("nutp.replicas", shown,
+                        f"{n} replicas x parallel.pp={p.pp} stages need {n * p.pp} slices of "
+                        f"parallel.tp_base={p.tp_base} GPUs; the cluster has {n_slices}: set "
+                        f"cluster.num_gpus={fit.num_gpus} (with cluster.domain_size="
+                        f"{c.domain_size}, cluster.gpus_per_node={c.gpus_per_node}) or lower "
+                        "parallel.tp_base")
     if p.dp is not None and p.dp != n:
-        raise _bad("parallel.dp", p.dp, f"disagrees with nutp.replicas={shown}")
+        raise bad_value("parallel.dp", p.dp, f"disagrees with nutp.replicas={shown}")
     sl = np.arange(n * p.pp).reshape(n, p.pp)
     deg = np.asarray(req.replicas, dtype=np.int64).reshape(n, p.pp)
     over = np.argwhere(deg > healthy[sl])
     if len(over):
         i, s = (int(x) for x in over[0])
-        raise _bad("nutp.replicas", shown, f"replica {i} stage {s}: degree {deg[i, s]} exceeds "
-                   f"its {healthy[sl[i, s]]} healthy GPUs")
+        raise bad_value("nutp.replicas", shown,
+                        f"replica {i} stage {s}: degree {deg[i, s]} exceeds "
+                        f"its {healthy[sl[i, s]]} healthy GPUs")
     return sl, deg
 
 
@@ -478,7 +482,7 @@ def build_plan(req: PlanRequest) -> Plan:
     """Make the plan; raises ``ValueError`` naming the field for every impossible request."""
     _validate(req)
     p = req.parallel
-    starts, healthy, failed = _slices(req)
+    starts, healthy, failed = plan_slices(req)
     n_full = len(starts) // p.pp
     speed = _Speed(req)
     if req.replicas is not None:
@@ -486,12 +490,12 @@ def build_plan(req: PlanRequest) -> Plan:
         n_full = len(req.replicas)
     else:
         if n_full == 0:
-            raise _bad("cluster.num_gpus", req.cluster.num_gpus, f"holds no replica of "
-                       f"parallel.pp={p.pp} stages x parallel.tp_base={p.tp_base}")
+            raise bad_value("cluster.num_gpus", req.cluster.num_gpus, f"holds no replica of "
+                            f"parallel.pp={p.pp} stages x parallel.tp_base={p.tp_base}")
         order = np.lexsort((starts, -healthy))  # healthiest slices first: degraded stages share
         n_use = n_full if p.dp is None else p.dp  # replicas, so fewer replicas slow down
         if n_use > n_full:
-            raise _bad("parallel.dp", p.dp, f"cluster holds only {n_full} replicas")
+            raise bad_value("parallel.dp", p.dp, f"cluster holds only {n_full} replicas")
         n_full = n_use
         sl = order[: n_use * p.pp].reshape(n_use, p.pp)
         deg = _degrees(req, healthy[sl], speed)
@@ -507,8 +511,8 @@ def _assemble(req: PlanRequest, starts: np.ndarray, healthy: np.ndarray, failed:
     p = req.parallel
     live = np.nonzero((deg > 0).all(axis=1))[0]
     if len(live) == 0:
-        raise _bad("health.failed_gpus", list(req.health.failed_gpus)[:8],
-                   "no replica can run at parallel.min_tp or above")
+        raise bad_value("health.failed_gpus", list(req.health.failed_gpus)[:8],
+                        "no replica can run at parallel.min_tp or above")
     # Healthy replicas first, then degraded ones grouped by degree (contiguous ranks).
     live = live[np.lexsort((live, *[-deg[live, s] for s in reversed(range(p.pp))]))]
     gpus: dict[tuple[int, int], tuple[int, ...]] = {}
@@ -532,8 +536,8 @@ def _assemble(req: PlanRequest, starts: np.ndarray, healthy: np.ndarray, failed:
             rank_to_gpu.extend(g)
     world = len(rank_to_gpu)
     if req.world_size is not None and req.world_size != world:
-        raise _bad("world_size", req.world_size, f"the launcher's world size differs from the "
-                   f"plan's {world} GPUs")
+        raise bad_value("world_size", req.world_size, f"the launcher's world size differs from the "
+                        f"plan's {world} GPUs")
     replicas = tuple(
         Replica(index=k, tp=tuple(int(x) for x in deg[i]),
                 gpus=tuple(gpus[(int(i), s)] for s in range(p.pp)),

@@ -15,13 +15,13 @@ from typing import Any
 SYNC_LAYOUTS = ("refine", "base")
 
 
-def _bad(name: str, value: Any, why: str) -> ValueError:
+def bad_value(name: str, value: Any, why: str) -> ValueError:
     return ValueError(f"{name}={value!r}: {why}")
 
 
-def _positive(name: str, value: Any) -> None:
+def check_positive(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise _bad(name, value, "must be a positive integer")
+        raise bad_value(name, value, "must be a positive integer")
 
 
 RECOMPUTE_GRANULARITIES = (None, "selective", "full")
@@ -66,15 +66,15 @@ class MemorySpec:
 
     def __post_init__(self) -> None:
         if not self.gpu_memory_gib > 0:
-            raise _bad("hardware.gpu_memory_gib", self.gpu_memory_gib, "must be > 0")
+            raise bad_value("hardware.gpu_memory_gib", self.gpu_memory_gib, "must be > 0")
         if self.recompute_granularity not in RECOMPUTE_GRANULARITIES:
-            raise _bad("model.recompute_granularity", self.recompute_granularity,
-                       "must be null, selective or full")
+            raise bad_value("model.recompute_granularity", self.recompute_granularity,
+                            "must be null, selective or full")
         if self.recompute_method not in RECOMPUTE_METHODS:
-            raise _bad("model.recompute_method", self.recompute_method,
-                       "must be null, uniform or block")
+            raise bad_value("model.recompute_method", self.recompute_method,
+                            "must be null, uniform or block")
         if self.replicas < 1 or self.micro_batch_size < 1 or self.recompute_num_layers < 1:
-            raise _bad("memory", (self.replicas, self.micro_batch_size,
+            raise bad_value("memory", (self.replicas, self.micro_batch_size,
                                   self.recompute_num_layers), "counts must be >= 1")
 
 
@@ -96,11 +96,11 @@ class ClusterSpec:
     the planner's stage cost model uses (``layout.cost``); None: compute-only model."""
 
     def __post_init__(self) -> None:
-        _positive("cluster.num_gpus", self.num_gpus)
-        _positive("cluster.domain_size", self.domain_size)
-        _positive("cluster.gpus_per_node", self.gpus_per_node)
+        check_positive("cluster.num_gpus", self.num_gpus)
+        check_positive("cluster.domain_size", self.domain_size)
+        check_positive("cluster.gpus_per_node", self.gpus_per_node)
         if self.num_gpus % self.gpus_per_node:
-            raise _bad(
+            raise bad_value(
                 "cluster.gpus_per_node", self.gpus_per_node,
                 f"must divide cluster.num_gpus={self.num_gpus}",
             )
@@ -124,16 +124,16 @@ class HealthReport:
     def __post_init__(self) -> None:
         for g in self.failed_gpus:
             if isinstance(g, bool) or not isinstance(g, int) or g < 0:
-                raise _bad("health.failed_gpus", g, "GPU ids must be non-negative integers")
+                raise bad_value("health.failed_gpus", g, "GPU ids must be non-negative integers")
         object.__setattr__(self, "failed_gpus", tuple(sorted(set(self.failed_gpus))))
         pairs = dict(self.slow_gpus)  # a mapping or (id, speed) pairs
         for g, v in pairs.items():
             if isinstance(g, bool) or not isinstance(g, int) or g < 0:
-                raise _bad("health.slow_gpus", g, "GPU ids must be non-negative integers")
+                raise bad_value("health.slow_gpus", g, "GPU ids must be non-negative integers")
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 < v <= 1.0:
-                raise _bad(f"health.slow_gpus[{g}]", v, "relative speed must be in (0, 1]")
+                raise bad_value(f"health.slow_gpus[{g}]", v, "relative speed must be in (0, 1]")
         object.__setattr__(self, "slow_gpus",
-                           tuple(sorted((g, float(v)) for g, v in pairs.items())))
+                                tuple(sorted((g, float(v)) for g, v in pairs.items())))
 
     def gpu_speed(self, num_gpus: int) -> list[float]:
         """Relative speed of every GPU (1.0 unless reported slow)."""
@@ -145,14 +145,14 @@ class HealthReport:
     def check_against(self, cluster: ClusterSpec) -> None:
         bad = [g for g in self.failed_gpus if g >= cluster.num_gpus]
         if bad:
-            raise _bad(
+            raise bad_value(
                 "health.failed_gpus", bad[0],
                 f"GPU id out of range for cluster.num_gpus={cluster.num_gpus}",
             )
         bad = [g for g, _ in self.slow_gpus if g >= cluster.num_gpus]
         if bad:
-            raise _bad("health.slow_gpus", bad[0],
-                       f"GPU id out of range for cluster.num_gpus={cluster.num_gpus}")
+            raise bad_value("health.slow_gpus", bad[0],
+                            f"GPU id out of range for cluster.num_gpus={cluster.num_gpus}")
 
     @classmethod
     def from_file(cls, path: str | Path) -> HealthReport:
@@ -166,22 +166,22 @@ class HealthReport:
 
                 data = yaml.safe_load(text)
         except ValueError as e:  # json.JSONDecodeError
-            raise _bad("health", str(path), f"malformed JSON: {e}") from None
+            raise bad_value("health", str(path), f"malformed JSON: {e}") from None
         except Exception as e:  # yaml.YAMLError: problem + where
             mark = getattr(e, "problem_mark", None)
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
             why = getattr(e, "problem", None) or type(e).__name__
-            raise _bad("health", str(path), f"malformed YAML: {why}{where}") from None
+            raise bad_value("health", str(path), f"malformed YAML: {why}{where}") from None
         if not isinstance(data, dict) or set(data) - {"failed_gpus", "slow_gpus"}:
-            raise _bad("health", str(path),
-                       "file must hold a mapping with only 'failed_gpus' and 'slow_gpus'")
+            raise bad_value("health", str(path),
+                            "file must hold a mapping with only 'failed_gpus' and 'slow_gpus'")
         slow = data.get("slow_gpus") or {}
         if not isinstance(slow, dict):
-            raise _bad("health.slow_gpus", slow, "must be a mapping {gpu_id: relative_speed}")
+            raise bad_value("health.slow_gpus", slow, "must be a mapping {gpu_id: relative_speed}")
         try:  # JSON keys are strings
             slow = {int(k): v for k, v in slow.items()}
         except (TypeError, ValueError):
-            raise _bad("health.slow_gpus", list(slow), "GPU ids must be integers") from None
+            raise bad_value("health.slow_gpus", list(slow), "GPU ids must be integers") from None
         return cls(tuple(data.get("failed_gpus") or ()), tuple(slow.items()))
 
     @classmethod
@@ -193,11 +193,13 @@ class HealthReport:
             try:
                 lo, hi = int(a), (int(b) if sep else None)
             except ValueError:
-                raise _bad("health.failed_gpus", part, "expected an id or a range a-b") from None
+                raise bad_value("health.failed_gpus", part,
+                                "expected an id or a range a-b") from None
             if hi is None:
                 ids.append(lo)
             elif lo > hi:
-                raise _bad("health.failed_gpus", part, f"reversed range (did you mean {hi}-{lo}?)")
+                raise bad_value("health.failed_gpus", part,
+                                f"reversed range (did you mean {hi}-{lo}?)")
             else:
                 ids.extend(range(lo, hi + 1))
         return cls(tuple(ids))
@@ -233,19 +235,19 @@ class ModelDims:
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
                      "ffn_hidden_size", "vocab_size", "seq_length"):
-            _positive(f"model.{name}", getattr(self, name))
+            check_positive(f"model.{name}", getattr(self, name))
         if self.num_attention_heads % self.num_query_groups:
-            raise _bad("model.num_query_groups", self.num_query_groups,
-                       f"must divide model.num_attention_heads={self.num_attention_heads}")
+            raise bad_value("model.num_query_groups", self.num_query_groups,
+                            f"must divide model.num_attention_heads={self.num_attention_heads}")
         # kv_channels stays None when derived: a schema default must not freeze one model's
         # head width into every other model loaded over it.
         if self.kv_channels is None:
             if self.hidden_size % self.num_attention_heads:
-                raise _bad("model.hidden_size", self.hidden_size,
-                           f"must be divisible by model.num_attention_heads="
-                           f"{self.num_attention_heads} (or set model.kv_channels)")
+                raise bad_value("model.hidden_size", self.hidden_size,
+                                f"must be divisible by model.num_attention_heads="
+                                f"{self.num_attention_heads} (or set model.kv_channels)")
         else:
-            _positive("model.kv_channels", self.kv_channels)
+            check_positive("model.kv_channels", self.kv_channels)
 
     @property
     def heads_per_group(self) -> int:
@@ -280,17 +282,19 @@ class ParallelSpec:
     """'refine': shards at every replica's boundaries (nothing moves, more DP groups);
     'base': shards of the tp_base layout (degraded replicas reshard, one group per shard)."""
     def __post_init__(self) -> None:
-        _positive("parallel.tp_base", self.tp_base)
-        _positive("parallel.pp", self.pp)
-        _positive("parallel.min_tp", self.min_tp)
+        check_positive("parallel.tp_base", self.tp_base)
+        check_positive("parallel.pp", self.pp)
+        check_positive("parallel.min_tp", self.min_tp)
         if self.dp is not None:
-            _positive("parallel.dp", self.dp)
+            check_positive("parallel.dp", self.dp)
         if self.min_tp > self.tp_base:
-            raise _bad("parallel.min_tp", self.min_tp, f"exceeds parallel.tp_base={self.tp_base}")
+            raise bad_value("parallel.min_tp", self.min_tp,
+                            f"exceeds parallel.tp_base={self.tp_base}")
         if self.unit_balance not in ("work", "units"):
-            raise _bad("parallel.unit_balance", self.unit_balance, "must be 'work' or 'units'")
+            raise bad_value("parallel.unit_balance", self.unit_balance, "must be 'work' or 'units'")
         if self.sync_layout not in SYNC_LAYOUTS:
-            raise _bad("parallel.sync_layout", self.sync_layout, f"must be one of {SYNC_LAYOUTS}")
+            raise bad_value("parallel.sync_layout", self.sync_layout,
+                            f"must be one of {SYNC_LAYOUTS}")
 
 
 @dataclass(frozen=True)
@@ -321,10 +325,10 @@ class PlanRequest:
     None: memory unchecked (CPU runs, hardware without ``gpu_memory_gib``)."""
 
     def __post_init__(self) -> None:
-        _positive("global_batch", self.global_batch)
-        _positive("micro_batch_size", self.micro_batch_size)
+        check_positive("global_batch", self.global_batch)
+        check_positive("micro_batch_size", self.micro_batch_size)
         if self.world_size is not None:
-            _positive("world_size", self.world_size)
+            check_positive("world_size", self.world_size)
         if self.replicas is not None:
             object.__setattr__(self, "replicas", normalize_replicas(self.replicas,
                                                                     self.parallel.pp))
@@ -339,24 +343,25 @@ def normalize_replicas(replicas: Any, pp: int) -> tuple[tuple[int, ...], ...]:
     naming ``nutp.replicas`` for anything else."""
     shown = _plain(replicas)
     if isinstance(replicas, (str, bytes)) or not hasattr(replicas, "__iter__"):
-        raise _bad("nutp.replicas", shown, "must be a list (one entry per replica)")
+        raise bad_value("nutp.replicas", shown, "must be a list (one entry per replica)")
     out = []
     for k, entry in enumerate(replicas):
         if _is_int(entry):
             out.append((int(entry),) * pp)
             continue
         if isinstance(entry, (str, bytes)) or not hasattr(entry, "__iter__"):
-            raise _bad("nutp.replicas", shown, f"entry {k} ({entry!r}) must be an int or a list "
-                       "of per-stage degrees")
+            raise bad_value("nutp.replicas", shown,
+                            f"entry {k} ({entry!r}) must be an int or a list "
+                            "of per-stage degrees")
         degs = tuple(entry)
         if not all(_is_int(d) for d in degs):
-            raise _bad("nutp.replicas", shown, f"entry {k} ({_plain(entry)}) must hold ints")
+            raise bad_value("nutp.replicas", shown, f"entry {k} ({_plain(entry)}) must hold ints")
         if len(degs) != pp:
-            raise _bad("nutp.replicas", shown, f"entry {k} has {len(degs)} per-stage degrees; "
-                       f"parallel.pp={pp} needs {pp} (or one int for every stage)")
+            raise bad_value("nutp.replicas", shown, f"entry {k} has {len(degs)} per-stage degrees; "
+                            f"parallel.pp={pp} needs {pp} (or one int for every stage)")
         out.append(tuple(int(d) for d in degs))
     if not out:
-        raise _bad("nutp.replicas", shown, "must name at least one replica (or be null)")
+        raise bad_value("nutp.replicas", shown, "must name at least one replica (or be null)")
     return tuple(out)
 
 
@@ -396,12 +401,12 @@ class CostSpec:
     def __post_init__(self) -> None:
         for k in ("flops", "tp_gbps", "p2p_gbps"):
             if not float(getattr(self, k)) > 0:
-                raise _bad(f"cost.{k}", getattr(self, k), "must be > 0")
+                raise bad_value(f"cost.{k}", getattr(self, k), "must be > 0")
         if not 0.0 <= self.tp_overlap <= 1.0:
-            raise _bad("cost.tp_overlap", self.tp_overlap, "must be in [0, 1]")
+            raise bad_value("cost.tp_overlap", self.tp_overlap, "must be in [0, 1]")
         for k in ("latency_s", "layer_overhead_s", "table_elem_s"):
             if getattr(self, k) < 0:
-                raise _bad(f"cost.{k}", getattr(self, k), "must be >= 0")
+                raise bad_value(f"cost.{k}", getattr(self, k), "must be >= 0")
 
     @classmethod
     def from_hardware(cls, *, peak_tflops: float, nvlink_gbps: float, network_gbps: float,

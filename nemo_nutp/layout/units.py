@@ -99,7 +99,7 @@ def assignment(n: int, t: int) -> np.ndarray:
     return _assignment(n, t)
 
 
-def _geometry(kind: str, d: ModelDims) -> tuple[tuple[int, ...], int, int]:
+def unit_geometry(kind: str, d: ModelDims) -> tuple[tuple[int, ...], int, int]:
     """(global shape, rows-or-cols per unit along the split axis, rows per half for gated)."""
     h, g, kv, hpg = d.hidden_size, d.num_query_groups, d.kv, d.heads_per_group
     f, v = d.ffn_hidden_size, d.vocab_size
@@ -119,17 +119,17 @@ def _geometry(kind: str, d: ModelDims) -> tuple[tuple[int, ...], int, int]:
 
 
 def global_shape(kind: str, dims: ModelDims) -> tuple[int, ...]:
-    return _geometry(kind, dims)[0]
+    return unit_geometry(kind, dims)[0]
 
 
 def unit_numel(kind: str, dims: ModelDims) -> int:
-    shape, per_unit, half = _geometry(kind, dims)
+    shape, per_unit, half = unit_geometry(kind, dims)
     rest = int(np.prod(shape)) // shape[PARAM_KINDS[kind].axis]
     return per_unit * rest * (2 if half else 1)
 
 
 def local_shape(kind: str, dims: ModelDims, n_local: int) -> tuple[int, ...]:
-    shape, per_unit, half = _geometry(kind, dims)
+    shape, per_unit, half = unit_geometry(kind, dims)
     axis = PARAM_KINDS[kind].axis
     out = list(shape)
     out[axis] = n_local * per_unit * (2 if half else 1)
@@ -141,7 +141,7 @@ def unit_view_shape(kind: str, dims: ModelDims, n_local: int) -> tuple[int, int,
     this shape, ``view.transpose(0, 1)[u]`` is local unit ``u`` with its ``H * W`` elements in
     canonical order. Row splits: ``H`` = 1, or 2 for the gate/up halves of gated fc1; column
     splits: ``H`` = rows, ``W`` = the unit's columns."""
-    shape, per_unit, half = _geometry(kind, dims)
+    shape, per_unit, half = unit_geometry(kind, dims)
     cols = shape[1] if len(shape) == 2 else 1
     if PARAM_KINDS[kind].axis == 0:
         return (2 if half else 1), n_local, per_unit * cols
@@ -150,7 +150,7 @@ def unit_view_shape(kind: str, dims: ModelDims, n_local: int) -> tuple[int, int,
 
 def global_index(kind: str, dims: ModelDims, units: np.ndarray) -> np.ndarray:
     """(len(units), unit_numel) global flat indices of each unit's elements, canonical order."""
-    shape, per_unit, half = _geometry(kind, dims)
+    shape, per_unit, half = unit_geometry(kind, dims)
     units = np.asarray(units, dtype=np.int64)
     axis = PARAM_KINDS[kind].axis
     offs = np.arange(per_unit, dtype=np.int64)
@@ -169,7 +169,7 @@ def global_index(kind: str, dims: ModelDims, units: np.ndarray) -> np.ndarray:
 
 def local_layout(kind: str, dims: ModelDims, units: np.ndarray) -> np.ndarray:
     """Global flat index of every element of the local tensor, in local memory order."""
-    shape, per_unit, half = _geometry(kind, dims)
+    shape, per_unit, half = unit_geometry(kind, dims)
     units = np.asarray(units, dtype=np.int64)
     coords = (units[:, None] * per_unit + np.arange(per_unit)[None, :]).reshape(-1)
     if half:  # megatron keeps [gate_local; up_local] in two halves

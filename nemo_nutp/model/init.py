@@ -32,7 +32,7 @@ import math
 import torch
 
 from ..layout.specs import ModelDims
-from ..layout.units import PARAM_KINDS, _geometry, global_shape, local_shape, num_units
+from ..layout.units import PARAM_KINDS, global_shape, local_shape, num_units, unit_geometry
 
 PIECE_ELEMS = 1 << 20
 """Elements per random piece (fp32: 4 MiB); part of the init's definition."""
@@ -81,7 +81,7 @@ def unit_view(kind: str | None, dims: ModelDims, local: torch.Tensor) -> torch.T
     canonical order (as ``layout.units.global_index``). ``kind=None``: each row is a unit."""
     if kind is None:
         return local.view(local.shape[0], 1, -1)
-    shape, per_unit, half = _geometry(kind, dims)
+    shape, per_unit, half = unit_geometry(kind, dims)
     axis = PARAM_KINDS[kind].axis
     n = local.shape[axis] // (per_unit * (2 if half else 1))
     if half:  # megatron keeps [gate rows of local units; up rows of local units]

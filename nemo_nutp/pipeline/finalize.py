@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from ..layout import Plan
 from ..parallel.groups import NUTPGroups
-from .p2p import _exchange
+from .p2p import p2p_exchange
 
 
 class PipelineFinalizer:
@@ -68,7 +68,7 @@ class PipelineFinalizer:
         device = self.tied.device
         ops = [("recv", torch.empty(1, device=device), peer) for peer, _, _ in self.pairs]
         ops += [("send", torch.zeros(1, device=device), peer) for peer, _, _ in self.pairs]
-        _exchange(ops, nccl=self.nccl)
+        p2p_exchange(ops, nccl=self.nccl)
 
     def _combine_tied(self) -> torch.Tensor | None:
         """G0 + GL on both stages' holders; the first stage's per-row sums of squares."""
@@ -78,7 +78,7 @@ class PipelineFinalizer:
         theirs = [torch.empty_like(grad[lo:hi]) for _, lo, hi in self.pairs]
         ops = [("recv", t, peer) for t, (peer, _, _) in zip(theirs, self.pairs, strict=True)]
         ops += [("send", grad[lo:hi].clone(), peer) for peer, lo, hi in self.pairs]
-        _exchange(ops, nccl=self.nccl)
+        p2p_exchange(ops, nccl=self.nccl)
         for t, (_, lo, hi) in zip(theirs, self.pairs, strict=True):
             if self.first:
                 grad[lo:hi].add_(t)  # G0 + GL

@@ -90,7 +90,7 @@ class NUTPP2PCommunicator(P2PCommunicator):
             if tensor is not None:
                 data = tensor.detach()
                 ops.extend(("send", data[lo:hi].contiguous(), peer) for peer, lo, hi in slices)
-        _exchange(ops, nccl=self.nccl)
+        p2p_exchange(ops, nccl=self.nccl)
         return t_prev, t_next, None
 
 
@@ -105,10 +105,10 @@ class NUTPP2PCommunicator(P2PCommunicator):
                for peer, _, _ in self.recv_prev + self.recv_next]
         ops += [("send", torch.zeros(1, device=device, dtype=dtype), peer)
                 for peer, _, _ in self.send_next + self.send_prev]
-        _exchange(ops, nccl=self.nccl)
+        p2p_exchange(ops, nccl=self.nccl)
 
 
-def _exchange(ops: list[tuple[str, torch.Tensor, int]], *, nccl: bool) -> None:
+def p2p_exchange(ops: list[tuple[str, torch.Tensor, int]], *, nccl: bool) -> None:
     """Post every receive and send, then wait (NCCL: one batched launch)."""
     if not ops:
         return

@@ -74,14 +74,17 @@ class PipelineRunner:
         return float(torch.stack([s["loss"].float() for s in stats]).mean())
 
     def step(self, optimizer: Any, batches: list[MicroBatch], mask: torch.Tensor | None, *,
-             scale: float, after_sync: Callable[[], None] | None = None
-             ) -> tuple[float, float, float]:
-        """Forward/backward + finished sync: (replica loss, compute s, sync s)."""
+             scale: float, after_sync: Callable[[], None] | None = None,
+             phase: Callable[[str], None] | None = None) -> tuple[float, float, float]:
+        """Forward/backward + finished sync: (replica loss, compute s, sync s). ``phase``:
+        told ``"sync"`` before the sync is finished (the buckets are posted)."""
         t0 = time.perf_counter()
         self.model.zero_grad_buffer()
         optimizer.zero_grad()
         loss = self.forward_backward(batches, mask, scale)
         t1 = time.perf_counter()
+        if phase is not None:
+            phase("sync")
         self.model.finish_grad_sync()
         loss = self.finalizer.finish(loss)
         if after_sync is not None:

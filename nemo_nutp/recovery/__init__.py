@@ -1,12 +1,11 @@
-"""Recovery: restart a job at reduced TP when GPUs fail or hang, and at a fuller layout when
-they come back.
+"""The light control processes (no torch, no megatron-core at import): they start, watch and
+restart or re-lay out the training ranks; they never train.
 
-* ``decisions``: pure decisions (who is blamed, which GPUs are failed next, which job runs);
-  no processes, no torch.
-* ``watch``: what ranks report (heartbeats, stack watcher, collective sequence numbers) and what
-  the supervisor reads (health report, newest checkpoint).
-* ``aggregate``: hang detection in O(1) per training rank: node watchdogs publish one digest
-  per node, a job-level aggregator (its own process) decides over all ranks.
 * ``supervisor``: the single-machine supervisor of ``nutp-train recovery.enabled=true``.
-* ``elastic``: the same decisions per restart of ``torchrun``/``srun``/``ft_launcher``.
+* ``world``: one world's rank processes (fork server, preloaded modules, stop).
+* ``control``: the live control loop (``recovery.mode=live``): aborts, decisions, new worlds.
+* ``hosts``: where ranks run (this machine, or node agents on Slurm).
+* ``agent``: a node agent (Slurm): starts and reaps this node's ranks, its node watchdog.
+
+Rules and the watchdog's readers are ``health/``; the ranks' side is ``train/`` and ``live/``.
 """

@@ -8,7 +8,7 @@ trains nothing and decides nothing. It connects to the control process's store
 * **commands** (one blocking wait on ``agent<node>/cmd<seq>`` at a time, no polling): ``start``
   (a world's ranks on this node: the pickled job config, planned here with the same
   ``build_plan`` and checked against the posted rank -> GPU map), ``join`` (one returning GPU's
-  process, ``world._join_main``; the stopped world's plan pickled; logged as the event
+  process, ``world.join_main``; the stopped world's plan pickled; logged as the event
   ``agent_join``), ``watch`` (be the node watchdog of a new world: ``aggregate.NodeWatch``
   over its ranks' heartbeat and stack files, one digest per half-second; the previous world's
   watchdog stops), ``kill`` (SIGKILL to the
@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from .hosts import BEAT_S, agent_key, agent_store
-from .world import AGENT_PID, PRELOAD, _join_main, _rank_main
+from .world import AGENT_PID, PRELOAD, join_main, rank_main
 
 EXIT_LOST = 3  # the control process's store is gone
 
@@ -84,17 +84,17 @@ class Agent:
         gpn = job.cluster.gpus_per_node
         started = []
         for rank, gpu, pid_id in op["ranks"]:
-            p = self._ctx.Process(target=_rank_main, args=(rank, plan.world_size, job, plan, 0,
+            p = self._ctx.Process(target=rank_main, args=(rank, plan.world_size, job, plan, 0,
                                                            _env(op)),
                                   kwargs={"local": gpu % gpn})
             started.append(self._add(pid_id, p))
         return started
 
     def _join(self, op: dict[str, Any]) -> list[list[int]]:
-        from ..checkpoint.events import log_event
+        from ..common.events import log_event
 
         job, old_plan = pickle.loads(self.cmds.get(op["key"]))
-        p = self._ctx.Process(target=_join_main, args=(op["slot"], job, old_plan, op["gpu"],
+        p = self._ctx.Process(target=join_main, args=(op["slot"], job, old_plan, op["gpu"],
                                                        op["gen"], _env(op)))
         started = self._add(op["id"], p)
         log_event("agent_join", file=op["env"]["NUTP_EVENTS"], node=self.node, gpu=op["gpu"],
@@ -120,7 +120,7 @@ class Agent:
         """This node's watchdog for a new world: its ranks' files -> one digest per period."""
         import torch.distributed as dist
 
-        from .aggregate import NODE_POLL_S, NodeWatch
+        from ..health.aggregate import NODE_POLL_S, NodeWatch
 
         self._watching += 1
         mine = self._watching

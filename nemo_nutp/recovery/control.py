@@ -40,10 +40,10 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint.events import log_event
-from . import watch
-from .commit import UNMOVABLE, Report, decide, live_blocker, renumber, replan
-from .decisions import Failure, blame_exits, blame_hang, job_for, next_failed
+from ..common.events import log_event
+from ..health import watch
+from ..health.commit import UNMOVABLE, Report, decide, live_blocker, renumber, replan
+from ..health.decisions import Failure, blame_exits, blame_hang, job_for, next_failed
 
 POLL_S = 0.01  # while a re-layout waits for reports / the new world
 REPORT_TIMEOUT_S = 60.0
@@ -54,7 +54,7 @@ def host_store() -> tuple[Any, int]:
     """The control process's store (this process serves it)."""
     import torch.distributed as dist
 
-    from ..launch.ports import free_port
+    from ..common.ports import free_port
 
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
@@ -225,8 +225,8 @@ def _grow_plan(store: Any, cfg: Any, w: World, rdir: Path
     boundary re-layout. The reports are read again here: every GPU reported back (health
     report, ``slow.json``) until every rank stopped at the boundary joins this one re-layout
     (close returns batched), and a straggler found meanwhile is excluded by it too."""
+    from ..health.decisions import returned_gpus
     from ..relayout.plan import plan_move, survivor_rank_map
-    from .decisions import returned_gpus
 
     failed = w.failed - returned_gpus(w.failed, watch.read_health(rdir / "health.json"))
     listed = read_slow(rdir)
@@ -254,7 +254,7 @@ def grow(store: Any, cfg: Any, w: World, why: str, *, detected: float, rdir: Pat
     and joins the next world, where it receives its state from the survivors; a rank whose GPU
     the new plan leaves out exits. Returns the new world and the event's fields; raises
     ``Fallback`` or ``Finished``."""
-    from .live import GROW
+    from ..live.link import GROW
 
     ranks = w.alive()
     store.set(f"abort{w.gen}", f"{GROW}: {why}")
@@ -327,8 +327,8 @@ def gpus_back(cfg: Any, w: World, rdir: Path) -> tuple[frozenset[int], str | Non
     """GPUs of the running world the health report (failed) or ``slow.json`` (excluded
     stragglers) gives back, and why they are not taken in now (None: grow back live)."""
     from ..config import plan_request
+    from ..health.decisions import returned_gpus
     from ..layout import build_plan
-    from .decisions import returned_gpus
 
     back = returned_gpus(w.failed, watch.read_health(rdir / "health.json"))
     listed = read_slow(rdir)

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Protocol
 
-from .world import PRELOAD, _join_main, _rank_main
+from .world import PRELOAD, join_main, rank_main
 
 LOST = -(2**15)  # exit code of a process whose node agent was lost
 AGENT_LOST_S = 30.0
@@ -94,7 +94,7 @@ class LocalHost:
         self._ctx.set_forkserver_preload(list(PRELOAD))
 
     def start_world(self, job: Any, plan: Any, env: dict[str, str]) -> list[Proc]:
-        procs = [self._ctx.Process(target=_rank_main, args=(r, plan.world_size, job, plan, 0,
+        procs = [self._ctx.Process(target=rank_main, args=(r, plan.world_size, job, plan, 0,
                                                             env))
                  for r in range(plan.world_size)]
         for p in procs:
@@ -103,7 +103,7 @@ class LocalHost:
 
     def start_joiner(self, slot: int, job: Any, old_plan: Any, gpu: int, gen: int,
                      env: dict[str, str]) -> Proc:
-        p = self._ctx.Process(target=_join_main, args=(slot, job, old_plan, gpu, gen, env))
+        p = self._ctx.Process(target=join_main, args=(slot, job, old_plan, gpu, gen, env))
         p.start()
         return LocalProc(p)
 
@@ -254,7 +254,7 @@ class AgentHost:
         One ``watch`` request per node per world."""
         import torch.distributed as dist
 
-        from .aggregate import Aggregator, StoreSource, node_ranks, preset
+        from ..health.aggregate import Aggregator, StoreSource, node_ranks, preset
 
         prefix = f"watch{w.gen}.{self._next_id}/"  # a world of its own (ids are never reused)
         store = dist.PrefixStore(prefix, self.store)

@@ -37,7 +37,7 @@ a rank that loops forever inside a save is not found; lost steps after a planned
 be > 0 when a step is shorter than the supervisor's reaction to a finished save.
 
 On GPU clusters the same decisions apply per restart of ``torchrun``/``srun`` (or
-nvidia-resiliency-ext's ``ft_launcher``); that wiring is in ``recovery/elastic.py``.
+nvidia-resiliency-ext's ``ft_launcher``); that wiring is in ``train/elastic.py``.
 """
 
 from __future__ import annotations
@@ -48,9 +48,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint.events import log_event, read_events
-from . import watch
-from .decisions import (
+from ..common.events import log_event, read_events
+from ..health import watch
+from ..health.decisions import (
     blame_exits,
     blame_hang,
     job_for,
@@ -58,7 +58,7 @@ from .decisions import (
     next_failed,
     straggler_relayout,
 )
-from .world import HANG_POLL_S, PRELOAD, Attempt, _rank_main, _stop
+from .world import HANG_POLL_S, PRELOAD, Attempt, rank_main, stop_procs
 
 POLL_S = 0.05  # exit codes (and, while a planned restart waits, the newest checkpoint)
 def _run_world(cfg: Any, job: Any, plan: Any, failed: frozenset[int], attempt: int, rdir: Path,
@@ -67,7 +67,7 @@ def _run_world(cfg: Any, job: Any, plan: Any, failed: frozenset[int], attempt: i
         from .control import run_world
 
         return run_world(cfg, job, plan, failed, attempt, rdir, console, host)
-    from ..launch.ports import free_port
+    from ..common.ports import free_port
 
     hb = rdir / f"heartbeats.{attempt}"
     hb.mkdir(parents=True, exist_ok=True)
@@ -79,7 +79,7 @@ def _run_world(cfg: Any, job: Any, plan: Any, failed: frozenset[int], attempt: i
     ctx.set_forkserver_preload(list(PRELOAD))
     port = free_port()
     world = plan.world_size
-    procs = [ctx.Process(target=_rank_main, args=(r, world, job, plan, port, env))
+    procs = [ctx.Process(target=rank_main, args=(r, world, job, plan, port, env))
              for r in range(world)]
     started = time.time()
     for p in procs:
@@ -107,7 +107,7 @@ def _run_world(cfg: Any, job: Any, plan: Any, failed: frozenset[int], attempt: i
             break
     detected = time.time()
     where = {r: watch.read_where(hb, r) for r in (failure.ranks if failure is not None else ())}
-    _stop(procs)
+    stop_procs(procs)
     return Attempt(failure is None and scale is None, failure,
                    None if failure is None else cause, scale, detected,
                    watch.last_done(hb, world), tuple(plan.rank_to_gpu), where,
@@ -157,9 +157,9 @@ def _record_failure(job: Any, res: Attempt, failed: frozenset[int], rdir: Path, 
 def supervise(cfg: Any, console: Any, host: Any = None) -> int:
     """Run the job to completion through failures and planned restarts. Returns an exit code.
     ``host`` (``recovery.mode=live`` only, ``hosts.py``): where the ranks run; default this
-    machine. The Slurm control process (``recovery/standalone.py``) passes its node agents."""
+    machine. The Slurm control process (``launch/control.py``) passes its node agents."""
+    from ..common.plan_report import replicas_table
     from ..config import plan_request
-    from ..launch.plan_report import replicas_table
     from ..layout import build_plan
 
     rdir = Path(cfg.output.dir) / "recovery"

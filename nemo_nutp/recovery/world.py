@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import watch
-from .decisions import Failure
+from ..health import watch
+from ..health.decisions import Failure
 
 HANG_POLL_S = 0.5  # heartbeats and stack watcher reports
 PRELOAD = ("nemo_nutp.recovery.world", "nemo_nutp.train.worker", "nemo_nutp.train.loop",
@@ -67,7 +67,7 @@ def enter(env: dict[str, str]) -> None:
         _die_with(int(env[AGENT_PID]))
 
 
-def _rank_main(rank: int, world: int, cfg: Any, plan: Any, port: int,
+def rank_main(rank: int, world: int, cfg: Any, plan: Any, port: int,
                env: dict[str, str], local: int | None = None) -> None:
     """``local``: the rank's device index on its node (a node agent's ranks; default: the
     rank, every rank on this machine)."""
@@ -78,7 +78,7 @@ def _rank_main(rank: int, world: int, cfg: Any, plan: Any, port: int,
     run_rank(rank, world, rank if local is None else local, cfg, plan, port)
 
 
-def _join_main(slot: int, cfg: Any, old_plan: Any, gpu: int, gen: int,
+def join_main(slot: int, cfg: Any, old_plan: Any, gpu: int, gen: int,
                env: dict[str, str]) -> None:
     """A returning GPU's process (live grow back): joins world ``gen`` of a running job."""
     enter(env)
@@ -87,7 +87,7 @@ def _join_main(slot: int, cfg: Any, old_plan: Any, gpu: int, gen: int,
     join_rank(slot, cfg, old_plan, gpu, gen)
 
 
-def _stop(procs: list[Any]) -> None:
+def stop_procs(procs: list[Any]) -> None:
     for p in procs:
         # Survivors block in collectives with the dead rank; checkpoint writer helpers of a
         # killed rank would outlive it (and hold the job's stdout), so kill whole groups.

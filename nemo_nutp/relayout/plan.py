@@ -43,7 +43,7 @@ from functools import lru_cache
 import numpy as np
 
 from ..layout.cost import stage_layers
-from ..layout.plan import Plan, _slices, build_plan
+from ..layout.plan import Plan, build_plan, plan_slices
 from ..layout.specs import ModelDims
 from ..layout.units import PARAM_KINDS, layer_kinds, space_bounds, unit_numel
 
@@ -104,7 +104,7 @@ def stable_replan(old: Plan, new: Plan) -> Plan | None:
     None when not expressible that way: ``old`` not in that slice order (e.g. it already holds a
     degraded replica packed last) or ``new`` dropping or adding a slice; use ``new`` then."""
     req = new.request
-    starts = _slices(req)[0]
+    starts = plan_slices(req)[0]
     pp = old.pp
 
     def slice_of(gpu: int) -> int:

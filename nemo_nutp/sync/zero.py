@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -169,6 +169,8 @@ class ZeroOptimizer:
             self._segments(self.group_of, len(groups), self.backup_bounds) if redundancy
             else ([], []))
         self.local_only = False  # live re-layout: update the slices, gather nothing
+        self.before_publish: Callable[[], None] | None = None  # after the update, before the
+        # parameters are gathered (live fault injection's ``gather`` phase)
         self._ready: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
         # Pipeline stages with tied embeddings: the finalizer (pipeline/finalize.py) adds the
         # other stage's embedding gradient into main_grad after the sync, so the gradients are
@@ -251,7 +253,7 @@ class ZeroOptimizer:
     @torch.no_grad()
     def before_vote(self) -> None:
         """Every collective the update needs, done before the live vote (``session.step``),
-        so that after it a rank completes the step from data it holds (``recovery/commit.py``):
+        so that after it a rank completes the step from data it holds (``health/commit.py``):
         this rank's slices of the reduced buckets as the masters' fp32 gradients (fp32 models
         without redundancy: and the masters from the parameters) and, with redundancy, the
         predecessor's reduced chunk of every bucket (one ring exchange). Idempotent per step."""
@@ -301,6 +303,8 @@ class ZeroOptimizer:
         self.optimizer.step()
         if self.local_only:
             return True
+        if self.before_publish is not None:
+            self.before_publish()  # slices updated, parameters not yet gathered
         self.publish_params()
         return True
 

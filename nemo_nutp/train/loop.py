@@ -18,25 +18,31 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from ..config import JobConfig
 from ..goodput.accounting import GoodputLedger
-from ..layout import Plan
+
+if TYPE_CHECKING:
+    from ..config import JobConfig
+    from ..layout import Plan
+    from ..live.link import LiveRank
+    from ..live.manager import LiveManager
+    from .session import RankSession
 
 
-def _gather_times(session: Any, times: dict[str, float], step_s: float
-                  ) -> tuple[float, list[tuple[int, float, float, float]]]:
+def _gather_times(session: RankSession, times: dict[str, float], step_s: float,
+                  gpus: list[int]) -> tuple[float, list[tuple[int, float, float, float]]]:
     """Step wall time (slowest rank) and per replica (GPUs of all its stages, compute, sync,
     optimizer: maxima over its ranks), the same on every rank.
 
     One fixed-size all-reduce (MAX) of ``3 x replicas + 1`` elements and one host sync per
     step: O(replicas) whatever the world size (each rank fills its replica's row; times are
-    >= 0, so the zeros elsewhere never win)."""
+    >= 0, so the zeros elsewhere never win). ``gpus``: GPUs per replica (``replica_gpus``)."""
     plan, ctx = session.plan, session.groups.ctx
+    assert len(gpus) == len(plan.replicas)
     # On the parameters' device: NCCL groups only move device tensors.
     device = next(session.model.parameters()).device
     n = len(plan.replicas)
@@ -47,19 +53,14 @@ def _gather_times(session: Any, times: dict[str, float], step_s: float
     buf = buf.to(device)
     dist.all_reduce(buf, op=dist.ReduceOp.MAX)
     vals = buf.tolist()
-    return vals[-1], list(zip(_replica_gpus(plan), vals[0:-1:3], vals[1:-1:3], vals[2:-1:3]))
+    return vals[-1], list(zip(gpus, vals[0:-1:3], vals[1:-1:3], vals[2:-1:3]))
 
 
-_GPUS: list[Any] = [None, []]  # [plan, GPUs per replica]: the newest plan only
-
-
-def _replica_gpus(plan: Any) -> list[int]:
-    """GPUs per replica (all its stages), computed once per plan (a live re-layout brings a
-    new one): at 4,096 replicas the per-step Python loop over ``plan.replicas`` was ~2 ms of
-    a 5 ms control budget."""
-    if _GPUS[0] is not plan:
-        _GPUS[:] = [plan, [sum(rep.tp) for rep in plan.replicas]]
-    return _GPUS[1]
+def replica_gpus(plan: Plan) -> list[int]:
+    """GPUs per replica (all its stages). A run computes it once for its plan (a live
+    re-layout brings a new run): at 4,096 replicas the per-step Python loop over
+    ``plan.replicas`` was ~2 ms of a 5 ms control budget."""
+    return [sum(rep.tp) for rep in plan.replicas]
 
 
 class _Outputs:
@@ -125,32 +126,46 @@ def _earlier_rows(path: Path, start_step: int) -> list[dict[str, Any]]:
     return [r for r in rows if r["step"] < start_step]
 
 
-def _build(cfg: JobConfig, plan: Plan, device: torch.device | None) -> Any:
-    from ..train.session import build_session, precision_of
-    from ..train.step import step_options
+class Trainer:
+    """How this rank builds a world's session and run (the same at start-up and after a live
+    re-layout: ``live.manager.Trainer``)."""
 
-    t = cfg.train
-    return build_session(plan, cfg.model, lr=t.lr, seed=t.seed,
-                         micro_batch_size=t.micro_batch_size, optimizer=t.optimizer,
-                         weight_decay=t.weight_decay, opts=step_options(t),
-                         precision=precision_of(t), device=device, data_path=t.data_path,
-                         bucket_size=cfg.sync.bucket_size,
-                         distributed_optimizer=t.distributed_optimizer,
-                         live_redundancy=cfg.recovery.live_redundancy)
+    def __init__(self, device: torch.device | None, *, live: bool = False) -> None:
+        self.device, self.live = device, live
+
+    def build(self, job: JobConfig, plan: Plan) -> RankSession:
+        from .session import build_session, precision_of
+        from .step import step_options
+
+        t = job.train
+        return build_session(plan, job.model, lr=t.lr, seed=t.seed,
+                             micro_batch_size=t.micro_batch_size, optimizer=t.optimizer,
+                             weight_decay=t.weight_decay, opts=step_options(t),
+                             precision=precision_of(t), device=self.device,
+                             data_path=t.data_path, bucket_size=job.sync.bucket_size,
+                             distributed_optimizer=t.distributed_optimizer,
+                             live_redundancy=job.recovery.live_redundancy)
+
+    def make_run(self, job: JobConfig, plan: Plan, session: RankSession, *,
+                 start: int | None = None, ledger: GoodputLedger | None = None) -> Run:
+        return Run(job, plan, session, start=start, ledger=ledger, live_mode=self.live)
 
 
-class _Run:
+class Run:
     """What a rank trains with in one world (a live re-layout replaces it)."""
 
-    def __init__(self, cfg: JobConfig, plan: Plan, session: Any, *, start: int | None = None,
-                 ledger: GoodputLedger | None = None) -> None:
+    def __init__(self, cfg: JobConfig, plan: Plan, session: RankSession, *,
+                 start: int | None = None, ledger: GoodputLedger | None = None,
+                 live_mode: bool = False) -> None:
         from ..checkpoint.hooks import CheckpointHooks
         from ..train.rebalance import LiveBalance
 
-        self.cfg, self.plan, self.session = cfg, plan, session
+        self.cfg, self.plan = cfg, plan
+        self.session: RankSession | None = session  # None once moved to the next world
+        self.gpus = replica_gpus(plan)
         self.last: Any = None  # the newest step's StepResult
-        self.live_mode = False  # recovery.mode=live (``recovery.relayout.arm``): no stop for
-        # a straggler, the live path re-lays out around it instead
+        self.live_mode = live_mode  # recovery.mode=live: no stop for a straggler, the live
+        # path re-lays out around it instead
         self.rank0 = dist.get_rank() == 0
         self.ledger = ledger or GoodputLedger(cluster_gpus=plan.request.cluster.num_gpus,
                                               failed_gpus=len(plan.request.health.failed_gpus),
@@ -158,7 +173,7 @@ class _Run:
         self.hooks = CheckpointHooks(cfg, session)
         # nutp.rebalance; an injected slow fault is world 0's (after a live re-layout the
         # slowed GPU has left, or its rank number names another GPU)
-        self.live = LiveBalance(cfg, session, fault=self.hooks.fault if start is None else None,
+        self.balance = LiveBalance(cfg, session, fault=self.hooks.fault if start is None else None,
                                 rank=dist.get_rank())
         if start is None:
             start = self.hooks.resume(self.ledger)
@@ -175,14 +190,16 @@ class _Run:
     def step(self, step: int) -> bool:
         """One step and its bookkeeping; False: stop here (``nutp.exclude_stragglers``)."""
         t, session, ledger, out = self.cfg.train, self.session, self.ledger, self.out
+        assert session is not None
         tokens = t.global_batch_size * self.cfg.model.seq_length
         self.hooks.before_step(step)
-        self.live.before_step(step)
+        self.balance.before_step(step)
         t0 = time.perf_counter()
         res = self.last = session.step(step)
-        step_s, reps = _gather_times(session, res.times, time.perf_counter() - t0)
-        shares = self.live.after_step(step, reps)  # this step's shares; may change the next's
-        step_goodput = ledger.add_step(step_s, reps, inside=self.live.inside_speeds())
+        step_s, reps = _gather_times(session, res.times, time.perf_counter() - t0,
+                                     self.gpus)
+        shares = self.balance.after_step(step, reps)  # this step's shares; may change the next's
+        step_goodput = ledger.add_step(step_s, reps, inside=self.balance.inside_speeds())
         if out is not None and self.progress is not None:
             goodput = ledger.goodput  # the run's so far (this step's save: the next row's)
             row = {"step": step, "loss": res.loss,
@@ -201,7 +218,7 @@ class _Run:
         # completes (planned restart) has every row up to it.
         self.hooks.after_step(step, ledger)
         # nutp.exclude_stragglers: saved; relaunch (live: re-laid out around it, train_rank)
-        return self.live_mode or not self.live.should_stop(step)
+        return self.live_mode or not self.balance.should_stop(step)
 
     def close(self) -> None:
         if self.progress:
@@ -210,58 +227,51 @@ class _Run:
 
 
 def train_rank(cfg: JobConfig, plan: Plan, *, device: torch.device | None = None,
-               link: Any = None, joining: int | None = None) -> list[dict[str, Any]] | None:
+               link: LiveRank | None = None, joining: int | None = None
+               ) -> list[dict[str, Any]] | None:
     """Run the whole job on this rank (process group already initialised). ``link``: the
-    rank's ``recovery.live.LiveRank`` (``recovery.mode=live``), which a failure of a peer
-    turns into a live re-layout (``recovery/live.py``) instead of an error, and GPUs reported
-    back into a grow-back re-layout at the step boundary the vote agreed on. ``joining``: this
-    process is a returning GPU's (its id; ``plan`` is the stopped world's, no group yet)."""
+    rank's connection to the live control process (``recovery.mode=live``): a
+    ``live.manager.LiveManager`` then turns a failure of a peer into a live re-layout instead
+    of an error, and GPUs reported back into a grow-back re-layout at the step boundary the
+    vote agreed on. ``joining``: this process is a returning GPU's (its id; ``plan`` is the
+    stopped world's, no group yet)."""
+    trainer = Trainer(device, live=link is not None)
+    manager: LiveManager[Run] | None = None
+    if link is not None:
+        from ..live.manager import LiveManager
+
+        manager = LiveManager(cfg, link, trainer, device=device)
     if joining is not None:
-        from ..recovery.relayout import join
-
-        run, step = join(cfg, plan, link, joining, device=device, make_run=_Run, build=_build)
+        assert manager is not None, "a joiner is started by the live control process"
+        run, step = manager.join(plan, joining)
     else:
-        run = _Run(cfg, plan, _build(cfg, plan, device))
-        if link is not None:
-            from ..recovery.relayout import arm
-
-            arm(run, link)
+        run = trainer.make_run(cfg, plan, trainer.build(cfg, plan))
+        if manager is not None:
+            manager.attach(run)
         step = run.start
     try:
         while step < cfg.train.steps:
             try:
-                if link is not None:
-                    link.begin(step)
+                if manager is not None:
+                    manager.begin(step)
                 if not run.step(step):
                     break
-                slow = run.live.exclusion() if link is not None else None
-                if link is not None and (link.grow_agreed or slow) and \
-                        step + 1 < cfg.train.steps:
-                    from ..recovery.relayout import relayout
-
-                    if slow and dist.get_rank() == 0:  # the control process re-plans around it
-                        link.post("boundary", {"slow_gpus": {str(g): v for g, v in slow.items()}})
-                    run.close()
-                    run, step = relayout(cfg, run, link, None, device=device, make_run=_Run,
-                                         build=_build)
-                    continue
+                if manager is not None:
+                    slow = run.balance.exclusion()
+                    if manager.boundary_due(slow) and step + 1 < cfg.train.steps:
+                        run.close()
+                        run, step = manager.relayout(run, None, slow=slow)
+                        continue
             except Exception as e:
-                from ..recovery.live import is_stop
-
-                if link is None or not is_stop(e):
+                if manager is None or not manager.is_stop(e):
                     raise
-                from ..recovery.relayout import relayout
-
                 run.close()
-                run, step = relayout(cfg, run, link, e, device=device, make_run=_Run,
-                                     build=_build)
+                run, step = manager.relayout(run, e)
                 continue
             step += 1
         run.hooks.finish()  # a background save in flight completes before the run ends
-        if link is not None:
-            from ..recovery.relayout import final_check
-
-            final_check(run, link)  # tests only (NUTP_LIVE_DIGEST)
+        if manager is not None:
+            manager.final_check(run)  # tests only (NUTP_LIVE_DIGEST)
     finally:
         run.close()
     if run.out is None:
@@ -280,7 +290,7 @@ def _progress() -> Any:
 
 def _finish(cfg: JobConfig, rows: list[dict[str, Any]], ledger: GoodputLedger
             ) -> list[dict[str, Any]]:
-    from ..launch.train_report import plot_training, print_goodput
+    from ..goodput.train_report import plot_training, print_goodput
     from ..layout.serialize import write_json_atomic
 
     d = Path(cfg.output.dir)
@@ -299,8 +309,8 @@ def _restarts() -> list[dict[str, Any]]:
     ``gpus``, ``reason``, ``lost_steps``, ``restart_s``, ``resume_step``."""
     import os
 
-    from ..checkpoint.events import read_events
-    from ..recovery.watch import summary
+    from ..common.events import read_events
+    from ..health.watch import summary
 
     path = os.environ.get("NUTP_EVENTS")
     return summary(read_events(path)) if path else []

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint.events import log_event
+from ..common.events import log_event
 
 
 @dataclasses.dataclass

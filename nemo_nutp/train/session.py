@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from megatron.core import parallel_state, tensor_parallel
@@ -51,6 +51,22 @@ def precision_of(train: Any) -> Precision:
                      loss_scale_window=train.loss_scale_window)
 
 
+class StepListener(Protocol):
+    """Told about every step of a session (``recovery.mode=live``: ``live.manager.LiveManager``).
+
+    ``vote`` runs after the gradient reduction (the global loss in hand) and before any
+    optimizer state changes; it may raise to stop the step. ``stepped`` runs as soon as the
+    step's result is known, before any other collective of the loop."""
+
+    def vote(self, loss: float) -> None: ...
+
+    def stepped(self, result: StepResult) -> None: ...
+
+    def phase(self, name: str) -> None:
+        """Where the step is: ``"sync"`` (buckets posted, not finished), ``"optimizer"`` (after
+        the vote, before the update); ``"gather"`` comes from the distributed optimizer."""
+
+
 @dataclass
 class RankSession:
     plan: Plan
@@ -67,7 +83,7 @@ class RankSession:
     checks: GradChecks | None = None
     pipeline: PipelineRunner | None = None  # pp > 1
     precision: str = "fp32"
-    vote: Any = None  # recovery.mode=live: called with the global loss before the update
+    listener: StepListener | None = None  # recovery.mode=live: the vote, the step's result
 
     def _global_loss(self, replica_loss: float) -> float:
         ctx = self.groups.ctx
@@ -92,7 +108,7 @@ class RankSession:
 
     def step(self, step: int, *, after_sync: Any = None) -> StepResult:
         """Train one step; the loss is the global-batch mean (a collective over the stage).
-        With ``vote``, the loss is reduced before the update and the vote follows it."""
+        With a ``listener``, the loss is reduced before the update and its vote follows."""
         losses: list[float] = []
 
         def before_update(replica_loss: float) -> None:
@@ -100,28 +116,41 @@ class RankSession:
             pre = getattr(self.optimizer, "before_vote", None)
             if pre is not None:  # distributed optimizer: its collectives before the vote
                 pre()
-            self.vote(losses[0])
+            assert self.listener is not None
+            self.listener.vote(losses[0])
 
-        hook = None if self.vote is None else before_update
+        hook = None if self.listener is None else before_update
+        phase = None if self.listener is None else self.listener.phase
         if self.pipeline is None:
             replica_loss, grad_norm, times, skipped = train_step(
                 self.model, self.optimizer, self.batches(step), self.mask, opts=self.opts,
-                checks=self.checks, step=step, after_sync=after_sync, before_update=hook)
+                checks=self.checks, step=step, after_sync=after_sync, before_update=hook,
+                phase=phase)
         else:
             replica_loss, grad_norm, times, skipped = self._pipeline_step(step, after_sync,
-                                                                          hook)
+                                                                          hook, phase)
         loss = losses[0] if losses else self._global_loss(replica_loss)
-        return StepResult(loss=loss, replica_loss=replica_loss, grad_norm=grad_norm, times=times,
-                          skipped=skipped)
+        result = StepResult(loss=loss, replica_loss=replica_loss, grad_norm=grad_norm,
+                            times=times, skipped=skipped)
+        if self.listener is not None:
+            self.listener.stepped(result)
+        return result
 
-    def _pipeline_step(self, step: int, after_sync: Any, before_update: Any = None
-                       ) -> tuple[float, float, dict[str, float], bool]:
+    def apply_update(self, step: int) -> tuple[bool, float]:
+        """The optimizer step from the gradients this rank holds (a live re-layout completes a
+        voted step whose result was lost this way): (updated, grad norm)."""
+        phase = None if self.listener is None else self.listener.phase
+        return optimizer_step(self.model, self.optimizer, self.opts, self.checks, step=step,
+                              phase=phase)
+
+    def _pipeline_step(self, step: int, after_sync: Any, before_update: Any = None,
+                       phase: Any = None) -> tuple[float, float, dict[str, float], bool]:
         """``train_step`` for pipeline stages: megatron's 1F1B schedule, then the same
         optimizer step."""
         assert self.pipeline is not None
         loss, compute_s, sync_s = self.pipeline.step(
             self.optimizer, self.batches(step), self.mask, scale=loss_scale(self.optimizer),
-            after_sync=after_sync)
+            after_sync=after_sync, phase=phase)
         if self.opts.slow_factor > 1.0:  # injected straggler: compute x factor
             time.sleep((self.opts.slow_factor - 1.0) * compute_s)
             compute_s *= self.opts.slow_factor
@@ -130,7 +159,7 @@ class RankSession:
         device = next(self.model.parameters()).device
         t = clock(device)
         ok, grad_norm = optimizer_step(self.model, self.optimizer, self.opts, self.checks,
-                                       step=step)
+                                       step=step, phase=phase)
         times = {"compute_s": compute_s, "sync_s": sync_s,
                  "optimizer_s": clock(device) - t}
         return loss, grad_norm, times, not ok

@@ -144,8 +144,10 @@ def loss_scale(optimizer: Any) -> float:
 
 
 def optimizer_step(model: Any, optimizer: Any, opts: StepOptions, checks: GradChecks | None,
-                   *, step: int | None = None) -> tuple[bool, float]:
-    """megatron's optimizer step with the NUTP grad norm: (updated, grad norm).
+                   *, step: int | None = None, phase: Callable[[str], None] | None = None
+                   ) -> tuple[bool, float]:
+    """megatron's optimizer step with the NUTP grad norm: (updated, grad norm). ``phase``: told
+    ``"optimizer"`` just before the update (after the vote).
 
     fp16 overflow: megatron's ``prepare_grads`` finds it (and lowers the scale); the update is
     skipped and the norm is NaN."""
@@ -169,6 +171,8 @@ def optimizer_step(model: Any, optimizer: Any, opts: StepOptions, checks: GradCh
                 # module may be imported before the patches (train/worker.py's package import).
                 clip_grads.clip_grad_by_total_norm_fp32(params, max_norm=opts.clip_grad,
                                                         total_norm=grad_norm)
+    if phase is not None:
+        phase("optimizer")
     optimizer.step_with_ready_grads()
     return True, grad_norm
 
@@ -186,14 +190,16 @@ def clock(device: torch.device | None) -> float:
 def train_step(model: Any, optimizer: Any, batches: list[MicroBatch], mask: torch.Tensor | None,
                *, opts: StepOptions | None = None, checks: GradChecks | None = None,
                step: int | None = None, after_sync: Callable[[], None] | None = None,
-               before_update: Callable[[float], None] | None = None
+               before_update: Callable[[float], None] | None = None,
+               phase: Callable[[str], None] | None = None
                ) -> tuple[float, float, dict[str, float], bool]:
     """Forward/backward this replica's micro-batches, sync, update.
 
     Returns (replica mean loss, grad norm, seconds in compute / exposed sync / optimizer,
     whether the update was skipped). ``after_sync`` runs between the gradient sync and the
     optimizer (tests read the synchronised gradients there); then ``before_update`` with the
-    replica mean loss (the live path's commit vote, ``recovery/commit.py``).
+    replica mean loss (the live path's commit vote, ``health/commit.py``). ``phase`` is told
+    where the step is (``"sync"``: the buckets are posted, not finished; ``"optimizer"``).
     """
     opts = opts or StepOptions()
     device = next(model.parameters()).device
@@ -216,13 +222,15 @@ def train_step(model: Any, optimizer: Any, batches: list[MicroBatch], mask: torc
         if opts.slow_factor > 1.0:  # real wall time, proportional to this rank's work
             time.sleep((opts.slow_factor - 1.0) * (clock(device) - t_mb))
     t1 = clock(device)
+    if phase is not None:
+        phase("sync")
     model.finish_grad_sync()
     if after_sync is not None:
         after_sync()
     if before_update is not None:
         before_update(float(total) / n)
     t2 = clock(device)
-    ok, grad_norm = optimizer_step(model, optimizer, opts, checks, step=step)
+    ok, grad_norm = optimizer_step(model, optimizer, opts, checks, step=step, phase=phase)
     t3 = clock(device)
     times = {"compute_s": t1 - t0, "sync_s": t2 - t1, "optimizer_s": t3 - t2}
     return float(total) / n, grad_norm, times, not ok

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..checkpoint.events import log_event
+from ..common.events import log_event
 
 
 def probe_workload(device: torch.device | None) -> tuple[torch.Tensor, int]:

@@ -78,11 +78,11 @@ def first_error(out_dir: str | Path, since: float) -> dict[str, Any] | None:
 
 def _rank_warnings(rank: int) -> None:
     """Warnings show once per job, not once per rank: rank 0 shows every warning but
-    megatron's optional-kernel notes (``compat/quiet.py``); the other ranks run the same code
+    megatron's optional-kernel notes (``common/quiet.py``); the other ranks run the same code
     and would repeat them W times."""
     import torch
 
-    from ..compat.quiet import filter_notes
+    from ..common.quiet import filter_notes
 
     if rank == 0:
         filter_notes()
@@ -137,7 +137,7 @@ def run_rank(rank: int, world: int, local_rank: int, cfg: Any, plan: Any,
 
         train_rank(cfg, plan, device=device, link=link)
         if link is not None:
-            # Abandoned worlds' groups are kept alive (recovery/backend.py): their destructors
+            # Abandoned worlds' groups are kept alive (live/backend.py): their destructors
             # would wait for peers doing the same.
             _exit(0)
         dist.destroy_process_group()
@@ -151,7 +151,7 @@ def join_rank(slot: int, cfg: Any, old_plan: Any, gpu: int, gen: int) -> None:
     on. Errors end the process as in ``run_rank``."""
     import torch
 
-    from ..recovery.live import LiveRank, control_address
+    from ..live.link import LiveRank, control_address
 
     _rank_warnings(slot)
     # the GPU's local index on its node (the plan's GPU ids are node-major)
@@ -171,12 +171,12 @@ def join_rank(slot: int, cfg: Any, old_plan: Any, gpu: int, gen: int) -> None:
 
 def _live_link(rank: int, world: int, backend: str, cfg: Any) -> Any:
     """``recovery.mode=live`` under the supervisor: world 0 on the control process's store."""
-    from ..recovery.live import LiveRank, control_address
+    from ..live.link import LiveRank, control_address
 
     addr = control_address()
     if addr is None:
         return None
-    from ..recovery import backend as live_backend
+    from ..live import backend as live_backend
 
     link = LiveRank(addr[0], addr[1], slot=rank, timeout_s=cfg.recovery.startup_timeout_s)
     link.start()

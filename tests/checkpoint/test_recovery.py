@@ -29,9 +29,9 @@ from typing import Any
 
 import pytest
 
+from nemo_nutp.common.procs import kill_session
 from nemo_nutp.config import load_config, plan_request
 from nemo_nutp.layout import build_plan
-from nemo_nutp.procs import kill_session
 
 TOL = 1e-5
 COMMON = ("train.seed=7", "train.global_batch_size=12", "train.micro_batch_size=2")

@@ -10,10 +10,9 @@ from typing import Any
 
 from rich.console import Console
 
-from nemo_nutp.checkpoint.events import read_events
+from nemo_nutp.common.events import read_events
 from nemo_nutp.config import load_config, plan_request
-from nemo_nutp.layout import build_plan
-from nemo_nutp.recovery.decisions import (
+from nemo_nutp.health.decisions import (
     Activity,
     Progress,
     blame_exits,
@@ -28,9 +27,10 @@ from nemo_nutp.recovery.decisions import (
     scale_up_due,
     waits_for,
 )
-from nemo_nutp.recovery.watch import HealthWatch as _HealthWatch
-from nemo_nutp.recovery.watch import ScaleUp
-from nemo_nutp.recovery.watch import summary as _summary
+from nemo_nutp.health.watch import HealthWatch as _HealthWatch
+from nemo_nutp.health.watch import ScaleUp
+from nemo_nutp.health.watch import summary as _summary
+from nemo_nutp.layout import build_plan
 
 
 def test_signal_killed_rank_is_blamed_not_its_peers() -> None:
@@ -261,7 +261,7 @@ def test_slow_start_with_activity_is_not_a_hang() -> None:
 
 
 def test_straggler_relayout_and_job_for_keep_the_health_report() -> None:
-    from nemo_nutp.recovery.decisions import straggler_relayout
+    from nemo_nutp.health.decisions import straggler_relayout
 
     ev = [{"t": 5.0, "event": "relayout_requested", "slow_gpus": {"1": 0.25}},
           {"t": 9.0, "event": "checkpoint"}]

@@ -14,7 +14,7 @@ are the claims to check, not values seen on hardware.
    optimizer time, not as the next step's compute.
 4. The straggler probe is compute-bound on the GPU: twice its work takes about twice its time,
    and repeated probes agree, so a GPU slower by ``nutp.straggler_threshold`` is seen.
-5. Hang blame's device progress (``recovery.watch.CollectiveLog`` with ``device_event``):
+5. Hang blame's device progress (``health.watch.CollectiveLog`` with ``device_event``):
    a collective queued behind a long kernel is entered on the host at once but counted as
    reached only when the device gets there.
 """
@@ -275,7 +275,7 @@ def test_distributed_optimizer_inner_adam_is_fused_on_cuda(record_property: Any)
 
 
 def test_collective_log_counts_what_the_device_reached(record_property: Any) -> None:
-    from nemo_nutp.recovery.watch import CollectiveLog, device_event
+    from nemo_nutp.health.watch import CollectiveLog, device_event
 
     torch.cuda.set_device(CUDA)
     log = CollectiveLog(event=device_event())

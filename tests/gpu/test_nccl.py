@@ -9,7 +9,7 @@ more GPUs was lent while they were written; they are the claims to check.
    (3 GPUs: leaders' replicated buckets, the TP-group norm all-reduce) and TP3+TP2 in the
    ``base`` sync layout (5 GPUs: the reshard p2p, un-batched in the pair order from the
    backward hooks, and the batched return path; the only one of the three that moves units).
-2. The live path's backend adapter (``recovery/backend.py``, 2 GPUs): a rank left inside an
+2. The live path's backend adapter (``live/backend.py``, 2 GPUs): a rank left inside an
    NCCL all-reduce its peer never joins is released by ``abandon()`` (``ProcessGroup.abort``),
    and both ranks then join a new NCCL world (ranks swapped) on the same store, where an
    all-reduce is correct.
@@ -119,7 +119,7 @@ def adapter_worker(rank: int, world: int, port: int, outdir: str) -> None:
 
     import torch.distributed as dist
 
-    from nemo_nutp.recovery import backend
+    from nemo_nutp.live import backend
 
     try:
         device = torch.device("cuda", rank)

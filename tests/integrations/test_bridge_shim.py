@@ -96,7 +96,7 @@ def test_bad_nutp_key_is_one_line_before_any_group(override: str, key: str,
 
 
 def test_nutp_bridge_cli_bad_key_exits_2_with_one_line(capfd: pytest.CaptureFixture[str]) -> None:
-    from nemo_nutp.integrations.bridge_cli import main
+    from nemo_nutp.launch.bridge_cli import main
 
     assert main(["--recipe", RECIPE, "--config-file", str(TINY), "nutp.replicaz=[2,1]"]) == 2
     err = [line for line in capfd.readouterr().err.splitlines() if line.startswith("error:")]

@@ -1,4 +1,4 @@
-"""Recovery under an external launcher (``recovery/elastic.py``).
+"""Recovery under an external launcher (``train/elastic.py``).
 
 Pure decisions are tested on files in a temporary directory (no processes). The end-to-end
 test runs ``torchrun --max-restarts`` on CPU with one worker per GPU slot of the default cluster
@@ -23,9 +23,9 @@ from typing import Any
 import pytest
 
 from nemo_nutp.config import load_config, plan_request
+from nemo_nutp.health.decisions import Failure
 from nemo_nutp.layout import build_plan
-from nemo_nutp.recovery import elastic
-from nemo_nutp.recovery.decisions import Failure
+from nemo_nutp.train import elastic
 
 TOL = 1e-5
 COMMON = ("train.steps=6", "train.seed=7", "train.global_batch_size=12",
@@ -132,7 +132,7 @@ def test_exit_record_written_when_terminated_inside_a_blocking_call(tmp_path: Pa
         from datetime import timedelta
         from pathlib import Path
         import torch.distributed as dist
-        from nemo_nutp.recovery.elastic import ExitRecorder
+        from nemo_nutp.train.elastic import ExitRecorder
         rec = ExitRecorder(Path({str(tmp_path)!r}), 3)
         rec.install()
         store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=60))
@@ -218,7 +218,7 @@ def test_sbatch_srun_loop_recovers(tmp_path: Path, reference: list[float]) -> No
     """The script `nutp sbatch ... recovery.enabled=true` renders, run with a one-node srun
     stand-in (``tests/launch/slurm_standin.py``): attempt 0 loses rank 1, the loop starts
     attempt 1, which re-plans TP3+TP3."""
-    from nemo_nutp.launch.ports import free_port
+    from nemo_nutp.common.ports import free_port
     from tests.launch.slurm_standin import install
 
     out = tmp_path / "srun"

@@ -23,10 +23,10 @@ from pathlib import Path
 
 import pytest
 
-from nemo_nutp.launch.ports import free_port
+from nemo_nutp.common.ports import free_port
+from nemo_nutp.common.procs import kill_session
+from nemo_nutp.launch import control as standalone
 from nemo_nutp.launch.slurm import SbatchOptions, render_sbatch
-from nemo_nutp.procs import kill_session
-from nemo_nutp.recovery import standalone
 from tests.launch.slurm_standin import install, job_steps
 from tests.recovery.test_live import (
     BASE,
@@ -63,7 +63,7 @@ def test_live_script_keeps_peers_alive_and_runs_control_outside_the_ranks(tmp_pa
     assert len(srun) == 2, srun  # the control process and the agents: nothing per attempt
     assert "--overlap" in srun[0] and "--ntasks=1" in srun[0]
     assert "--kill-on-bad-exit=0 --wait=0" in text and "nemo_nutp.recovery.agent" in text
-    assert "nemo_nutp.recovery.standalone" in text and "for attempt in" not in text
+    assert "nemo_nutp.launch.control" in text and "for attempt in" not in text
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "ft_launcher"])

@@ -18,7 +18,7 @@ from nemo_nutp.layout import (
     build_plan,
 )
 from nemo_nutp.layout.cost import CostSpec, boundary_bytes, stage_layers, stage_time, tp_bytes
-from nemo_nutp.layout.plan import _best_degree_table, _Speed, _valid_degrees
+from nemo_nutp.layout.plan import _Speed, _valid_degrees, best_degree_table
 from nemo_nutp.layout.units import rank_work
 
 from .strategies import plan_requests
@@ -44,7 +44,7 @@ def test_compute_only_model_keeps_the_largest_valid_degree(req: PlanRequest) -> 
     if not valid.any():
         return
     table = _Speed(req).choice_table(valid)
-    assert (table == _best_degree_table(valid)[None, :]).all()
+    assert (table == best_degree_table(valid)[None, :]).all()
 
 
 def test_communication_bound_stage_runs_at_a_lower_degree() -> None:

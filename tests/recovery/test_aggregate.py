@@ -10,9 +10,9 @@ from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 
-from nemo_nutp.recovery import aggregate
-from nemo_nutp.recovery.decisions import Activity, Progress, blame_hang, hang_roots
-from nemo_nutp.recovery.watch import CollectiveLog
+from nemo_nutp.health import aggregate
+from nemo_nutp.health.decisions import Activity, Progress, blame_hang, hang_roots
+from nemo_nutp.health.watch import CollectiveLog
 
 
 class StandInEvent:

@@ -1,5 +1,5 @@
-"""The live path's pure decisions (``recovery/commit.py``) and its unblock mechanism
-(``recovery/backend.py``) without a training job."""
+"""The live path's pure decisions (``health/commit.py``) and its unblock mechanism
+(``live/backend.py``) without a training job."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from nemo_nutp.config import load_config
-from nemo_nutp.recovery import backend
-from nemo_nutp.recovery.commit import Decision, Report, decide, live_blocker, renumber
-from nemo_nutp.recovery.decisions import Failure
-from nemo_nutp.recovery.inject import parse
+from nemo_nutp.health.commit import Decision, Report, decide, live_blocker, renumber
+from nemo_nutp.health.decisions import Failure
+from nemo_nutp.live import backend
+from nemo_nutp.live.inject import parse
 
 
 def test_decide_discards_a_step_nobody_committed() -> None:

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from nemo_nutp.health.commit import UNMOVABLE
 from nemo_nutp.recovery import control
-from nemo_nutp.recovery.commit import UNMOVABLE
 
 
 class _Store:

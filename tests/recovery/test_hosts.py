@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from nemo_nutp.launch.ports import free_port
+from nemo_nutp.common.ports import free_port
 from nemo_nutp.recovery import agent, hosts
 
 

@@ -1,7 +1,7 @@
 """Issue 23 acceptance: live re-layout (``recovery.mode=live``) under the CPU supervisor.
 
 Each test runs one supervised job (``python -m nemo_nutp.train``) with faults injected at the
-phases of a step (``recovery/inject.py``: ``NUTP_LIVE_FAULT``; ``NUTP_FAULT`` for a crash inside
+phases of a step (``live/inject.py``: ``NUTP_LIVE_FAULT``; ``NUTP_FAULT`` for a crash inside
 a save) and compares every step's loss and grad norm with an uninterrupted single-process run of
 *stock* megatron-core (``tests/runtime/reference.py``: megatron's GPTModel, DDP and optimizer,
 clipping included) on the same global batches, computed here. It also checks that the survivors
@@ -24,9 +24,9 @@ from typing import Any
 
 import pytest
 
+from nemo_nutp.common.procs import kill_session
 from nemo_nutp.config import load_config, plan_request
 from nemo_nutp.layout import build_plan
-from nemo_nutp.procs import kill_session
 from tests.runtime.parity import BF16_TOL, Case, run_references
 
 TOL = 1e-5

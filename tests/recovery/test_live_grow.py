@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from nemo_nutp.procs import kill_session
+from nemo_nutp.common.procs import kill_session
 from tests.recovery.test_live import (
     BASE,
     JOB_TIMEOUT_S,

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from nemo_nutp.recovery import watch
+from nemo_nutp.health import watch
 
 
 def test_a_frame_without_a_line_number_is_sampled(tmp_path: Path,

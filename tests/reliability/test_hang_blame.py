@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from nemo_nutp.launch.ports import free_port
-from nemo_nutp.recovery import watch
-from nemo_nutp.recovery.decisions import blame_hang
+from nemo_nutp.common.ports import free_port
+from nemo_nutp.health import watch
+from nemo_nutp.health.decisions import blame_hang
 
 WORLD = 4
 HUNG = (0, 3, 1, 2, 0, 2, 3, 1, 1, 0)  # 10 trials, every rank hung more than once

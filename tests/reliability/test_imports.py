@@ -7,9 +7,9 @@ from __future__ import annotations
 import subprocess
 import sys
 
-LIGHT = ("nemo_nutp.recovery.agent", "nemo_nutp.recovery.standalone",
-         "nemo_nutp.recovery.aggregate", "nemo_nutp.recovery.control",
-         "nemo_nutp.recovery.watch", "nemo_nutp.checkpoint.events")
+LIGHT = ("nemo_nutp.recovery.agent", "nemo_nutp.launch.control",
+         "nemo_nutp.health.aggregate", "nemo_nutp.recovery.control",
+         "nemo_nutp.health.watch", "nemo_nutp.common.events")
 
 
 def test_control_side_modules_import_without_torch_or_megatron() -> None:

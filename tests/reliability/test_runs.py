@@ -15,8 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from nemo_nutp.common.output_lock import LOCK_NAME, OutputLock, OutputLocked, read_holder
 from nemo_nutp.goodput.accounting import CAUSES, GoodputLedger
-from nemo_nutp.launch.output_lock import LOCK_NAME, OutputLock, OutputLocked, read_holder
 
 
 def _train(out: Path, *overrides: str, env: dict[str, str] | None = None,

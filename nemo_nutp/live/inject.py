@@ -14,10 +14,11 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..checkpoint.events import log_event
+from ..common.events import log_event
 
 PHASES = ("forward", "backward", "sync", "vote", "optimizer", "gather", "relayout")
 """``gather``: the distributed optimizer only, after the update of its slices, before their
@@ -76,31 +77,16 @@ class Injector:
                     time.sleep(3600)
             os.kill(os.getpid(), signal.SIGKILL)
 
-    def arm(self, session: Any, where: Any) -> None:
-        """Hook the phases into ``session``; ``where()`` gives (step, gen) now."""
+    def arm(self, session: Any, where: Callable[[], tuple[int, int]]) -> None:
+        """Hook the phases of ``session`` that its step does not report itself: forward and
+        backward (torch module hooks) and the distributed optimizer's ``gather`` (its
+        ``before_publish`` hook). ``sync``, ``vote`` and ``optimizer`` come from the live
+        manager, the session's step listener. ``where()`` gives (step, gen) now."""
         def at(phase: str) -> None:
             step, gen = where()
             self.fire(phase, step=step, gen=gen)
 
         session.gpt.register_forward_pre_hook(lambda *_: at("forward"))
         session.gpt.register_full_backward_pre_hook(lambda *_: at("backward"))
-        model, opt = session.model, session.optimizer
-        finish, update = model.finish_grad_sync, opt.step_with_ready_grads
-
-        def finish_grad_sync(*a: Any, **k: Any) -> Any:
-            at("sync")  # the buckets are posted (backward hooks), not finished
-            return finish(*a, **k)
-
-        def step_with_ready_grads(*a: Any, **k: Any) -> Any:
-            at("optimizer")  # after the vote, before the update
-            return update(*a, **k)
-
-        model.finish_grad_sync = finish_grad_sync
-        opt.step_with_ready_grads = step_with_ready_grads
-        publish = getattr(opt, "publish_params", None)
-        if publish is not None:
-            def publish_params(*a: Any, **k: Any) -> Any:
-                at("gather")  # slices updated, parameters not yet gathered
-                return publish(*a, **k)
-
-            opt.publish_params = publish_params
+        if hasattr(session.optimizer, "before_publish"):  # slices updated, params not gathered
+            session.optimizer.before_publish = lambda: at("gather")

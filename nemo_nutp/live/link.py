@@ -24,7 +24,7 @@ A boundary re-layout (GPUs back, a straggler excluded; ``control.grow``) aborts 
 control thread turns a ``grow`` value of ``abort<gen>`` into a bit of the next vote (``[1,
 grow]``, still one all-reduce), every rank stops after that step, reports it committed
 (``boundary``) and follows the same steps 4-5; a returning GPU's new process joins with nothing
-(``recovery.relayout.join``).
+(``live.manager.join``).
 
 Never imported by the launcher side, and it imports nothing of it.
 """
@@ -42,8 +42,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..health.commit import Report
 from . import backend
-from .commit import Report
 
 GROW = "grow"
 """Prefix of an ``abort<gen>`` value that asks for a stop at a step boundary (grow back)."""
@@ -91,7 +91,7 @@ class LiveRank:
     loss: float = float("nan")
     committed: Committed = field(default_factory=Committed)
     store: Any = None
-    injector: Any = None  # recovery/inject.py (NUTP_LIVE_FAULT), tests
+    injector: Any = None  # live/inject.py (NUTP_LIVE_FAULT), tests
     old_replica_tp: Any = None  # the stopped world's replicas (its missing metrics row)
     grow_agreed: bool = False  # the last vote asked every rank to stop after this step
     _grow: threading.Event = field(default_factory=threading.Event)

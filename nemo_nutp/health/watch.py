@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint.events import log_event
+from ..common.events import log_event
 from ..layout.serialize import write_json_atomic
 from .decisions import (
     Activity,

@@ -51,10 +51,10 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint.events import log_event, read_events
+from ..common.events import log_event, read_events
+from ..health import aggregate, watch
+from ..health.decisions import Failure, job_for, lost_steps, next_failed
 from ..layout.serialize import write_json_atomic
-from . import aggregate, watch
-from .decisions import Failure, job_for, lost_steps, next_failed
 
 EXIT_SCALE_UP = 76  # worker exit code for a planned restart: GPUs reported back
 EXIT_ABORT = 77  # another worker ended the attempt (store key "abort"), or the store is gone
@@ -537,7 +537,7 @@ def run_worker(cfg: Any, env: LauncherEnv, console: Any) -> int:
         os.environ.update(NUTP_ATTEMPT=str(env.attempt), NUTP_HEARTBEAT_DIR=str(hb_dir),
                           NUTP_EVENTS=str(rdir / "events.jsonl"))
         if prank == 0:
-            from ..launch.plan_report import replicas_table
+            from ..common.plan_report import replicas_table
 
             console.print(replicas_table(plan))
         start_ft_heartbeats()
@@ -569,7 +569,7 @@ def run_worker(cfg: Any, env: LauncherEnv, console: Any) -> int:
         dist.init_process_group(backend, store=dist.PrefixStore("train/", store), rank=prank,
                                 world_size=plan.world_size, timeout=pg_timeout)
         try:
-            from ..train.loop import train_rank
+            from .loop import train_rank
 
             train_rank(job, plan, device=device)
         finally:
@@ -587,7 +587,7 @@ def run_worker(cfg: Any, env: LauncherEnv, console: Any) -> int:
             control.abort(f"slot {env.slot}: {type(e).__name__}")
         if not isinstance(e, Exception) or os.environ.get("NUTP_DEBUG") == "1":
             raise
-        from ..train.worker import report_error
+        from .worker import report_error
 
         # one line on stderr, the traceback in <output.dir>/logs (exit 2: bad input, else 1)
         raise SystemExit(report_error(cfg.output.dir, env.rank, e)) from None

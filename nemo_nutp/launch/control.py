@@ -1,6 +1,6 @@
 """The live control process as a process of its own (Slurm: ``nutp sbatch ... recovery.mode=live``).
 
-``python -m nemo_nutp.recovery.standalone --listen PORT [--address HOST] <overrides>`` is the
+``python -m nemo_nutp.launch.control --listen PORT [--address HOST] <overrides>`` is the
 CPU supervisor (``supervisor.supervise``, the live control loop of ``control.py``: the same
 code, not a copy) with one difference: its ranks are started, killed and watched through the
 node agents (``recovery/agent.py``, one per node, ``hosts.AgentHost``) instead of a fork server
@@ -39,8 +39,8 @@ def check_live(cfg: Any) -> None:
 
 
 def _serve(cfg: Any, args: argparse.Namespace, console: Any) -> int:
-    from .hosts import AgentHost, agent_store
-    from .supervisor import supervise
+    from ..recovery.hosts import AgentHost, agent_store
+    from ..recovery.supervisor import supervise
 
     c = cfg.cluster
     # the server listens on every interface; this host is only its own client's way in
@@ -56,7 +56,7 @@ def _serve(cfg: Any, args: argparse.Namespace, console: Any) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m nemo_nutp.recovery.standalone",
+    ap = argparse.ArgumentParser(prog="python -m nemo_nutp.launch.control",
                                  description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("overrides", nargs="*", help="Hydra overrides, as for nutp-train")
@@ -65,13 +65,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--address", default=None,
                     help="this host as the agents and ranks reach it (default: hostname)")
     args = ap.parse_intermixed_args(argv)
-    from ..compat.quiet import quiet_optional_kernel_notes
+    from ..common.console import make_console, print_error
+    from ..common.output_lock import OutputLock
+    from ..common.quiet import quiet_optional_kernel_notes
     from ..config import plan_request
     from ..config.recipes import load_job
-    from ..launch.console import make_console, print_error
-    from ..launch.nutp_train import preflight
-    from ..launch.output_lock import OutputLock
     from ..layout import build_plan
+    from .nutp_train import preflight
 
     quiet_optional_kernel_notes()
     console = make_console()

@@ -9,9 +9,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from ..goodput.accounting import CAUSES, GoodputLedger
+from ..common.console import make_console
 from ..layout.serialize import atomic_path
-from .console import make_console
+from .accounting import CAUSES, GoodputLedger
 
 _LABELS = {"useful": "useful work", "sync": "exposed sync (reshard + reduce) + optimizer",
            "slack": "slack: waiting for slower replicas",

@@ -3,8 +3,8 @@
     nutp-bridge --recipe megatron.bridge.recipes.gpt.vanilla_gpt:vanilla_gpt_pretrain_config \\
         --config-file overrides.yaml model.tensor_model_parallel_size=2 nutp.replicas=[2,1]
 
-Run as ``python nemo_nutp/integrations/bridge_cli.py`` or ``python -m
-nemo_nutp.integrations.bridge_cli``. Overrides and NUTP keys: ``bridge_config``. Plain
+Run as ``python nemo_nutp/launch/bridge_cli.py`` or ``python -m
+nemo_nutp.launch.bridge_cli``. Overrides and NUTP keys: ``bridge_config``. Plain
 invocation spawns the plan's world on this machine (gloo, CPU); under ``torchrun``
 (``RANK``/``WORLD_SIZE``) this process is one rank (NCCL when CUDA is present). Everything is
 validated and planned before any process group.
@@ -61,7 +61,7 @@ def _load(argv: list[str]) -> tuple[Any, Any, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    from nemo_nutp.launch.console import print_error
+    from nemo_nutp.common.console import print_error
 
     try:
         args, _, plan = _load(argv)
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import torch.multiprocessing as mp
 
-    from nemo_nutp.launch.ports import free_port
+    from nemo_nutp.common.ports import free_port
 
     mp.spawn(_rank, args=(plan.world_size, free_port(), argv, "gloo"), nprocs=plan.world_size)
     return 0

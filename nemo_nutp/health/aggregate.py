@@ -12,7 +12,7 @@ finding 4): one node watchdog per node, one job-level aggregator off the trainin
   ``multi_set`` per node per period, not one file per rank per half-second on a shared
   filesystem).
 * **Job aggregator** (``Aggregator``; under an external launcher its own process, started by
-  launcher rank 0: ``python -m nemo_nutp.recovery.aggregate``): every ``NODE_POLL_S`` it
+  launcher rank 0: ``python -m nemo_nutp.health.aggregate``): every ``NODE_POLL_S`` it
   fetches all node summaries at once (``multi_get``, O(nodes)) and decides whether progress
   stalled (``stalled``: ``blame_hang``'s own rule); only then does it fetch the details, merge
   them (O(W)) and run ``decisions.blame_hang`` (O(W + entries): the group-count analysis is per
@@ -274,7 +274,7 @@ def spawn(*, host: str, port: int, prefix: str, rdir: Path, attempt: int, world:
     import subprocess
     import sys
 
-    args = [sys.executable, "-m", "nemo_nutp.recovery.aggregate", "--host", host, "--port",
+    args = [sys.executable, "-m", "nemo_nutp.health.aggregate", "--host", host, "--port",
             str(port), "--prefix", prefix, "--rdir", str(rdir), "--attempt", str(attempt),
             "--world", str(world), "--nodes", str(nodes), "--timeout", str(timeout_s),
             "--startup-timeout", str(startup_timeout_s), "--parent", str(os.getpid())]
@@ -296,7 +296,7 @@ def run_aggregator(store: Any, agg: Aggregator, *, rdir: Path, attempt: int, par
     parent worker is gone). On a hang: ``hang.<attempt>.json``, the ``hang_detected`` event,
     then the ``abort`` key (every worker's control thread ends it). The highest completed step
     goes to ``progress.<attempt>.json`` whenever it grows (and at the end), for lost steps."""
-    from ..checkpoint.events import log_event
+    from ..common.events import log_event
     from ..layout.serialize import write_json_atomic
 
     progress = rdir / f"progress.{attempt}.json"
