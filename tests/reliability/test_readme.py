@@ -8,8 +8,8 @@ Cluster-only programs (``torchrun``, ``ft_launcher``, ``srun``, ``sbatch``, ``do
 ``make bench``/``make sim`` run): their targets/scripts must exist. Everything else runs in a
 scratch directory (relative paths as a user's), one block after another in order (a resume
 example finds the checkpoints of the example before it, on the same page), ``nutp-train`` with
-few steps, ``nutp simulate`` with few trials (the number of draws changes no code path), placeholders
-(``<partition>``, ``/path/to/prefix``, a trailing ``...``) filled in.
+few steps, ``nutp simulate`` with few trials (the number of draws changes no code path),
+placeholders (``<partition>``, ``/path/to/prefix``, a trailing ``...``) filled in.
 """
 
 from __future__ import annotations
