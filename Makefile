@@ -93,7 +93,7 @@ sim: $(STAMP)
 	$(BIN)/python benchmarks/transition_cost.py
 	$(BIN)/nutp simulate sim=paper_32k sim.transitions.measured=runs/bench/transitions.json sim.name=paper_32k_measured sim.output_dir=runs/sim/paper_32k_measured --no-sweep
 
-# GPU checks (never needed by CI; README "What is verified where"). On a CPU machine with
+# GPU checks (never needed by CI; docs/verified.md). On a CPU machine with
 # network: gather the wheels (< 64 MiB, .gpu-check/, ignored). On the GPU machine (Python 3.12
 # with its own torch, no network): install them beside that torch, run the gpu-marked tests
 # (< 8 min; tests/gpu/test_nccl.py's NCCL runs need 2, 3 or 5 GPUs and skip below), write

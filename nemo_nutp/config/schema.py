@@ -53,7 +53,7 @@ class ModelConfig(ModelDims):
     transformer_impl: str = "local"
     """'local' (megatron-core's own layers), 'transformer_engine' (TE layers, norms fused into
     linear_qkv/linear_fc1) or 'auto' (TE when CUDA and transformer_engine are present). The
-    default is local: the TE path has not run on a GPU yet (README, what is verified where)."""
+    default is local: the TE path has not run on a GPU yet (docs/verified.md)."""
     core_attention: str = "auto"
     """With the local impl: 'sdpa' (torch scaled_dot_product_attention: causal, no [s, s]
     scores, no mask tensor), 'megatron' (DotProductAttention, explicit mask) or 'auto' (sdpa on

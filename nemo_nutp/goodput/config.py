@@ -212,7 +212,7 @@ def _plain_points() -> list[RestartPoint]:
 @dataclass(frozen=True)
 class TransitionConfig:
     """What a layout change costs (``goodput/transitions.py``); defaults and sources in
-    ``configs/sim/paper_32k.yaml`` and the README."""
+    ``configs/sim/paper_32k.yaml`` and docs/simulator.md."""
 
     detect_s: float = 30.0
     """Failure -> detected (unplanned events only)."""

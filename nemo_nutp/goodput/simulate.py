@@ -1,6 +1,6 @@
 """Monte Carlo goodput simulation: static failure-fraction sweeps and failure timelines.
 
-``simulate(cfg)`` returns a JSON-ready dict (schema ``nemo_nutp.sim/1``, see README) with
+``simulate(cfg)`` returns a JSON-ready dict (schema ``nemo_nutp.sim/1``, see docs/simulator.md) with
 * ``sweep``: per failed-GPU fraction and policy, mean/p5/p95 throughput loss over trials,
   spare domains a rigid job needs (p95), boost power; plus the closed form of ``drop``;
 * ``blast``: the same at ``sim.blast_fraction`` for failures of one GPU / node / domain;

@@ -3,7 +3,7 @@
 This module never imports Bridge at import time. ``nutp-bridge`` (``bridge_cli``/``bridge_run``)
 uses them to run a recipe through Bridge's own ``train()``; on CPU Bridge imports through the
 scoped shim of ``nemo_nutp.compat.bridge_cpu`` (tested in ``tests/integrations``, Python 3.12).
-The three plug-in points, in the order a Bridge user applies them (README, "Megatron-Bridge"):
+The three plug-in points, in the order a Bridge user applies them (docs/bridge.md):
 
 1. **Model** — ``nutp_provider(provider, plan, groups)``: a copy of a Bridge
    ``GPTModelProvider`` (e.g. a recipe's ``ConfigContainer.model``) whose ``provide()`` returns

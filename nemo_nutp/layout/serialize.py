@@ -1,4 +1,4 @@
-"""Plan <-> JSON. The schema is documented in README.md ("Plan JSON")."""
+"""Plan <-> JSON. The schema is documented in docs/planning.md ("Plan JSON")."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""The README's Megatron-Bridge commands (``.venv312/bin/...``; the Python 3.11 README test
-skips them by that name) run as written here, in a scratch directory; the README's YAML example
-is the override file the commands and the Bridge tests use."""
+"""The Megatron-Bridge commands of README.md and docs/*.md (``.venv312/bin/...``; the Python 3.11
+README test skips them by that name) run as written here, in a scratch directory; the YAML example
+of docs/bridge.md is the override file the commands and the Bridge tests use."""
 
 from __future__ import annotations
 
@@ -23,14 +23,20 @@ PY312 = ".venv312/bin/"
 
 
 def _section() -> str:
-    text = (ROOT / "README.md").read_text()
-    start = text.index("### Megatron-Bridge")
-    return text[start:text.index("\n## ", start)]
+    """The Bridge page (docs/bridge.md), which holds the YAML example."""
+    return (ROOT / "docs" / "bridge.md").read_text()
+
+
+def _pages() -> list[Path]:
+    """README.md, then every docs/*.md by name."""
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
 def bridge_commands() -> list[str]:
     out = []
-    for block in re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S):
+    blocks = [b for page in _pages()
+              for b in re.findall(r"```bash\n(.*?)```", page.read_text(), re.S)]
+    for block in blocks:
         text = re.sub(r"\\\n\s*", " ", block)
         out += [line.strip() for line in text.splitlines() if line.strip().startswith(PY312)]
     return out
@@ -40,7 +46,7 @@ def test_readme_yaml_example_is_the_tested_override_file() -> None:
     from omegaconf import OmegaConf
 
     blocks = re.findall(r"```yaml\n(.*?)```", _section(), re.S)
-    assert blocks, "README Bridge section: no YAML example"
+    assert blocks, "docs/bridge.md: no YAML example"
     shown = OmegaConf.to_container(OmegaConf.create(blocks[0]))
     tiny = ROOT / "tests" / "integrations" / "data" / "bridge_tiny.yaml"
     tested = OmegaConf.to_container(OmegaConf.load(tiny))
@@ -50,7 +56,7 @@ def test_readme_yaml_example_is_the_tested_override_file() -> None:
 @pytest.mark.timeout(1500)
 def test_readme_bridge_commands_run(tmp_path: Path) -> None:
     cmds = bridge_commands()
-    assert cmds, "README: no .venv312 command"
+    assert cmds, "README.md and docs/*.md: no .venv312 command"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     for cmd in cmds:
         argv = shlex.split(cmd, comments=True)

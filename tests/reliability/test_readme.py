@@ -1,13 +1,15 @@
-"""Issue #16: every command in the README's bash blocks runs as written, with fewer steps.
+"""Issue #16: every command in the bash blocks of README.md and docs/*.md runs as written, with
+fewer steps.
 
-Commands are read from the README itself, so a new example is tested the day it is added.
+Commands are read from the pages themselves (``doc_pages()``: README first, then the docs pages in
+``PAGES`` order, then any other page), so a new example is tested the day it is added.
 Cluster-only programs (``torchrun``, ``ft_launcher``, ``srun``, ``sbatch``, ``docker``,
 ``enroot``) are not run; ``make`` targets and benchmark scripts are long (they are what CI and
 ``make bench``/``make sim`` run): their targets/scripts must exist. Everything else runs in a
 scratch directory (relative paths as a user's), one block after another in order (a resume
-example finds the checkpoints of the example before it), ``nutp-train`` with few steps,
-``nutp simulate`` with few trials (the number of draws changes no code path), placeholders
-(``<partition>``, ``/path/to/prefix``, a trailing ``...``) filled in.
+example finds the checkpoints of the example before it, on the same page), ``nutp-train`` with
+few steps, ``nutp simulate`` with few trials (the number of draws changes no code path),
+placeholders (``<partition>``, ``/path/to/prefix``, a trailing ``...``) filled in.
 """
 
 from __future__ import annotations
@@ -31,9 +33,27 @@ PY312 = ".venv312/bin/"
 environment), run by ``tests/integrations/test_bridge_readme.py`` (``make test-bridge``)."""
 
 
+PAGES = ["training", "exactness", "pipeline", "stragglers", "planning", "simulator", "cluster",
+         "bridge", "checkpoints", "recovery", "live"]
+"""docs/ pages in the order their commands run (the README's order before the manual was split:
+the checkpoint examples before the recovery and live ones that resume from them); pages not listed
+run after these, sorted by name."""
+
+
+def doc_pages() -> list[Path]:
+    """README.md, then docs/*.md: ``PAGES`` first, in that order, then the rest by name."""
+    listed = [ROOT / "docs" / f"{name}.md" for name in PAGES]
+    missing = [p.name for p in listed if not p.is_file()]
+    assert not missing, f"PAGES names missing docs pages: {missing}"
+    rest = sorted(p for p in (ROOT / "docs").glob("*.md") if p not in listed)
+    return [ROOT / "README.md", *listed, *rest]
+
+
 def readme_commands() -> list[list[str]]:
-    """Per bash block, its commands (continuations joined, comments dropped)."""
-    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    """Per bash block of README.md and docs/*.md (``doc_pages()`` order), its commands
+    (continuations joined, comments dropped)."""
+    blocks = [b for page in doc_pages()
+              for b in re.findall(r"```bash\n(.*?)```", page.read_text(), re.S)]
     out = []
     for block in blocks:
         text = re.sub(r"\\\n\s*", " ", block)
