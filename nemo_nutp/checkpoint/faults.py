@@ -16,9 +16,12 @@ import os
 import signal
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..common.events import log_event
+
+if TYPE_CHECKING:
+    from ..config import JobConfig
 
 
 @dataclass(frozen=True)
@@ -29,7 +32,7 @@ class Fault:
     factor: float = 1.0  # kind slow: compute wall-time multiplier (> 1)
 
     @classmethod
-    def from_env_or_config(cls, cfg: Any) -> Fault | None:
+    def from_env_or_config(cls, cfg: JobConfig) -> Fault | None:
         if os.environ.get("NUTP_ATTEMPT", "0") not in ("", "0"):
             return None
         spec = os.environ.get("NUTP_FAULT")

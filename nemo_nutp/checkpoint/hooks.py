@@ -21,7 +21,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
@@ -31,6 +31,10 @@ from .faults import Fault
 from .interval import AutoInterval
 from .megatron_format import describe, restore_asides, sources
 from .store import CheckpointError, load_newest_valid, save_checkpoint
+
+if TYPE_CHECKING:
+    from ..config import JobConfig
+    from ..train.session import RankSession
 
 SAVE_ERRORS: tuple[type[BaseException], ...] = (OSError, CheckpointError)
 """What a failed save raises (extended with megatron's and torch DCP's exception types)."""
@@ -72,7 +76,7 @@ def check_writable(field: str, path: str | Path) -> None:
                 pass
 
 
-def check_output_dirs(cfg: Any) -> None:
+def check_output_dirs(cfg: JobConfig) -> None:
     """``output.dir`` and, when the job saves, the checkpoint root are writable."""
     check_writable("output.dir", cfg.output.dir)
     if cfg.checkpoint.saves and cfg.checkpoint_dir is not None:
@@ -80,7 +84,7 @@ def check_output_dirs(cfg: Any) -> None:
         check_writable(field, cfg.checkpoint_dir)
 
 
-def resume_candidates(cfg: Any) -> list[Path]:
+def resume_candidates(cfg: JobConfig) -> list[Path]:
     """Checkpoints to try, in the loader's order ([] = start fresh). Pure filesystem."""
     ck = cfg.checkpoint
     if ck.resume == "never":
@@ -120,7 +124,7 @@ def on_checkpoint_complete(fn: Callable[[int], None]) -> None:
 
 
 class CheckpointHooks:
-    def __init__(self, cfg: Any, session: Any) -> None:
+    def __init__(self, cfg: JobConfig, session: RankSession) -> None:
         self.cfg, self.session = cfg, session
         self.root = cfg.checkpoint_dir
         self.rank = dist.get_rank()
@@ -246,6 +250,7 @@ class CheckpointHooks:
         fault = self.fault
         hook = None if fault is None else (lambda: fault.in_save(self.rank, step))
         self.last_save = step
+        assert self.root is not None  # saving implies a checkpoint directory
         try:
             path = save_checkpoint(self.session, self.root, step=step, extra=extra, fault=hook,
                                    background=self.saves)

@@ -32,7 +32,7 @@ import dataclasses
 import secrets
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -55,6 +55,10 @@ from .megatron_format import (
 )
 from .sharding import expected_global_shapes, megatron_sharded_state_dict
 
+if TYPE_CHECKING:
+    from ..layout import Plan
+    from ..train.session import RankSession
+
 FORMAT = "nemo_nutp.checkpoint/2"
 """NUTP metadata format: 2 = megatron-core GPT keys in ``iter_N`` directories."""
 
@@ -69,13 +73,13 @@ def _dims(model_cfg: Any) -> dict[str, Any]:
     return {}
 
 
-def _plan_summary(plan: Any) -> dict[str, Any]:
+def _plan_summary(plan: Plan) -> dict[str, Any]:
     return {"world_size": plan.world_size, "replica_tp": [list(r.tp) for r in plan.replicas],
             "microbatches": [r.microbatches for r in plan.replicas],
             "rank_to_gpu": list(plan.rank_to_gpu)}
 
 
-def _model_state(session: Any) -> dict[str, Any]:
+def _model_state(session: RankSession) -> dict[str, Any]:
     ctx = session.groups.ctx
     return megatron_sharded_state_dict(session.gpt, session.model_cfg, replica=ctx.replica,
                                        tp_rank=ctx.tp_rank)
@@ -86,7 +90,7 @@ def _rng_states() -> dict[str, Any]:
             "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
 
 
-def _rng_object(plan: Any, data: Any) -> Any:
+def _rng_object(plan: Plan, data: Any) -> Any:
     """This rank's RNG states as one entry of a per-rank object; only a run with the same plan
     loads it. (Not Megatron-LM's ``rng_state``, whose shape is (pp, tp, dp).)"""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
@@ -101,7 +105,7 @@ def _broadcast(obj: Any) -> Any:
     return box[0]
 
 
-def save_checkpoint(session: Any, root: str | Path, *, step: int,
+def save_checkpoint(session: RankSession, root: str | Path, *, step: int,
                     extra: dict[str, Any] | None = None, fault: Any = None,
                     hashing: str = "parallel", background: Any = None) -> Path:
     """Save model, optimizer, ``step`` (steps completed = next step to run), RNG and ``extra``
@@ -203,7 +207,7 @@ def _publish(tmp: Path, final: Path, step: int, meta: dict[str, Any],
     dist.barrier(group=integrity.control_group())
 
 
-def _my_global_shapes(session: Any) -> dict[str, list[int]] | None:
+def _my_global_shapes(session: RankSession) -> dict[str, list[int]] | None:
     """This rank's keys' global shapes if it speaks for its pipeline stage (replica 0, TP rank
     0: each stage holds other keys), else None."""
     ctx = session.groups.ctx
@@ -323,7 +327,7 @@ def verify_checkpoint(path: Path, marker: dict[str, Any] | None) -> str | None:
     return f"checkpoint {path} is corrupt: {'; '.join(bad)}" if bad else None
 
 
-def load_checkpoint(session: Any, path: str | Path, *, verify: bool = True,
+def load_checkpoint(session: RankSession, path: str | Path, *, verify: bool = True,
                     load_optimizer: bool = True) -> dict[str, Any]:
     """Load one checkpoint (NUTP's or stock megatron-core's) into ``session`` (any layout).
 
@@ -353,7 +357,7 @@ def load_checkpoint(session: Any, path: str | Path, *, verify: bool = True,
     return info
 
 
-def _load(session: Any, path: Path, marker: dict[str, Any] | None, *,
+def _load(session: RankSession, path: Path, marker: dict[str, Any] | None, *,
           load_optimizer: bool) -> dict[str, Any]:
     from megatron.core import dist_checkpointing
 
@@ -413,7 +417,7 @@ def _refresh_master_weights(optimizer: Any) -> None:
                     p32.copy_(p16.float())
 
 
-def load_newest_valid(session: Any, paths: list[Path], *, strict: bool = False,
+def load_newest_valid(session: RankSession, paths: list[Path], *, strict: bool = False,
                       load_optimizer: bool = True, warn: Any = None) -> dict[str, Any] | None:
     """Load the first of ``paths`` (the loader's order) that passes verification. A failing
     one is skipped with a loud warning (``warn(msg)`` on rank 0, and ``warnings.warn``), or

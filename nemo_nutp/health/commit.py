@@ -47,10 +47,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..config import JobConfig
+    from ..layout import Plan
 
 PHASES = ("compute", "voting", "committed")
 UNMOVABLE = "unmovable"
+GROW = "grow"
+"""Prefix of an ``abort<gen>`` value that asks for a stop at a step boundary (grow back)."""
 """Store key prefix (``unmovable<gen>``): a rank of world ``gen`` found that the state cannot move
 live (``relayout.move.MoveImpossible``); the control process restarts the job with that reason."""
 
@@ -94,7 +100,7 @@ def decide(reports: Mapping[int, Report]) -> Decision:
     return Decision(committed, tuple(apply))
 
 
-def live_blocker(job: Any, failure: Any, *, survivors: int, replicas: int = 2) -> str | None:
+def live_blocker(job: JobConfig, failure: Any, *, survivors: int, replicas: int = 2) -> str | None:
     """Why a failure cannot be handled live (the restart path takes it, this is logged), or
     None. ``failure``: ``decisions.Failure``; ``survivors``: ranks still alive; ``replicas``:
     the running layout's."""
@@ -122,7 +128,7 @@ def renumber(old_rank_to_gpu: tuple[int, ...], new_rank_to_gpu: tuple[int, ...]
     return {r: new.get(g) for r, g in enumerate(old_rank_to_gpu)}
 
 
-def replan(old: Any, job: Any) -> Any:
+def replan(old: Plan, job: JobConfig) -> Plan:
     """The planner's plan for ``job`` (its failed GPUs), with every replica stage kept on the
     GPUs it had where the planner's degrees allow (``relayout.stable_replan``: otherwise the
     replicas behind a degraded one shift and their whole state moves). The control process

@@ -11,7 +11,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..config import JobConfig
 
 
 @dataclass(frozen=True)
@@ -209,7 +212,8 @@ def lost_steps(last_done: int | None, resume_step: int) -> int:
     return 0 if last_done is None else max(0, last_done + 1 - resume_step)
 
 
-def job_for(cfg: Any, failed: frozenset[int], slow: Mapping[int, float] | None = None) -> Any:
+def job_for(cfg: JobConfig, failed: frozenset[int], slow: Mapping[int, float] | None = None
+            ) -> JobConfig:
     """The job config for a set of failed GPUs and stragglers (``slow``: GPU -> relative speed,
     found while running; added to the configured ones). The policy re-plans degrees from health.
 
@@ -243,7 +247,7 @@ def returned_gpus(current: frozenset[int], reported: frozenset[int] | None) -> f
     return current - reported
 
 
-def scale_up_blocker(cfg: Any) -> str | None:
+def scale_up_blocker(cfg: JobConfig) -> str | None:
     """Why the job cannot restart for returned GPUs without losing steps (None: it can)."""
     if cfg.checkpoint_dir is None or not cfg.checkpoint.saves:
         return "checkpointing is off"

@@ -15,7 +15,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..common.events import log_event
 from ..layout.serialize import write_json_atomic
@@ -28,6 +28,10 @@ from .decisions import (
     scale_up_blocker,
     scale_up_due,
 )
+
+if TYPE_CHECKING:
+    from ..config import JobConfig
+    from ..layout import Plan
 
 SAMPLE_S = 0.5  # rank side: stack watcher period
 HEALTH_POLL_S = 1.0  # the health report, for GPUs reported back
@@ -358,7 +362,7 @@ def print_summary(console: Any, summary: list[dict[str, Any]]) -> None:
     console.print(t)
 
 
-def layout_of(plan: Any) -> list[list[int]]:
+def layout_of(plan: Plan) -> list[list[int]]:
     return [list(r.tp) for r in plan.replicas]
 
 
@@ -376,7 +380,8 @@ class HealthWatch:
     """While a world runs: GPUs reported back in the health report -> a planned restart at the
     first checkpoint newer than the one complete when the report was seen."""
 
-    def __init__(self, cfg: Any, job: Any, plan: Any, failed: frozenset[int], rdir: Path,
+    def __init__(self, cfg: JobConfig, job: JobConfig, plan: Plan,
+                 failed: frozenset[int], rdir: Path,
                  console: Any) -> None:
         self.cfg, self.job, self.failed, self.rdir, self.console = cfg, job, failed, rdir, console
         self.layout = layout_of(plan)

@@ -26,10 +26,13 @@ from __future__ import annotations
 import argparse
 import socket
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..config import JobConfig
 
 
-def check_live(cfg: Any) -> None:
+def check_live(cfg: JobConfig) -> None:
     if not cfg.recovery.enabled:
         raise ValueError(f"recovery.enabled={cfg.recovery.enabled}: the control process "
                          "supervises the job (set recovery.enabled=true)")
@@ -38,7 +41,7 @@ def check_live(cfg: Any) -> None:
                          "runs recovery.mode=live only")
 
 
-def _serve(cfg: Any, args: argparse.Namespace, console: Any) -> int:
+def _serve(cfg: JobConfig, args: argparse.Namespace, console: Any) -> int:
     from ..recovery.hosts import AgentHost, agent_store
     from ..recovery.supervisor import supervise
 

@@ -15,9 +15,13 @@ import argparse
 import logging
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..common.console import make_console, print_error
+
+if TYPE_CHECKING:
+    from ..config import JobConfig
+    from ..layout import Plan
 
 
 def _launcher_env() -> tuple[int, int, int] | None:
@@ -29,7 +33,7 @@ def _launcher_env() -> tuple[int, int, int] | None:
     return None
 
 
-def check_launch(cfg: Any, plan: Any, env: tuple[int, int, int], environ: dict[str, str]
+def check_launch(cfg: JobConfig, plan: Plan, env: tuple[int, int, int], environ: dict[str, str]
                  ) -> None:
     """Under a plain ``torchrun``/``srun`` (no recovery) the launcher's rank is the plan rank
     and ``cuda:LOCAL_RANK`` its GPU: refuse (one line, before any process group) unless the
@@ -53,7 +57,7 @@ def check_launch(cfg: Any, plan: Any, env: tuple[int, int, int], environ: dict[s
                          "them by GPU slot")
 
 
-def preflight(cfg: Any, plan: Any = None) -> None:
+def preflight(cfg: JobConfig, plan: Plan | None = None) -> None:
     """Checks done before any process or group exists: what the runtime cannot train yet; the
     data path opens and fits the vocabulary; a checkpoint to resume from matches the model;
     where results and checkpoints go can be created and written."""
@@ -63,7 +67,7 @@ def preflight(cfg: Any, plan: Any = None) -> None:
     check_output_dirs(cfg)
 
 
-def check_inputs(cfg: Any, plan: Any = None) -> None:
+def check_inputs(cfg: JobConfig, plan: Plan | None = None) -> None:
     """The part of ``preflight`` a dry run does too: combinations no runtime can run, the data
     path, the checkpoint to resume from (``plan``: fault injection must name a planned rank)."""
     fault = cfg.recovery.fault
@@ -164,7 +168,7 @@ def _dry_run(args: argparse.Namespace, console: Any) -> int:
     return 0
 
 
-def _lock_for(cfg: Any, env: tuple[int, int, int] | None) -> Any:
+def _lock_for(cfg: JobConfig, env: tuple[int, int, int] | None) -> Any:
     """The output directory's lock, taken by the process that owns the run's outputs: the
     local launcher, or rank 0 (worker slot 0 under recovery) of an external launcher."""
     if env is not None and env[0] != 0:
@@ -174,7 +178,7 @@ def _lock_for(cfg: Any, env: tuple[int, int, int] | None) -> Any:
     return OutputLock(cfg.output.dir).acquire()
 
 
-def _run(cfg: Any, plan: Any, env: tuple[int, int, int] | None, slot: int,
+def _run(cfg: JobConfig, plan: Plan, env: tuple[int, int, int] | None, slot: int,
          console: Any) -> int:
     under_recovery = env is not None and cfg.recovery.enabled
     if under_recovery:
@@ -200,7 +204,7 @@ def _run(cfg: Any, plan: Any, env: tuple[int, int, int] | None, slot: int,
     return _spawn_local(cfg, plan)
 
 
-def _spawn_local(cfg: Any, plan: Any) -> int:
+def _spawn_local(cfg: JobConfig, plan: Plan) -> int:
     """The plan's world as local processes; a rank's error is one line (``train/worker.py``)."""
     import time
 

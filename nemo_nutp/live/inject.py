@@ -16,9 +16,12 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..common.events import log_event
+
+if TYPE_CHECKING:
+    from ..train.session import RankSession
 
 PHASES = ("forward", "backward", "sync", "vote", "optimizer", "gather", "relayout")
 """``gather``: the distributed optimizer only, after the update of its slices, before their
@@ -77,7 +80,7 @@ class Injector:
                     time.sleep(3600)
             os.kill(os.getpid(), signal.SIGKILL)
 
-    def arm(self, session: Any, where: Callable[[], tuple[int, int]]) -> None:
+    def arm(self, session: RankSession, where: Callable[[], tuple[int, int]]) -> None:
         """Hook the phases of ``session`` that its step does not report itself: forward and
         backward (torch module hooks) and the distributed optimizer's ``gather`` (its
         ``before_publish`` hook). ``sync``, ``vote`` and ``optimizer`` come from the live

@@ -37,16 +37,17 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-from ..health.commit import Report
+from ..health.commit import GROW, Report
 from . import backend
 
-GROW = "grow"
-"""Prefix of an ``abort<gen>`` value that asks for a stop at a step boundary (grow back)."""
+if TYPE_CHECKING:
+    from ..layout import Plan
+
 ABORT_WAIT_S = 30.0
 """How long a rank whose collective failed waits for the control process's abort."""
 
@@ -74,6 +75,47 @@ class Committed:
     loss: float = float("nan")
     grad_norm: float | None = None
     step_s: float = 0.0  # this rank's time from the step's start to the vote
+
+
+class LiveLink(Protocol):
+    """What the training rank's live manager (``manager.LiveManager``) uses of its link to the
+    control process; ``LiveRank`` is the one over the control process's TCP store."""
+
+    slot: int  # this process's rank in world 0: its identity to the control process
+    gen: int  # the world this rank is in
+    step: int  # the step in flight
+    loss: float  # its global loss (once voted)
+    began: float  # when it began (perf_counter)
+    committed: Committed  # the newest committed step as this rank knows it
+    store: Any
+    timeout_s: float
+    injector: Any  # phase faults (tests), or None
+    old_replica_tp: Any  # the stopped world's replicas (its missing metrics row)
+    grow_agreed: bool  # the last vote asked every rank to stop after this step
+
+    def begin(self, step: int) -> None:
+        """A step starts (phase ``compute``)."""
+
+    def vote(self, loss: float) -> None:
+        """The commit vote (one all-reduce); raises if the world stopped."""
+
+    def stepped(self, grad_norm: float | None) -> None:
+        """The committed step's grad norm (None: skipped)."""
+
+    def stop(self, error: BaseException) -> tuple[Report, float]:
+        """After a failed step: wait for the control process's abort, report."""
+
+    def boundary(self) -> Report:
+        """At an agreed step boundary: report the committed step."""
+
+    def decision(self) -> dict[str, Any]:
+        """The control process's decision for this world (blocking)."""
+
+    def rejoin(self, *, rank: int, world: int, device: torch.device | None) -> None:
+        """Leave the old world, join the next at ``rank``."""
+
+    def post(self, key: str, value: dict[str, Any]) -> None:
+        """Tell the control process ``key<gen>`` = ``value``."""
 
 
 @dataclass
@@ -213,7 +255,7 @@ def is_stop(error: BaseException) -> bool:
     return isinstance(error, (backend.Aborted, RuntimeError, dist.DistBackendError))
 
 
-def move(old: Any | None, new: Any, *, old_plan: Any, rank_map: dict[int, int],
+def move(old: Any | None, new: Any, *, old_plan: Plan, rank_map: dict[int, int],
          joiners: frozenset[int] = frozenset(), dead: frozenset[int] = frozenset()
          ) -> dict[str, Any]:
     """Move the old session's state into the new one (collective over the new world;

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ..health.commit import UNMOVABLE, renumber, replan
-from .link import Committed, LiveRank, is_stop, move, reduce_max
+from .link import Committed, LiveLink, is_stop, move, reduce_max
 
 if TYPE_CHECKING:
     from ..config import JobConfig
@@ -87,7 +87,7 @@ EXIT_FALLBACK = 3
 class LiveManager(Generic[R]):
     """One rank's live re-layout: the loop's only entry into ``live/`` (module docstring)."""
 
-    def __init__(self, cfg: JobConfig, link: LiveRank, trainer: Trainer[R], *,
+    def __init__(self, cfg: JobConfig, link: LiveLink, trainer: Trainer[R], *,
                  device: torch.device | None) -> None:
         self.cfg, self.link, self.trainer, self.device = cfg, link, trainer, device
 

@@ -38,12 +38,18 @@ import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..common.events import log_event
 from ..health import watch
 from ..health.commit import UNMOVABLE, Report, decide, live_blocker, renumber, replan
 from ..health.decisions import Failure, blame_exits, blame_hang, job_for, next_failed
+
+if TYPE_CHECKING:
+    from ..config import JobConfig
+    from ..layout import Plan
+    from .hosts import Host
+    from .world import Attempt
 
 POLL_S = 0.01  # while a re-layout waits for reports / the new world
 REPORT_TIMEOUT_S = 60.0
@@ -66,8 +72,8 @@ def host_store() -> tuple[Any, int]:
 class World:
     """The running world as the control process sees it."""
 
-    job: Any
-    plan: Any
+    job: JobConfig
+    plan: Plan
     procs: list[Any]  # by current rank
     slots: list[int]  # current rank -> the process's rank in world 0
     failed: frozenset[int]
@@ -106,7 +112,7 @@ def _wait_keys(store: Any, keys: list[str], w: World, watched: list[int], timeou
         time.sleep(POLL_S)
 
 
-def relayout(store: Any, cfg: Any, w: World, failure: Failure, *, detected: float,
+def relayout(store: Any, cfg: JobConfig, w: World, failure: Failure, *, detected: float,
              rdir: Path, attempt: int) -> tuple[World, dict[str, Any]]:
     """Steps 2-4 of the module docstring. Returns the new world and the event's fields;
     raises ``Fallback``."""
@@ -219,7 +225,7 @@ def _posted_slow(store: Any, w: World) -> dict[int, float]:
     return {int(g): float(v) for g, v in json.loads(store.get(key))["slow_gpus"].items()}
 
 
-def _grow_plan(store: Any, cfg: Any, w: World, rdir: Path
+def _grow_plan(store: Any, cfg: JobConfig, w: World, rdir: Path
                ) -> tuple[frozenset[int], dict[int, float], Any, Any, dict[int, int], list[int]]:
     """Failed GPUs, stragglers, job, plan, survivors' rank map and joiners (new ranks) of a
     boundary re-layout. The reports are read again here: every GPU reported back (health
@@ -245,16 +251,16 @@ def _grow_plan(store: Any, cfg: Any, w: World, rdir: Path
     return failed, slow, job, plan, rank_map, joiners
 
 
-def grow(store: Any, cfg: Any, w: World, why: str, *, detected: float, rdir: Path,
+def grow(store: Any, cfg: JobConfig, w: World, why: str, *, detected: float, rdir: Path,
          attempt: int, start_joiner: Any) -> tuple[World, dict[str, Any]]:
     """A re-layout at a step boundary (GPUs back, a straggler excluded or back): every rank
-    stops at the step boundary its vote agrees on (``live.GROW``; a straggler: the step its
+    stops at the step boundary its vote agrees on (``health.commit.GROW``; a straggler: the step its
     detection found it, the same on every rank), reports, the planner re-plans, one new process
     per returning GPU is started (``start_joiner(slot, old_plan, gpu, gen, heartbeat_dir)``)
     and joins the next world, where it receives its state from the survivors; a rank whose GPU
     the new plan leaves out exits. Returns the new world and the event's fields; raises
     ``Fallback`` or ``Finished``."""
-    from ..live.link import GROW
+    from ..health.commit import GROW
 
     ranks = w.alive()
     store.set(f"abort{w.gen}", f"{GROW}: {why}")
@@ -323,7 +329,7 @@ def grow(store: Any, cfg: Any, w: World, why: str, *, detected: float, rdir: Pat
                 "pids": [p.pid for p in procs]}
 
 
-def gpus_back(cfg: Any, w: World, rdir: Path) -> tuple[frozenset[int], str | None]:
+def gpus_back(cfg: JobConfig, w: World, rdir: Path) -> tuple[frozenset[int], str | None]:
     """GPUs of the running world the health report (failed) or ``slow.json`` (excluded
     stragglers) gives back, and why they are not taken in now (None: grow back live)."""
     from ..config import plan_request
@@ -342,7 +348,7 @@ def gpus_back(cfg: Any, w: World, rdir: Path) -> tuple[frozenset[int], str | Non
     return back | slow_back, None
 
 
-def handle_grow(store: Any, cfg: Any, w: World, back: frozenset[int], *, rdir: Path,
+def handle_grow(store: Any, cfg: JobConfig, w: World, back: frozenset[int], *, rdir: Path,
                 attempt: int, console: Any, start_joiner: Any) -> World | str | None:
     """A boundary re-layout (``back``: GPUs reported back; empty: rank 0 posted a straggler):
     the new world, the fallback reason, or None (the job ended first)."""
@@ -391,7 +397,7 @@ def find_failure(w: World, *, now: float, started: float, rec: Any, agg: Any = N
                       collectives=watch.read_collectives(hb0, n) if first else None), "hang"
 
 
-def handle(store: Any, cfg: Any, w: World, failure: Failure, cause: str, *, detected: float,
+def handle(store: Any, cfg: JobConfig, w: World, failure: Failure, cause: str, *, detected: float,
            rdir: Path, attempt: int, console: Any) -> World | str:
     """A failure of the running world: the next world (live) or the fallback reason."""
     events = rdir / "events.jsonl"
@@ -431,8 +437,9 @@ def _fell_back(w: World, back: frozenset[int], now: float
     return failure, scale
 
 
-def run_world(cfg: Any, job: Any, plan: Any, failed: frozenset[int], attempt: int, rdir: Path,
-              console: Any, host: Any = None) -> Any:
+def run_world(cfg: JobConfig, job: JobConfig, plan: Plan,
+              failed: frozenset[int], attempt: int, rdir: Path,
+              console: Any, host: Host | None = None) -> Attempt:
     """``supervisor._run_world`` for ``recovery.mode=live``: one world of processes through any
     number of live re-layouts; returns the supervisor's ``Attempt`` when the job ends or a
     failure falls back to the restart path. ``host`` (``hosts.py``) starts and stops the
@@ -452,7 +459,7 @@ def run_world(cfg: Any, job: Any, plan: Any, failed: frozenset[int], attempt: in
               pids=[p.pid for p in procs])
     w = World(job, plan, procs, list(range(plan.world_size)), failed, 0, hb, plan.world_size)
 
-    def start_joiner(slot: int, old_plan: Any, gpu: int, gen: int, hb: Path) -> Any:
+    def start_joiner(slot: int, old_plan: Plan, gpu: int, gen: int, hb: Path) -> Any:
         return host.start_joiner(slot, job, old_plan, gpu, gen,
                                  {**env, "NUTP_HEARTBEAT_DIR": str(hb)})
 

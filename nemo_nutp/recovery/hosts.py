@@ -34,9 +34,13 @@ import signal
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .world import PRELOAD, join_main, rank_main
+
+if TYPE_CHECKING:
+    from ..config import JobConfig
+    from ..layout import Plan
 
 LOST = -(2**15)  # exit code of a process whose node agent was lost
 AGENT_LOST_S = 30.0
@@ -55,6 +59,30 @@ class Proc(Protocol):
     def exitcode(self) -> int | None: ...
     def kill(self) -> None: ...
     def join(self, timeout: float | None = None) -> None: ...
+
+
+class Host(Protocol):
+    """Where a world's rank processes run: this machine (``LocalHost``) or a cluster's node
+    agents (``AgentHost``). The control loop (``control.run_world``) and the supervisor use
+    nothing else of it."""
+
+    address: str  # how the ranks reach the control process
+
+    def start_world(self, job: JobConfig, plan: Plan, env: dict[str, str]) -> list[Proc]:
+        """Start every rank of ``plan`` (rank r on GPU ``plan.rank_to_gpu[r]``)."""
+
+    def start_joiner(self, slot: int, job: JobConfig, old_plan: Plan, gpu: int, gen: int,
+                     env: dict[str, str]) -> Proc:
+        """Start a returning GPU's process, to join world ``gen`` (grow back)."""
+
+    def stop(self, procs: list[Proc]) -> None:
+        """Kill ``procs`` and wait for them (whole process groups)."""
+
+    def watch(self, w: Any, *, started: float, rec: Any) -> Any:
+        """The hang watch over ``w``'s ranks (node digests), or None: read the ranks' files."""
+
+    def close(self) -> None:
+        """Release what the host holds (agents told to stop)."""
 
 
 class LocalProc:
@@ -93,7 +121,7 @@ class LocalHost:
         self._ctx = mp.get_context("forkserver")
         self._ctx.set_forkserver_preload(list(PRELOAD))
 
-    def start_world(self, job: Any, plan: Any, env: dict[str, str]) -> list[Proc]:
+    def start_world(self, job: JobConfig, plan: Plan, env: dict[str, str]) -> list[Proc]:
         procs = [self._ctx.Process(target=rank_main, args=(r, plan.world_size, job, plan, 0,
                                                             env))
                  for r in range(plan.world_size)]
@@ -101,7 +129,7 @@ class LocalHost:
             p.start()
         return [LocalProc(p) for p in procs]
 
-    def start_joiner(self, slot: int, job: Any, old_plan: Any, gpu: int, gen: int,
+    def start_joiner(self, slot: int, job: JobConfig, old_plan: Plan, gpu: int, gen: int,
                      env: dict[str, str]) -> Proc:
         p = self._ctx.Process(target=join_main, args=(slot, job, old_plan, gpu, gen, env))
         p.start()
@@ -200,7 +228,7 @@ class AgentHost:
         self._live[p.id] = p
         return p
 
-    def start_world(self, job: Any, plan: Any, env: dict[str, str]) -> list[Proc]:
+    def start_world(self, job: JobConfig, plan: Plan, env: dict[str, str]) -> list[Proc]:
         """One ``start`` per node with that node's ranks. The job config travels pickled (a
         few KB); each agent plans from it with the same ``build_plan`` as the supervisor (the
         plan itself is O(W)) and checks its rank -> GPU map is the one posted."""
@@ -218,7 +246,7 @@ class AgentHost:
                 self._live[int(pid_of[0])].pid = int(pid_of[1])
         return list(procs)
 
-    def start_joiner(self, slot: int, job: Any, old_plan: Any, gpu: int, gen: int,
+    def start_joiner(self, slot: int, job: JobConfig, old_plan: Plan, gpu: int, gen: int,
                      env: dict[str, str]) -> Proc:
         """The returning GPU's process, started by its node's agent (the stopped world's plan
         travels pickled: the live planner's plans depend on the previous one)."""

@@ -46,7 +46,7 @@ import json
 import multiprocessing as mp
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..common.events import log_event, read_events
 from ..health import watch
@@ -60,9 +60,15 @@ from ..health.decisions import (
 )
 from .world import HANG_POLL_S, PRELOAD, Attempt, rank_main, stop_procs
 
+if TYPE_CHECKING:
+    from ..config import JobConfig
+    from ..layout import Plan
+    from .hosts import Host
+
 POLL_S = 0.05  # exit codes (and, while a planned restart waits, the newest checkpoint)
-def _run_world(cfg: Any, job: Any, plan: Any, failed: frozenset[int], attempt: int, rdir: Path,
-               console: Any, host: Any = None) -> Attempt:
+def _run_world(cfg: JobConfig, job: JobConfig, plan: Plan,
+               failed: frozenset[int], attempt: int, rdir: Path,
+               console: Any, host: Host | None = None) -> Attempt:
     if job.recovery.mode == "live":  # survivors keep their processes (recovery/control.py)
         from .control import run_world
 
@@ -133,7 +139,7 @@ def _record_scale_up(res: Attempt, rdir: Path, console: Any, attempt: int) -> No
                   f"from step {s.step} (lost steps: {lost})")
 
 
-def _record_failure(job: Any, res: Attempt, failed: frozenset[int], rdir: Path, console: Any,
+def _record_failure(job: JobConfig, res: Attempt, failed: frozenset[int], rdir: Path, console: Any,
                     attempt: int) -> frozenset[int]:
     """Mark the blamed GPUs failed (health report) and log; returns the new failed set."""
     assert res.failure is not None
@@ -154,7 +160,7 @@ def _record_failure(job: Any, res: Attempt, failed: frozenset[int], rdir: Path, 
     return failed
 
 
-def supervise(cfg: Any, console: Any, host: Any = None) -> int:
+def supervise(cfg: JobConfig, console: Any, host: Host | None = None) -> int:
     """Run the job to completion through failures and planned restarts. Returns an exit code.
     ``host`` (``recovery.mode=live`` only, ``hosts.py``): where the ranks run; default this
     machine. The Slurm control process (``launch/control.py``) passes its node agents."""

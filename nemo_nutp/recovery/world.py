@@ -9,10 +9,14 @@ import os
 import signal
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..health import watch
 from ..health.decisions import Failure
+
+if TYPE_CHECKING:
+    from ..config import JobConfig
+    from ..layout import Plan
 
 HANG_POLL_S = 0.5  # heartbeats and stack watcher reports
 PRELOAD = ("nemo_nutp.recovery.world", "nemo_nutp.train.worker", "nemo_nutp.train.loop",
@@ -67,7 +71,7 @@ def enter(env: dict[str, str]) -> None:
         _die_with(int(env[AGENT_PID]))
 
 
-def rank_main(rank: int, world: int, cfg: Any, plan: Any, port: int,
+def rank_main(rank: int, world: int, cfg: JobConfig, plan: Plan, port: int,
                env: dict[str, str], local: int | None = None) -> None:
     """``local``: the rank's device index on its node (a node agent's ranks; default: the
     rank, every rank on this machine)."""
@@ -78,7 +82,7 @@ def rank_main(rank: int, world: int, cfg: Any, plan: Any, port: int,
     run_rank(rank, world, rank if local is None else local, cfg, plan, port)
 
 
-def join_main(slot: int, cfg: Any, old_plan: Any, gpu: int, gen: int,
+def join_main(slot: int, cfg: JobConfig, old_plan: Plan, gpu: int, gen: int,
                env: dict[str, str]) -> None:
     """A returning GPU's process (live grow back): joins world ``gen`` of a running job."""
     enter(env)

@@ -31,13 +31,16 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from ..layout.units import PARAM_KINDS, unit_view_shape
 from .plan import REP, MovePlan, Piece, split_stream
+
+if TYPE_CHECKING:
+    from ..train.session import RankSession
 
 
 class MoveImpossible(RuntimeError):
@@ -133,7 +136,7 @@ def _state_fields(optimizer: Any) -> dict[int, tuple[torch.Tensor | None, dict[s
     return out
 
 
-def _params(session: Any) -> tuple[dict[str, _Param], torch.Tensor | None]:
+def _params(session: RankSession) -> tuple[dict[str, _Param], torch.Tensor | None]:
     """This session's movable tensors by global name, and one per-parameter ``step``."""
     states = _state_fields(session.optimizer)
     out: dict[str, _Param] = {}

@@ -49,12 +49,16 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..common.events import log_event, read_events
 from ..health import aggregate, watch
 from ..health.decisions import Failure, job_for, lost_steps, next_failed
 from ..layout.serialize import write_json_atomic
+
+if TYPE_CHECKING:
+    from ..config import JobConfig
+    from ..layout import Plan
 
 EXIT_SCALE_UP = 76  # worker exit code for a planned restart: GPUs reported back
 EXIT_ABORT = 77  # another worker ended the attempt (store key "abort"), or the store is gone
@@ -103,7 +107,7 @@ def attempt_number(env: dict[str, str]) -> int:
     return 0
 
 
-def check_world(cfg: Any, world: int) -> None:
+def check_world(cfg: JobConfig, world: int) -> None:
     """One worker per GPU slot (before any process group exists)."""
     if world != cfg.cluster.num_gpus:
         raise ValueError(
@@ -237,7 +241,7 @@ def probe_device(local_rank: int, timeout_s: float) -> str | None:
     return box[0]
 
 
-def decide(cfg: Any, rdir: Path, attempt: int, probes: dict[int, str | None]
+def decide(cfg: JobConfig, rdir: Path, attempt: int, probes: dict[int, str | None]
            ) -> dict[str, Any]:
     """Worker 0: the failed GPUs of this attempt; writes health report, record and events."""
     from ..config import plan_request
@@ -307,7 +311,8 @@ def decide(cfg: Any, rdir: Path, attempt: int, probes: dict[int, str | None]
     return record
 
 
-def start_health_watch(cfg: Any, job: Any, plan: Any, failed: frozenset[int], rdir: Path,
+def start_health_watch(cfg: JobConfig, job: JobConfig, plan: Plan,
+                       failed: frozenset[int], rdir: Path,
                        attempt: int, exits: ExitRecorder, console: Any, control: Control
                        ) -> threading.Thread:
     """Plan rank 0, a daemon thread: GPUs reported back in the health report end the attempt
@@ -448,7 +453,7 @@ def _client(timeout: timedelta) -> Any:
                          is_master=False, timeout=timeout, wait_for_workers=False)
 
 
-def _spawn_aggregator(cfg: Any, rdir: Path, attempt: int, prefix: str, world: int) -> None:
+def _spawn_aggregator(cfg: JobConfig, rdir: Path, attempt: int, prefix: str, world: int) -> None:
     rec = cfg.recovery
     aggregate.spawn(host=os.environ["MASTER_ADDR"], port=int(os.environ["MASTER_PORT"]),
                     prefix=prefix, rdir=rdir, attempt=attempt, world=world,
@@ -456,7 +461,7 @@ def _spawn_aggregator(cfg: Any, rdir: Path, attempt: int, prefix: str, world: in
                     timeout_s=rec.heartbeat_timeout_s, startup_timeout_s=rec.startup_timeout_s)
 
 
-def run_worker(cfg: Any, env: LauncherEnv, console: Any) -> int:
+def run_worker(cfg: JobConfig, env: LauncherEnv, console: Any) -> int:
     """One attempt of one worker. Returns the process exit code."""
     import torch
     import torch.distributed as dist

@@ -28,7 +28,7 @@ from ..goodput.accounting import GoodputLedger
 if TYPE_CHECKING:
     from ..config import JobConfig
     from ..layout import Plan
-    from ..live.link import LiveRank
+    from ..live.link import LiveLink
     from ..live.manager import LiveManager
     from .session import RankSession
 
@@ -227,7 +227,7 @@ class Run:
 
 
 def train_rank(cfg: JobConfig, plan: Plan, *, device: torch.device | None = None,
-               link: LiveRank | None = None, joining: int | None = None
+               link: LiveLink | None = None, joining: int | None = None
                ) -> list[dict[str, Any]] | None:
     """Run the whole job on this rank (process group already initialised). ``link``: the
     rank's connection to the live control process (``recovery.mode=live``): a

@@ -27,9 +27,13 @@ import dataclasses
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..common.events import log_event
+
+if TYPE_CHECKING:
+    from ..config import JobConfig
+    from .session import RankSession
 
 
 @dataclasses.dataclass
@@ -95,7 +99,7 @@ def propose(shares: Sequence[int], per_mb: Sequence[float], max_shift: int) -> l
     return out
 
 
-def apply_shares(session: Any, shares: Sequence[int]) -> None:
+def apply_shares(session: RankSession, shares: Sequence[int]) -> None:
     """Give this rank's replica its share of the next steps' global batch (between steps).
 
     Changes ``session.groups.ctx`` and the sync engine's ``ctx`` (which it reads once per step
@@ -121,7 +125,8 @@ class LiveBalance:
     (``NUTP_FAULT=slow:...``), with ``nutp.rebalance`` the share updates, with
     ``nutp.straggler_probe_interval`` the straggler detector (``train/stragglers.py``)."""
 
-    def __init__(self, cfg: Any, session: Any, *, fault: Any = None, rank: int = 0) -> None:
+    def __init__(self, cfg: JobConfig, session: RankSession, *, fault: Any = None,
+                 rank: int = 0) -> None:
         self.session, self.fault, self.rank = session, fault, rank
         self.shares = [r.microbatches for r in session.plan.replicas]
         n = cfg.nutp

@@ -20,12 +20,16 @@ from __future__ import annotations
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from ..common.events import log_event
+
+if TYPE_CHECKING:
+    from ..config import JobConfig
+    from ..layout import Plan
 
 
 def probe_workload(device: torch.device | None) -> tuple[torch.Tensor, int]:
@@ -47,7 +51,7 @@ def _clock(device: torch.device | None) -> float:
 
 
 class StragglerDetector:
-    def __init__(self, cfg: Any, plan: Any, *, rank: int, events: str,
+    def __init__(self, cfg: JobConfig, plan: Plan, *, rank: int, events: str,
                  device: torch.device | None = None) -> None:
         n = cfg.nutp
         self.interval, self.threshold, self.window = (n.straggler_probe_interval,

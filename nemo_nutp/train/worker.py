@@ -21,7 +21,11 @@ import time
 import traceback
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..config import JobConfig
+    from ..layout import Plan
 
 PARENT_REPORTS = "NUTP_PARENT_REPORTS"
 """Set by a launcher that prints its ranks' error records itself (the local spawn)."""
@@ -112,7 +116,7 @@ def _exit(code: int) -> None:
     os._exit(code)
 
 
-def _fail(cfg: Any, rank: int, e: Exception) -> None:
+def _fail(cfg: JobConfig, rank: int, e: Exception) -> None:
     """A rank's error: one record for the launcher (``report_error``), then exit with its code
     (``NUTP_DEBUG=1``: raise instead)."""
     if os.environ.get("NUTP_DEBUG") == "1":
@@ -120,7 +124,7 @@ def _fail(cfg: Any, rank: int, e: Exception) -> None:
     _exit(report_error(cfg.output.dir, rank, e))
 
 
-def run_rank(rank: int, world: int, local_rank: int, cfg: Any, plan: Any,
+def run_rank(rank: int, world: int, local_rank: int, cfg: JobConfig, plan: Plan,
               port: int | None) -> None:
     import torch.distributed as dist
 
@@ -145,7 +149,7 @@ def run_rank(rank: int, world: int, local_rank: int, cfg: Any, plan: Any,
         _fail(cfg, rank, e)
 
 
-def join_rank(slot: int, cfg: Any, old_plan: Any, gpu: int, gen: int) -> None:
+def join_rank(slot: int, cfg: JobConfig, old_plan: Plan, gpu: int, gen: int) -> None:
     """A returning GPU's new process under ``recovery.mode=live`` (grow back): connect to the
     control process's store, join world ``gen`` with the state moved from the survivors, train
     on. Errors end the process as in ``run_rank``."""
@@ -169,7 +173,7 @@ def join_rank(slot: int, cfg: Any, old_plan: Any, gpu: int, gen: int) -> None:
         _fail(cfg, slot, e)
 
 
-def _live_link(rank: int, world: int, backend: str, cfg: Any) -> Any:
+def _live_link(rank: int, world: int, backend: str, cfg: JobConfig) -> Any:
     """``recovery.mode=live`` under the supervisor: world 0 on the control process's store."""
     from ..live.link import LiveRank, control_address
 
@@ -185,5 +189,5 @@ def _live_link(rank: int, world: int, backend: str, cfg: Any) -> Any:
     return link
 
 
-def spawned(rank: int, world: int, cfg: Any, plan: Any, port: int) -> None:
+def spawned(rank: int, world: int, cfg: JobConfig, plan: Plan, port: int) -> None:
     run_rank(rank, world, rank, cfg, plan, port)
