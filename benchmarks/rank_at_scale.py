@@ -14,7 +14,7 @@ large-grad checks do not apply), then ``--steps`` steps of the per-step control 
   backend; the copies are free on ``meta``, the norm's fused reductions are counted, not
   timed — torch runs them as Python reference kernels on ``meta``), the step metrics
   reduction of ``train/loop.py``
-  (``_gather_times``: one O(replicas) all-reduce and its host read) and the rank's heartbeat
+  (``gather_times``: one O(replicas) all-reduce and its host read) and the rank's heartbeat
   write (``checkpoint/hooks.py``): ``control_s_per_step`` is their sum, median over steps;
 * ``watchdog_poll_s``: one poll of the recovery watchdog on a training rank (``watchdog_poll``:
   the node watchdog of ``health/aggregate.py`` over its node's 8 ranks' heartbeat and stack
@@ -263,8 +263,9 @@ def _control_steps(engine: Any, session: Any, times: dict[str, float], hb_file: 
     """Per step (engine bookkeeping, metrics reduction, heartbeat write): this thread's CPU
     seconds (``time.thread_time``: the control code's own work, whatever else runs on the
     machine's cores) and wall seconds."""
-    from nemo_nutp.train.loop import _gather_times
+    from nemo_nutp.train.loop import gather_times, replica_gpus
 
+    gpus = replica_gpus(session.plan)  # once per plan, as a run does
     cpu, wall = [], []
     for step in range(steps):
         c0, w0 = time.thread_time(), time.perf_counter()
@@ -273,7 +274,7 @@ def _control_steps(engine: Any, session: Any, times: dict[str, float], hb_file: 
             engine.mark_ready([e.param])
         engine.finish(strict=True)
         c1, w1 = time.thread_time(), time.perf_counter()
-        _gather_times(session, times, 1.2)
+        gather_times(session, times, 1.2, gpus)
         c2, w2 = time.thread_time(), time.perf_counter()
         hb_file.write_text(f"step {step} {time.time()}\n")
         c3, w3 = time.thread_time(), time.perf_counter()

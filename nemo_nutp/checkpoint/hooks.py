@@ -113,19 +113,15 @@ def layout_of(marker: dict[str, Any] | None) -> str:
     return "+".join(tps)
 
 
-_ON_COMPLETE: list[Callable[[int], None]] = []
-
-
-def on_checkpoint_complete(fn: Callable[[int], None]) -> None:
-    """Call ``fn(step)`` in this rank's training thread whenever one of its saves completes
-    (published, tracker updated): the boundary where a planned restart stops without losing a
-    committed step, decided where it happens rather than by a poll that a short run can miss."""
-    _ON_COMPLETE.append(fn)
-
-
 class CheckpointHooks:
-    def __init__(self, cfg: JobConfig, session: RankSession) -> None:
+    def __init__(self, cfg: JobConfig, session: RankSession, *,
+                 on_complete: Callable[[int], None] | None = None) -> None:
+        """``on_complete(step)`` runs in this rank's training thread whenever one of its saves
+        completes (published, tracker updated): the boundary where a planned restart stops
+        without losing a committed step, decided where it happens rather than by a poll that a
+        short run can miss."""
         self.cfg, self.session = cfg, session
+        self.on_complete = on_complete
         self.root = cfg.checkpoint_dir
         self.rank = dist.get_rank()
         self.fault = Fault.from_env_or_config(cfg)
@@ -303,8 +299,8 @@ class CheckpointHooks:
             log_event("checkpoint", step=p.step, path=str(p.final), seconds=p.stall_s,
                       stall_s=p.stall_s, write_s=write_s, background=background,
                       snapshot_bytes=p.snapshot_bytes)
-        for fn in list(_ON_COMPLETE):
-            fn(p.step)
+        if self.on_complete is not None:
+            self.on_complete(p.step)
 
     def _failed(self, p: Any, line: str) -> None:
         self._say(line)

@@ -46,6 +46,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -314,15 +315,14 @@ def decide(cfg: JobConfig, rdir: Path, attempt: int, probes: dict[int, str | Non
 def start_health_watch(cfg: JobConfig, job: JobConfig, plan: Plan,
                        failed: frozenset[int], rdir: Path,
                        attempt: int, exits: ExitRecorder, console: Any, control: Control
-                       ) -> threading.Thread:
+                       ) -> Callable[[int], None]:
     """Plan rank 0, a daemon thread: GPUs reported back in the health report end the attempt
     (``control.abort``: every worker exits, so the launcher restarts the group) at the first
     checkpoint newer than the one complete when the report was seen (``scaleup.<attempt>.json``),
     so the next attempt plans the fuller layout without losing a committed step (the launcher
     counts it as a restart). O(1) per period: one small file read. Hangs are the job-level
-    aggregator's (``aggregate.py``), not a training rank's."""
-    from ..checkpoint.hooks import on_checkpoint_complete
-
+    aggregator's (``aggregate.py``), not a training rank's. Returns the check for every
+    completed save (``train_rank``'s ``on_checkpoint``)."""
     health = watch.HealthWatch(cfg, job, plan, failed, rdir, console)
     lock = threading.Lock()
 
@@ -344,12 +344,10 @@ def start_health_watch(cfg: JobConfig, job: JobConfig, plan: Plan,
             time.sleep(0.5)
             check()
 
+    threading.Thread(target=run, name="nutp-health-watch", daemon=True).start()
     # The poll alone can miss the boundary: a short run may complete its next checkpoint and
     # its final one within one period. The training thread checks at each completed save too.
-    on_checkpoint_complete(lambda step: check())
-    t = threading.Thread(target=run, name="nutp-health-watch", daemon=True)
-    t.start()
-    return t
+    return lambda step: check()
 
 
 def start_ft_heartbeats(interval_s: float = 1.0) -> Any:
@@ -553,9 +551,10 @@ def run_worker(cfg: JobConfig, env: LauncherEnv, console: Any) -> int:
         if prank == local[0]:  # the node watchdog: this node's ranks -> one digest
             aggregate.NodeWatch(hb_dir, local, env.slot // gpn,
                                 dist.PrefixStore(prefix, _client(timeout))).start()
+        on_checkpoint = None
         if prank == 0:
-            start_health_watch(cfg, job, plan, failed, rdir, env.attempt, exits, console,
-                               control)
+            on_checkpoint = start_health_watch(cfg, job, plan, failed, rdir, env.attempt, exits,
+                                               console, control)
         device = None
         if torch.cuda.is_available():
             torch.cuda.set_device(env.local_rank)
@@ -576,7 +575,7 @@ def run_worker(cfg: JobConfig, env: LauncherEnv, console: Any) -> int:
         try:
             from .loop import train_rank
 
-            train_rank(job, plan, device=device)
+            train_rank(job, plan, device=device, on_checkpoint=on_checkpoint)
         finally:
             dist.destroy_process_group()
         if prank == 0:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
     from .session import RankSession
 
 
-def _gather_times(session: RankSession, times: dict[str, float], step_s: float,
+def gather_times(session: RankSession, times: dict[str, float], step_s: float,
                   gpus: list[int]) -> tuple[float, list[tuple[int, float, float, float]]]:
     """Step wall time (slowest rank) and per replica (GPUs of all its stages, compute, sync,
     optimizer: maxima over its ranks), the same on every rank.
@@ -130,8 +131,9 @@ class Trainer:
     """How this rank builds a world's session and run (the same at start-up and after a live
     re-layout: ``live.manager.Trainer``)."""
 
-    def __init__(self, device: torch.device | None, *, live: bool = False) -> None:
-        self.device, self.live = device, live
+    def __init__(self, device: torch.device | None, *, live: bool = False,
+                 on_checkpoint: Callable[[int], None] | None = None) -> None:
+        self.device, self.live, self.on_checkpoint = device, live, on_checkpoint
 
     def build(self, job: JobConfig, plan: Plan) -> RankSession:
         from .session import build_session, precision_of
@@ -148,7 +150,8 @@ class Trainer:
 
     def make_run(self, job: JobConfig, plan: Plan, session: RankSession, *,
                  start: int | None = None, ledger: GoodputLedger | None = None) -> Run:
-        return Run(job, plan, session, start=start, ledger=ledger, live_mode=self.live)
+        return Run(job, plan, session, start=start, ledger=ledger, live_mode=self.live,
+                   on_checkpoint=self.on_checkpoint)
 
 
 class Run:
@@ -156,7 +159,8 @@ class Run:
 
     def __init__(self, cfg: JobConfig, plan: Plan, session: RankSession, *,
                  start: int | None = None, ledger: GoodputLedger | None = None,
-                 live_mode: bool = False) -> None:
+                 live_mode: bool = False,
+                 on_checkpoint: Callable[[int], None] | None = None) -> None:
         from ..checkpoint.hooks import CheckpointHooks
         from ..train.rebalance import LiveBalance
 
@@ -170,7 +174,7 @@ class Run:
         self.ledger = ledger or GoodputLedger(cluster_gpus=plan.request.cluster.num_gpus,
                                               failed_gpus=len(plan.request.health.failed_gpus),
                                               idle_gpus=plan.idle_healthy_gpus)
-        self.hooks = CheckpointHooks(cfg, session)
+        self.hooks = CheckpointHooks(cfg, session, on_complete=on_checkpoint)
         # nutp.rebalance; an injected slow fault is world 0's (after a live re-layout the
         # slowed GPU has left, or its rank number names another GPU)
         self.balance = LiveBalance(cfg, session, fault=self.hooks.fault if start is None else None,
@@ -196,7 +200,7 @@ class Run:
         self.balance.before_step(step)
         t0 = time.perf_counter()
         res = self.last = session.step(step)
-        step_s, reps = _gather_times(session, res.times, time.perf_counter() - t0,
+        step_s, reps = gather_times(session, res.times, time.perf_counter() - t0,
                                      self.gpus)
         shares = self.balance.after_step(step, reps)  # this step's shares; may change the next's
         step_goodput = ledger.add_step(step_s, reps, inside=self.balance.inside_speeds())
@@ -227,15 +231,17 @@ class Run:
 
 
 def train_rank(cfg: JobConfig, plan: Plan, *, device: torch.device | None = None,
-               link: LiveLink | None = None, joining: int | None = None
+               link: LiveLink | None = None, joining: int | None = None,
+               on_checkpoint: Callable[[int], None] | None = None
                ) -> list[dict[str, Any]] | None:
     """Run the whole job on this rank (process group already initialised). ``link``: the
     rank's connection to the live control process (``recovery.mode=live``): a
     ``live.manager.LiveManager`` then turns a failure of a peer into a live re-layout instead
     of an error, and GPUs reported back into a grow-back re-layout at the step boundary the
     vote agreed on. ``joining``: this process is a returning GPU's (its id; ``plan`` is the
-    stopped world's, no group yet)."""
-    trainer = Trainer(device, live=link is not None)
+    stopped world's, no group yet). ``on_checkpoint(step)``: called at every completed save
+    (a launcher worker's planned restart, ``train/elastic.py``)."""
+    trainer = Trainer(device, live=link is not None, on_checkpoint=on_checkpoint)
     manager: LiveManager[Run] | None = None
     if link is not None:
         from ..live.manager import LiveManager
