@@ -78,16 +78,20 @@ def hash_own_files(directory: Path, rank: int, *, rank0_files: bool = True) -> d
 def control_group() -> Any:
     """The process group for checkpoint object collectives and barriers: the default group
     under gloo, else one gloo group over all ranks (created once, collectively, on first use:
-    object collectives on NCCL pickle to device tensors and serialise per rank). Kept on the
-    default group itself, so a new world (a live re-layout) gets its own."""
-    world = dist.group.WORLD
-    if dist.get_backend() == "gloo":
-        return world
-    group = getattr(world, "_nutp_control", None)
-    if group is None:
-        group = dist.new_group(backend="gloo")
-        world._nutp_control = group  # type: ignore[union-attr]
-    return group
+    object collectives on NCCL pickle to device tensors and serialise per rank).
+
+    The one process-wide cache of the package, like megatron's ``parallel_state`` groups: it
+    belongs to the current default group, and the backend adapter that leaves a world
+    (``live.backend.abandon``) clears it. A ProcessGroup takes no attributes, so it cannot
+    live on the group itself."""
+    global _CONTROL
+    if _CONTROL is None:
+        _CONTROL = (dist.group.WORLD if dist.get_backend() == "gloo"
+                    else dist.new_group(backend="gloo"))
+    return _CONTROL
+
+
+_CONTROL: Any = None
 
 
 def gather_to_rank0(obj: Any) -> list[Any] | None:

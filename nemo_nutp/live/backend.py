@@ -193,8 +193,10 @@ def abandon() -> int:
             except Exception:  # already aborted or not supported: dropped anyway
                 pass
     _GRAVEYARD.extend(groups)
-    dist.destroy_process_group()  # with it the checkpoints' object-collective group
-    # (``checkpoint.integrity.control_group``, kept on the old default group)
+    dist.destroy_process_group()
+    from ..checkpoint import integrity
+
+    integrity._CONTROL = None  # its cached object-collective group was the old world's
     return len(groups)
 
 
