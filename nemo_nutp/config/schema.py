@@ -40,6 +40,18 @@ class ModelConfig(ModelDims):
     """'RMSNorm' or 'LayerNorm'."""
     position_embedding: str = "rope"
     """'rope' or 'learned_absolute'."""
+    rotary_base: int = 10000
+    """RoPE base (megatron ``rotary_base``; Llama 3: 500000). Only with rope."""
+    rotary_percent: float = 1.0
+    """Share of each head's channels RoPE rotates (partial RoPE; megatron ``rotary_percent``).
+    Only with rope."""
+    rope_scaling: bool = False
+    """Llama 3.1's RoPE frequency scaling (megatron ``rope_scaling``). Only with rope."""
+    rope_scaling_factor: float = 8.0
+    """Its factor (megatron ``rope_scaling_factor``); read only with ``rope_scaling``."""
+    seq_len_interpolation_factor: float | None = None
+    """Linear position interpolation: positions divided by this (megatron
+    ``seq_len_interpolation_factor``). Only with rope."""
     init_std: float = 0.02
     """Std of the normal init of weight matrices."""
     hidden_dropout: float = 0.0
@@ -74,6 +86,7 @@ class ModelConfig(ModelDims):
         if self.position_embedding not in ("rope", "learned_absolute"):
             raise bad_value("model.position_embedding", self.position_embedding,
                             "must be rope or learned_absolute")
+        self._check_rope()
         if self.position_embedding == "rope" and self.kv % 2:
             # RoPE rotates channel pairs; megatron's rotate_half cannot split an odd width.
             if self.kv_channels is not None:
@@ -86,6 +99,36 @@ class ModelConfig(ModelDims):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise bad_value(f"model.{name}", getattr(self, name), "must be in [0, 1)")
 
+
+    def _check_rope(self) -> None:
+        """RoPE settings: valid values, and none set away from its default without RoPE (it
+        would be silently ignored)."""
+        if isinstance(self.rotary_base, bool) or not isinstance(self.rotary_base, int) \
+                or self.rotary_base < 2:
+            raise bad_value("model.rotary_base", self.rotary_base, "must be an integer >= 2")
+        if not 0.0 < self.rotary_percent <= 1.0:
+            raise bad_value("model.rotary_percent", self.rotary_percent, "must be in (0, 1]")
+        if not self.rope_scaling_factor > 0:
+            raise bad_value("model.rope_scaling_factor", self.rope_scaling_factor,
+                            "must be > 0")
+        f = self.seq_len_interpolation_factor
+        if f is not None and not f > 0:
+            raise bad_value("model.seq_len_interpolation_factor", f, "must be > 0 or null")
+        if self.position_embedding != "rope":
+            for name, default in (("rotary_base", 10000), ("rotary_percent", 1.0),
+                                  ("rope_scaling", False),
+                                  ("seq_len_interpolation_factor", None)):
+                if getattr(self, name) != default:
+                    raise bad_value(f"model.{name}", getattr(self, name),
+                                    f"needs model.position_embedding=rope (is "
+                                    f"{self.position_embedding})")
+            return
+        rot = int(self.kv * self.rotary_percent)
+        if rot < 2 or rot % 2:
+            # megatron rotates channel pairs of the first kv_channels * rotary_percent channels
+            raise bad_value("model.rotary_percent", self.rotary_percent,
+                            f"rotates {rot} of {self.kv} channels per head: needs an even "
+                            f"number >= 2")
 
     def _check_impl(self) -> None:
         if self.transformer_impl not in TRANSFORMER_IMPLS:

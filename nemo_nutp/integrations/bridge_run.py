@@ -21,8 +21,6 @@ import torch.nn.functional as F
 
 REJECTED = {
     # provider field -> value the NUTP model has (anything else is rejected by name)
-    "rotary_base": 10000,
-    "rotary_percent": 1.0,
     "apply_query_key_layer_scaling": False,
     "qk_layernorm": False,
     "num_moe_experts": None,
@@ -73,7 +71,23 @@ def model_config_of(provider: Any, *, vocab_size: int) -> Any:
         normalization=provider.normalization, position_embedding=pos,
         init_std=float(provider.init_method_std),
         hidden_dropout=float(provider.hidden_dropout),
-        attention_dropout=float(provider.attention_dropout), cross_entropy_loss_fusion=fused_ce)
+        attention_dropout=float(provider.attention_dropout), cross_entropy_loss_fusion=fused_ce,
+        **_rope_of(provider, pos))
+
+
+def _rope_of(provider: Any, pos: str) -> dict[str, Any]:
+    """The provider's RoPE settings as ``ModelConfig`` fields (megatron's names): with
+    learned absolute positions only their defaults, so ``ModelConfig`` refuses a RoPE setting
+    that would be ignored. Bridge's provider default ``rope_scaling_factor=1.0`` is read only
+    with ``rope_scaling``."""
+    out: dict[str, Any] = {"rotary_base": int(provider.rotary_base),
+                           "rotary_percent": float(provider.rotary_percent),
+                           "rope_scaling": bool(getattr(provider, "rope_scaling", False)),
+                           "seq_len_interpolation_factor":
+                               getattr(provider, "seq_len_interpolation_factor", None)}
+    if out["rope_scaling"]:
+        out["rope_scaling_factor"] = float(provider.rope_scaling_factor)
+    return out
 
 
 def precision_of(cfg: Any) -> str:

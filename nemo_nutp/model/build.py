@@ -272,6 +272,18 @@ def load_global_init(model: torch.nn.Module, dims: ModelDims, *, degree: int, tp
                     std=std)
 
 
+def rope_kwargs(model_cfg: Any) -> dict[str, Any]:
+    """megatron ``GPTModel``'s RoPE arguments from a model config (defaults where a shape-only
+    ``ModelDims`` has none): base, partial RoPE, Llama 3.1 scaling, position interpolation.
+    Elementwise per head: no unit changes."""
+    return {"rotary_base": getattr(model_cfg, "rotary_base", 10000),
+            "rotary_percent": getattr(model_cfg, "rotary_percent", 1.0),
+            "rope_scaling": getattr(model_cfg, "rope_scaling", False),
+            "rope_scaling_factor": getattr(model_cfg, "rope_scaling_factor", 8.0),
+            "seq_len_interpolation_factor": getattr(model_cfg, "seq_len_interpolation_factor",
+                                                    None)}
+
+
 def build_gpt_model(plan: Plan, rank: int, model_cfg: Any, pgs: ProcessGroupCollection, *,
                     seed: int = 1234, precision: str = "fp32") -> NUTPGPTModel:
     """This rank's NUTP GPT model: its pipeline stage's layers (embedding on the first stage,
@@ -300,6 +312,7 @@ def build_gpt_model(plan: Plan, rank: int, model_cfg: Any, pgs: ProcessGroupColl
                         if getattr(model_cfg, "cross_entropy_loss_fusion", False) else None),
         max_sequence_length=model_cfg.seq_length,
         position_embedding_type=getattr(model_cfg, "position_embedding", "rope"),
+        **rope_kwargs(model_cfg),
         share_embeddings_and_output_weights=model_cfg.tie_embeddings,
         parallel_output=True, pg_collection=pgs,
         pre_process=stage == 0, post_process=stage == plan.pp - 1,

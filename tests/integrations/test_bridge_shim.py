@@ -131,7 +131,7 @@ def test_cpu_patch_targets_still_exist_and_call_cuda() -> None:
 
 
 @pytest.mark.parametrize("override, message", [
-    ("model.rotary_base=500000", "model.rotary_base=500000: not supported"),
+    ("model.rotary_percent=0.1", "model.rotary_percent=0.1: rotates"),
     ("model.qk_layernorm=true", "model.qk_layernorm=True: not supported"),
     ("model.num_moe_experts=4", "model.num_moe_experts=4: not supported"),
     ("model.context_parallel_size=2", "model.context_parallel_size=2: not supported"),
@@ -146,10 +146,33 @@ def test_model_fields_the_nutp_model_cannot_honour_are_rejected_by_name(
     import torch.distributed as dist
 
     extra = ["model.add_bias_linear=false"] if override.startswith("model.add_qkv_bias") else []
+    if override.startswith("model.rotary_percent"):  # the recipe's positions are learned
+        extra = ["model.position_embedding_type=rope"]
     with pytest.raises(ValueError) as e:
         load_bridge_job(RECIPE, str(TINY), [override, *extra])
     assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
     assert not dist.is_initialized()
+
+
+def test_rope_settings_reach_the_nutp_model() -> None:
+    """Llama 3.1's RoPE (base 500000, scaling factor 8) and partial RoPE with position
+    interpolation become the NUTP model's fields (megatron's names), not defaults; a RoPE
+    setting beside learned absolute positions is refused by name (it would be ignored)."""
+    from nemo_nutp.integrations.bridge_run import model_config_of
+
+    rope = "model.position_embedding_type=rope"  # the vanilla GPT recipe's are learned
+    job = load_bridge_job(RECIPE, str(TINY), [rope, "model.rotary_base=500000",
+                                              "model.rope_scaling=true",
+                                              "model.rope_scaling_factor=8.0"])
+    m = model_config_of(job.bridge.model, vocab_size=256)
+    assert (m.rotary_base, m.rope_scaling, m.rope_scaling_factor) == (500000, True, 8.0)
+    job = load_bridge_job(RECIPE, str(TINY), [rope, "model.rotary_percent=0.5",
+                                              "model.seq_len_interpolation_factor=2.0"])
+    m = model_config_of(job.bridge.model, vocab_size=256)
+    assert (m.rotary_percent, m.seq_len_interpolation_factor, m.rope_scaling) == (0.5, 2.0,
+                                                                                  False)
+    with pytest.raises(ValueError, match=r"^model.rotary_base=500000: needs model.position_"):
+        load_bridge_job(RECIPE, str(TINY), ["model.rotary_base=500000"])
 
 
 def test_optimizer_precision_other_than_the_models_is_rejected_by_name() -> None:
