@@ -6,7 +6,7 @@ control process stops every rank at the step boundary their vote agrees on, re-p
 same planner (TP4+TP4), starts one new process per returning GPU, and the new world continues
 with the survivors in the same processes and the state moved in memory (no checkpoint is
 saved while the job runs: nothing can be read back). Every step's loss and grad norm is compared
-with an uninterrupted single-process run of *stock* megatron-core (``tests/runtime/
+with an uninterrupted single-process run of *stock* megatron-core (``tests/helpers/
 reference.py``, clipping on), computed here; replicas are bitwise equal after each move. Then a
 returned GPU's process is killed: an ordinary live re-layout, the joiner a full member.
 """

@@ -1,7 +1,7 @@
 """``train.distributed_optimizer=true`` (``nemo_nutp/sync/zero.py``): ZeRO-1 over the sync owner
 groups must train exactly like stock single-process megatron-core (the parity harness of
-``tests/runtime``: same tolerances, clipping on, every replica bitwise equal, every rank the
-same grad-norm bits) while each rank keeps ~1/R of the optimizer state."""
+``tests/helpers/parity.py``: same tolerances, clipping on, every replica bitwise equal, every
+rank the same grad-norm bits) while each rank keeps ~1/R of the optimizer state."""
 
 from __future__ import annotations
 
