@@ -8,7 +8,8 @@ step gives the same bits from both; losses and grad norms of all 4 steps and the
 match stock single-process megatron-core (``tests/helpers/reference.py``); every new rank received
 exactly its lower bound of bytes (the units it did not hold), over several rounds (16 KiB buckets).
 Two new ranks swap places in the rank map (``relayout.SWAP``): with pp=2 they change pipeline stage
-and receive everything of their new stage, replicated parameters too. """
+and receive everything of their new stage, replicated parameters too.
+"""
 
 from __future__ import annotations
 
