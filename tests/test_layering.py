@@ -214,6 +214,20 @@ def test_tests_share_code_only_through_helpers() -> None:
     assert (TESTS / "helpers" / "launch.py").exists()
 
 
+def test_only_the_helper_starts_nutp_train() -> None:
+    """``-m nemo_nutp.train`` (``nutp-train``) is spelled once in the tests, in
+    ``tests/helpers/launch.py`` (``run_train``, ``start_train``): every test that starts it as a
+    process does so through the helper (this file, which names it here, aside)."""
+    found = []
+    for path in sorted(TESTS.rglob("*.py")):
+        if path == Path(__file__).resolve():
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value == "nemo_nutp.train":
+                found.append(str(path.relative_to(TESTS)))
+    assert found == ["helpers/launch.py"], found
+
+
 def test_a_planted_test_to_test_import_is_caught(tmp_path: Path) -> None:
     """The check itself can fail: an absolute import of another test module, a relative one,
     and an import of a non-helper module of another folder, in a copy of ``tests``."""

@@ -355,7 +355,7 @@ CONTROL_CHILD = textwrap.dedent("""
     from datetime import timedelta
     from pathlib import Path
     import torch.distributed as dist
-    from nemo_nutp.recovery import elastic
+    from nemo_nutp.train import elastic
     rec = elastic.ExitRecorder(Path(sys.argv[1]), 4)
     rec.install()
     store = dist.TCPStore("127.0.0.1", int(sys.argv[2]), 2, False,
