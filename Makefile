@@ -17,12 +17,12 @@ STAMP312 := $(VENV312)/.installed
 # the distributed optimizer, one end-to-end nutp-train run, the image checks. Pure config and
 # train-loop behaviour (tests/launch/test_configs.py, the rest of tests/train) are version-free
 # and run on 3.11 only, to keep CI inside its time.
-TESTS_312 ?= tests/runtime/test_parity.py tests/runtime/test_attention.py \
-	tests/runtime/test_checks.py tests/runtime/test_cpu_compat.py tests/runtime/test_init.py \
-	tests/runtime/test_specs.py tests/checkpoint/test_roundtrip.py \
+TESTS_312 ?= tests/train/test_parity.py tests/train/test_checks.py \
 	tests/train/test_train.py::test_nutp_layout_matches_single_replica \
-	tests/pipeline/test_pipeline_parity.py tests/optim tests/checkpoint/test_zero_roundtrip.py \
-	tests/launch/test_docker.py
+	tests/model/test_attention.py tests/model/test_init.py tests/model/test_specs.py \
+	tests/compat/test_cpu_compat.py tests/checkpoint/test_roundtrip.py \
+	tests/checkpoint/test_zero_roundtrip.py tests/pipeline/test_pipeline_parity.py \
+	tests/sync/test_zero.py tests/launch/test_docker.py
 
 # Megatron-Bridge (Python 3.12 only): Bridge --no-deps plus the pinned list of what its imports
 # need (requirements-bridge.txt); its full dependency set does not build here.

@@ -21,7 +21,7 @@ from nemo_nutp.checkpoint.megatron_format import (
     write_tracker,
 )
 from nemo_nutp.checkpoint.store import find_latest, latest_step
-from tests._dist import spawn
+from tests.helpers.dist import spawn
 
 
 def _fake(root: Path, step: int, text: str = "x", *, tracker: bool = True) -> Path:
@@ -125,7 +125,7 @@ def test_resume_modes_without_a_given_path(tmp_path: Path) -> None:
 @pytest.mark.dist
 @pytest.mark.timeout(600)
 def test_parallel_hashing_fallback_strict_and_resave(tmp_path: Path) -> None:
-    from .integrity_jobs import worker
+    from tests.helpers.integrity_jobs import worker
 
     spawn(worker, 2, (), tmp_path)
     res = torch.load(tmp_path / "integrity.pt", weights_only=False)

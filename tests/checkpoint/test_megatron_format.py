@@ -19,16 +19,15 @@ from typing import Any
 import pytest
 import torch
 
-from tests._dist import spawn
-
-from .stock import AFTER, SAVE_AT
+from tests.helpers.dist import spawn
+from tests.helpers.stock import AFTER, SAVE_AT
 
 LAYOUTS = {"tp4_tp3": (4, 3), "tp3_tp2_tp2": (3, 2, 2)}
 LOGITS_TOL, LOSS_TOL = 1e-6, 1e-5
 
 
 def _run(world: int, task: str, args: tuple[Any, ...], out: Path) -> None:
-    from .stock import worker
+    from tests.helpers.stock import worker
 
     spawn(worker, world, (task, args), out)
 
@@ -98,8 +97,7 @@ def _check_preflight_dims(path: Path) -> None:
     from dataclasses import replace
 
     from nemo_nutp.checkpoint.store import check_dims_of_megatron_checkpoint
-
-    from .stock import dims
+    from tests.helpers.stock import dims
 
     check_dims_of_megatron_checkpoint(path, dims())
     for field, value in (("vocab_size", 96), ("num_layers", 3), ("ffn_hidden_size", 64)):

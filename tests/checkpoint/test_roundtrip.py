@@ -15,9 +15,8 @@ from typing import Any
 
 import pytest
 
-from tests._dist import spawn
-
-from .roundtrip import Job
+from tests.helpers.dist import spawn
+from tests.helpers.roundtrip import Job
 
 TOL = 1e-5
 ASYNC = {"async_save": True}
@@ -46,7 +45,7 @@ FULL: list[tuple[int, list[Job]]] = [
 
 
 def _spawn(world: int, jobs: list[Job], out: Path) -> None:
-    from .roundtrip import worker
+    from tests.helpers.roundtrip import worker
 
     spawn(worker, world, (jobs,), out)
 

@@ -12,9 +12,8 @@ from typing import Any
 
 import pytest
 
-from tests._dist import spawn
-
-from .roundtrip import Job
+from tests.helpers.dist import spawn
+from tests.helpers.roundtrip import Job
 
 TOL = 1e-5
 C = {"clip_grad": 0.05}
@@ -47,7 +46,7 @@ def _rel(a: list[float], b: list[float]) -> float:
 @pytest.mark.dist
 @pytest.mark.timeout(900)
 def test_zero_checkpoints_load_with_and_without_it(tmp_path: Path) -> None:
-    from .roundtrip import worker
+    from tests.helpers.roundtrip import worker
 
     for world, jobs in PHASES:
         spawn(worker, world, (jobs,), tmp_path)
@@ -70,9 +69,8 @@ def test_zero_checkpoints_load_with_and_without_it(tmp_path: Path) -> None:
 def _bf16_worker(rank: int, world: int, port: int, outdir: str) -> None:
     """bf16, TP2+TP1, the same plan: save after 3 steps with one optimizer, load with the other
     (fresh session), 2 more steps; and each optimizer's uninterrupted 5 steps."""
-    from tests._dist import gloo_rank
-
-    from .roundtrip import AFTER, SAVE_AT, _session
+    from tests.helpers.dist import gloo_rank
+    from tests.helpers.roundtrip import AFTER, SAVE_AT, _session
 
     def body() -> None:
         import torch.distributed as dist

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 WHEELS = ROOT / ".gpu-check" / "wheels"
 LIMIT_BYTES = 64 * 2 ** 20
 PACKAGES = ("megatron-core", "hydra-core", "omegaconf", "antlr4-python3-runtime")
-TESTS = ("tests/gpu/test_gpu.py", "tests/gpu/test_nccl.py", "tests/runtime/test_specs.py")
+TESTS = ("tests/gpu/test_gpu.py", "tests/gpu/test_nccl.py", "tests/model/test_specs.py")
 TIME_LIMIT_S = 480
 
 

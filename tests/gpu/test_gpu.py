@@ -39,9 +39,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_attention_cuda_matches_cpu(record_property: Any) -> None:
-    from tests.runtime.test_attention import _setup, attention_pair, run_pair
+    from tests.helpers.attention import attention_pair, run_pair, setup
 
-    _setup()
+    setup()
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     ref_cpu, sdpa_cpu = run_pair(8, 2, s=256, b=2, d=64)
@@ -73,7 +73,7 @@ def _one_rank_groups() -> Any:
 
     from nemo_nutp.layout import ClusterSpec, ParallelSpec, PlanRequest, build_plan
     from nemo_nutp.parallel import build_groups
-    from tests._dist import free_port
+    from tests.helpers.dist import free_port
 
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

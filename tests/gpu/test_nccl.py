@@ -2,9 +2,9 @@
 with the reason, when fewer GPUs are visible than it needs. NEVER RUN: no machine with 2 or
 more GPUs was lent while they were written; they are the claims to check.
 
-1. NCCL parity against stock megatron-core (``tests/runtime/reference.py``, one CPU process
+1. NCCL parity against stock megatron-core (``tests/helpers/reference.py``, one CPU process
    with CUDA hidden, exactly as CI runs it), with the checks and tolerances of
-   ``tests/runtime/test_parity.py`` (``check_cases``), clipping on, fp32 with TF32 off:
+   ``tests/train/test_parity.py`` (``check_cases``), clipping on, fp32 with TF32 off:
    two TP1 replicas (2 GPUs: bucket all-reduces and the norm on NCCL communicators), TP2+TP1
    (3 GPUs: leaders' replicated buckets, the TP-group norm all-reduce) and TP3+TP2 in the
    ``base`` sync layout (5 GPUs: the reshard p2p, un-batched in the pair order from the
@@ -14,7 +14,7 @@ more GPUs was lent while they were written; they are the claims to check.
    and both ranks then join a new NCCL world (ranks swapped) on the same store, where an
    all-reduce is correct.
 
-Each world is one ``torch.multiprocessing`` spawn (``tests._dist.spawn``: spawn start method
+Each world is one ``torch.multiprocessing`` spawn (``tests.helpers.dist.spawn``: spawn start method
 under CUDA), one GPU per rank.
 """
 
@@ -41,8 +41,7 @@ def _need(gpus: int, what: str) -> None:
 
 
 def _cases(gpus: int) -> list[Any]:
-    from tests.runtime.parity import Case
-    from tests.runtime.test_parity import CLIP, GQA_SWIGLU
+    from tests.helpers.parity import CLIP, GQA_SWIGLU, Case
 
     if gpus == 2:
         return [Case("nccl_tp1_tp1_clip", (1, 1), GQA_SWIGLU, clip_grad=CLIP, global_batch=5)]
@@ -62,7 +61,7 @@ def reference_worker(rank: int, world: int, port: int, cases: list[Any], outdir:
     """The stock-megatron reference as CI runs it: CUDA hidden before anything touches it, so
     it runs on CPU with the CPU patches."""
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    from tests.runtime.reference import reference_worker as cpu_reference
+    from tests.helpers.reference import reference_worker as cpu_reference
 
     cpu_reference(rank, world, port, cases, outdir)
 
@@ -74,7 +73,7 @@ def parity_worker(rank: int, world: int, port: int, cases: list[Any], outdir: st
         import torch.distributed as dist
 
         import nemo_nutp.train.session as session_mod
-        from tests.runtime.parity import run_case
+        from tests.helpers.parity import run_case
 
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
@@ -96,8 +95,8 @@ def parity_worker(rank: int, world: int, port: int, cases: list[Any], outdir: st
 def test_nccl_parity_with_stock_megatron(gpus: int, tmp_path: Path,
                                          record_property: Any) -> None:
     _need(gpus, f"the NCCL parity run of {_cases(gpus)[0].name}")
-    from tests._dist import spawn
-    from tests.runtime.test_parity import check_cases
+    from tests.helpers.dist import spawn
+    from tests.helpers.parity import check_cases
 
     cases = _cases(gpus)
     spawn(reference_worker, 1, (cases,), tmp_path)
@@ -160,7 +159,7 @@ def adapter_worker(rank: int, world: int, port: int, outdir: str) -> None:
 def test_live_adapter_abandons_a_stuck_nccl_world_and_joins_a_new_one(
         tmp_path: Path, record_property: Any) -> None:
     _need(2, "the live re-layout adapter under NCCL")
-    from tests._dist import spawn
+    from tests.helpers.dist import spawn
 
     spawn(adapter_worker, 2, (), tmp_path)
     got = [json.loads((tmp_path / f"adapter{r}.json").read_text()) for r in range(2)]

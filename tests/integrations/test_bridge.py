@@ -22,7 +22,7 @@ def test_bridge_provider_builds_the_nutp_model() -> None:
     from nemo_nutp.integrations.bridge import nutp_ddp, nutp_provider
     from nemo_nutp.model import NUTPGPTModel
     from nemo_nutp.parallel import build_groups
-    from tests.runtime.parity import Case, make_plan
+    from tests.helpers.parity import Case, make_plan
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29517")

@@ -14,8 +14,7 @@ if importlib.util.find_spec("megatron.bridge") is None:
 
 from nemo_nutp.compat.bridge_cpu import install_import_shim
 from nemo_nutp.integrations.bridge_config import load_bridge_job
-
-from .bridge_jobs import RECIPE, TINY
+from tests.helpers.bridge_jobs import RECIPE, TINY
 
 
 def _stock(kind: str, *, consumed: int, mbs: int) -> Any:

@@ -31,16 +31,15 @@ def _rel(a: float, b: float) -> float:
 def test_bridge_train_nutp_2_1_matches_stock_megatron(tmp_path: Path) -> None:
     import torch
 
-    from tests._dist import spawn
-    from tests.runtime.parity import TENSOR_TOL, run_references
-
-    from .bridge_jobs import (
+    from tests.helpers.bridge_jobs import (
         bridge_worker,
         load,
         reference_batches,
         reference_case,
         resume_overrides,
     )
+    from tests.helpers.dist import spawn
+    from tests.helpers.parity import TENSOR_TOL, run_references
 
     root = tmp_path / "bridge_ckpt"
     overrides = ["model.tensor_model_parallel_size=2", "nutp.replicas=[2,1]",
@@ -104,7 +103,7 @@ def test_bridge_train_nutp_2_1_matches_stock_megatron(tmp_path: Path) -> None:
         for logged, loss in zip(rank_logged, r["ref_losses"], strict=True):
             assert _rel(logged, loss) <= TOL, (logged, loss)
     assert set(r["consumed_train_samples"]) == {len(r["steps"]) * r["global_batch_size"]}
-    # Parameters: per tensor, the project's Adam tolerance (tests/runtime/parity.py TENSOR_TOL;
+    # Parameters: per tensor, the project's Adam tolerance (tests/helpers/parity.py TENSOR_TOL;
     # Adam's normalised update amplifies last-bit gradient differences in tiny entries).
     # Measured: 1.6e-5 worst tensor after 3 steps.
     assert max(r["param_rel"].values()) <= TENSOR_TOL, r["param_rel"]

@@ -36,10 +36,9 @@ def _rel(a: float, b: float) -> float:
 
 @pytest.mark.timeout(1500)
 def test_bridge_uniform_tp2_dp2_matches_bridge_stock_run(tmp_path: Path) -> None:
-    from tests._dist import spawn
-
-    from .bridge_jobs import uniform_worker
-    from .bridge_stock import stock_worker
+    from tests.helpers.bridge_jobs import uniform_worker
+    from tests.helpers.bridge_stock import stock_worker
+    from tests.helpers.dist import spawn
 
     overrides = ["model.tensor_model_parallel_size=2", "nutp.replicas=[2,2]"]
     spawn(stock_worker, 4, (overrides,), tmp_path)

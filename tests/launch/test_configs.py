@@ -252,13 +252,10 @@ def test_rope_needs_an_even_head_dimension(overrides: list[str], match: str) -> 
 
 def test_bad_numerics_fail_the_cli_before_anything_runs(tmp_path: Path) -> None:
     """nutp-train turns the schema's ValueError into exit 2 naming the key, before any spawn."""
-    import subprocess
-    import sys
+    from tests.helpers.launch import run_train
 
     out = tmp_path / "never"
-    r = subprocess.run([sys.executable, "-m", "nemo_nutp.train", f"output.dir={out}",
-                        "train.precision=fp8"],
-                       capture_output=True, text=True, timeout=120, check=False)
+    r = run_train([f"output.dir={out}", "train.precision=fp8"], timeout=120)
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert "train.precision='fp8'" in r.stdout + r.stderr, (r.stdout, r.stderr)
     assert not out.exists()

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +10,7 @@ from nemo_nutp.config import load_config, plan_request
 from nemo_nutp.config.recipes import list_recipes
 from nemo_nutp.launch.nutp_train import main
 from nemo_nutp.layout import build_plan
+from tests.helpers.launch import run_train
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -29,9 +28,8 @@ def test_every_shipped_recipe_passes_the_dry_run(name: str, tmp_path: Path,
 def test_dry_run_cli_plans_a_pp4_recipe_without_running_it(tmp_path: Path) -> None:
     """The command line itself (pp=4: the runtime's own pp limit is not applied)."""
     out = tmp_path / "out"
-    r = subprocess.run([sys.executable, "-m", "nemo_nutp.train", "recipe=llama3_70b_h100",
-                        "--dry-run", f"output.dir={out}"],  # overrides on both sides
-                       capture_output=True, text=True, timeout=240, check=False)
+    r = run_train(["recipe=llama3_70b_h100", "--dry-run", f"output.dir={out}"],  # both sides
+                  timeout=240)
     assert r.returncode == 0, (r.stdout, r.stderr)
     assert "8/8/8/8" in r.stdout and " ms" in r.stdout, r.stdout
     assert not out.exists()

@@ -2,7 +2,7 @@
 
 The end-to-end test renders the live-mode script for the default tiny job on two "nodes" of
 four GPUs (GPU 7 failed: TP4+TP3 on 7 ranks) and runs it with ``bash`` and the stand-ins of
-``tests/launch/slurm_standin.py`` (which implement the srun options the script relies on and
+``tests/helpers/slurm_standin.py`` (which implement the srun options the script relies on and
 reject any other). The script starts two job steps: the control process and one node agent per
 node. Rank 1 (node 0) is SIGKILLed in its forward at step 1: a live re-layout to TP3+TP3 in the
 same processes, no new job step; a failure inside the grow back that follows takes the restart
@@ -27,16 +27,17 @@ from nemo_nutp.common.ports import free_port
 from nemo_nutp.common.procs import kill_session
 from nemo_nutp.launch import control as standalone
 from nemo_nutp.launch.slurm import SbatchOptions, render_sbatch
-from tests.launch.slurm_standin import install, job_steps
-from tests.recovery.test_live import (
+from tests.helpers.launch import run_train
+from tests.helpers.live import (
     BASE,
     JOB_TIMEOUT_S,
     TOL,
-    _check_parity,
-    _digests,
-    _events,
-    _reference,
+    check_steps,
+    read_events,
+    replica_digests,
+    stock_reference,
 )
+from tests.helpers.slurm_standin import install, job_steps
 
 NODES = ("127.0.0.1", "localhost")  # Slurm node ids 0 and 1, both this machine
 LIVE = ("cluster.gpus_per_node=4", "checkpoint.interval=2")
@@ -76,12 +77,10 @@ def test_live_under_a_launcher_prints_the_restart_reason(tmp_path: Path) -> None
     """``nutp-train`` as torchrun starts it (RANK/WORLD_SIZE, restart count 0): worker 0 prints
     why live falls back to restart before anything else (the rendezvous then fails here: no
     MASTER_ADDR; one line, exit 2)."""
-    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "8", "LOCAL_RANK": "0",
+    env = {"RANK": "0", "WORLD_SIZE": "8", "LOCAL_RANK": "0",
            "TORCHELASTIC_RESTART_COUNT": "0", "COLUMNS": "200"}
-    env.pop("MASTER_ADDR", None)
-    r = subprocess.run([sys.executable, "-m", "nemo_nutp.train", f"output.dir={tmp_path}",
-                        *BASE, "checkpoint.interval=2"], capture_output=True, text=True,
-                       env=env, timeout=300)
+    r = run_train([f"output.dir={tmp_path}", *BASE, "checkpoint.interval=2"], env=env,
+                  unset=("MASTER_ADDR",), timeout=300)
     assert "torchrun and ft_launcher restart every worker when one exits, so failures take " \
            "the restart path" in " ".join(r.stdout.split()), r.stdout + r.stderr
     assert r.returncode == 2 and "MASTER_ADDR" in r.stderr
@@ -174,12 +173,12 @@ def test_sbatch_live_under_srun_standin(tmp_path: Path) -> None:
             _wait_event(out, "live_relayout", proc, deadline)
             _report_back(out, [1, 7], [7])
             _wait_event(out, "failure", proc, deadline)  # the grow fell back
-            while [e["event"] for e in _events(out)].count("live_world") < 2:
+            while [e["event"] for e in read_events(out)].count("live_world") < 2:
                 assert proc.poll() is None and time.monotonic() < deadline, "no attempt 1"
                 time.sleep(0.05)
             _report_back(out, [4, 7], [7])
             rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-            ev = _events(out)
+            ev = read_events(out)
             (first_join, second_join) = [e for e in ev if e["event"] == "agent_join"]
             assert _gone(first_join["pid"]), "the fallback left the new process running"
         finally:
@@ -189,8 +188,8 @@ def test_sbatch_live_under_srun_standin(tmp_path: Path) -> None:
     assert rc == 0, text[-6000:]
     # Two job steps for the whole job: the control process and the node agents.
     assert sorted(s["tasks"] for s in job_steps(steps_log)) == [1, 2]
-    ref = _reference(over, steps, tmp_path)
-    rows = _check_parity(out, ref, TOL)  # every step, no gap
+    ref = stock_reference(over, steps, tmp_path)
+    rows = check_steps(out, ref, TOL)  # every step, no gap
     layouts = [r["replica_tp"] for r in rows]
     assert layouts[0] == [[4], [3]] and layouts[-1] == [[4], [3]], layouts
     assert [[3], [3]] in layouts, layouts
@@ -209,7 +208,7 @@ def test_sbatch_live_under_srun_standin(tmp_path: Path) -> None:
     assert grow["cause"] == "gpu_back" and grow["returned_gpus"] == [4]
     assert grow["attempt"] == 1 and grow["lost_steps"] == 0
     assert set(grow["pids"]) == set(w1["pids"]) | {second_join["pid"]}
-    digests = _digests(ev)
+    digests = replica_digests(ev)
     assert sorted(digests) == sorted({kill["gen"], grow["gen"]}), digests
     summary = json.loads((out / "recovery" / "summary.json").read_text())
     assert [x["mode"] for x in summary] == ["live", "restart", "live"], summary

@@ -20,8 +20,7 @@ from nemo_nutp.layout import (
 from nemo_nutp.layout.cost import CostSpec, boundary_bytes, stage_layers, stage_time, tp_bytes
 from nemo_nutp.layout.plan import _Speed, _valid_degrees, best_degree_table
 from nemo_nutp.layout.units import rank_work
-
-from .strategies import plan_requests
+from tests.helpers.strategies import plan_requests
 
 H100 = CostSpec.from_hardware(peak_tflops=989, nvlink_gbps=450, network_gbps=50, name="h100")
 DIMS = ModelDims(num_layers=4, hidden_size=256, num_attention_heads=8, num_query_groups=4,

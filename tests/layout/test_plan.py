@@ -22,8 +22,7 @@ from nemo_nutp.layout import (
     moved_lower_bound,
     reshard_plan,
 )
-
-from .strategies import plan_requests
+from tests.helpers.strategies import plan_requests
 
 
 def _plan_or_none(req: PlanRequest) -> Plan | None:

@@ -24,8 +24,7 @@ from nemo_nutp.layout import (
     reshard_plan,
 )
 from nemo_nutp.layout.units import local_unit_positions, unit_numel
-
-from .strategies import model_dims
+from tests.helpers.strategies import model_dims
 
 
 def _apply(kind: str, dims: ModelDims, degree: int, mode: str, degrees: list[int]

@@ -18,8 +18,7 @@ from nemo_nutp.layout.units import (
     unit_numel,
     unit_view_shape,
 )
-
-from .strategies import model_dims
+from tests.helpers.strategies import model_dims
 
 
 @given(n=st.integers(1, 5000), data=st.data())

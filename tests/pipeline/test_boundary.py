@@ -49,7 +49,7 @@ def test_sequence_parallel_moves_pieces_not_the_sequence() -> None:
 def test_tied_embedding_pairs_cover_every_vocab_row_once(first: int, last: int,
                                                          other: int) -> None:
     """``Plan.embedding_groups``: the pairs' vocab overlaps tile every replica's vocabulary."""
-    from tests.runtime.parity import Case, make_plan
+    from tests.helpers.parity import Case, make_plan
 
     plan = make_plan(Case("x", ((first, last), (other, other)), pp=2,
                           model=dict(tie_embeddings=True)))

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from tests._dist import spawn
-from tests.checkpoint.roundtrip import AFTER, SAVE_AT, Job, worker
+from tests.helpers.dist import spawn
+from tests.helpers.roundtrip import AFTER, SAVE_AT, Job, worker
 
 TOL = 1e-5
 TIED = {"extra": {"model": dict(add_bias=True, tie_embeddings=True), "clip_grad": 0.05}}

@@ -1,6 +1,6 @@
 """Pipeline stages at different TP degrees vs stock single-process megatron-core (PP1, TP1).
 
-The same harness and tolerances as ``tests/runtime/test_parity.py`` (loss and grad norm per
+The same harness and tolerances as ``tests/train/test_parity.py`` (loss and grad norm per
 step, every synchronised gradient at step 0, every parameter after the last step; replicas
 bitwise equal; every rank the same grad-norm bits), with clipping on in every layout. Layouts
 (world <= 8 ranks):
@@ -21,9 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from tests._dist import spawn
-from tests.runtime.parity import TOL, Case, run_references, worker
-from tests.runtime.test_parity import CLIP, GQA_SWIGLU, check_cases
+from tests.helpers.dist import spawn
+from tests.helpers.parity import CLIP, GQA_SWIGLU, TOL, Case, check_cases, run_references, worker
 
 FOUR_LAYERS = dict(num_layers=4)
 CASES = [

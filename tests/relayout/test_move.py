@@ -1,14 +1,14 @@
 """Issue #23 item 5: survivors move model + optimizer state in memory into the new layout.
 
-One spawned world of 7 gloo ranks (``harness.py``): TP4+TP3 -> TP3+TP3 (fp32 and bf16) and a
-pipeline layout [[2,2],[2,1]] -> [[2,2],[1,1]], clipping on in all. After the move every new
-rank's parameters, fp32 masters, Adam moments and step equal, bitwise, what loading a checkpoint
+One spawned world of 7 gloo ranks (``tests/helpers/relayout.py``): TP4+TP3 -> TP3+TP3 (fp32 and
+bf16) and a pipeline layout [[2,2],[2,1]] -> [[2,2],[1,1]], clipping on in all. After the move every
+new rank's parameters, fp32 masters, Adam moments and step equal, bitwise, what loading a checkpoint
 of the same step into the new layout gives (a fresh session differs: negative control); one more
-step gives the same bits from both; losses and grad norms of all 4 steps and the final
-parameters match stock single-process megatron-core (``tests/runtime/reference.py``); every new
-rank received exactly its lower bound of bytes (the units it did not hold), over several rounds
-(16 KiB buckets). Two new ranks swap places in the rank map (``harness.SWAP``): with pp=2 they
-change pipeline stage and receive everything of their new stage, replicated parameters too.
+step gives the same bits from both; losses and grad norms of all 4 steps and the final parameters
+match stock single-process megatron-core (``tests/helpers/reference.py``); every new rank received
+exactly its lower bound of bytes (the units it did not hold), over several rounds (16 KiB buckets).
+Two new ranks swap places in the rank map (``relayout.SWAP``): with pp=2 they change pipeline stage
+and receive everything of their new stage, replicated parameters too.
 """
 
 from __future__ import annotations
@@ -19,10 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests._dist import free_port, spawn
-from tests.runtime.parity import BF16_TOL, TENSOR_TOL, TOL, Case, _rel, run_references
-
-from .harness import CLIP, MODEL, SAVE_AT, SCENARIOS, unmatched
+from tests.helpers.dist import free_port, spawn
+from tests.helpers.parity import BF16_TOL, TENSOR_TOL, TOL, Case, _rel, run_references
+from tests.helpers.relayout import CLIP, MODEL, SAVE_AT, SCENARIOS, unmatched
 
 REFS = {"fp32": Case("relayout_fp32", (1,), model=MODEL, steps=SAVE_AT + 1, clip_grad=CLIP),
         "bf16": Case("relayout_bf16", (1,), model=MODEL, steps=SAVE_AT + 1, clip_grad=CLIP,
@@ -32,7 +31,7 @@ REFS = {"fp32": Case("relayout_fp32", (1,), model=MODEL, steps=SAVE_AT + 1, clip
 @pytest.mark.dist
 @pytest.mark.timeout(600)
 def test_live_move_equals_checkpoint_load_and_stock_megatron(tmp_path: Path) -> None:
-    from .harness import worker
+    from tests.helpers.relayout import worker
 
     run_references(list(REFS.values()), tmp_path)
     spawn(worker, 7, (free_port(),), tmp_path)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from nemo_nutp.relayout.move import MoveImpossible
 from nemo_nutp.relayout.zero_move import _transfers, pair_order
-from tests.sync.pair_replay import mismatches
+from tests.helpers.pair_replay import mismatches
 
 KEY = (0, "w")
 

@@ -7,7 +7,7 @@ variant, the same weights and batches:
   sum, so the packing cannot change a bit);
 * ``grad_reduce_in_fp32=False`` (``sync.grad_reduce_dtype=bf16``) really reduces in bf16
   (``main_grad`` and the buckets are bf16), replicas stay bitwise identical, and the gradients
-  are within the bf16 tolerance of the fp32-reduced ones (which tests/runtime/test_parity.py
+  are within the bf16 tolerance of the fp32-reduced ones (which tests/train/test_parity.py
   checks against stock megatron).
 """
 
@@ -19,12 +19,12 @@ from typing import Any
 
 import pytest
 
-from tests._dist import spawn
+from tests.helpers.dist import spawn
 
 
 def _session(precision: str, in_fp32: bool, bucket_size: int | None) -> Any:
     from nemo_nutp.train.session import Precision, build_session
-    from tests.runtime.parity import Case, make_plan
+    from tests.helpers.parity import Case, make_plan
 
     plan = make_plan(Case("buckets", (3, 2), model=dict(add_bias=True), global_batch=5,
                           sync_layout="base"))
@@ -37,7 +37,7 @@ def _step0(s: Any) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from tests.runtime.parity import _gather_replicas
+    from tests.helpers.parity import _gather_replicas
 
     got: dict[str, Any] = {}
 
@@ -83,7 +83,7 @@ def _body(outdir: str) -> None:
 
 
 def worker(rank: int, world: int, port: int, outdir: str) -> None:
-    from tests._dist import gloo_rank
+    from tests.helpers.dist import gloo_rank
 
     gloo_rank(rank, world, port, outdir, lambda: _body(outdir))
 
@@ -91,7 +91,7 @@ def worker(rank: int, world: int, port: int, outdir: str) -> None:
 @pytest.mark.dist
 @pytest.mark.timeout(600)
 def test_bucket_size_and_reduce_dtype(tmp_path: Path) -> None:
-    from tests.runtime.parity import BF16_TOL
+    from tests.helpers.parity import BF16_TOL
 
     spawn(worker, 5, (), tmp_path)
     r = json.loads((tmp_path / "res.json").read_text())

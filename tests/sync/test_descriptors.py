@@ -31,7 +31,7 @@ from nemo_nutp.sync.descriptors import (
     stage_params,
     sync_key,
 )
-from tests.layout.strategies import plan_requests
+from tests.helpers.strategies import plan_requests
 
 MODELS = sorted((Path(__file__).resolve().parents[2] / "configs" / "model").glob("*.yaml"))
 

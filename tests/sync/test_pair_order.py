@@ -21,7 +21,7 @@ from nemo_nutp.config import load_config
 from nemo_nutp.config.recipes import list_recipes, load_recipe
 from nemo_nutp.config.schema import plan_request
 from nemo_nutp.layout import ClusterSpec, ParallelSpec, Plan, PlanRequest, build_plan
-from tests.sync.pair_replay import (
+from tests.helpers.pair_replay import (
     Recorder,
     mismatches,
     p2p_ranks,

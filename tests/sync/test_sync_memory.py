@@ -28,8 +28,7 @@ import nemo_nutp.sync.norm as norm_mod
 from nemo_nutp.config import ModelConfig
 from nemo_nutp.layout import ClusterSpec, HealthReport, ParallelSpec, PlanRequest, build_plan
 from nemo_nutp.sync.shapes import stage_parameters
-
-from .pair_replay import fake_groups, recording
+from tests.helpers.pair_replay import fake_groups, recording
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -2,16 +2,14 @@
 
 The end-to-end test trains with ``nutp-train`` while one rank is slowed by fault injection and
 the shares change mid-run, and compares every step's loss and grad norm with *stock*
-single-process megatron-core (``tests/runtime/reference.py``) on the same global batches.
+single-process megatron-core (``tests/helpers/reference.py``) on the same global batches.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +20,7 @@ from hypothesis import strategies as st
 from nemo_nutp.checkpoint.faults import Fault
 from nemo_nutp.layout.plan import apportion
 from nemo_nutp.train.rebalance import ShareController, makespan, propose
+from tests.helpers.launch import run_train
 
 SPEEDS = st.lists(st.floats(0.05, 1.0), min_size=1, max_size=6)
 
@@ -100,9 +99,7 @@ def test_config_fields_validated() -> None:
 
 
 def _train(out: Path, env: dict[str, str], *overrides: str) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "nemo_nutp.train", f"output.dir={out}", *overrides]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False,
-                          env={**os.environ, **env})
+    return run_train([f"output.dir={out}", *overrides], env=env, timeout=600)
 
 
 @pytest.mark.dist
@@ -114,7 +111,7 @@ def test_rebalanced_run_matches_stock_megatron(tmp_path: Path) -> None:
     import torch
 
     from nemo_nutp.config import load_config
-    from tests.runtime.parity import Case, run_references
+    from tests.helpers.parity import Case, run_references
 
     overrides = ["nutp.replicas=[2,1]", "train.steps=6", "train.seed=11",
                  "train.global_batch_size=16", "train.micro_batch_size=2", "train.lr=1e-3",
@@ -156,7 +153,7 @@ def test_straggler_detected_excluded_and_resumed(tmp_path: Path) -> None:
     from nemo_nutp.config import load_config
     from nemo_nutp.config.schema import plan_request
     from nemo_nutp.layout import build_plan
-    from tests.runtime.parity import Case, run_references
+    from tests.helpers.parity import Case, run_references
 
     out = tmp_path / "run"
     overrides = ["cluster.num_gpus=4", "cluster.domain_size=2", "cluster.gpus_per_node=4",

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -13,11 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nemo_nutp.goodput.accounting import CAUSES, GoodputLedger
+from tests.helpers.launch import run_train
 
 
 def _train(out: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "nemo_nutp.train", f"output.dir={out}", *overrides]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    return run_train([f"output.dir={out}", *overrides], timeout=600)
 
 
 def _metrics(out: Path) -> list[dict]:

@@ -1,0 +1,188 @@
+"""The independent reference: *stock* megatron-core, one process, TP1.
+
+megatron's own ``GPTModel`` with its own ``get_gpt_layer_local_spec()``, its own DDP, its own
+optimizer (norm, clipping, mixed precision, loss scaler) and megatron's global ``parallel_state``
+initialised at TP1/PP1 in a world of one process — nothing of this project's model, sync or step
+code. What it shares with the NUTP run is only the input: the global initial weights (a pure
+function of seed and parameter name, ``nemo_nutp.model.init.init_global``, copied in by name) and
+the global batches: the synthetic ones, or a case's ``data`` file (``load_batches``: e.g. what
+Bridge's own sampler gives one process of a recipe's dataset). A case's ``weight_decay`` is
+applied by megatron's own ``OptimizerParamScheduler`` (constant: every parameter group decays by
+``weight_decay x wd_mult``, 0 for biases and 1-D parameters). It trains a case for ``steps`` steps
+on the whole global batch and records, per step, the loss, megatron's grad norm and whether the
+step was skipped; at step 0 every synchronised ``main_grad``; at the end every parameter."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from nemo_nutp.model.init import normalize_name
+
+_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _config(case: Any, dims: Any) -> Any:
+    import torch.nn.functional as F
+    from megatron.core.transformer import TransformerConfig
+
+    half = _DTYPE[case.precision]
+    return TransformerConfig(
+        num_layers=dims.num_layers, hidden_size=dims.hidden_size,
+        num_attention_heads=dims.num_attention_heads, num_query_groups=dims.num_query_groups,
+        ffn_hidden_size=dims.ffn_hidden_size, kv_channels=dims.kv,
+        gated_linear_unit=dims.gated_mlp, activation_func=F.silu if dims.gated_mlp else F.gelu,
+        normalization=dims.normalization, add_bias_linear=dims.add_bias,
+        add_qkv_bias=dims.add_bias, hidden_dropout=0.0, attention_dropout=0.0,
+        use_cpu_initialization=True, perform_initialization=False, params_dtype=half,
+        bf16=case.precision == "bf16", fp16=case.precision == "fp16",
+        bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
+        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+        cross_entropy_loss_fusion=getattr(dims, "cross_entropy_loss_fusion", False),
+        cross_entropy_fusion_impl="native")
+
+
+def _build(case: Any, dims: Any) -> tuple[Any, Any, Any]:
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
+
+    from nemo_nutp.model.build import param_kind
+    from nemo_nutp.model.init import init_global
+
+    config = _config(case, dims)
+    model: Any = GPTModel(config, get_gpt_layer_local_spec(normalization=dims.normalization),
+                          vocab_size=dims.vocab_size, max_sequence_length=dims.seq_length,
+                          position_embedding_type=dims.position_embedding,
+                          share_embeddings_and_output_weights=dims.tie_embeddings,
+                          parallel_output=True)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(init_global(name, param_kind(name), dims, seed=case.seed,
+                                std=dims.init_std, shape=tuple(p.shape)))
+    if case.precision != "fp32":
+        model = Float16Module(config, model)
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True), model)
+    half = _DTYPE[case.precision]
+    opt = get_megatron_optimizer(OptimizerConfig(
+        optimizer=case.optimizer, lr=case.lr, clip_grad=case.clip_grad,
+        weight_decay=case.weight_decay,
+        adam_eps=1e-8, params_dtype=half,
+        bf16=case.precision == "bf16", fp16=case.precision == "fp16",
+        initial_loss_scale=case.initial_loss_scale, use_distributed_optimizer=False), [ddp])
+    return ddp, opt, model
+
+
+def _schedule(case: Any, opt: Any) -> Any:
+    """megatron-core's ``OptimizerParamScheduler`` at a constant lr and weight decay (None
+    without weight decay: the optimizer's constant lr is the schedule)."""
+    if not case.weight_decay:
+        return None
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    wd = case.weight_decay
+    return OptimizerParamScheduler(
+        opt, init_lr=case.lr, max_lr=case.lr, min_lr=case.lr, lr_warmup_steps=0,
+        lr_decay_steps=case.steps, lr_decay_style="constant", start_wd=wd, end_wd=wd,
+        wd_incr_steps=case.steps, wd_incr_style="constant")
+
+
+def load_batches(path: str) -> list[list[dict[str, torch.Tensor]]]:
+    """A case's ``data``: per step, the global batch's micro-batches in the order one process
+    trains them, each ``{"tokens", "labels", "position_ids", "attention_mask", "loss_mask"}``
+    (``[b, s]``; the mask ``[b, 1, s, s]``, True = masked). Steps past the file's are the
+    synthetic stream's (what ``nutp-train`` reads when it continues a Bridge run)."""
+    return list(torch.load(path))
+
+
+def _step_batches(case: Any, dims: Any, step: int, data: list[Any] | None) -> list[Any]:
+    from nemo_nutp.data import replica_microbatches
+
+    if data is not None and step < len(data):
+        return list(data[step])
+    mask = torch.triu(torch.ones(dims.seq_length, dims.seq_length, dtype=torch.bool),
+                      diagonal=1)[None, None]
+    return [{"tokens": mb.tokens, "labels": mb.labels, "position_ids": mb.position_ids,
+             "attention_mask": mask, "loss_mask": None}
+            for mb in replica_microbatches(offset=0, count=case.global_batch, seed=case.seed,
+                                           step=step, micro_batch_size=case.micro_batch_size,
+                                           seq_length=dims.seq_length,
+                                           vocab_size=dims.vocab_size)]
+
+
+def _loss(ddp: Any, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The micro-batch's mean token loss (over its loss mask, where it has one)."""
+    per_token = ddp(mb["tokens"], mb["position_ids"], mb["attention_mask"],
+                    labels=mb["labels"]).float()
+    mask = mb["loss_mask"]
+    if mask is None:
+        return per_token.mean()
+    mask = mask.float()
+    return (per_token * mask).sum() / mask.sum()
+
+
+def run_reference(case: Any) -> dict[str, Any]:
+    """Train ``case`` on stock megatron-core (TP1, this process); see the module docstring."""
+    from nemo_nutp.config import ModelConfig
+
+    dims = ModelConfig(**case.model)
+    ddp, opt, _ = _build(case, dims)
+    schedule = _schedule(case, opt)
+    data = load_batches(case.data) if case.data is not None else None
+    out: dict[str, Any] = {"losses": [], "grad_norms": [], "skipped": []}
+    for step in range(case.steps):
+        batches = _step_batches(case, dims, step, data)
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        n, total, scale = len(batches), 0.0, float(opt.get_loss_scale())
+        for i, mb in enumerate(batches):
+            ctx = ddp.no_sync() if i < n - 1 else _Null()
+            with ctx:
+                loss = _loss(ddp, mb)
+                scaled = loss / n
+                (scaled * scale if scale != 1.0 else scaled).backward()
+            total += float(loss.detach())
+        ddp.finish_grad_sync()
+        if step == 0:
+            out["grads"] = {normalize_name(k): p.main_grad.detach().float().clone()
+                            for k, p in ddp.named_parameters()}
+        ok, norm, _ = opt.step()
+        if schedule is not None:
+            schedule.step(increment=1)
+        if ok and not norm:  # clipping off: megatron did not compute it; grads still in place
+            norm = opt.get_grad_norm()
+        out["losses"].append(total / n)
+        out["grad_norms"].append(float(norm) if ok else float("nan"))
+        out["skipped"].append(not ok)
+    out["params"] = {normalize_name(k): p.detach().float().clone()
+                     for k, p in ddp.named_parameters()}
+    return out
+
+
+class _Null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def reference_worker(rank: int, world: int, port: int, cases: list[Any], outdir: str) -> None:
+    """One process: megatron's global state at TP1, every case's reference saved as a file."""
+    from tests.helpers.dist import gloo_rank
+
+    def body() -> None:
+        from megatron.core import parallel_state, tensor_parallel
+
+        parallel_state.initialize_model_parallel(1, 1)
+        for case in cases:
+            tensor_parallel.model_parallel_cuda_manual_seed(case.seed)
+            torch.save(run_reference(case), os.path.join(outdir, f"ref_{case.name}.pt"))
+        parallel_state.destroy_model_parallel()
+
+    gloo_rank(rank, world, port, outdir, body)
