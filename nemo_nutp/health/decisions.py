@@ -3,7 +3,7 @@ when to restart for GPUs that came back.
 
 No processes, no torch: the supervisor feeds observations (exit codes, step heartbeats, what
 each rank's stack watcher saw, the health report, the newest complete checkpoint) in and acts
-on the answers; ``tests/checkpoint/test_recovery_logic.py`` covers them.
+on the answers; ``tests/health/test_decisions.py`` covers them.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ dropout, ``sharded_state_dict``) and replaces only ``forward`` by torch's fused 
 * the kernel (flash / memory-efficient on GPU, fused or math on CPU) is torch's choice.
 
 Contract: equal to megatron's ``DotProductAttention`` within fp32 rounding on CPU
-(``tests/runtime/test_attention.py``), and in training parity (a parity case runs it).
+(``tests/model/test_attention.py``), and in training parity (a parity case runs it).
 Not supported (a clear error): packed sequences, attention bias, softmax offsets, an explicit
 non-causal mask without a mask tensor.
 """
