@@ -51,6 +51,8 @@ class Case:
     zero_redundancy: bool = False  # distributed optimizer: recovery.live_redundancy
     weight_decay: float = 0.0  # the reference: megatron's constant schedule (wd_mult per group)
     data: str | None = None  # the reference's batches (reference.py ``load_batches``)
+    ref_model: dict[str, Any] = field(default_factory=dict)  # negative controls: model fields
+    # the reference alone changes (a feature switched off on one side)
 
 
 def make_plan(case: Case) -> Any:
@@ -385,7 +387,7 @@ def check_parity(r: dict[str, Any], *, clip: float = 0.0, tol: float = TOL,
 def check_cases(res: dict[str, dict[str, Any]], cases: list[Case]) -> None:
     """``check_parity`` at each case's precision (controls and fp16 are asserted apart)."""
     for c in cases:
-        if c.control or c.precision == "fp16":
+        if c.control or c.ref_model or c.precision == "fp16":
             continue
         if c.precision == "bf16":
             check_parity(res[c.name], clip=c.clip_grad, tol=BF16_TOL, tensor_tol=0.0)

@@ -58,6 +58,10 @@ def _build(case: Any, dims: Any) -> tuple[Any, Any, Any]:
     model: Any = GPTModel(config, get_gpt_layer_local_spec(normalization=dims.normalization),
                           vocab_size=dims.vocab_size, max_sequence_length=dims.seq_length,
                           position_embedding_type=dims.position_embedding,
+                          rotary_base=dims.rotary_base, rotary_percent=dims.rotary_percent,
+                          rope_scaling=dims.rope_scaling,
+                          rope_scaling_factor=dims.rope_scaling_factor,
+                          seq_len_interpolation_factor=dims.seq_len_interpolation_factor,
                           share_embeddings_and_output_weights=dims.tie_embeddings,
                           parallel_output=True)
     with torch.no_grad():
@@ -130,7 +134,7 @@ def run_reference(case: Any) -> dict[str, Any]:
     """Train ``case`` on stock megatron-core (TP1, this process); see the module docstring."""
     from nemo_nutp.config import ModelConfig
 
-    dims = ModelConfig(**case.model)
+    dims = ModelConfig(**{**case.model, **case.ref_model})  # ref_model: negative controls
     ddp, opt, _ = _build(case, dims)
     schedule = _schedule(case, opt)
     data = load_batches(case.data) if case.data is not None else None

@@ -84,6 +84,27 @@ THREE = [
     _clip("tp2_tp1_fused_ce_clip", (2, 1),
           model=dict(gated_mlp=False, cross_entropy_loss_fusion=True), global_batch=5),
 ]
+# RoPE as real models set it (megatron's names), at a degraded layout with clipping: Llama 3's
+# base 500000 with Llama 3.1's frequency scaling (factor 8), over 32-channel heads (the scaled
+# low frequencies are several channel pairs, not one) and 64 positions (at 12 the scaled angles
+# are so small that switching the scaling off moves the gradients by only 4e-5; at 64, 2.7e-4);
+# partial RoPE (half the channels) with linear position interpolation. Each has a control whose
+# reference alone switches the feature off: its step-0 gradients must then differ.
+LLAMA31 = dict(rotary_base=500000, rope_scaling=True, rope_scaling_factor=8.0, kv_channels=32,
+               seq_length=64)
+PARTIAL = dict(rotary_percent=0.5, seq_len_interpolation_factor=2.0)
+ROPE = [
+    _clip("tp2_tp1_rope_llama31_clip", (2, 1), model=LLAMA31, global_batch=5, steps=3),
+    _clip("tp2_tp1_rope_partial_clip", (2, 1), model=PARTIAL, global_batch=5, steps=3),
+    _clip("control_rope_base", (2, 1), model=LLAMA31, global_batch=5, steps=1,
+          ref_model=dict(rotary_base=10000)),
+    _clip("control_rope_scaling", (2, 1), model=LLAMA31, global_batch=5, steps=1,
+          ref_model=dict(rope_scaling=False)),
+    _clip("control_rope_percent", (2, 1), model=PARTIAL, global_batch=5, steps=1,
+          ref_model=dict(rotary_percent=1.0)),
+    _clip("control_rope_interpolation", (2, 1), model=PARTIAL, global_batch=5, steps=1,
+          ref_model=dict(seq_len_interpolation_factor=None)),
+]
 FIVE = [_clip("tp3_tp2_clip", (3, 2), model=GQA_SWIGLU, global_batch=7)]
 FOUR = [
     Case("uniform_tp2_dp2", (2, 2), GQA_SWIGLU, vs_megatron_ddp=True),
@@ -124,6 +145,18 @@ def test_parity_tp2_tp1(tmp_path: Path) -> None:
     res = run_cases(THREE, 3, tmp_path)
     check_cases(res, THREE)
     assert res["tp2_tp1_clip"]["shares"][0] != res["tp2_tp1_clip"]["shares"][1]
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(900)
+def test_parity_rope(tmp_path: Path) -> None:
+    """RoPE variants match stock megatron-core's GPTModel given the same settings, and each
+    one switched off in the reference alone fails on the step-0 gradients."""
+    res = run_cases(ROPE, 3, tmp_path)
+    check_cases(res, ROPE)
+    for name in ("control_rope_base", "control_rope_scaling", "control_rope_percent",
+                 "control_rope_interpolation"):
+        assert res[name]["grad_rel_max"] > 10 * TOL, (name, res[name]["grad_rel_max"])
 
 
 @pytest.mark.dist
