@@ -38,6 +38,8 @@ class ModelConfig(ModelDims):
 
     normalization: str = "RMSNorm"
     """'RMSNorm' or 'LayerNorm'."""
+    layernorm_epsilon: float = 1e-5
+    """The norms' epsilon (megatron ``layernorm_epsilon``; Qwen and Llama 3: 1e-6 or 1e-5)."""
     position_embedding: str = "rope"
     """'rope' or 'learned_absolute'."""
     rotary_base: int = 10000
@@ -87,6 +89,9 @@ class ModelConfig(ModelDims):
             raise bad_value("model.position_embedding", self.position_embedding,
                             "must be rope or learned_absolute")
         self._check_rope()
+        if not 0.0 < self.layernorm_epsilon < 1.0:
+            raise bad_value("model.layernorm_epsilon", self.layernorm_epsilon,
+                            "must be in (0, 1)")
         if self.position_embedding == "rope" and self.kv % 2:
             # RoPE rotates channel pairs; megatron's rotate_half cannot split an odd width.
             if self.kv_channels is not None:

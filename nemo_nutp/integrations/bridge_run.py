@@ -69,6 +69,7 @@ def model_config_of(provider: Any, *, vocab_size: int) -> Any:
         tie_embeddings=bool(provider.share_embeddings_and_output_weights),
         add_bias=bool(provider.add_bias_linear), kv_channels=provider.kv_channels,
         normalization=provider.normalization, position_embedding=pos,
+        layernorm_epsilon=float(provider.layernorm_epsilon),
         init_std=float(provider.init_method_std),
         hidden_dropout=float(provider.hidden_dropout),
         attention_dropout=float(provider.attention_dropout), cross_entropy_loss_fusion=fused_ce,

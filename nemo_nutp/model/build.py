@@ -134,6 +134,7 @@ def transformer_config(model: Any, *, degree: int, sequence_parallel: bool = Fal
         ffn_hidden_size=model.ffn_hidden_size, kv_channels=model.kv,
         gated_linear_unit=model.gated_mlp, activation_func=F.silu if model.gated_mlp else F.gelu,
         normalization=getattr(model, "normalization", "RMSNorm"),
+        layernorm_epsilon=float(getattr(model, "layernorm_epsilon", 1e-5)),
         add_bias_linear=model.add_bias, add_qkv_bias=model.add_bias,
         hidden_dropout=float(getattr(model, "hidden_dropout", 0.0)),
         attention_dropout=float(getattr(model, "attention_dropout", 0.0)),

@@ -155,9 +155,10 @@ def test_model_fields_the_nutp_model_cannot_honour_are_rejected_by_name(
 
 
 def test_rope_settings_reach_the_nutp_model() -> None:
-    """Llama 3.1's RoPE (base 500000, scaling factor 8) and partial RoPE with position
-    interpolation become the NUTP model's fields (megatron's names), not defaults; a RoPE
-    setting beside learned absolute positions is refused by name (it would be ignored)."""
+    """The norms' epsilon, Llama 3.1's RoPE (base 500000, scaling factor 8) and partial RoPE
+    with position interpolation become the NUTP model's fields (megatron's names), not
+    defaults; a RoPE setting beside learned absolute positions is refused by name (it would be
+    ignored)."""
     from nemo_nutp.integrations.bridge_run import model_config_of
 
     rope = "model.position_embedding_type=rope"  # the vanilla GPT recipe's are learned
@@ -167,8 +168,10 @@ def test_rope_settings_reach_the_nutp_model() -> None:
     m = model_config_of(job.bridge.model, vocab_size=256)
     assert (m.rotary_base, m.rope_scaling, m.rope_scaling_factor) == (500000, True, 8.0)
     job = load_bridge_job(RECIPE, str(TINY), [rope, "model.rotary_percent=0.5",
-                                              "model.seq_len_interpolation_factor=2.0"])
+                                              "model.seq_len_interpolation_factor=2.0",
+                                              "model.layernorm_epsilon=1e-6"])
     m = model_config_of(job.bridge.model, vocab_size=256)
+    assert m.layernorm_epsilon == 1e-6  # was silently megatron's 1e-5
     assert (m.rotary_percent, m.seq_len_interpolation_factor, m.rope_scaling) == (0.5, 2.0,
                                                                                   False)
     with pytest.raises(ValueError, match=r"^model.rotary_base=500000: needs model.position_"):

@@ -104,6 +104,11 @@ ROPE = [
           ref_model=dict(rotary_percent=1.0)),
     _clip("control_rope_interpolation", (2, 1), model=PARTIAL, global_batch=5, steps=1,
           ref_model=dict(seq_len_interpolation_factor=None)),
+    # the norms' epsilon (Qwen's 1e-6; it was silently megatron's default 1e-5 before)
+    _clip("tp2_tp1_eps_clip", (2, 1), model=dict(layernorm_epsilon=1e-6), global_batch=5,
+          steps=3),
+    _clip("control_eps", (2, 1), model=dict(layernorm_epsilon=1e-6), global_batch=5, steps=1,
+          ref_model=dict(layernorm_epsilon=1e-5)),
 ]
 FIVE = [_clip("tp3_tp2_clip", (3, 2), model=GQA_SWIGLU, global_batch=7)]
 FOUR = [
@@ -150,12 +155,13 @@ def test_parity_tp2_tp1(tmp_path: Path) -> None:
 @pytest.mark.dist
 @pytest.mark.timeout(900)
 def test_parity_rope(tmp_path: Path) -> None:
-    """RoPE variants match stock megatron-core's GPTModel given the same settings, and each
-    one switched off in the reference alone fails on the step-0 gradients."""
+    """RoPE variants and the norms' epsilon match stock megatron-core's GPTModel given the same
+    settings, and each one switched off in the reference alone fails on the step-0
+    gradients."""
     res = run_cases(ROPE, 3, tmp_path)
     check_cases(res, ROPE)
     for name in ("control_rope_base", "control_rope_scaling", "control_rope_percent",
-                 "control_rope_interpolation"):
+                 "control_rope_interpolation", "control_eps"):
         assert res[name]["grad_rel_max"] > 10 * TOL, (name, res[name]["grad_rel_max"])
 
 
