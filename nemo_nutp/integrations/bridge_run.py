@@ -49,9 +49,6 @@ def model_config_of(provider: Any, *, vocab_size: int) -> Any:
         raise ValueError(f"model.activation_func={getattr(act, '__name__', act)}: the NUTP "
                          f"model uses {'silu' if gated else 'gelu'} with "
                          f"gated_linear_unit={gated}")
-    if provider.add_bias_linear != provider.add_qkv_bias and provider.add_qkv_bias:
-        raise ValueError(f"model.add_qkv_bias={provider.add_qkv_bias}: must equal "
-                         f"model.add_bias_linear={provider.add_bias_linear}")
     pos = provider.position_embedding_type
     if pos not in ("rope", "learned_absolute"):
         raise ValueError(f"model.position_embedding_type={pos}: rope or learned_absolute")
@@ -67,7 +64,8 @@ def model_config_of(provider: Any, *, vocab_size: int) -> Any:
         ffn_hidden_size=provider.ffn_hidden_size, vocab_size=vocab_size,
         seq_length=provider.seq_length, gated_mlp=gated,
         tie_embeddings=bool(provider.share_embeddings_and_output_weights),
-        add_bias=bool(provider.add_bias_linear), kv_channels=provider.kv_channels,
+        add_bias=bool(provider.add_bias_linear), add_qkv_bias=bool(provider.add_qkv_bias),
+        kv_channels=provider.kv_channels,
         normalization=provider.normalization, position_embedding=pos,
         layernorm_epsilon=float(provider.layernorm_epsilon),
         init_std=float(provider.init_method_std),

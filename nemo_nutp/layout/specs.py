@@ -229,6 +229,9 @@ class ModelDims:
     """Output layer shares the word embedding."""
     add_bias: bool = False
     """Linear layers carry biases (column-parallel biases shard, row-parallel ones replicate)."""
+    add_qkv_bias: bool = False
+    """The QKV projection carries a bias even without ``add_bias`` (megatron
+    ``add_qkv_bias``: Qwen2); it moves with its query group."""
     kv_channels: int | None = None
     """Per-head width; None means hidden_size // num_attention_heads (see ``kv``)."""
 
@@ -248,6 +251,11 @@ class ModelDims:
                                 f"{self.num_attention_heads} (or set model.kv_channels)")
         else:
             check_positive("model.kv_channels", self.kv_channels)
+
+    @property
+    def qkv_bias(self) -> bool:
+        """Whether linear_qkv has a bias (megatron: ``add_bias_linear or add_qkv_bias``)."""
+        return self.add_bias or self.add_qkv_bias
 
     @property
     def heads_per_group(self) -> int:

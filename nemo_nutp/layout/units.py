@@ -71,8 +71,10 @@ def num_units(dims: ModelDims, space: str) -> int:
 def layer_kinds(dims: ModelDims) -> list[str]:
     """Sharded kinds present in one transformer layer."""
     kinds = ["qkv_weight", "proj_weight", "fc1_weight", "fc2_weight"]
+    if dims.qkv_bias:
+        kinds.append("qkv_bias")
     if dims.add_bias:
-        kinds += ["qkv_bias", "fc1_bias"]
+        kinds.append("fc1_bias")
     return kinds
 
 

@@ -36,7 +36,7 @@ def _config(case: Any, dims: Any) -> Any:
         gated_linear_unit=dims.gated_mlp, activation_func=F.silu if dims.gated_mlp else F.gelu,
         normalization=dims.normalization, layernorm_epsilon=dims.layernorm_epsilon,
         add_bias_linear=dims.add_bias,
-        add_qkv_bias=dims.add_bias, hidden_dropout=0.0, attention_dropout=0.0,
+        add_qkv_bias=dims.add_qkv_bias, hidden_dropout=0.0, attention_dropout=0.0,
         use_cpu_initialization=True, perform_initialization=False, params_dtype=half,
         bf16=case.precision == "bf16", fp16=case.precision == "fp16",
         bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,

@@ -136,7 +136,6 @@ def test_cpu_patch_targets_still_exist_and_call_cuda() -> None:
     ("model.num_moe_experts=4", "model.num_moe_experts=4: not supported"),
     ("model.context_parallel_size=2", "model.context_parallel_size=2: not supported"),
     ("model.position_embedding_type=none", "model.position_embedding_type=none: rope or"),
-    ("model.add_qkv_bias=true", "model.add_qkv_bias=True: must equal model.add_bias_linear"),
     ("model.cross_entropy_fusion_impl=te", "model.cross_entropy_fusion_impl=te: not supported"),
 ])
 def test_model_fields_the_nutp_model_cannot_honour_are_rejected_by_name(
@@ -145,7 +144,7 @@ def test_model_fields_the_nutp_model_cannot_honour_are_rejected_by_name(
     not implement is a one-line ``ValueError`` naming it, before any process group."""
     import torch.distributed as dist
 
-    extra = ["model.add_bias_linear=false"] if override.startswith("model.add_qkv_bias") else []
+    extra = []
     if override.startswith("model.rotary_percent"):  # the recipe's positions are learned
         extra = ["model.position_embedding_type=rope"]
     with pytest.raises(ValueError) as e:
@@ -174,6 +173,10 @@ def test_rope_settings_reach_the_nutp_model() -> None:
     assert m.layernorm_epsilon == 1e-6  # was silently megatron's 1e-5
     assert (m.rotary_percent, m.seq_len_interpolation_factor, m.rope_scaling) == (0.5, 2.0,
                                                                                   False)
+    job = load_bridge_job(RECIPE, str(TINY), ["model.add_bias_linear=false",
+                                              "model.add_qkv_bias=true"])
+    m = model_config_of(job.bridge.model, vocab_size=256)
+    assert (m.add_bias, m.add_qkv_bias, m.qkv_bias) == (False, True, True)  # Qwen2's biases
     with pytest.raises(ValueError, match=r"^model.rotary_base=500000: needs model.position_"):
         load_bridge_job(RECIPE, str(TINY), ["model.rotary_base=500000"])
 

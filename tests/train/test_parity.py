@@ -109,6 +109,13 @@ ROPE = [
           steps=3),
     _clip("control_eps", (2, 1), model=dict(layernorm_epsilon=1e-6), global_batch=5, steps=1,
           ref_model=dict(layernorm_epsilon=1e-5)),
+    # a QKV bias without the other linear biases (Qwen2); it moves with its query group. Its
+    # zero init changes nothing at step 0: the control (reference without it) differs from the
+    # first update on, in grad norms and weights.
+    _clip("tp2_tp1_qkv_bias_clip", (2, 1), model=dict(add_qkv_bias=True), global_batch=5,
+          steps=3),
+    _clip("control_qkv_bias", (2, 1), model=dict(add_qkv_bias=True), global_batch=5, steps=3,
+          ref_model=dict(add_qkv_bias=False)),
 ]
 FIVE = [_clip("tp3_tp2_clip", (3, 2), model=GQA_SWIGLU, global_batch=7)]
 FOUR = [
@@ -155,14 +162,16 @@ def test_parity_tp2_tp1(tmp_path: Path) -> None:
 @pytest.mark.dist
 @pytest.mark.timeout(900)
 def test_parity_rope(tmp_path: Path) -> None:
-    """RoPE variants and the norms' epsilon match stock megatron-core's GPTModel given the same
-    settings, and each one switched off in the reference alone fails on the step-0
-    gradients."""
+    """RoPE variants, the norms' epsilon and a QKV bias alone match stock megatron-core's
+    GPTModel given the same settings, and each one switched off in the reference alone fails
+    (on the step-0 gradients; the zero-initialised bias from the first update on)."""
     res = run_cases(ROPE, 3, tmp_path)
     check_cases(res, ROPE)
     for name in ("control_rope_base", "control_rope_scaling", "control_rope_percent",
                  "control_rope_interpolation", "control_eps"):
         assert res[name]["grad_rel_max"] > 10 * TOL, (name, res[name]["grad_rel_max"])
+    qkv = res["control_qkv_bias"]
+    assert max(qkv["norm_rel"]) > 10 * TOL and qkv["model_rel"] > 10 * TOL, qkv["model_rel"]
 
 
 @pytest.mark.dist
