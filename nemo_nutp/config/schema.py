@@ -30,6 +30,9 @@ CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 PRECISIONS = ("fp32", "bf16", "fp16")
 TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
 CORE_ATTENTIONS = ("auto", "sdpa", "megatron")
+ACTIVATIONS = ("silu", "gelu", "relu", "squared_relu", "quick_gelu", "fast_gelu")
+"""``model.activation_func`` by name: torch's ``F.silu``/``F.gelu``/``F.relu`` and megatron-core's
+``activations`` module's others (``model/build.py:activation``)."""
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,9 @@ class ModelConfig(ModelDims):
 
     normalization: str = "RMSNorm"
     """'RMSNorm' or 'LayerNorm'."""
+    activation_func: str | None = None
+    """The MLP's activation (megatron ``activation_func``, by name: one of ``ACTIVATIONS``;
+    gated with ``gated_mlp``: SwiGLU, GeGLU, ...). null: silu if gated_mlp, else gelu."""
     layernorm_epsilon: float = 1e-5
     """The norms' epsilon (megatron ``layernorm_epsilon``; Qwen and Llama 3: 1e-6 or 1e-5)."""
     position_embedding: str = "rope"
@@ -89,6 +95,9 @@ class ModelConfig(ModelDims):
             raise bad_value("model.position_embedding", self.position_embedding,
                             "must be rope or learned_absolute")
         self._check_rope()
+        if self.activation_func is not None and self.activation_func not in ACTIVATIONS:
+            raise bad_value("model.activation_func", self.activation_func,
+                            f"must be one of {ACTIVATIONS} (or null)")
         if not 0.0 < self.layernorm_epsilon < 1.0:
             raise bad_value("model.layernorm_epsilon", self.layernorm_epsilon,
                             "must be in (0, 1)")

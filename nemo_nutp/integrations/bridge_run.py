@@ -44,11 +44,7 @@ def model_config_of(provider: Any, *, vocab_size: int) -> Any:
             raise ValueError(f"model.{name}={have}: not supported by the NUTP model "
                              f"(needs {want})")
     gated = bool(provider.gated_linear_unit)
-    act = provider.activation_func
-    if act is not (F.silu if gated else F.gelu):
-        raise ValueError(f"model.activation_func={getattr(act, '__name__', act)}: the NUTP "
-                         f"model uses {'silu' if gated else 'gelu'} with "
-                         f"gated_linear_unit={gated}")
+    act = _activation_name(provider.activation_func)
     pos = provider.position_embedding_type
     if pos not in ("rope", "learned_absolute"):
         raise ValueError(f"model.position_embedding_type={pos}: rope or learned_absolute")
@@ -62,7 +58,7 @@ def model_config_of(provider: Any, *, vocab_size: int) -> Any:
         num_layers=provider.num_layers, hidden_size=provider.hidden_size,
         num_attention_heads=heads, num_query_groups=provider.num_query_groups or heads,
         ffn_hidden_size=provider.ffn_hidden_size, vocab_size=vocab_size,
-        seq_length=provider.seq_length, gated_mlp=gated,
+        seq_length=provider.seq_length, gated_mlp=gated, activation_func=act,
         tie_embeddings=bool(provider.share_embeddings_and_output_weights),
         add_bias=bool(provider.add_bias_linear), add_qkv_bias=bool(provider.add_qkv_bias),
         kv_channels=provider.kv_channels,
@@ -72,6 +68,22 @@ def model_config_of(provider: Any, *, vocab_size: int) -> Any:
         hidden_dropout=float(provider.hidden_dropout),
         attention_dropout=float(provider.attention_dropout), cross_entropy_loss_fusion=fused_ce,
         **_rope_of(provider, pos))
+
+
+def _activation_name(func: Any) -> str:
+    """``model.activation_func``'s name for a provider's callable (the same functions the NUTP
+    model builds from the name); anything else is refused by name."""
+    from megatron.core import activations
+
+    from ..config.schema import ACTIVATIONS
+
+    known = {F.silu: "silu", F.gelu: "gelu", F.relu: "relu",
+             activations.squared_relu: "squared_relu", activations.quick_gelu: "quick_gelu",
+             activations.fast_gelu: "fast_gelu"}
+    if func not in known:
+        raise ValueError(f"model.activation_func={getattr(func, '__name__', func)}: not "
+                         f"supported by the NUTP model (one of {ACTIVATIONS})")
+    return known[func]
 
 
 def _rope_of(provider: Any, pos: str) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import re
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -132,7 +133,7 @@ def transformer_config(model: Any, *, degree: int, sequence_parallel: bool = Fal
         num_layers=model.num_layers, hidden_size=model.hidden_size,
         num_attention_heads=model.num_attention_heads, num_query_groups=model.num_query_groups,
         ffn_hidden_size=model.ffn_hidden_size, kv_channels=model.kv,
-        gated_linear_unit=model.gated_mlp, activation_func=F.silu if model.gated_mlp else F.gelu,
+        gated_linear_unit=model.gated_mlp, activation_func=activation(model),
         normalization=getattr(model, "normalization", "RMSNorm"),
         layernorm_epsilon=float(getattr(model, "layernorm_epsilon", 1e-5)),
         add_bias_linear=model.add_bias,
@@ -272,6 +273,21 @@ def load_global_init(model: torch.nn.Module, dims: ModelDims, *, degree: int, tp
                                 if tied_copy else (gname, kind))
         init_param_(p, name=init_name, kind=init_kind, units=units, dims=dims, seed=seed,
                     std=std)
+
+
+def activation(model_cfg: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The MLP's activation function from ``model.activation_func`` (a name, elementwise: no
+    unit changes); null: silu for a gated MLP, gelu otherwise."""
+    from megatron.core import activations
+
+    name = getattr(model_cfg, "activation_func", None)
+    if name is None:
+        name = "silu" if model_cfg.gated_mlp else "gelu"
+    table: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+        "silu": F.silu, "gelu": F.gelu, "relu": F.relu,
+        "squared_relu": activations.squared_relu, "quick_gelu": activations.quick_gelu,
+        "fast_gelu": activations.fast_gelu}
+    return table[name]
 
 
 def rope_kwargs(model_cfg: Any) -> dict[str, Any]:

@@ -24,8 +24,17 @@ from nemo_nutp.model.init import normalize_name
 _DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _config(case: Any, dims: Any) -> Any:
+def _activation(dims: Any) -> Any:
+    """megatron-core's activation for ``model.activation_func`` (the reference's own table)."""
     import torch.nn.functional as F
+    from megatron.core.activations import fast_gelu, quick_gelu, squared_relu
+
+    name = dims.activation_func or ("silu" if dims.gated_mlp else "gelu")
+    return {"silu": F.silu, "gelu": F.gelu, "relu": F.relu, "squared_relu": squared_relu,
+            "quick_gelu": quick_gelu, "fast_gelu": fast_gelu}[name]
+
+
+def _config(case: Any, dims: Any) -> Any:
     from megatron.core.transformer import TransformerConfig
 
     half = _DTYPE[case.precision]
@@ -33,7 +42,7 @@ def _config(case: Any, dims: Any) -> Any:
         num_layers=dims.num_layers, hidden_size=dims.hidden_size,
         num_attention_heads=dims.num_attention_heads, num_query_groups=dims.num_query_groups,
         ffn_hidden_size=dims.ffn_hidden_size, kv_channels=dims.kv,
-        gated_linear_unit=dims.gated_mlp, activation_func=F.silu if dims.gated_mlp else F.gelu,
+        gated_linear_unit=dims.gated_mlp, activation_func=_activation(dims),
         normalization=dims.normalization, layernorm_epsilon=dims.layernorm_epsilon,
         add_bias_linear=dims.add_bias,
         add_qkv_bias=dims.add_qkv_bias, hidden_dropout=0.0, attention_dropout=0.0,

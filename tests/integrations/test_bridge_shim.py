@@ -186,12 +186,18 @@ def test_optimizer_precision_other_than_the_models_is_rejected_by_name() -> None
         load_bridge_job(RECIPE, str(TINY), ["mixed_precision=null"])
 
 
-def test_activation_other_than_the_nutp_models_is_rejected_by_name() -> None:
-    import torch.nn.functional as F
+def test_activations_reach_the_nutp_model_and_others_are_rejected_by_name() -> None:
+    """megatron's activations (Nemotron's squared ReLU, Gemma's fast GeLU, ...) by name; a
+    function the NUTP model does not build is one line naming it."""
+    import torch
+    from megatron.core.activations import fast_gelu, squared_relu
 
     from nemo_nutp.integrations.bridge_run import model_config_of
 
     job = load_bridge_job(RECIPE, str(TINY), [])  # the recipe's bf16 (model and optimizer)
-    job.bridge.model.activation_func = F.relu
-    with pytest.raises(ValueError, match=r"model.activation_func=relu: the NUTP model uses gelu"):
+    for func, name in ((squared_relu, "squared_relu"), (fast_gelu, "fast_gelu")):
+        job.bridge.model.activation_func = func
+        assert model_config_of(job.bridge.model, vocab_size=256).activation_func == name
+    job.bridge.model.activation_func = torch.tanh
+    with pytest.raises(ValueError, match=r"^model.activation_func=tanh: not supported by the "):
         model_config_of(job.bridge.model, vocab_size=256)

@@ -93,6 +93,8 @@ THREE = [
 LLAMA31 = dict(rotary_base=500000, rope_scaling=True, rope_scaling_factor=8.0, kv_channels=32,
                seq_length=64)
 PARTIAL = dict(rotary_percent=0.5, seq_len_interpolation_factor=2.0)
+ACTS = [("relu", False), ("squared_relu", False), ("quick_gelu", False), ("fast_gelu", True),
+        ("gelu", True)]  # (activation, gated); the control's reference: silu/gelu
 ROPE = [
     _clip("tp2_tp1_rope_llama31_clip", (2, 1), model=LLAMA31, global_batch=5, steps=3),
     _clip("tp2_tp1_rope_partial_clip", (2, 1), model=PARTIAL, global_batch=5, steps=3),
@@ -116,6 +118,12 @@ ROPE = [
           steps=3),
     _clip("control_qkv_bias", (2, 1), model=dict(add_qkv_bias=True), global_batch=5, steps=3,
           ref_model=dict(add_qkv_bias=False)),
+    # the dense recipes' activations, plain and gated (Nemotron's squared ReLU, Gemma's GeGLU)
+    *[_clip(f"tp2_tp1_act_{a}_{'glu' if g else 'mlp'}_clip", (2, 1), global_batch=5, steps=2,
+            model=dict(activation_func=a, gated_mlp=g)) for a, g in ACTS],
+    *[_clip(f"control_act_{a}_{'glu' if g else 'mlp'}", (2, 1), global_batch=5, steps=1,
+            model=dict(activation_func=a, gated_mlp=g), ref_model=dict(activation_func=None))
+      for a, g in ACTS],
 ]
 FIVE = [_clip("tp3_tp2_clip", (3, 2), model=GQA_SWIGLU, global_batch=7)]
 FOUR = [
@@ -161,14 +169,16 @@ def test_parity_tp2_tp1(tmp_path: Path) -> None:
 
 @pytest.mark.dist
 @pytest.mark.timeout(900)
-def test_parity_rope(tmp_path: Path) -> None:
-    """RoPE variants, the norms' epsilon and a QKV bias alone match stock megatron-core's
-    GPTModel given the same settings, and each one switched off in the reference alone fails
-    (on the step-0 gradients; the zero-initialised bias from the first update on)."""
+def test_parity_model_settings(tmp_path: Path) -> None:
+    """RoPE variants, the norms' epsilon, a QKV bias alone and the dense recipes' activations
+    match stock megatron-core's GPTModel given the same settings, and each one switched off in
+    the reference alone fails (on the step-0 gradients; the zero-initialised bias from the
+    first update on)."""
     res = run_cases(ROPE, 3, tmp_path)
     check_cases(res, ROPE)
     for name in ("control_rope_base", "control_rope_scaling", "control_rope_percent",
-                 "control_rope_interpolation", "control_eps"):
+                 "control_rope_interpolation", "control_eps",
+                 *(f"control_act_{a}_{'glu' if g else 'mlp'}" for a, g in ACTS)):
         assert res[name]["grad_rel_max"] > 10 * TOL, (name, res[name]["grad_rel_max"])
     qkv = res["control_qkv_bias"]
     assert max(qkv["norm_rel"]) > 10 * TOL and qkv["model_rel"] > 10 * TOL, qkv["model_rel"]
