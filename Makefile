@@ -15,7 +15,7 @@ STAMP312 := $(VENV312)/.installed
 # On megatron-core 0.19: what touches megatron-core's version-dependent code — parity (fixed
 # layouts; the hypothesis-drawn layouts run on 0.16 only), checkpoint round trips, the pipeline,
 # the distributed optimizer, one end-to-end nutp-train run, the image checks. Pure config and
-# train-loop behaviour (tests/launch/test_configs.py, the rest of tests/train) are version-free
+# train-loop behaviour (tests/config/test_configs.py, the rest of tests/train) are version-free
 # and run on 3.11 only, to keep CI inside its time.
 TESTS_312 ?= tests/train/test_parity.py tests/train/test_checks.py \
 	tests/train/test_train.py::test_nutp_layout_matches_single_replica \

@@ -94,7 +94,6 @@ class ModelConfig(ModelDims):
         if self.position_embedding not in ("rope", "learned_absolute"):
             raise bad_value("model.position_embedding", self.position_embedding,
                             "must be rope or learned_absolute")
-        self._check_rope()
         if self.activation_func is not None and self.activation_func not in ACTIVATIONS:
             raise bad_value("model.activation_func", self.activation_func,
                             f"must be one of {ACTIVATIONS} (or null)")
@@ -109,10 +108,10 @@ class ModelConfig(ModelDims):
             raise bad_value("model.hidden_size", self.hidden_size,
                             f"RoPE needs an even head dimension "
                             f"({self.hidden_size}/{self.num_attention_heads} heads={self.kv})")
+        self._check_rope()  # after the head width: an odd one is named as such
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise bad_value(f"model.{name}", getattr(self, name), "must be in [0, 1)")
-
 
     def _check_rope(self) -> None:
         """RoPE settings: valid values, and none set away from its default without RoPE (it

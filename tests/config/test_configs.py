@@ -237,6 +237,34 @@ def test_numerics_bad_values_name_the_key(overrides: list[str], key: str) -> Non
 
 
 @pytest.mark.parametrize(("overrides", "match"), [
+    (["model.rotary_base=1"], r"^model\.rotary_base=1: must be an integer >= 2"),
+    (["model.rotary_percent=0"], r"^model\.rotary_percent=0\.0: must be in \(0, 1\]"),
+    (["model.rotary_percent=0.1"], r"^model\.rotary_percent=0\.1: rotates 0 of 8 channels"),
+    (["model.rope_scaling_factor=0"], r"^model\.rope_scaling_factor=0\.0: must be > 0"),
+    (["model.seq_len_interpolation_factor=-1"],
+     r"^model\.seq_len_interpolation_factor=-1\.0: must be > 0 or null"),
+    (["model.position_embedding=learned_absolute", "model.rope_scaling=true"],
+     r"^model\.rope_scaling=True: needs model\.position_embedding=rope"),
+    (["model.activation_func=swish"], r"^model\.activation_func='swish': must be one of"),
+    (["model.layernorm_epsilon=0"], r"^model\.layernorm_epsilon=0\.0: must be in \(0, 1\)"),
+])
+def test_model_settings_bad_values_name_the_key(overrides: list[str], match: str) -> None:
+    """RoPE, activation and epsilon values that megatron would fail on late, or that would be
+    ignored (RoPE beside learned positions), are one line naming the key."""
+    with pytest.raises(ValueError, match=match):
+        load_config(overrides)
+
+
+def test_model_settings_load_with_megatron_names() -> None:
+    job = load_config(["model=llama3_8b", "model.rope_scaling=true",
+                       "model.activation_func=silu", "model.layernorm_epsilon=1e-6",
+                       "model.add_qkv_bias=true"])
+    m = job.model
+    assert (m.rotary_base, m.rope_scaling, m.rope_scaling_factor) == (500000, True, 8.0)
+    assert (m.activation_func, m.layernorm_epsilon, m.qkv_bias) == ("silu", 1e-6, True)
+
+
+@pytest.mark.parametrize(("overrides", "match"), [
     (["model.kv_channels=7"], r"^model\.kv_channels=7: RoPE needs an even head dimension"),
     (["model.hidden_size=72", "model.num_attention_heads=8"],
      r"^model\.hidden_size=72: RoPE needs an even head dimension \(72/8 heads=9\)"),
