@@ -30,6 +30,7 @@ CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 PRECISIONS = ("fp32", "bf16", "fp16")
 TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
 CORE_ATTENTIONS = ("auto", "sdpa", "megatron")
+POSITION_EMBEDDINGS = ("rope", "learned_absolute", "none")
 ACTIVATIONS = ("silu", "gelu", "relu", "squared_relu", "quick_gelu", "fast_gelu")
 """``model.activation_func`` by name: torch's ``F.silu``/``F.gelu``/``F.relu`` and megatron-core's
 ``activations`` module's others (``model/build.py:activation``)."""
@@ -47,7 +48,8 @@ class ModelConfig(ModelDims):
     layernorm_epsilon: float = 1e-5
     """The norms' epsilon (megatron ``layernorm_epsilon``; Qwen and Llama 3: 1e-6 or 1e-5)."""
     position_embedding: str = "rope"
-    """'rope' or 'learned_absolute'."""
+    """'rope', 'learned_absolute' or 'none' (no position information: NoPE; megatron
+    ``position_embedding_type``)."""
     rotary_base: int = 10000
     """RoPE base (megatron ``rotary_base``; Llama 3: 500000). Only with rope."""
     rotary_percent: float = 1.0
@@ -91,9 +93,9 @@ class ModelConfig(ModelDims):
         if self.normalization not in ("RMSNorm", "LayerNorm"):
             raise bad_value("model.normalization", self.normalization,
                             "must be RMSNorm or LayerNorm")
-        if self.position_embedding not in ("rope", "learned_absolute"):
+        if self.position_embedding not in POSITION_EMBEDDINGS:
             raise bad_value("model.position_embedding", self.position_embedding,
-                            "must be rope or learned_absolute")
+                            f"must be one of {POSITION_EMBEDDINGS}")
         if self.activation_func is not None and self.activation_func not in ACTIVATIONS:
             raise bad_value("model.activation_func", self.activation_func,
                             f"must be one of {ACTIVATIONS} (or null)")

@@ -46,8 +46,11 @@ def model_config_of(provider: Any, *, vocab_size: int) -> Any:
     gated = bool(provider.gated_linear_unit)
     act = _activation_name(provider.activation_func)
     pos = provider.position_embedding_type
-    if pos not in ("rope", "learned_absolute"):
-        raise ValueError(f"model.position_embedding_type={pos}: rope or learned_absolute")
+    from ..config.schema import POSITION_EMBEDDINGS
+
+    if pos not in POSITION_EMBEDDINGS:
+        raise ValueError(f"model.position_embedding_type={pos}: not supported by the NUTP "
+                         f"model (one of {POSITION_EMBEDDINGS})")
     fused_ce = bool(getattr(provider, "cross_entropy_loss_fusion", False))
     impl = getattr(provider, "cross_entropy_fusion_impl", "native")
     if fused_ce and impl != "native":
@@ -67,7 +70,7 @@ def model_config_of(provider: Any, *, vocab_size: int) -> Any:
         init_std=float(provider.init_method_std),
         hidden_dropout=float(provider.hidden_dropout),
         attention_dropout=float(provider.attention_dropout), cross_entropy_loss_fusion=fused_ce,
-        **_rope_of(provider, pos))
+        **_rope_of(provider))
 
 
 def _activation_name(func: Any) -> str:
@@ -86,11 +89,11 @@ def _activation_name(func: Any) -> str:
     return known[func]
 
 
-def _rope_of(provider: Any, pos: str) -> dict[str, Any]:
-    """The provider's RoPE settings as ``ModelConfig`` fields (megatron's names): with
-    learned absolute positions only their defaults, so ``ModelConfig`` refuses a RoPE setting
-    that would be ignored. Bridge's provider default ``rope_scaling_factor=1.0`` is read only
-    with ``rope_scaling``."""
+def _rope_of(provider: Any) -> dict[str, Any]:
+    """The provider's RoPE settings as ``ModelConfig`` fields (megatron's names), as they are:
+    without RoPE, ``ModelConfig`` accepts only their defaults (a RoPE setting that would be
+    ignored is refused by name). Bridge's provider default ``rope_scaling_factor=1.0`` is read
+    only with ``rope_scaling``."""
     out: dict[str, Any] = {"rotary_base": int(provider.rotary_base),
                            "rotary_percent": float(provider.rotary_percent),
                            "rope_scaling": bool(getattr(provider, "rope_scaling", False)),

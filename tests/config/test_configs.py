@@ -262,6 +262,7 @@ def test_model_settings_load_with_megatron_names() -> None:
     m = job.model
     assert (m.rotary_base, m.rope_scaling, m.rope_scaling_factor) == (500000, True, 8.0)
     assert (m.activation_func, m.layernorm_epsilon, m.qkv_bias) == ("silu", 1e-6, True)
+    assert load_config(["model.position_embedding=none"]).model.position_embedding == "none"
 
 
 @pytest.mark.parametrize(("overrides", "match"), [

@@ -95,7 +95,7 @@ LLAMA31 = dict(rotary_base=500000, rope_scaling=True, rope_scaling_factor=8.0, k
 PARTIAL = dict(rotary_percent=0.5, seq_len_interpolation_factor=2.0)
 ACTS = [("relu", False), ("squared_relu", False), ("quick_gelu", False), ("fast_gelu", True),
         ("gelu", True)]  # (activation, gated); the control's reference: silu/gelu
-ROPE = [
+SETTINGS = [
     _clip("tp2_tp1_rope_llama31_clip", (2, 1), model=LLAMA31, global_batch=5, steps=3),
     _clip("tp2_tp1_rope_partial_clip", (2, 1), model=PARTIAL, global_batch=5, steps=3),
     _clip("control_rope_base", (2, 1), model=LLAMA31, global_batch=5, steps=1,
@@ -118,6 +118,11 @@ ROPE = [
           steps=3),
     _clip("control_qkv_bias", (2, 1), model=dict(add_qkv_bias=True), global_batch=5, steps=3,
           ref_model=dict(add_qkv_bias=False)),
+    # no position information at all (NoPE: megatron's position_embedding_type none)
+    _clip("tp2_tp1_nope_clip", (2, 1), model=dict(position_embedding="none"), global_batch=5,
+          steps=3),
+    _clip("control_nope", (2, 1), model=dict(position_embedding="none"), global_batch=5,
+          steps=1, ref_model=dict(position_embedding="rope")),
     # the dense recipes' activations, plain and gated (Nemotron's squared ReLU, Gemma's GeGLU)
     *[_clip(f"tp2_tp1_act_{a}_{'glu' if g else 'mlp'}_clip", (2, 1), global_batch=5, steps=2,
             model=dict(activation_func=a, gated_mlp=g)) for a, g in ACTS],
@@ -170,14 +175,14 @@ def test_parity_tp2_tp1(tmp_path: Path) -> None:
 @pytest.mark.dist
 @pytest.mark.timeout(900)
 def test_parity_model_settings(tmp_path: Path) -> None:
-    """RoPE variants, the norms' epsilon, a QKV bias alone and the dense recipes' activations
-    match stock megatron-core's GPTModel given the same settings, and each one switched off in
-    the reference alone fails (on the step-0 gradients; the zero-initialised bias from the
-    first update on)."""
-    res = run_cases(ROPE, 3, tmp_path)
-    check_cases(res, ROPE)
+    """RoPE variants and no positions, the norms' epsilon, a QKV bias alone and the dense
+    recipes' activations match stock megatron-core's GPTModel given the same settings, and each
+    one switched off in the reference alone fails (on the step-0 gradients; the
+    zero-initialised bias from the first update on)."""
+    res = run_cases(SETTINGS, 3, tmp_path)
+    check_cases(res, SETTINGS)
     for name in ("control_rope_base", "control_rope_scaling", "control_rope_percent",
-                 "control_rope_interpolation", "control_eps",
+                 "control_rope_interpolation", "control_eps", "control_nope",
                  *(f"control_act_{a}_{'glu' if g else 'mlp'}" for a, g in ACTS)):
         assert res[name]["grad_rel_max"] > 10 * TOL, (name, res[name]["grad_rel_max"])
     qkv = res["control_qkv_bias"]
