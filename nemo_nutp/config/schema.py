@@ -149,6 +149,9 @@ class ModelConfig(ModelDims):
         if self.transformer_impl not in TRANSFORMER_IMPLS:
             raise bad_value("model.transformer_impl", self.transformer_impl,
                             f"must be one of {TRANSFORMER_IMPLS}")
+        if self.qk_layernorm and self.transformer_impl == "transformer_engine":
+            raise bad_value("model.transformer_impl", self.transformer_impl,
+                            "model.qk_layernorm is built with local layers only (set local)")
         if self.core_attention not in CORE_ATTENTIONS:
             raise bad_value("model.core_attention", self.core_attention,
                             f"must be one of {CORE_ATTENTIONS}")

@@ -22,7 +22,6 @@ import torch.nn.functional as F
 REJECTED = {
     # provider field -> value the NUTP model has (anything else is rejected by name)
     "apply_query_key_layer_scaling": False,
-    "qk_layernorm": False,
     "num_moe_experts": None,
     "virtual_pipeline_model_parallel_size": None,
     "context_parallel_size": 1,
@@ -64,7 +63,7 @@ def model_config_of(provider: Any, *, vocab_size: int) -> Any:
         seq_length=provider.seq_length, gated_mlp=gated, activation_func=act,
         tie_embeddings=bool(provider.share_embeddings_and_output_weights),
         add_bias=bool(provider.add_bias_linear), add_qkv_bias=bool(provider.add_qkv_bias),
-        kv_channels=provider.kv_channels,
+        kv_channels=provider.kv_channels, qk_layernorm=bool(provider.qk_layernorm),
         normalization=provider.normalization, position_embedding=pos,
         layernorm_epsilon=float(provider.layernorm_epsilon),
         init_std=float(provider.init_method_std),

@@ -234,6 +234,10 @@ class ModelDims:
     ``add_qkv_bias``: Qwen2); it moves with its query group."""
     kv_channels: int | None = None
     """Per-head width; None means hidden_size // num_attention_heads (see ``kv``)."""
+    qk_layernorm: bool = False
+    """A norm over each query and key head (megatron ``qk_layernorm``: Qwen3, Gemma 3, OLMo 2).
+    Its weights are replicated; each TP rank's gradient is a partial sum over its heads, summed
+    over the TP group in the sync, as sequence-parallel norms are."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
@@ -251,6 +255,11 @@ class ModelDims:
                                 f"{self.num_attention_heads} (or set model.kv_channels)")
         else:
             check_positive("model.kv_channels", self.kv_channels)
+
+    @property
+    def norm_params(self) -> int:
+        """Parameters per norm vector element: 2 with LayerNorm (weight, bias), else 1."""
+        return 2 if getattr(self, "normalization", "RMSNorm") == "LayerNorm" else 1
 
     @property
     def qkv_bias(self) -> bool:

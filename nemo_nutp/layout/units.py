@@ -82,6 +82,8 @@ def replicated_shapes(dims: ModelDims) -> dict[str, tuple[int, ...]]:
     """Replicated (not TP-sharded) parameters of one layer: norms and row-parallel biases."""
     h = dims.hidden_size
     shapes: dict[str, tuple[int, ...]] = {"input_layernorm": (h,), "pre_mlp_layernorm": (h,)}
+    if dims.qk_layernorm:
+        shapes.update(q_layernorm=(dims.kv,), k_layernorm=(dims.kv,))
     if dims.add_bias:
         shapes.update(proj_bias=(h,), fc2_bias=(h,))
     return shapes

@@ -29,7 +29,7 @@ from ..layout import PARAM_KINDS, Plan, stage_layers
 from ..layout.specs import ModelDims
 from ..layout.units import space_bounds
 from .init import init_param_
-from .layers import NUTPMLP, NUTPGPTModel, NUTPNorm, NUTPSelfAttention
+from .layers import NUTPMLP, NUTPGPTModel, NUTPHeadNorm, NUTPNorm, NUTPSelfAttention
 
 _KIND_OF = (
     (r"embedding\.word_embeddings\.weight$", "word_embedding"),
@@ -136,6 +136,7 @@ def transformer_config(model: Any, *, degree: int, sequence_parallel: bool = Fal
         gated_linear_unit=model.gated_mlp, activation_func=activation(model),
         normalization=getattr(model, "normalization", "RMSNorm"),
         layernorm_epsilon=float(getattr(model, "layernorm_epsilon", 1e-5)),
+        qk_layernorm=bool(getattr(model, "qk_layernorm", False)),
         add_bias_linear=model.add_bias,
         add_qkv_bias=model.add_bias or getattr(model, "add_qkv_bias", False),
         hidden_dropout=float(getattr(model, "hidden_dropout", 0.0)),
@@ -164,6 +165,9 @@ def nutp_layer_spec(dims: ModelDims, *, degree: int, tp_rank: int,
                               balance)
     spec.submodules.input_layernorm = NUTPNorm
     spec.submodules.pre_mlp_layernorm = NUTPNorm
+    if getattr(dims, "qk_layernorm", False):
+        attn = spec.submodules.self_attention.submodules
+        attn.q_layernorm = attn.k_layernorm = NUTPHeadNorm
     if core_attention == "sdpa":
         from .attention import SDPAttention
 
@@ -213,6 +217,10 @@ def nutp_te_layer_spec(dims: ModelDims, *, degree: int, tp_rank: int,
     (``model.te_names``). Needs ``transformer_engine``; it is not installed in CI, so this path
     has no CPU test (``tests/gpu`` has one, skipped without TE).
     """
+    if getattr(dims, "qk_layernorm", False):
+        raise ValueError("model.qk_layernorm=True: built with megatron's local layers only "
+                         "(model.transformer_impl=local); the TE spec's fused QK norm is not "
+                         "built yet")
     try:
         import transformer_engine  # noqa: F401
         from megatron.core.models.gpt.gpt_layer_specs import (

@@ -83,6 +83,22 @@ class NUTPNorm:
         return norm
 
 
+class NUTPHeadNorm:
+    """megatron's torch norm over each query or key head (``qk_layernorm``). Every TP rank
+    holds the same weights but applies them to its own heads, so its gradient is a partial
+    sum: the parameters are marked ``sequence_parallel`` (partial) and the gradient sync sums
+    them over the TP group, sequence parallelism or not (``sync/engine.py``)."""
+
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5,  # type: ignore[misc]
+                **kwargs: Any) -> torch.nn.Module:
+        c = copy.copy(config)
+        c.sequence_parallel = False
+        norm = WrappedTorchNorm(c, hidden_size, eps, **kwargs)
+        for p in norm.parameters():
+            p.sequence_parallel = True  # type: ignore[attr-defined]
+        return norm
+
+
 class _VocabRangeCrossEntropy(torch.autograd.Function):
     """megatron's vocab-parallel cross entropy with an explicit (possibly uneven) vocab range.
 

@@ -100,9 +100,11 @@ class GradSyncEngine:
         self.ranks = plan.replicas[ctx.replica].ranks[ctx.stage]
         self.leaders = groups.leaders
         # One rule per stage for replicated params, so all replicas launch the same collective:
-        # with sequence parallelism somewhere, all ranks of the stage all-reduce (SP ranks hold
-        # partial sums); otherwise TP-rank-0 leaders all-reduce and broadcast in their TP group.
-        self.stage_mode = plan.request.parallel.sequence_parallel
+        # with sequence parallelism somewhere, or per-head norms (qk_layernorm: each TP rank's
+        # gradient covers its heads), all ranks of the stage all-reduce (they hold partial
+        # sums); otherwise TP-rank-0 leaders all-reduce and broadcast in their TP group.
+        self.stage_mode = (plan.request.parallel.sequence_parallel
+                           or bool(getattr(self.dims, "qk_layernorm", False)))
         self.bucket_size = DEFAULT_BUCKET_SIZE if bucket_size is None else bucket_size
         if staging_buckets <= 0:
             raise ValueError(f"staging_buckets={staging_buckets}: must be > 0")

@@ -44,6 +44,7 @@ def _config(case: Any, dims: Any) -> Any:
         ffn_hidden_size=dims.ffn_hidden_size, kv_channels=dims.kv,
         gated_linear_unit=dims.gated_mlp, activation_func=_activation(dims),
         normalization=dims.normalization, layernorm_epsilon=dims.layernorm_epsilon,
+        qk_layernorm=dims.qk_layernorm,
         add_bias_linear=dims.add_bias,
         add_qkv_bias=dims.add_qkv_bias, hidden_dropout=0.0, attention_dropout=0.0,
         use_cpu_initialization=True, perform_initialization=False, params_dtype=half,
@@ -65,7 +66,8 @@ def _build(case: Any, dims: Any) -> tuple[Any, Any, Any]:
     from nemo_nutp.model.init import init_global
 
     config = _config(case, dims)
-    model: Any = GPTModel(config, get_gpt_layer_local_spec(normalization=dims.normalization),
+    model: Any = GPTModel(config, get_gpt_layer_local_spec(normalization=dims.normalization,
+                                                           qk_layernorm=dims.qk_layernorm),
                           vocab_size=dims.vocab_size, max_sequence_length=dims.seq_length,
                           position_embedding_type=dims.position_embedding,
                           rotary_base=dims.rotary_base, rotary_percent=dims.rotary_percent,

@@ -132,7 +132,6 @@ def test_cpu_patch_targets_still_exist_and_call_cuda() -> None:
 
 @pytest.mark.parametrize("override, message", [
     ("model.rotary_percent=0.1", "model.rotary_percent=0.1: rotates"),
-    ("model.qk_layernorm=true", "model.qk_layernorm=True: not supported"),
     ("model.num_moe_experts=4", "model.num_moe_experts=4: not supported"),
     ("model.context_parallel_size=2", "model.context_parallel_size=2: not supported"),
     ("model.position_embedding_type=yarn", "model.position_embedding_type=yarn: not supported"),
@@ -177,6 +176,8 @@ def test_rope_settings_reach_the_nutp_model() -> None:
                                               "model.add_qkv_bias=true"])
     m = model_config_of(job.bridge.model, vocab_size=256)
     assert (m.add_bias, m.add_qkv_bias, m.qkv_bias) == (False, True, True)  # Qwen2's biases
+    job = load_bridge_job(RECIPE, str(TINY), ["model.qk_layernorm=true"])
+    assert model_config_of(job.bridge.model, vocab_size=256).qk_layernorm  # Qwen3's QK norm
     with pytest.raises(ValueError, match=r"^model.rotary_base=500000: needs model.position_"):
         load_bridge_job(RECIPE, str(TINY), ["model.rotary_base=500000"])
 

@@ -118,6 +118,17 @@ SETTINGS = [
           steps=3),
     _clip("control_qkv_bias", (2, 1), model=dict(add_qkv_bias=True), global_batch=5, steps=3,
           ref_model=dict(add_qkv_bias=False)),
+    # a norm over each query and key head (Qwen3): replicated weights whose gradient is a
+    # partial sum per TP rank (its heads), with and without sequence parallelism. (Not with
+    # LayerNorm under Adam: the key norm's bias has an exactly-zero gradient, softmax being
+    # shift-invariant, so Adam turns its rounding noise into +-lr steps: 6e-5 per tensor.)
+    # Control: the reference without it.
+    _clip("tp2_tp1_qk_norm_clip", (2, 1), model=dict(qk_layernorm=True), global_batch=5,
+          steps=3),
+    _clip("tp2_tp1_qk_norm_sp_clip", (2, 1), sequence_parallel=True, global_batch=5,
+          steps=3, model=dict(qk_layernorm=True, gated_mlp=False)),
+    _clip("control_qk_norm", (2, 1), model=dict(qk_layernorm=True), global_batch=5, steps=1,
+          ref_model=dict(qk_layernorm=False)),
     # no position information at all (NoPE: megatron's position_embedding_type none)
     _clip("tp2_tp1_nope_clip", (2, 1), model=dict(position_embedding="none"), global_batch=5,
           steps=3),
@@ -182,7 +193,7 @@ def test_parity_model_settings(tmp_path: Path) -> None:
     res = run_cases(SETTINGS, 3, tmp_path)
     check_cases(res, SETTINGS)
     for name in ("control_rope_base", "control_rope_scaling", "control_rope_percent",
-                 "control_rope_interpolation", "control_eps", "control_nope",
+                 "control_rope_interpolation", "control_eps", "control_nope", "control_qk_norm",
                  *(f"control_act_{a}_{'glu' if g else 'mlp'}" for a, g in ACTS)):
         assert res[name]["grad_rel_max"] > 10 * TOL, (name, res[name]["grad_rel_max"])
     qkv = res["control_qkv_bias"]
