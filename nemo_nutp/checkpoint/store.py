@@ -29,6 +29,7 @@ Collective: ``save_checkpoint``, ``load_checkpoint``, ``verify_checkpoint`` and
 from __future__ import annotations
 
 import dataclasses
+import json
 import secrets
 import warnings
 from pathlib import Path
@@ -68,8 +69,10 @@ class CheckpointError(RuntimeError):
 
 
 def _dims(model_cfg: Any) -> dict[str, Any]:
+    """The model fields as the checkpoint's JSON marker holds them (tuples as lists: a saved
+    ``window_size`` compares equal to the job's)."""
     if dataclasses.is_dataclass(model_cfg) and not isinstance(model_cfg, type):
-        return dataclasses.asdict(model_cfg)
+        return dict(json.loads(json.dumps(dataclasses.asdict(model_cfg))))
     return {}
 
 

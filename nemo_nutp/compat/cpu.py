@@ -52,6 +52,7 @@ _SHIMMED_MODULES = (
     "megatron.core.models.common.embeddings.rotary_pos_embedding",  # inv_freq on current_device()
     "megatron.core.models.gpt.gpt_model",  # current_device() buffers
     "megatron.core.transformer.attention",  # inference/KV buffers on current_device()
+    "megatron.core.transformer.utils",  # the sliding-window mask on device="cuda"
     "megatron.core.tensor_parallel.layers",  # sequence-parallel all-gather buffers
     "megatron.core.tensor_parallel.mappings",  # sequence-parallel gather/scatter buffers
     "megatron.core.tensor_parallel.utils",  # split/gather buffers on current_device()

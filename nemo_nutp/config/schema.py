@@ -45,6 +45,12 @@ class ModelConfig(ModelDims):
     activation_func: str | None = None
     """The MLP's activation (megatron ``activation_func``, by name: one of ``ACTIVATIONS``;
     gated with ``gated_mlp``: SwiGLU, GeGLU, ...). null: silu if gated_mlp, else gelu."""
+    window_size: tuple[int, int] | None = None
+    """Sliding-window attention (megatron ``window_size``): (left, right), query i attends to
+    keys i - left .. i + right (causal: right 0); null: full causal attention."""
+    window_attn_skip_freq: int | None = None
+    """With ``window_size``: every this-many-th layer (1-based) attends fully, the others by
+    the window (Gemma 3: 6); null: every layer by the window."""
     layernorm_epsilon: float = 1e-5
     """The norms' epsilon (megatron ``layernorm_epsilon``; Qwen and Llama 3: 1e-6 or 1e-5)."""
     position_embedding: str = "rope"
@@ -96,6 +102,7 @@ class ModelConfig(ModelDims):
         if self.position_embedding not in POSITION_EMBEDDINGS:
             raise bad_value("model.position_embedding", self.position_embedding,
                             f"must be one of {POSITION_EMBEDDINGS}")
+        self._check_window()
         if self.activation_func is not None and self.activation_func not in ACTIVATIONS:
             raise bad_value("model.activation_func", self.activation_func,
                             f"must be one of {ACTIVATIONS} (or null)")
@@ -114,6 +121,21 @@ class ModelConfig(ModelDims):
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise bad_value(f"model.{name}", getattr(self, name), "must be in [0, 1)")
+
+    def _check_window(self) -> None:
+        w = self.window_size
+        if w is not None:
+            if len(w) != 2 or any(isinstance(x, bool) or not isinstance(x, int) or x < 0
+                                  for x in w):
+                raise bad_value("model.window_size", list(w),
+                                "must be [left, right] with integers >= 0 (or null)")
+            # OmegaConf hands a list; the config stays hashable (layout caches by model dims)
+            object.__setattr__(self, "window_size", (int(w[0]), int(w[1])))
+        f = self.window_attn_skip_freq
+        if f is not None:
+            if w is None:
+                raise bad_value("model.window_attn_skip_freq", f, "needs model.window_size")
+            check_positive("model.window_attn_skip_freq", f)
 
     def _check_rope(self) -> None:
         """RoPE settings: valid values, and none set away from its default without RoPE (it

@@ -37,12 +37,13 @@ class BridgeJob:
 
 
 def _value(v: Any) -> str:
-    """A YAML value as a Hydra override value (lists/dicts as JSON flow, which Hydra parses)."""
+    """A YAML value as a Hydra override value (lists, tuples and dicts as JSON flow, which Hydra
+    parses)."""
     if v is None:
         return "null"
     if isinstance(v, bool):
         return "true" if v else "false"
-    if isinstance(v, (list, dict)):
+    if isinstance(v, (list, tuple, dict)):
         return json.dumps(v)
     return str(v)
 

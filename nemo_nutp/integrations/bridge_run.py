@@ -64,6 +64,7 @@ def model_config_of(provider: Any, *, vocab_size: int) -> Any:
         tie_embeddings=bool(provider.share_embeddings_and_output_weights),
         add_bias=bool(provider.add_bias_linear), add_qkv_bias=bool(provider.add_qkv_bias),
         kv_channels=provider.kv_channels, qk_layernorm=bool(provider.qk_layernorm),
+        **_window_of(provider),
         normalization=provider.normalization, position_embedding=pos,
         layernorm_epsilon=float(provider.layernorm_epsilon),
         init_std=float(provider.init_method_std),
@@ -86,6 +87,18 @@ def _activation_name(func: Any) -> str:
         raise ValueError(f"model.activation_func={getattr(func, '__name__', func)}: not "
                          f"supported by the NUTP model (one of {ACTIVATIONS})")
     return known[func]
+
+
+def _window_of(provider: Any) -> dict[str, Any]:
+    """Sliding-window attention (megatron ``window_size``, ``window_attn_skip_freq`` as an
+    int); a per-layer list pattern is refused by name."""
+    w = getattr(provider, "window_size", None)
+    freq = getattr(provider, "window_attn_skip_freq", None)
+    if freq is not None and not isinstance(freq, int):
+        raise ValueError(f"model.window_attn_skip_freq={freq}: not supported by the NUTP model "
+                         "(an int or null)")
+    return {"window_size": None if w is None else (int(w[0]), int(w[1])),
+            "window_attn_skip_freq": freq}
 
 
 def _rope_of(provider: Any) -> dict[str, Any]:

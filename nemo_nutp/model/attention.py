@@ -13,6 +13,9 @@ dropout, ``sharded_state_dict``) and replaces only ``forward`` by torch's fused 
 
 Contract: equal to megatron's ``DotProductAttention`` within fp32 rounding on CPU
 (``tests/model/test_attention.py``), and in training parity (a parity case runs it).
+* a sliding window (``window_size``, per layer by ``window_attn_skip_freq``) as megatron's
+  softmax builds it: the window replaces the causal mask.
+
 Not supported (a clear error): packed sequences, attention bias, softmax offsets, an explicit
 non-causal mask without a mask tensor.
 """
@@ -26,6 +29,7 @@ import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.utils import is_layer_window_attention
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -53,6 +57,16 @@ class SDPAttention(DotProductAttention):
         if rep > 1 and not gqa:
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         mask = None if causal or attention_mask is None else ~attention_mask  # True = attend
+        window = self.config.window_size
+        if is_layer_window_attention(window, self.config.window_attn_skip_freq,
+                                     self.layer_number):
+            # megatron's sliding window (fused_softmax: get_sliding_window_causal_mask)
+            # replaces the mask: keys i - left .. i + right of query i
+            assert window is not None
+            sk = key.shape[0]
+            i = torch.arange(sq, device=q.device).view(-1, 1) + (sk - sq)
+            j = torch.arange(sk, device=q.device).view(1, -1)
+            mask, causal = (j >= i - window[0]) & (j <= i + window[1]), False
         p = self.attention_dropout.p if self.training else 0.0
         scale = self.softmax_scale  # megatron's layer scaling divides it and multiplies back
         if self.config.apply_query_key_layer_scaling:

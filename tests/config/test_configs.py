@@ -246,6 +246,8 @@ def test_numerics_bad_values_name_the_key(overrides: list[str], key: str) -> Non
     (["model.position_embedding=learned_absolute", "model.rope_scaling=true"],
      r"^model\.rope_scaling=True: needs model\.position_embedding=rope"),
     (["model.activation_func=swish"], r"^model\.activation_func='swish': must be one of"),
+    (["model.window_size=[4]"], r"^model\.window_size=\[4\]: must be \[left, right\]"),
+    (["model.window_attn_skip_freq=2"], r"^model\.window_attn_skip_freq=2: needs model\.window_"),
     (["model.layernorm_epsilon=0"], r"^model\.layernorm_epsilon=0\.0: must be in \(0, 1\)"),
 ])
 def test_model_settings_bad_values_name_the_key(overrides: list[str], match: str) -> None:
@@ -263,6 +265,8 @@ def test_model_settings_load_with_megatron_names() -> None:
     assert (m.rotary_base, m.rope_scaling, m.rope_scaling_factor) == (500000, True, 8.0)
     assert (m.activation_func, m.layernorm_epsilon, m.qkv_bias) == ("silu", 1e-6, True)
     assert load_config(["model.position_embedding=none"]).model.position_embedding == "none"
+    w = load_config(["model.window_size=[4096,0]", "model.window_attn_skip_freq=6"]).model
+    assert (w.window_size, w.window_attn_skip_freq) == ((4096, 0), 6) and hash(w)
 
 
 @pytest.mark.parametrize(("overrides", "match"), [

@@ -178,6 +178,10 @@ def test_rope_settings_reach_the_nutp_model() -> None:
     assert (m.add_bias, m.add_qkv_bias, m.qkv_bias) == (False, True, True)  # Qwen2's biases
     job = load_bridge_job(RECIPE, str(TINY), ["model.qk_layernorm=true"])
     assert model_config_of(job.bridge.model, vocab_size=256).qk_layernorm  # Qwen3's QK norm
+    job = load_bridge_job(RECIPE, str(TINY), ["model.window_size=[16,0]",
+                                              "model.window_attn_skip_freq=2"])
+    m = model_config_of(job.bridge.model, vocab_size=256)  # silently dropped before
+    assert (m.window_size, m.window_attn_skip_freq) == ((16, 0), 2)
     with pytest.raises(ValueError, match=r"^model.rotary_base=500000: needs model.position_"):
         load_bridge_job(RECIPE, str(TINY), ["model.rotary_base=500000"])
 

@@ -93,6 +93,7 @@ THREE = [
 LLAMA31 = dict(rotary_base=500000, rope_scaling=True, rope_scaling_factor=8.0, kv_channels=32,
                seq_length=64)
 PARTIAL = dict(rotary_percent=0.5, seq_len_interpolation_factor=2.0)
+WINDOW = dict(window_size=(3, 0), window_attn_skip_freq=2)
 ACTS = [("relu", False), ("squared_relu", False), ("quick_gelu", False), ("fast_gelu", True),
         ("gelu", True)]  # (activation, gated); the control's reference: silu/gelu
 SETTINGS = [
@@ -129,6 +130,17 @@ SETTINGS = [
           steps=3, model=dict(qk_layernorm=True, gated_mlp=False)),
     _clip("control_qk_norm", (2, 1), model=dict(qk_layernorm=True), global_batch=5, steps=1,
           ref_model=dict(qk_layernorm=False)),
+    # sliding-window attention (Mistral, Gemma 2/3): a window of 4 keys (left 3) on layer 1,
+    # layer 2 full (skip frequency 2, Gemma 3's pattern), on megatron's attention and on SDPA
+    _clip("tp2_tp1_window_clip", (2, 1), model=WINDOW, global_batch=5, steps=3),
+    _clip("tp2_tp1_window_sdpa_clip", (2, 1), model=dict(WINDOW, core_attention="sdpa"),
+          global_batch=5, steps=3),
+    _clip("control_window", (2, 1), model=WINDOW, global_batch=5, steps=1,
+          ref_model=dict(window_size=None, window_attn_skip_freq=None)),
+    _clip("control_window_sdpa", (2, 1), model=dict(WINDOW, core_attention="sdpa"),
+          global_batch=5, steps=1, ref_model=dict(window_size=None, window_attn_skip_freq=None)),
+    _clip("control_window_skip", (2, 1), model=dict(WINDOW, core_attention="sdpa"),
+          global_batch=5, steps=1, ref_model=dict(window_attn_skip_freq=None)),
     # no position information at all (NoPE: megatron's position_embedding_type none)
     _clip("tp2_tp1_nope_clip", (2, 1), model=dict(position_embedding="none"), global_batch=5,
           steps=3),
@@ -194,6 +206,7 @@ def test_parity_model_settings(tmp_path: Path) -> None:
     check_cases(res, SETTINGS)
     for name in ("control_rope_base", "control_rope_scaling", "control_rope_percent",
                  "control_rope_interpolation", "control_eps", "control_nope", "control_qk_norm",
+                 "control_window", "control_window_sdpa", "control_window_skip",
                  *(f"control_act_{a}_{'glu' if g else 'mlp'}" for a, g in ACTS)):
         assert res[name]["grad_rel_max"] > 10 * TOL, (name, res[name]["grad_rel_max"])
     qkv = res["control_qkv_bias"]
