@@ -45,7 +45,7 @@ from nemo_nutp.relayout.plan import holding, stable_replan, stage_spaces, unit_e
 
 LLAMA_70B = ModelConfig(num_layers=80, hidden_size=8192, num_attention_heads=64,
                         num_query_groups=8, ffn_hidden_size=28672, vocab_size=128256,
-                        seq_length=8192, gated_mlp=True)
+                        seq_length=8192, gated_linear_unit=True)
 """configs/model/llama3_70b.yaml."""
 
 

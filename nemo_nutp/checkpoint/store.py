@@ -71,8 +71,11 @@ class CheckpointError(RuntimeError):
 def _dims(model_cfg: Any) -> dict[str, Any]:
     """The model fields as the checkpoint's JSON marker holds them (tuples as lists: a saved
     ``window_size`` compares equal to the job's)."""
+    from ..config.schema import RENAMED
+
     if dataclasses.is_dataclass(model_cfg) and not isinstance(model_cfg, type):
-        return dict(json.loads(json.dumps(dataclasses.asdict(model_cfg))))
+        out = json.loads(json.dumps(dataclasses.asdict(model_cfg)))
+        return {k: v for k, v in out.items() if k not in RENAMED}  # deprecated aliases: None
     return {}
 
 
@@ -258,11 +261,18 @@ def check_compatible(marker: dict[str, Any], model_cfg: Any, path: Path) -> None
     """Model dims of an NUTP checkpoint must equal the job's: ``ValueError`` naming the field."""
     if not str(marker.get("format", "")).startswith("nemo_nutp.checkpoint/"):
         raise CheckpointError(f"{path}: format {marker.get('format')!r}, expected {FORMAT!r}")
+    from ..config.schema import RENAMED
+
     mine = _dims(model_cfg)
+    saved = dict(marker.get("model", {}))
+    for old, new in RENAMED.items():  # a previous release's marker holds the old names
+        value = saved.pop(old, None)
+        if value is not None and new not in saved:
+            saved[new] = value
     for key, value in mine.items():
-        if key in marker.get("model", {}) and marker["model"][key] != value:
+        if key in saved and saved[key] != value:
             raise ValueError(f"model.{key}={value!r}: checkpoint {path} was saved with "
-                             f"model.{key}={marker['model'][key]!r}")
+                             f"model.{key}={saved[key]!r}")
 
 
 def check_shapes(path: Path, expected: dict[str, list[int]]) -> bool:

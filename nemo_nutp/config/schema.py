@@ -30,6 +30,10 @@ CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 PRECISIONS = ("fp32", "bf16", "fp16")
 TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
 CORE_ATTENTIONS = ("auto", "sdpa", "megatron")
+RENAMED = {"gated_mlp": "gated_linear_unit", "add_bias": "add_bias_linear",
+           "position_embedding": "position_embedding_type"}
+"""``model.*`` names of the previous release -> megatron-core's (accepted with a warning for
+one release; a checkpoint's marker may still hold the old ones)."""
 POSITION_EMBEDDINGS = ("rope", "learned_absolute", "none")
 ACTIVATIONS = ("silu", "gelu", "relu", "squared_relu", "quick_gelu", "fast_gelu")
 """``model.activation_func`` by name: torch's ``F.silu``/``F.gelu``/``F.relu`` and megatron-core's
@@ -44,7 +48,14 @@ class ModelConfig(ModelDims):
     """'RMSNorm' or 'LayerNorm'."""
     activation_func: str | None = None
     """The MLP's activation (megatron ``activation_func``, by name: one of ``ACTIVATIONS``;
-    gated with ``gated_mlp``: SwiGLU, GeGLU, ...). null: silu if gated_mlp, else gelu."""
+    gated with ``gated_linear_unit``: SwiGLU, GeGLU, ...). null: silu if gated_linear_unit,
+    else gelu."""
+    gated_mlp: bool | None = None
+    """Deprecated: ``gated_linear_unit`` (megatron's name). Removed in the next release."""
+    add_bias: bool | None = None
+    """Deprecated: ``add_bias_linear`` (megatron's name). Removed in the next release."""
+    position_embedding: str | None = None
+    """Deprecated: ``position_embedding_type`` (megatron's name). Removed in the next release."""
     window_size: tuple[int, int] | None = None
     """Sliding-window attention (megatron ``window_size``): (left, right), query i attends to
     keys i - left .. i + right (causal: right 0); null: full causal attention."""
@@ -53,7 +64,7 @@ class ModelConfig(ModelDims):
     the window (Gemma 3: 6); null: every layer by the window."""
     layernorm_epsilon: float = 1e-5
     """The norms' epsilon (megatron ``layernorm_epsilon``; Qwen and Llama 3: 1e-6 or 1e-5)."""
-    position_embedding: str = "rope"
+    position_embedding_type: str = "rope"
     """'rope', 'learned_absolute' or 'none' (no position information: NoPE; megatron
     ``position_embedding_type``)."""
     rotary_base: int = 10000
@@ -94,13 +105,14 @@ class ModelConfig(ModelDims):
     """With full: layers per recompute chunk (uniform) or recomputed layers per stage (block)."""
 
     def __post_init__(self) -> None:
+        self._rename_deprecated()
         super().__post_init__()
         self._check_impl()
         if self.normalization not in ("RMSNorm", "LayerNorm"):
             raise bad_value("model.normalization", self.normalization,
                             "must be RMSNorm or LayerNorm")
-        if self.position_embedding not in POSITION_EMBEDDINGS:
-            raise bad_value("model.position_embedding", self.position_embedding,
+        if self.position_embedding_type not in POSITION_EMBEDDINGS:
+            raise bad_value("model.position_embedding_type", self.position_embedding_type,
                             f"must be one of {POSITION_EMBEDDINGS}")
         self._check_window()
         if self.activation_func is not None and self.activation_func not in ACTIVATIONS:
@@ -109,7 +121,7 @@ class ModelConfig(ModelDims):
         if not 0.0 < self.layernorm_epsilon < 1.0:
             raise bad_value("model.layernorm_epsilon", self.layernorm_epsilon,
                             "must be in (0, 1)")
-        if self.position_embedding == "rope" and self.kv % 2:
+        if self.position_embedding_type == "rope" and self.kv % 2:
             # RoPE rotates channel pairs; megatron's rotate_half cannot split an odd width.
             if self.kv_channels is not None:
                 raise bad_value("model.kv_channels", self.kv_channels,
@@ -121,6 +133,24 @@ class ModelConfig(ModelDims):
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise bad_value(f"model.{name}", getattr(self, name), "must be in [0, 1)")
+
+    def _rename_deprecated(self) -> None:
+        """The previous release's names: one warning each, the value moved to megatron's name
+        (both set: an error naming them)."""
+        import warnings
+
+        for old, new in RENAMED.items():
+            value = getattr(self, old)
+            if value is None:
+                continue
+            default = type(self).__dataclass_fields__[new].default
+            if getattr(self, new) != default and getattr(self, new) != value:
+                raise bad_value(f"model.{old}", value, f"deprecated name of model.{new}, which "
+                                f"is also set ({getattr(self, new)!r}): set model.{new} only")
+            warnings.warn(f"model.{old} is deprecated: use model.{new} (megatron-core's name); "
+                          "the old name goes in the next release", FutureWarning, stacklevel=4)
+            object.__setattr__(self, new, value)
+            object.__setattr__(self, old, None)
 
     def _check_window(self) -> None:
         w = self.window_size
@@ -151,14 +181,14 @@ class ModelConfig(ModelDims):
         f = self.seq_len_interpolation_factor
         if f is not None and not f > 0:
             raise bad_value("model.seq_len_interpolation_factor", f, "must be > 0 or null")
-        if self.position_embedding != "rope":
+        if self.position_embedding_type != "rope":
             for name, default in (("rotary_base", 10000), ("rotary_percent", 1.0),
                                   ("rope_scaling", False),
                                   ("seq_len_interpolation_factor", None)):
                 if getattr(self, name) != default:
                     raise bad_value(f"model.{name}", getattr(self, name),
-                                    f"needs model.position_embedding=rope (is "
-                                    f"{self.position_embedding})")
+                                    f"needs model.position_embedding_type=rope (is "
+                                    f"{self.position_embedding_type})")
             return
         rot = int(self.kv * self.rotary_percent)
         if rot < 2 or rot % 2:

@@ -63,7 +63,8 @@ def max_rank_params(dims: ModelDims, t: int, layers: int, with_vocab: bool) -> f
     h, kv, hpg = dims.hidden_size, dims.kv, dims.heads_per_group
     qg = np.diff(space_bounds(dims, "qg", t)).astype(np.float64)
     ff = np.diff(space_bounds(dims, "ffn", t)).astype(np.float64)
-    per = layers * (qg * (2 * hpg + 2) * kv * h + ff * ((2 if dims.gated_mlp else 1) + 1) * h)
+    halves = 2 if dims.gated_linear_unit else 1
+    per = layers * (qg * (2 * hpg + 2) * kv * h + ff * (halves + 1) * h)
     if with_vocab:
         per = per + np.diff(space_bounds(dims, "vocab", t)) * float(h)
     return float(per.max())

@@ -96,7 +96,7 @@ def layer_activation_bytes(dims: ModelDims, t: int, spec: MemorySpec, *,
     unsharded = (2 + 1 + 1) * e * sbh / sp + (2 * sbh / sp if spec.dropout else 0.0)
     qkv = e * s * b * d * (heads + 2 * groups)
     proj_in = e * s * b * d * heads
-    fc1_out = e * s * b * ffn * (2 if dims.gated_mlp else 1)
+    fc1_out = e * s * b * ffn * (2 if dims.gated_linear_unit else 1)
     fc2_in = e * s * b * ffn
     core = 0.0
     if spec.recompute_granularity != "selective":

@@ -223,14 +223,14 @@ class ModelDims:
     """Vocabulary rows (need not divide any TP degree)."""
     seq_length: int = 12
     """Tokens per sample."""
-    gated_mlp: bool = True
+    gated_linear_unit: bool = True
     """SwiGLU-style gated MLP (fc1 holds gate and up halves)."""
     tie_embeddings: bool = False
     """Output layer shares the word embedding."""
-    add_bias: bool = False
+    add_bias_linear: bool = False
     """Linear layers carry biases (column-parallel biases shard, row-parallel ones replicate)."""
     add_qkv_bias: bool = False
-    """The QKV projection carries a bias even without ``add_bias`` (megatron
+    """The QKV projection carries a bias even without ``add_bias_linear`` (megatron
     ``add_qkv_bias``: Qwen2); it moves with its query group."""
     kv_channels: int | None = None
     """Per-head width; None means hidden_size // num_attention_heads (see ``kv``)."""
@@ -264,7 +264,7 @@ class ModelDims:
     @property
     def qkv_bias(self) -> bool:
         """Whether linear_qkv has a bias (megatron: ``add_bias_linear or add_qkv_bias``)."""
-        return self.add_bias or self.add_qkv_bias
+        return self.add_bias_linear or self.add_qkv_bias
 
     @property
     def heads_per_group(self) -> int:

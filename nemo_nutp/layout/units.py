@@ -73,7 +73,7 @@ def layer_kinds(dims: ModelDims) -> list[str]:
     kinds = ["qkv_weight", "proj_weight", "fc1_weight", "fc2_weight"]
     if dims.qkv_bias:
         kinds.append("qkv_bias")
-    if dims.add_bias:
+    if dims.add_bias_linear:
         kinds.append("fc1_bias")
     return kinds
 
@@ -84,7 +84,7 @@ def replicated_shapes(dims: ModelDims) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {"input_layernorm": (h,), "pre_mlp_layernorm": (h,)}
     if dims.qk_layernorm:
         shapes.update(q_layernorm=(dims.kv,), k_layernorm=(dims.kv,))
-    if dims.add_bias:
+    if dims.add_bias_linear:
         shapes.update(proj_bias=(h,), fc2_bias=(h,))
     return shapes
 
@@ -108,13 +108,13 @@ def unit_geometry(kind: str, d: ModelDims) -> tuple[tuple[int, ...], int, int]:
     h, g, kv, hpg = d.hidden_size, d.num_query_groups, d.kv, d.heads_per_group
     f, v = d.ffn_hidden_size, d.vocab_size
     per_group = (hpg + 2) * kv
-    halves = 2 if d.gated_mlp else 1
+    halves = 2 if d.gated_linear_unit else 1
     table: dict[str, tuple[tuple[int, ...], int, int]] = {
         "qkv_weight": ((g * per_group, h), per_group, 0),
         "qkv_bias": ((g * per_group,), per_group, 0),
         "proj_weight": ((h, g * hpg * kv), hpg * kv, 0),
-        "fc1_weight": ((halves * f, h), 1, f if d.gated_mlp else 0),
-        "fc1_bias": ((halves * f,), 1, f if d.gated_mlp else 0),
+        "fc1_weight": ((halves * f, h), 1, f if d.gated_linear_unit else 0),
+        "fc1_bias": ((halves * f,), 1, f if d.gated_linear_unit else 0),
         "fc2_weight": ((h, f), 1, 0),
         "word_embedding": ((v, h), 1, 0),
         "output_layer": ((v, h), 1, 0),
@@ -204,7 +204,7 @@ def _unit_costs(dims: ModelDims) -> tuple[float, float]:
     """Forward multiply-adds per token of one query group and of one FFN column."""
     h, kv, hpg, s = dims.hidden_size, dims.kv, dims.heads_per_group, dims.seq_length
     per_group = (hpg + 2) * kv * h + 2 * hpg * s * kv + hpg * kv * h
-    per_ffn = (2 if dims.gated_mlp else 1) * h + h
+    per_ffn = (2 if dims.gated_linear_unit else 1) * h + h
     return float(per_group), float(per_ffn)
 
 

@@ -133,14 +133,14 @@ def transformer_config(model: Any, *, degree: int, sequence_parallel: bool = Fal
         num_layers=model.num_layers, hidden_size=model.hidden_size,
         num_attention_heads=model.num_attention_heads, num_query_groups=model.num_query_groups,
         ffn_hidden_size=model.ffn_hidden_size, kv_channels=model.kv,
-        gated_linear_unit=model.gated_mlp, activation_func=activation(model),
+        gated_linear_unit=model.gated_linear_unit, activation_func=activation(model),
         normalization=getattr(model, "normalization", "RMSNorm"),
         layernorm_epsilon=float(getattr(model, "layernorm_epsilon", 1e-5)),
         qk_layernorm=bool(getattr(model, "qk_layernorm", False)),
         window_size=getattr(model, "window_size", None),
         window_attn_skip_freq=getattr(model, "window_attn_skip_freq", None),
-        add_bias_linear=model.add_bias,
-        add_qkv_bias=model.add_bias or getattr(model, "add_qkv_bias", False),
+        add_bias_linear=model.add_bias_linear,
+        add_qkv_bias=model.add_bias_linear or getattr(model, "add_qkv_bias", False),
         hidden_dropout=float(getattr(model, "hidden_dropout", 0.0)),
         attention_dropout=float(getattr(model, "attention_dropout", 0.0)),
         use_cpu_initialization=True, perform_initialization=False,
@@ -292,7 +292,7 @@ def activation(model_cfg: Any) -> Callable[[torch.Tensor], torch.Tensor]:
 
     name = getattr(model_cfg, "activation_func", None)
     if name is None:
-        name = "silu" if model_cfg.gated_mlp else "gelu"
+        name = "silu" if model_cfg.gated_linear_unit else "gelu"
     table: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
         "silu": F.silu, "gelu": F.gelu, "relu": F.relu,
         "squared_relu": activations.squared_relu, "quick_gelu": activations.quick_gelu,
@@ -339,7 +339,7 @@ def build_gpt_model(plan: Plan, rank: int, model_cfg: Any, pgs: ProcessGroupColl
         bf16_loss_grad=(plan.replicas[i].weight
                         if getattr(model_cfg, "cross_entropy_loss_fusion", False) else None),
         max_sequence_length=model_cfg.seq_length,
-        position_embedding_type=getattr(model_cfg, "position_embedding", "rope"),
+        position_embedding_type=getattr(model_cfg, "position_embedding_type", "rope"),
         **rope_kwargs(model_cfg),
         share_embeddings_and_output_weights=model_cfg.tie_embeddings,
         parallel_output=True, pg_collection=pgs,

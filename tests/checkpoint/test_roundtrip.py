@@ -125,7 +125,7 @@ def _check_failures_are_clear(ck: Path) -> None:
     from nemo_nutp.config import ModelConfig
 
     with pytest.raises(ValueError, match=r"model\.hidden_size=32"):
-        check_compatible(marker, ModelConfig(add_bias=True, hidden_size=32), latest)
+        check_compatible(marker, ModelConfig(add_bias_linear=True, hidden_size=32), latest)
     # Corruption is detected by checksum.
     from nemo_nutp.checkpoint import CheckpointError
 

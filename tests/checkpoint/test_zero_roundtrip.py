@@ -29,7 +29,7 @@ PHASES: list[tuple[int, list[Job]]] = [
 """TP4+TP3 with the distributed optimizer saves asynchronously (a step runs during the write).
 not -> dist (TP1 -> TP4+TP3, TP3+TP2+TP2 -> TP4+TP3), dist -> not (TP4+TP3 -> TP3+TP2+TP2,
 -> TP1), dist -> dist (same layout, and TP4+TP3 -> TP3+TP2+TP2)."""
-BF16 = {"precision": "bf16", "clip_grad": 0.05, "model": {"add_bias": True}}
+BF16 = {"precision": "bf16", "clip_grad": 0.05, "model": {"add_bias_linear": True}}
 
 
 def _results(tmp_path: Path) -> dict[str, dict[str, Any]]:

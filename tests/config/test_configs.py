@@ -243,8 +243,8 @@ def test_numerics_bad_values_name_the_key(overrides: list[str], key: str) -> Non
     (["model.rope_scaling_factor=0"], r"^model\.rope_scaling_factor=0\.0: must be > 0"),
     (["model.seq_len_interpolation_factor=-1"],
      r"^model\.seq_len_interpolation_factor=-1\.0: must be > 0 or null"),
-    (["model.position_embedding=learned_absolute", "model.rope_scaling=true"],
-     r"^model\.rope_scaling=True: needs model\.position_embedding=rope"),
+    (["model.position_embedding_type=learned_absolute", "model.rope_scaling=true"],
+     r"^model\.rope_scaling=True: needs model\.position_embedding_type=rope"),
     (["model.activation_func=swish"], r"^model\.activation_func='swish': must be one of"),
     (["model.window_size=[4]"], r"^model\.window_size=\[4\]: must be \[left, right\]"),
     (["model.window_attn_skip_freq=2"], r"^model\.window_attn_skip_freq=2: needs model\.window_"),
@@ -257,6 +257,32 @@ def test_model_settings_bad_values_name_the_key(overrides: list[str], match: str
         load_config(overrides)
 
 
+def test_previous_names_still_load_with_one_warning_each() -> None:
+    """gated_mlp / add_bias / position_embedding (the previous release's) become megatron's
+    names with a FutureWarning naming both; both names set differently is one error line."""
+    with pytest.warns(FutureWarning, match=r"^model\.gated_mlp is deprecated: use "
+                                           r"model\.gated_linear_unit"):
+        m = load_config(["model.gated_mlp=false", "model.add_bias=true",
+                         "model.position_embedding=learned_absolute"]).model
+    assert (m.gated_linear_unit, m.add_bias_linear, m.position_embedding_type) == (
+        False, True, "learned_absolute")
+    assert (m.gated_mlp, m.add_bias, m.position_embedding) == (None, None, None)
+    with pytest.raises(ValueError, match=r"^model\.add_bias=False: deprecated name of "
+                                         r"model\.add_bias_linear, which is also set"):
+        load_config(["model.add_bias=false", "model.add_bias_linear=true"])
+
+
+def test_a_previous_release_checkpoint_marker_is_read_by_the_new_names(tmp_path: Path) -> None:
+    from nemo_nutp.checkpoint.store import FORMAT, check_compatible
+    from nemo_nutp.config import ModelConfig
+
+    old = {"format": FORMAT, "model": {"gated_mlp": True, "add_bias": False,
+                                       "position_embedding": "rope", "hidden_size": 64}}
+    check_compatible(old, ModelConfig(), tmp_path)  # the tiny defaults: the same model
+    with pytest.raises(ValueError, match=r"^model\.gated_linear_unit=False: checkpoint"):
+        check_compatible(old, ModelConfig(gated_linear_unit=False), tmp_path)
+
+
 def test_model_settings_load_with_megatron_names() -> None:
     job = load_config(["model=llama3_8b", "model.rope_scaling=true",
                        "model.activation_func=silu", "model.layernorm_epsilon=1e-6",
@@ -264,7 +290,8 @@ def test_model_settings_load_with_megatron_names() -> None:
     m = job.model
     assert (m.rotary_base, m.rope_scaling, m.rope_scaling_factor) == (500000, True, 8.0)
     assert (m.activation_func, m.layernorm_epsilon, m.qkv_bias) == ("silu", 1e-6, True)
-    assert load_config(["model.position_embedding=none"]).model.position_embedding == "none"
+    nope = load_config(["model.position_embedding_type=none"]).model
+    assert nope.position_embedding_type == "none"
     w = load_config(["model.window_size=[4096,0]", "model.window_attn_skip_freq=6"]).model
     assert (w.window_size, w.window_attn_skip_freq) == ((4096, 0), 6) and hash(w)
 
@@ -277,7 +304,7 @@ def test_model_settings_load_with_megatron_names() -> None:
 def test_rope_needs_an_even_head_dimension(overrides: list[str], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         load_config(overrides)
-    learned = load_config([*overrides, "model.position_embedding=learned_absolute"])
+    learned = load_config([*overrides, "model.position_embedding_type=learned_absolute"])
     assert learned.model.kv % 2 == 1
     # an explicit even kv_channels overrides an odd hidden/heads under RoPE
     assert load_config(["model.hidden_size=72", "model.kv_channels=8"]).model.kv == 8

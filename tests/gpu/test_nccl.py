@@ -46,7 +46,7 @@ def _cases(gpus: int) -> list[Any]:
     if gpus == 2:
         return [Case("nccl_tp1_tp1_clip", (1, 1), GQA_SWIGLU, clip_grad=CLIP, global_batch=5)]
     if gpus == 3:
-        return [Case("nccl_tp2_tp1_clip", (2, 1), dict(gated_mlp=False), clip_grad=CLIP,
+        return [Case("nccl_tp2_tp1_clip", (2, 1), dict(gated_linear_unit=False), clip_grad=CLIP,
                      global_batch=5)]
     return [Case("nccl_tp3_tp2_base_clip", (3, 2), GQA_SWIGLU, clip_grad=CLIP, global_batch=7,
                  sync_layout="base")]

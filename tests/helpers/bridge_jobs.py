@@ -178,7 +178,7 @@ def stock_loaded(case: Any, path: str) -> dict[str, torch.Tensor]:
         d = ModelConfig(**case.model)
         model = GPTModel(_config(case, d), get_gpt_layer_local_spec(normalization=d.normalization),
                          vocab_size=d.vocab_size, max_sequence_length=d.seq_length,
-                         position_embedding_type=d.position_embedding,
+                         position_embedding_type=d.position_embedding_type,
                          share_embeddings_and_output_weights=d.tie_embeddings,
                          parallel_output=True)
         loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, path)

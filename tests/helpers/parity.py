@@ -23,7 +23,8 @@ from nemo_nutp.model.init import normalize_name
 
 TOL = 1e-5
 CLIP = 0.05  # below every step's grad norm of the tiny models: every step clips
-GQA_SWIGLU = dict(add_bias=True)  # tiny defaults: 8 heads / 4 query groups, SwiGLU, vocab 101
+# tiny defaults: 8 heads / 4 query groups, SwiGLU, vocab 101
+GQA_SWIGLU = dict(add_bias_linear=True)
 TENSOR_TOL = 5e-5  # per tensor under Adam: see tests/train/test_parity.py
 BF16_TOL = 2e-2  # bf16 vs stock single-process bf16, 5 steps: see test_parity.py (measured)
 

@@ -29,7 +29,7 @@ def _activation(dims: Any) -> Any:
     import torch.nn.functional as F
     from megatron.core.activations import fast_gelu, quick_gelu, squared_relu
 
-    name = dims.activation_func or ("silu" if dims.gated_mlp else "gelu")
+    name = dims.activation_func or ("silu" if dims.gated_linear_unit else "gelu")
     return {"silu": F.silu, "gelu": F.gelu, "relu": F.relu, "squared_relu": squared_relu,
             "quick_gelu": quick_gelu, "fast_gelu": fast_gelu}[name]
 
@@ -42,11 +42,11 @@ def _config(case: Any, dims: Any) -> Any:
         num_layers=dims.num_layers, hidden_size=dims.hidden_size,
         num_attention_heads=dims.num_attention_heads, num_query_groups=dims.num_query_groups,
         ffn_hidden_size=dims.ffn_hidden_size, kv_channels=dims.kv,
-        gated_linear_unit=dims.gated_mlp, activation_func=_activation(dims),
+        gated_linear_unit=dims.gated_linear_unit, activation_func=_activation(dims),
         normalization=dims.normalization, layernorm_epsilon=dims.layernorm_epsilon,
         qk_layernorm=dims.qk_layernorm, window_size=dims.window_size,
         window_attn_skip_freq=dims.window_attn_skip_freq,
-        add_bias_linear=dims.add_bias,
+        add_bias_linear=dims.add_bias_linear,
         add_qkv_bias=dims.add_qkv_bias, hidden_dropout=0.0, attention_dropout=0.0,
         use_cpu_initialization=True, perform_initialization=False, params_dtype=half,
         bf16=case.precision == "bf16", fp16=case.precision == "fp16",
@@ -70,7 +70,7 @@ def _build(case: Any, dims: Any) -> tuple[Any, Any, Any]:
     model: Any = GPTModel(config, get_gpt_layer_local_spec(normalization=dims.normalization,
                                                            qk_layernorm=dims.qk_layernorm),
                           vocab_size=dims.vocab_size, max_sequence_length=dims.seq_length,
-                          position_embedding_type=dims.position_embedding,
+                          position_embedding_type=dims.position_embedding_type,
                           rotary_base=dims.rotary_base, rotary_percent=dims.rotary_percent,
                           rope_scaling=dims.rope_scaling,
                           rope_scaling_factor=dims.rope_scaling_factor,

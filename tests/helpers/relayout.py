@@ -26,7 +26,7 @@ from typing import Any
 
 SAVE_AT = 3
 CLIP = 0.05  # below every step's grad norm: every step clips
-MODEL = dict(add_bias=True)  # tiny: GQA 8 heads / 4 query groups, SwiGLU, vocab 101, biases
+MODEL = dict(add_bias_linear=True)  # tiny: GQA 8 heads / 4 query groups, SwiGLU, vocab 101, biases
 NEW_WORLD = 6
 
 

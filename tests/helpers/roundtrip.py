@@ -14,7 +14,7 @@ from typing import Any
 
 SAVE_AT = 3
 AFTER = 2
-MODEL = dict(add_bias=True)  # tiny: GQA 8 heads / 4 groups, SwiGLU, vocab 101, + biases
+MODEL = dict(add_bias_linear=True)  # tiny: GQA 8 heads / 4 groups, SwiGLU, vocab 101, + biases
 
 
 @dataclass(frozen=True)

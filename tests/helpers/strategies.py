@@ -20,9 +20,9 @@ def model_dims(draw: st.DrawFn, *, min_units: int = 1) -> ModelDims:
         ffn_hidden_size=draw(st.integers(max(1, min_units), max(1, min_units) + 40)),
         vocab_size=draw(st.integers(max(1, min_units), max(1, min_units) + 130)),
         seq_length=draw(st.sampled_from([12, 16, 24, 60])),
-        gated_mlp=draw(st.booleans()),
+        gated_linear_unit=draw(st.booleans()),
         tie_embeddings=draw(st.booleans()),
-        add_bias=draw(st.booleans()),
+        add_bias_linear=draw(st.booleans()),
         kv_channels=kv,
     )
 

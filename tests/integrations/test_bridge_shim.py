@@ -175,7 +175,7 @@ def test_rope_settings_reach_the_nutp_model() -> None:
     job = load_bridge_job(RECIPE, str(TINY), ["model.add_bias_linear=false",
                                               "model.add_qkv_bias=true"])
     m = model_config_of(job.bridge.model, vocab_size=256)
-    assert (m.add_bias, m.add_qkv_bias, m.qkv_bias) == (False, True, True)  # Qwen2's biases
+    assert (m.add_bias_linear, m.add_qkv_bias, m.qkv_bias) == (False, True, True)  # Qwen2's biases
     job = load_bridge_job(RECIPE, str(TINY), ["model.qk_layernorm=true"])
     assert model_config_of(job.bridge.model, vocab_size=256).qk_layernorm  # Qwen3's QK norm
     job = load_bridge_job(RECIPE, str(TINY), ["model.window_size=[16,0]",

@@ -25,7 +25,7 @@ from nemo_nutp.layout.plan import build_plan
 
 LLAMA3_8B = ModelDims(num_layers=32, hidden_size=4096, num_attention_heads=32,
                       num_query_groups=8, ffn_hidden_size=14336, vocab_size=128256,
-                      seq_length=8192, gated_mlp=True)
+                      seq_length=8192, gated_linear_unit=True)
 LLAMA3_70B = dataclasses.replace(LLAMA3_8B, num_layers=80, hidden_size=8192,
                                  num_attention_heads=64, ffn_hidden_size=28672)
 
@@ -52,7 +52,8 @@ def _korthikanti(s: int, b: int, h: int, a: int, t: int, *, sp: bool, selective:
 @pytest.mark.parametrize("selective", [False, True])
 def test_activations_match_korthikanti_closed_form(t: int, sp: bool, selective: bool) -> None:
     gpt = ModelDims(num_layers=4, hidden_size=2048, num_attention_heads=16, num_query_groups=16,
-                    ffn_hidden_size=4 * 2048, vocab_size=51200, seq_length=2048, gated_mlp=False)
+                    ffn_hidden_size=4 * 2048, vocab_size=51200, seq_length=2048,
+                    gated_linear_unit=False)
     spec = MemorySpec(gpu_memory_gib=80, micro_batch_size=2, sequence_parallel=sp,
                       flash_attention=False, dropout=True,
                       recompute_granularity="selective" if selective else None)

@@ -76,7 +76,7 @@ def test_unit_views_give_canonical_order(dims: ModelDims, data: st.DataObject) -
 def test_layouts_match_megatron_memory_order() -> None:
     """Spot checks against how megatron-core stores TP shards (worked out by hand)."""
     d = ModelDims(hidden_size=2, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=4,
-                  vocab_size=5, kv_channels=1, gated_mlp=True)
+                  vocab_size=5, kv_channels=1, gated_linear_unit=True)
     g = np.arange(8 * 2).reshape(8, 2)  # gated fc1 global: gate rows 0..3, up rows 4..7
     assert np.array_equal(g.reshape(-1)[local_layout("fc1_weight", d, np.arange(2, 4))],
                           g[[2, 3, 6, 7]].reshape(-1))  # [gate_local; up_local]

@@ -65,7 +65,7 @@ def test_unit_view_is_a_canonical_strided_view(dims: ModelDims, data: st.DataObj
 @pytest.mark.parametrize("n_local", [1, 2, 3, 5])
 def test_unit_view_every_kind(gated: bool, n_local: int) -> None:
     dims = ModelDims(hidden_size=6, num_attention_heads=6, num_query_groups=6, kv_channels=2,
-                     ffn_hidden_size=7, vocab_size=9, gated_mlp=gated, add_bias=True)
+                     ffn_hidden_size=7, vocab_size=9, gated_linear_unit=gated, add_bias_linear=True)
     for kind in PARAM_KINDS:
         units = np.arange(1, 1 + n_local)
         local = torch.from_numpy(local_layout(kind, dims, units)).view(
@@ -110,7 +110,7 @@ def test_any_unit_range_matches_and_low_precision_casts(dims: ModelDims, data: s
 def test_pieces_are_the_canonical_sequence() -> None:
     """Pins the definition: unit-major canonical elements = concatenated per-piece draws."""
     dims = ModelDims(hidden_size=4, num_attention_heads=4, num_query_groups=2,
-                     ffn_hidden_size=10, gated_mlp=True)
+                     ffn_hidden_size=10, gated_linear_unit=True)
     full = init_global(RANDOM, "fc1_weight", dims, 11, 0.5, piece_elems=24)  # 3 units a piece
     canon = full.reshape(-1)[torch.from_numpy(global_index("fc1_weight", dims, np.arange(10)))]
     draws = []
@@ -155,7 +155,7 @@ def test_megatron_stds() -> None:
 
 
 def test_norms_one_biases_zero() -> None:
-    dims = ModelDims(add_bias=True)
+    dims = ModelDims(add_bias_linear=True)
     ones = ["decoder.layers.0.input_layernorm.weight", "decoder.final_layernorm.weight",
             "module.decoder.layers.1.pre_mlp_layernorm.weight",
             "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight"]

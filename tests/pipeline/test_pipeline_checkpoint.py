@@ -20,7 +20,7 @@ from tests.helpers.dist import spawn
 from tests.helpers.roundtrip import AFTER, SAVE_AT, Job, worker
 
 TOL = 1e-5
-TIED = {"extra": {"model": dict(add_bias=True, tie_embeddings=True), "clip_grad": 0.05}}
+TIED = {"extra": {"model": dict(add_bias_linear=True, tie_embeddings=True), "clip_grad": 0.05}}
 STEPS: list[tuple[int, list[Job]]] = [
     (1, [Job("tp1", (1,), reference=True, **TIED)]),
     (7, [Job("pp2_a", ((2, 1), (2, 2)), pp=2, save=True,

@@ -27,7 +27,7 @@ from tests.helpers.parity import CLIP, GQA_SWIGLU, TOL, Case, check_cases, run_r
 FOUR_LAYERS = dict(num_layers=4)
 CASES = [
     Case("pp2_tied", ((2, 1), (2, 2)), pp=2, clip_grad=CLIP, global_batch=7, steps=4,
-         model=dict(tie_embeddings=True, add_bias=True)),
+         model=dict(tie_embeddings=True, add_bias_linear=True)),
     Case("pp2_sp", ((2, 2), (1, 2)), pp=2, clip_grad=CLIP, sequence_parallel=True, steps=4,
          global_batch=6, model=GQA_SWIGLU),
     Case("pp4_degraded", ((2, 2, 1, 2),), pp=4, clip_grad=CLIP, steps=3,
@@ -35,7 +35,8 @@ CASES = [
     Case("pp2_bf16", ((2, 1), (2, 2)), pp=2, clip_grad=CLIP, precision="bf16", steps=4,
          model=GQA_SWIGLU),
     Case("control_tied_by_position", ((2, 1), (2, 2)), pp=2, clip_grad=CLIP, global_batch=7,
-         steps=2, model=dict(tie_embeddings=True, add_bias=True), control="tied_by_position"),
+         steps=2, model=dict(tie_embeddings=True, add_bias_linear=True),
+         control="tied_by_position"),
 ]
 
 

@@ -35,7 +35,7 @@ from nemo_nutp.relayout import (
 from nemo_nutp.relayout.plan import holding, stage_spaces, unit_elems
 
 DIMS = ModelDims(num_layers=4, hidden_size=32, num_attention_heads=8, num_query_groups=8,
-                 ffn_hidden_size=40, vocab_size=37, seq_length=8, add_bias=True)
+                 ffn_hidden_size=40, vocab_size=37, seq_length=8, add_bias_linear=True)
 
 
 def _plans(domains: int, tb: int, pp: int, failed: list[int], extra: int,

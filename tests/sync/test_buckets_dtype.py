@@ -26,7 +26,7 @@ def _session(precision: str, in_fp32: bool, bucket_size: int | None) -> Any:
     from nemo_nutp.train.session import Precision, build_session
     from tests.helpers.parity import Case, make_plan
 
-    plan = make_plan(Case("buckets", (3, 2), model=dict(add_bias=True), global_batch=5,
+    plan = make_plan(Case("buckets", (3, 2), model=dict(add_bias_linear=True), global_batch=5,
                           sync_layout="base"))
     return build_session(plan, plan.request.model, lr=1e-3, seed=7, micro_batch_size=2,
                          bucket_size=bucket_size,

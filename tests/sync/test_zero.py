@@ -45,10 +45,10 @@ CASES3 = [
           global_batch=7, bucket_size=5000),
     # pipeline stages at different degrees, tied embeddings combined across stages
     _zero("zero_pp2_tied", ((2, 1), (2, 2)), pp=2, global_batch=7, steps=4,
-          model=dict(tie_embeddings=True, add_bias=True)),
+          model=dict(tie_embeddings=True, add_bias_linear=True)),
     # redundancy on the all-reduced path (pipeline + tied embeddings: copies from full buckets)
     _zero("zero_pp2_tied_redundant", ((2, 1), (2, 2)), pp=2, global_batch=7, steps=3,
-          model=dict(tie_embeddings=True, add_bias=True), zero_redundancy=True),
+          model=dict(tie_embeddings=True, add_bias_linear=True), zero_redundancy=True),
 ]
 
 

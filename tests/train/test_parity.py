@@ -35,8 +35,9 @@ from tests.helpers.parity import (
 )
 
 FP16_TOL = 5e-2  # fp16 losses over 8 steps with skips (measured 2.2e-2, see below)
-SP_TIED = dict(add_bias=True, tie_embeddings=True, normalization="LayerNorm", gated_mlp=False)
-LEARNED = dict(position_embedding="learned_absolute", gated_mlp=False)
+SP_TIED = dict(add_bias_linear=True, tie_embeddings=True, normalization="LayerNorm",
+               gated_linear_unit=False)
+LEARNED = dict(position_embedding_type="learned_absolute", gated_linear_unit=False)
 
 
 def _clip(name: str, replicas: tuple[int, ...], **kw: Any) -> Case:
@@ -66,13 +67,13 @@ SEVEN = [
           optimizer="sgd", lr=0.1),
 ]
 THREE = [
-    _clip("tp2_tp1_clip", (2, 1), model=dict(gated_mlp=False), global_batch=5),
-    _clip("tp2_tp1_sp_clip", (2, 1), model=dict(gated_mlp=False), sequence_parallel=True,
+    _clip("tp2_tp1_clip", (2, 1), model=dict(gated_linear_unit=False), global_batch=5),
+    _clip("tp2_tp1_sp_clip", (2, 1), model=dict(gated_linear_unit=False), sequence_parallel=True,
           global_batch=5),
     _clip("tp2_tp1_bf16_clip", (2, 1), model=GQA_SWIGLU, precision="bf16", global_batch=5),
     # weight decay (nutp-train's train.weight_decay) as megatron's scheduler applies it: biases
     # and 1-D parameters not decayed (the reference: megatron's OptimizerParamScheduler)
-    _clip("tp2_tp1_wd_clip", (2, 1), model=dict(gated_mlp=False), global_batch=5,
+    _clip("tp2_tp1_wd_clip", (2, 1), model=dict(gated_linear_unit=False), global_batch=5,
           weight_decay=0.1),
     # torch SDPA core attention (model/attention.py; GQA: 2 query groups, 4 heads per TP2
     # rank; no mask tensor) against the stock reference's DotProductAttention
@@ -82,7 +83,7 @@ THREE = [
     # logits gradient to bf16; the reference runs megatron's own fused function, NUTP rounds at
     # the global-batch scale (shares 3 and 2 of 5: not a power of two)
     _clip("tp2_tp1_fused_ce_clip", (2, 1),
-          model=dict(gated_mlp=False, cross_entropy_loss_fusion=True), global_batch=5),
+          model=dict(gated_linear_unit=False, cross_entropy_loss_fusion=True), global_batch=5),
 ]
 # RoPE as real models set it (megatron's names), at a degraded layout with clipping: Llama 3's
 # base 500000 with Llama 3.1's frequency scaling (factor 8), over 32-channel heads (the scaled
@@ -127,7 +128,7 @@ SETTINGS = [
     _clip("tp2_tp1_qk_norm_clip", (2, 1), model=dict(qk_layernorm=True), global_batch=5,
           steps=3),
     _clip("tp2_tp1_qk_norm_sp_clip", (2, 1), sequence_parallel=True, global_batch=5,
-          steps=3, model=dict(qk_layernorm=True, gated_mlp=False)),
+          steps=3, model=dict(qk_layernorm=True, gated_linear_unit=False)),
     _clip("control_qk_norm", (2, 1), model=dict(qk_layernorm=True), global_batch=5, steps=1,
           ref_model=dict(qk_layernorm=False)),
     # sliding-window attention (Mistral, Gemma 2/3): a window of 4 keys (left 3) on layer 1,
@@ -142,15 +143,16 @@ SETTINGS = [
     _clip("control_window_skip", (2, 1), model=dict(WINDOW, core_attention="sdpa"),
           global_batch=5, steps=1, ref_model=dict(window_attn_skip_freq=None)),
     # no position information at all (NoPE: megatron's position_embedding_type none)
-    _clip("tp2_tp1_nope_clip", (2, 1), model=dict(position_embedding="none"), global_batch=5,
+    _clip("tp2_tp1_nope_clip", (2, 1), model=dict(position_embedding_type="none"), global_batch=5,
           steps=3),
-    _clip("control_nope", (2, 1), model=dict(position_embedding="none"), global_batch=5,
-          steps=1, ref_model=dict(position_embedding="rope")),
+    _clip("control_nope", (2, 1), model=dict(position_embedding_type="none"), global_batch=5,
+          steps=1, ref_model=dict(position_embedding_type="rope")),
     # the dense recipes' activations, plain and gated (Nemotron's squared ReLU, Gemma's GeGLU)
     *[_clip(f"tp2_tp1_act_{a}_{'glu' if g else 'mlp'}_clip", (2, 1), global_batch=5, steps=2,
-            model=dict(activation_func=a, gated_mlp=g)) for a, g in ACTS],
+            model=dict(activation_func=a, gated_linear_unit=g)) for a, g in ACTS],
     *[_clip(f"control_act_{a}_{'glu' if g else 'mlp'}", (2, 1), global_batch=5, steps=1,
-            model=dict(activation_func=a, gated_mlp=g), ref_model=dict(activation_func=None))
+            model=dict(activation_func=a, gated_linear_unit=g),
+            ref_model=dict(activation_func=None))
       for a, g in ACTS],
 ]
 FIVE = [_clip("tp3_tp2_clip", (3, 2), model=GQA_SWIGLU, global_batch=7)]

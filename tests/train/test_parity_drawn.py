@@ -29,10 +29,10 @@ def cases(draw: st.DrawFn) -> Case:
     model: dict[str, Any] = dict(
         hidden_size=hidden, num_attention_heads=heads, num_query_groups=groups,
         ffn_hidden_size=draw(st.integers(groups, 3 * hidden)),
-        vocab_size=draw(st.integers(40, 130)), gated_mlp=draw(st.booleans()),
-        tie_embeddings=draw(st.booleans()), add_bias=draw(st.booleans()),
+        vocab_size=draw(st.integers(40, 130)), gated_linear_unit=draw(st.booleans()),
+        tie_embeddings=draw(st.booleans()), add_bias_linear=draw(st.booleans()),
         normalization=draw(st.sampled_from(["RMSNorm", "LayerNorm"])),
-        position_embedding=draw(st.sampled_from(["rope", "learned_absolute"])))
+        position_embedding_type=draw(st.sampled_from(["rope", "learned_absolute"])))
     replicas = tuple(draw(st.lists(st.integers(1, min(groups, 4)), min_size=1, max_size=3)
                           .filter(lambda r: sum(r) <= 7 and max(r) > 1)))
     precision = draw(st.sampled_from(["fp32", "fp32", "bf16"]))
