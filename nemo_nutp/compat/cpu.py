@@ -50,6 +50,7 @@ _SHIMMED_MODULES = (
     "megatron.core.distributed.distributed_data_parallel",  # synchronize() in buffer free/alloc
     "megatron.core.utils",  # GlobalMemoryBuffer current_device(); l2-norm fallback device="cuda"
     "megatron.core.models.common.embeddings.rotary_pos_embedding",  # inv_freq on current_device()
+    "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding",  # YaRN's, moved there
     "megatron.core.models.gpt.gpt_model",  # current_device() buffers
     "megatron.core.transformer.attention",  # inference/KV buffers on current_device()
     "megatron.core.transformer.utils",  # the sliding-window mask on device="cuda"

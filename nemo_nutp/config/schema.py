@@ -34,7 +34,12 @@ RENAMED = {"gated_mlp": "gated_linear_unit", "add_bias": "add_bias_linear",
            "position_embedding": "position_embedding_type"}
 """``model.*`` names of the previous release -> megatron-core's (accepted with a warning for
 one release; a checkpoint's marker may still hold the old ones)."""
-POSITION_EMBEDDINGS = ("rope", "learned_absolute", "none")
+POSITION_EMBEDDINGS = ("rope", "yarn", "learned_absolute", "none")
+ROTARY = ("rope", "yarn")
+"""The position embeddings that rotate query and key channels (``rotary_base`` applies)."""
+YARN_REQUIRED = ("yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings",
+                 "yarn_beta_fast", "yarn_beta_slow")
+"""What YaRN cannot do without (megatron's ``GPTModel`` reads them as they are)."""
 ACTIVATIONS = ("silu", "gelu", "relu", "squared_relu", "quick_gelu", "fast_gelu")
 """``model.activation_func`` by name: torch's ``F.silu``/``F.gelu``/``F.relu`` and megatron-core's
 ``activations`` module's others (``model/build.py:activation``)."""
@@ -65,7 +70,8 @@ class ModelConfig(ModelDims):
     layernorm_epsilon: float = 1e-5
     """The norms' epsilon (megatron ``layernorm_epsilon``; Qwen and Llama 3: 1e-6 or 1e-5)."""
     position_embedding_type: str = "rope"
-    """'rope', 'learned_absolute' or 'none' (no position information: NoPE; megatron
+    """'rope', 'yarn' (RoPE with YaRN's frequency interpolation and attention scaling: the
+    ``yarn_*`` fields), 'learned_absolute' or 'none' (no position information: NoPE; megatron
     ``position_embedding_type``)."""
     rotary_base: int = 10000
     """RoPE base (megatron ``rotary_base``; Llama 3: 500000). Only with rope."""
@@ -79,6 +85,25 @@ class ModelConfig(ModelDims):
     seq_len_interpolation_factor: float | None = None
     """Linear position interpolation: positions divided by this (megatron
     ``seq_len_interpolation_factor``). Only with rope."""
+    yarn_rotary_scaling_factor: float | None = None
+    """YaRN's context-extension factor s (megatron/Bridge ``yarn_rotary_scaling_factor``; gpt-oss:
+    32). Required with yarn, which is the only place the ``yarn_*`` fields are read."""
+    yarn_original_max_position_embeddings: int | None = None
+    """The pre-extension context length (gpt-oss: 4096). Required with yarn."""
+    yarn_beta_fast: float | None = None
+    """YaRN's ramp: channel pairs rotating more than this many times over the original context
+    keep their frequency (gpt-oss: 32). Required with yarn."""
+    yarn_beta_slow: float | None = None
+    """...and those rotating fewer than this many times are interpolated by s (gpt-oss: 1).
+    Required with yarn."""
+    yarn_mscale: float | None = None
+    """Attention concentration: q and k scaled by (0.1 mscale ln s + 1) / (0.1 mscale_all_dim
+    ln s + 1); either null: 0.1 ln s + 1 (megatron's rule)."""
+    yarn_mscale_all_dim: float | None = None
+    """See ``yarn_mscale``."""
+    yarn_correction_range_round_to_int: bool | None = None
+    """Round the ramp's ends to whole channel pairs (megatron's default true; gpt-oss: false;
+    null: false, as megatron reads it)."""
     init_std: float = 0.02
     """Std of the normal init of weight matrices."""
     hidden_dropout: float = 0.0
@@ -121,7 +146,7 @@ class ModelConfig(ModelDims):
         if not 0.0 < self.layernorm_epsilon < 1.0:
             raise bad_value("model.layernorm_epsilon", self.layernorm_epsilon,
                             "must be in (0, 1)")
-        if self.position_embedding_type == "rope" and self.kv % 2:
+        if self.position_embedding_type in ROTARY and self.kv % 2:
             # RoPE rotates channel pairs; megatron's rotate_half cannot split an odd width.
             if self.kv_channels is not None:
                 raise bad_value("model.kv_channels", self.kv_channels,
@@ -181,14 +206,19 @@ class ModelConfig(ModelDims):
         f = self.seq_len_interpolation_factor
         if f is not None and not f > 0:
             raise bad_value("model.seq_len_interpolation_factor", f, "must be > 0 or null")
-        if self.position_embedding_type != "rope":
-            for name, default in (("rotary_base", 10000), ("rotary_percent", 1.0),
-                                  ("rope_scaling", False),
-                                  ("seq_len_interpolation_factor", None)):
+        pos = self.position_embedding_type
+        rope_only: tuple[tuple[str, Any], ...] = (
+            ("rotary_percent", 1.0), ("rope_scaling", False),
+            ("seq_len_interpolation_factor", None))
+        if pos not in ROTARY:
+            rope_only = (("rotary_base", 10000), *rope_only)
+        if pos != "rope":  # megatron's YaRN rotates every channel and reads none of these
+            for name, default in rope_only:
                 if getattr(self, name) != default:
                     raise bad_value(f"model.{name}", getattr(self, name),
-                                    f"needs model.position_embedding_type=rope (is "
-                                    f"{self.position_embedding_type})")
+                                    f"needs model.position_embedding_type=rope (is {pos})")
+        self._check_yarn()
+        if pos != "rope":
             return
         rot = int(self.kv * self.rotary_percent)
         if rot < 2 or rot % 2:
@@ -196,6 +226,30 @@ class ModelConfig(ModelDims):
             raise bad_value("model.rotary_percent", self.rotary_percent,
                             f"rotates {rot} of {self.kv} channels per head: needs an even "
                             f"number >= 2")
+
+    def _check_yarn(self) -> None:
+        """The ``yarn_*`` fields: all of ``YARN_REQUIRED`` with yarn, none without it (they
+        would be silently ignored)."""
+        names = [f for f in type(self).__dataclass_fields__ if f.startswith("yarn_")]
+        if self.position_embedding_type != "yarn":
+            for name in names:
+                if getattr(self, name) is not None:
+                    raise bad_value(f"model.{name}", getattr(self, name), "needs "
+                                    f"model.position_embedding_type=yarn (is "
+                                    f"{self.position_embedding_type})")
+            return
+        for name in YARN_REQUIRED:
+            if getattr(self, name) is None:
+                raise bad_value(f"model.{name}", None, "required with "
+                                "model.position_embedding_type=yarn")
+        if not self.yarn_rotary_scaling_factor > 0:  # type: ignore[operator]
+            raise bad_value("model.yarn_rotary_scaling_factor",
+                            self.yarn_rotary_scaling_factor, "must be > 0")
+        check_positive("model.yarn_original_max_position_embeddings",
+                       self.yarn_original_max_position_embeddings)
+        if not self.yarn_beta_fast > self.yarn_beta_slow > 0:  # type: ignore[operator]
+            raise bad_value("model.yarn_beta_fast", self.yarn_beta_fast,
+                            f"must be > model.yarn_beta_slow ({self.yarn_beta_slow}) > 0")
 
     def _check_impl(self) -> None:
         if self.transformer_impl not in TRANSFORMER_IMPLS:

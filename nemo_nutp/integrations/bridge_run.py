@@ -104,8 +104,8 @@ def _window_of(provider: Any) -> dict[str, Any]:
 def _rope_of(provider: Any) -> dict[str, Any]:
     """The provider's RoPE settings as ``ModelConfig`` fields (megatron's names), as they are:
     without RoPE, ``ModelConfig`` accepts only their defaults (a RoPE setting that would be
-    ignored is refused by name). Bridge's provider default ``rope_scaling_factor=1.0`` is read
-    only with ``rope_scaling``."""
+    ignored is refused by name); YaRN's ``yarn_*`` likewise. Bridge's provider default
+    ``rope_scaling_factor=1.0`` is read only with ``rope_scaling``."""
     out: dict[str, Any] = {"rotary_base": int(provider.rotary_base),
                            "rotary_percent": float(provider.rotary_percent),
                            "rope_scaling": bool(getattr(provider, "rope_scaling", False)),
@@ -113,7 +113,15 @@ def _rope_of(provider: Any) -> dict[str, Any]:
                                getattr(provider, "seq_len_interpolation_factor", None)}
     if out["rope_scaling"]:
         out["rope_scaling_factor"] = float(provider.rope_scaling_factor)
+    for name in YARN_FIELDS:  # as set: ModelConfig refuses them without yarn, by name
+        out[name] = getattr(provider, name, None)
     return out
+
+
+YARN_FIELDS = ("yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings",
+               "yarn_beta_fast", "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim",
+               "yarn_correction_range_round_to_int")
+"""Bridge's ``GPTModelProvider`` YaRN fields (``ModelConfig``'s, by the same names)."""
 
 
 def precision_of(cfg: Any) -> str:

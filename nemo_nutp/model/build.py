@@ -150,7 +150,21 @@ def transformer_config(model: Any, *, degree: int, sequence_parallel: bool = Fal
     )
     config.tensor_model_parallel_size = degree
     config.sequence_parallel = sequence_parallel and degree > 1
+    for name, value in yarn_attributes(model).items():
+        setattr(config, name, value)
     return config
+
+
+def yarn_attributes(model: Any) -> dict[str, Any]:
+    """The ``yarn_*`` attributes megatron's ``GPTModel`` and attention read from the config with
+    ``position_embedding_type='yarn'`` (``TransformerConfig`` has no such fields: Bridge's
+    providers and MLA's config add them). Empty otherwise: megatron's attention scales q and k
+    by YaRN's concentration factor whenever the config *has* ``yarn_rotary_scaling_factor``."""
+    if getattr(model, "position_embedding_type", "rope") != "yarn":
+        return {}
+    return {f"yarn_{k}": getattr(model, f"yarn_{k}") for k in (
+        "rotary_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+        "mscale", "mscale_all_dim", "correction_range_round_to_int")}
 
 
 def nutp_layer_spec(dims: ModelDims, *, degree: int, tp_rank: int,
@@ -302,8 +316,9 @@ def activation(model_cfg: Any) -> Callable[[torch.Tensor], torch.Tensor]:
 
 def rope_kwargs(model_cfg: Any) -> dict[str, Any]:
     """megatron ``GPTModel``'s RoPE arguments from a model config (defaults where a shape-only
-    ``ModelDims`` has none): base, partial RoPE, Llama 3.1 scaling, position interpolation.
-    Elementwise per head: no unit changes."""
+    ``ModelDims`` has none): base, partial RoPE, Llama 3.1 scaling, position interpolation
+    (YaRN's own settings travel on the config: ``yarn_attributes``). Elementwise per head: no
+    unit changes."""
     return {"rotary_base": getattr(model_cfg, "rotary_base", 10000),
             "rotary_percent": getattr(model_cfg, "rotary_percent", 1.0),
             "rope_scaling": getattr(model_cfg, "rope_scaling", False),

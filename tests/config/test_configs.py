@@ -236,6 +236,11 @@ def test_numerics_bad_values_name_the_key(overrides: list[str], key: str) -> Non
         load_config(overrides)
 
 
+YARN = ["model.position_embedding_type=yarn", "model.yarn_rotary_scaling_factor=4",
+        "model.yarn_original_max_position_embeddings=16", "model.yarn_beta_fast=32",
+        "model.yarn_beta_slow=1"]
+
+
 @pytest.mark.parametrize(("overrides", "match"), [
     (["model.rotary_base=1"], r"^model\.rotary_base=1: must be an integer >= 2"),
     (["model.rotary_percent=0"], r"^model\.rotary_percent=0\.0: must be in \(0, 1\]"),
@@ -249,6 +254,12 @@ def test_numerics_bad_values_name_the_key(overrides: list[str], key: str) -> Non
     (["model.window_size=[4]"], r"^model\.window_size=\[4\]: must be \[left, right\]"),
     (["model.window_attn_skip_freq=2"], r"^model\.window_attn_skip_freq=2: needs model\.window_"),
     (["model.layernorm_epsilon=0"], r"^model\.layernorm_epsilon=0\.0: must be in \(0, 1\)"),
+    (["model.yarn_beta_fast=32"], r"^model\.yarn_beta_fast=32\.0: needs model\.position_"
+                                  r"embedding_type=yarn \(is rope\)"),
+    ([*YARN[:2]], r"^model\.yarn_original_max_position_embeddings=None: required with "),
+    ([*YARN, "model.yarn_beta_fast=0.5"], r"^model\.yarn_beta_fast=0\.5: must be > model\."),
+    ([*YARN, "model.rotary_percent=0.5"],
+     r"^model\.rotary_percent=0\.5: needs model\.position_embedding_type=rope \(is yarn\)"),
 ])
 def test_model_settings_bad_values_name_the_key(overrides: list[str], match: str) -> None:
     """RoPE, activation and epsilon values that megatron would fail on late, or that would be
@@ -290,6 +301,9 @@ def test_model_settings_load_with_megatron_names() -> None:
     m = job.model
     assert (m.rotary_base, m.rope_scaling, m.rope_scaling_factor) == (500000, True, 8.0)
     assert (m.activation_func, m.layernorm_epsilon, m.qkv_bias) == ("silu", 1e-6, True)
+    y = load_config([*YARN, "model.rotary_base=150000"]).model
+    assert (y.position_embedding_type, y.rotary_base, y.yarn_rotary_scaling_factor) == (
+        "yarn", 150000, 4.0)
     nope = load_config(["model.position_embedding_type=none"]).model
     assert nope.position_embedding_type == "none"
     w = load_config(["model.window_size=[4096,0]", "model.window_attn_skip_freq=6"]).model

@@ -38,7 +38,7 @@ def _config(case: Any, dims: Any) -> Any:
     from megatron.core.transformer import TransformerConfig
 
     half = _DTYPE[case.precision]
-    return TransformerConfig(
+    config = TransformerConfig(
         num_layers=dims.num_layers, hidden_size=dims.hidden_size,
         num_attention_heads=dims.num_attention_heads, num_query_groups=dims.num_query_groups,
         ffn_hidden_size=dims.ffn_hidden_size, kv_channels=dims.kv,
@@ -54,6 +54,13 @@ def _config(case: Any, dims: Any) -> Any:
         apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
         cross_entropy_loss_fusion=getattr(dims, "cross_entropy_loss_fusion", False),
         cross_entropy_fusion_impl="native")
+    if dims.position_embedding_type == "yarn":
+        # YaRN's settings are attributes megatron's GPTModel reads off the config (as Bridge's
+        # GPT provider declares them), not TransformerConfig fields
+        for name in ("rotary_scaling_factor", "original_max_position_embeddings", "beta_fast",
+                     "beta_slow", "mscale", "mscale_all_dim", "correction_range_round_to_int"):
+            setattr(config, f"yarn_{name}", getattr(dims, f"yarn_{name}"))
+    return config
 
 
 def _build(case: Any, dims: Any) -> tuple[Any, Any, Any]:

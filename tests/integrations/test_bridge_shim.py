@@ -134,7 +134,8 @@ def test_cpu_patch_targets_still_exist_and_call_cuda() -> None:
     ("model.rotary_percent=0.1", "model.rotary_percent=0.1: rotates"),
     ("model.num_moe_experts=4", "model.num_moe_experts=4: not supported"),
     ("model.context_parallel_size=2", "model.context_parallel_size=2: not supported"),
-    ("model.position_embedding_type=yarn", "model.position_embedding_type=yarn: not supported"),
+    ("model.position_embedding_type=mrope", "model.position_embedding_type=mrope: not supported"),
+    ("model.position_embedding_type=yarn", "model.yarn_rotary_scaling_factor=None: required"),
     ("model.cross_entropy_fusion_impl=te", "model.cross_entropy_fusion_impl=te: not supported"),
 ])
 def test_model_fields_the_nutp_model_cannot_honour_are_rejected_by_name(
@@ -184,6 +185,24 @@ def test_rope_settings_reach_the_nutp_model() -> None:
     assert (m.window_size, m.window_attn_skip_freq) == ((16, 0), 2)
     with pytest.raises(ValueError, match=r"^model.rotary_base=500000: needs model.position_"):
         load_bridge_job(RECIPE, str(TINY), ["model.rotary_base=500000"])
+
+
+def test_yarn_settings_reach_the_nutp_model() -> None:
+    """gpt-oss's YaRN (Bridge provider fields ``yarn_*``, as its HF bridge sets them) becomes the
+    NUTP model's; a YaRN field without yarn is refused by name (megatron would ignore it)."""
+    from nemo_nutp.integrations.bridge_run import model_config_of
+
+    yarn = ["model.position_embedding_type=yarn", "model.yarn_rotary_scaling_factor=32.0",
+            "model.yarn_original_max_position_embeddings=4096", "model.yarn_beta_fast=32.0",
+            "model.yarn_beta_slow=1.0", "model.yarn_correction_range_round_to_int=false"]
+    job = load_bridge_job(RECIPE, str(TINY), yarn)
+    m = model_config_of(job.bridge.model, vocab_size=256)
+    assert (m.position_embedding_type, m.yarn_rotary_scaling_factor,
+            m.yarn_original_max_position_embeddings, m.yarn_beta_fast, m.yarn_beta_slow,
+            m.yarn_mscale, m.yarn_correction_range_round_to_int) == (
+        "yarn", 32.0, 4096, 32.0, 1.0, None, False)
+    with pytest.raises(ValueError, match=r"^model.yarn_beta_fast=32.0: needs model.position_"):
+        load_bridge_job(RECIPE, str(TINY), ["model.yarn_beta_fast=32.0"])
 
 
 def test_optimizer_precision_other_than_the_models_is_rejected_by_name() -> None:

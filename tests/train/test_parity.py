@@ -95,6 +95,13 @@ LLAMA31 = dict(rotary_base=500000, rope_scaling=True, rope_scaling_factor=8.0, k
                seq_length=64)
 PARTIAL = dict(rotary_percent=0.5, seq_len_interpolation_factor=2.0)
 WINDOW = dict(window_size=(3, 0), window_attn_skip_freq=2)
+# YaRN as gpt-oss sets it (factor 32 over an original context of 4096, ramp 32..1, unrounded,
+# megatron's default concentration 0.1 ln s + 1), scaled to a 64-token model: factor 4 over 16
+# positions. Controls: plain RoPE; YaRN's frequencies without its concentration factor.
+YARN = dict(position_embedding_type="yarn", yarn_rotary_scaling_factor=4.0,
+            yarn_original_max_position_embeddings=16, yarn_beta_fast=32.0, yarn_beta_slow=1.0,
+            yarn_correction_range_round_to_int=False, kv_channels=32, seq_length=64)
+NO_YARN = {k: None for k in YARN if k.startswith("yarn_")}
 ACTS = [("relu", False), ("squared_relu", False), ("quick_gelu", False), ("fast_gelu", True),
         ("gelu", True)]  # (activation, gated); the control's reference: silu/gelu
 SETTINGS = [
@@ -142,6 +149,11 @@ SETTINGS = [
           global_batch=5, steps=1, ref_model=dict(window_size=None, window_attn_skip_freq=None)),
     _clip("control_window_skip", (2, 1), model=dict(WINDOW, core_attention="sdpa"),
           global_batch=5, steps=1, ref_model=dict(window_attn_skip_freq=None)),
+    _clip("tp2_tp1_yarn_clip", (2, 1), model=YARN, global_batch=5, steps=3),
+    _clip("control_yarn", (2, 1), model=YARN, global_batch=5, steps=1,
+          ref_model=dict(NO_YARN, position_embedding_type="rope")),
+    _clip("control_yarn_mscale", (2, 1), model=YARN, global_batch=5, steps=1,
+          ref_model=dict(yarn_mscale=1.0, yarn_mscale_all_dim=1.0)),
     # no position information at all (NoPE: megatron's position_embedding_type none)
     _clip("tp2_tp1_nope_clip", (2, 1), model=dict(position_embedding_type="none"), global_batch=5,
           steps=3),
@@ -209,6 +221,7 @@ def test_parity_model_settings(tmp_path: Path) -> None:
     for name in ("control_rope_base", "control_rope_scaling", "control_rope_percent",
                  "control_rope_interpolation", "control_eps", "control_nope", "control_qk_norm",
                  "control_window", "control_window_sdpa", "control_window_skip",
+                 "control_yarn", "control_yarn_mscale",
                  *(f"control_act_{a}_{'glu' if g else 'mlp'}" for a, g in ACTS)):
         assert res[name]["grad_rel_max"] > 10 * TOL, (name, res[name]["grad_rel_max"])
     qkv = res["control_qkv_bias"]
