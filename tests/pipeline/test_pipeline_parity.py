@@ -34,6 +34,14 @@ CASES = [
          model=dict(FOUR_LAYERS, tie_embeddings=True)),
     Case("pp2_bf16", ((2, 1), (2, 2)), pp=2, clip_grad=CLIP, precision="bf16", steps=4,
          model=GQA_SWIGLU),
+    # real models' attention across stages at different degrees: QK norm (partial gradients
+    # summed over each stage's TP group), a sliding window with Gemma 3's every-other-layer
+    # pattern, YaRN (each stage rotates its own layers)
+    Case("pp2_qk_norm_window_yarn", ((2, 1), (2, 2)), pp=2, clip_grad=CLIP, steps=3,
+         model=dict(qk_layernorm=True, window_size=(3, 0), window_attn_skip_freq=2,
+                    position_embedding_type="yarn", yarn_rotary_scaling_factor=4.0,
+                    yarn_original_max_position_embeddings=8, yarn_beta_fast=32.0,
+                    yarn_beta_slow=1.0)),
     Case("control_tied_by_position", ((2, 1), (2, 2)), pp=2, clip_grad=CLIP, global_batch=7,
          steps=2, model=dict(tie_embeddings=True, add_bias_linear=True),
          control="tied_by_position"),

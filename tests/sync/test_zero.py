@@ -36,6 +36,10 @@ CASES = [
     _zero("zero_tp4_tp3_bf16_clip", (4, 3), model=GQA_SWIGLU, precision="bf16"),
     _zero("zero_control_no_allgather", (4, 3), model=GQA_SWIGLU, control="no_allgather",
           steps=2),
+    # Qwen3's QK norm (replicated weights, partial gradients per TP rank) and Gemma 3's
+    # sliding windows under the distributed optimizer
+    _zero("zero_tp4_tp3_qk_norm_window_clip", (4, 3), steps=2,
+          model=dict(GQA_SWIGLU, qk_layernorm=True, window_size=(3, 0), window_attn_skip_freq=2)),
     # recovery.live_redundancy: the copies' redundant update leaves the primaries' math alone
     _zero("zero_tp4_tp3_bf16_redundant_clip", (4, 3), model=GQA_SWIGLU, precision="bf16",
           steps=3, zero_redundancy=True),
