@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 SAVE_AT, AFTER, SEED, LR, GLOBAL_BATCH, MBS = 3, 2, 1234, 1e-3, 8, 2
-MODEL = dict(add_bias_linear=True, vocab_size=104)  # vocab divisible by 2: stock TP2 needs it
+# vocab divisible by 2: stock TP2 needs it; QK norm: its per-head norms' keys go both ways too
+MODEL = dict(add_bias_linear=True, vocab_size=104, qk_layernorm=True)
 ASYNC = ("tp3_tp2_tp2",)
 """NUTP layouts whose checkpoint is saved asynchronously (``checkpoint.async_save``)."""
 
@@ -142,7 +143,8 @@ def stock_build(*, init: bool) -> tuple[Any, Any, Any]:
     from megatron.core import parallel_state
 
     config.tensor_model_parallel_size = parallel_state.get_tensor_model_parallel_world_size()
-    model = GPTModel(config, get_gpt_layer_local_spec(normalization=d.normalization),
+    model = GPTModel(config, get_gpt_layer_local_spec(normalization=d.normalization,
+                                                      qk_layernorm=d.qk_layernorm),
                      vocab_size=d.vocab_size, max_sequence_length=d.seq_length,
                      position_embedding_type=d.position_embedding_type,
                      share_embeddings_and_output_weights=d.tie_embeddings, parallel_output=True)
