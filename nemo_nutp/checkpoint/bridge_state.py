@@ -1,5 +1,6 @@
 """What a Megatron-Bridge (or Megatron-LM) checkpoint carries beyond ``nutp-train``'s own state,
-and how ``nutp-train`` continues it. Pure Python (no process group, no megatron import).
+and how ``nutp-train`` continues it. No process group; megatron's scheduler only evaluates a
+saved schedule.
 
 * **Parameter groups.** megatron's optimizer loader pairs saved with current parameter groups by
   a key tuple (``megatron.core.optimizer.optimizer.param_group_identifier_keys``). megatron-core
@@ -10,20 +11,22 @@ and how ``nutp-train`` continues it. Pure Python (no process group, no megatron 
   ``align_param_groups`` pairs the groups by the structural fields alone and gives each saved
   group the current group's scheduler fields; everything else (``lr``, ``weight_decay``,
   betas, eps, ``step``, the moments) loads from the checkpoint as megatron's loader does.
-* **The schedule.** ``nutp-train``'s learning rate and weight decay are constant
-  (``train.lr``, ``train.weight_decay``); Bridge's ``OptimizerParamScheduler`` (its state is in
-  the checkpoint's ``extra["bridge"]["scheduler"]``, counted in samples) can change both at
-  every step. ``check_continuation`` evaluates that schedule at every step ``nutp-train`` will
-  run (``num_steps = step x train.global_batch_size``, as Bridge's loop steps it): the resume
-  goes on only if the schedule would set exactly ``train.lr`` and ``train.weight_decay`` at every
-  one of them (a constant schedule, or one past its warmup and decay), so the run continues as
-  Bridge's own would have; otherwise a ``ValueError`` naming the field. The consumed-sample
+* **The schedule.** ``nutp-train``'s lr follows its own schedule (``train.lr_*``, in updates:
+  ``train/schedule.py``) and its weight decay is constant; Bridge's ``OptimizerParamScheduler``
+  (its state is in the checkpoint's ``extra["bridge"]["scheduler"]``, counted in samples) can
+  change both at every step. ``check_continuation`` evaluates that schedule at every step
+  ``nutp-train`` will run (``num_steps = step x train.global_batch_size``, as Bridge's loop
+  steps it): the resume goes on only if it sets exactly ``nutp-train``'s lr and
+  ``train.weight_decay`` at every one of them, so the run continues as Bridge's own would have;
+  otherwise a ``ValueError`` naming the field (also where the checkpoint cannot tell: inside a
+  warmup, whose start is not saved, or a WSD decay). The consumed-sample
   count must equal ``step x train.global_batch_size`` (the same data position).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 STRUCTURAL = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
@@ -86,8 +89,10 @@ def align_param_groups(current: list[dict[str, Any]], state: Any) -> int:
 
 
 def _lr_at(s: dict[str, Any], n: int) -> tuple[float | None, str]:
-    """The learning rate megatron's scheduler sets at ``num_steps = n`` when it is one that
-    needs no state outside its ``state_dict`` (None otherwise), and the field that decides."""
+    """The learning rate megatron's scheduler sets at ``num_steps = n`` when its
+    ``state_dict`` determines it (None otherwise: in the warmup, whose start ``lr_warmup_init``
+    is not saved, and in WSD's decay, whose length is not saved), and the field that
+    decides. Evaluated by megatron's own ``OptimizerParamScheduler``."""
     warmup = int(s["lr_warmup_steps"])
     if warmup > 0 and n <= warmup:
         return None, "scheduler.lr_warmup_iters"
@@ -95,7 +100,19 @@ def _lr_at(s: dict[str, Any], n: int) -> tuple[float | None, str]:
         return float(s["max_lr"]), "optimizer.lr"
     if n > int(s["lr_decay_steps"]):
         return float(s["min_lr"]), "optimizer.min_lr"
-    return None, "scheduler.lr_decay_style"
+    if s["lr_decay_style"] == "WSD":
+        return None, "scheduler.lr_decay_style"
+    from types import SimpleNamespace
+
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    sched = OptimizerParamScheduler(
+        SimpleNamespace(param_groups=[]), init_lr=0.0, max_lr=float(s["max_lr"]),
+        min_lr=float(s["min_lr"]), lr_warmup_steps=warmup,
+        lr_decay_steps=int(s["lr_decay_steps"]), lr_decay_style=s["lr_decay_style"],
+        start_wd=0.0, end_wd=0.0, wd_incr_steps=1, wd_incr_style="constant")
+    sched.num_steps = n
+    return float(sched.get_lr({})), "scheduler.lr_decay_style"
 
 
 def _wd_at(s: dict[str, Any], n: int) -> float:
@@ -105,11 +122,13 @@ def _wd_at(s: dict[str, Any], n: int) -> float:
 
 
 def check_continuation(bridge: dict[str, Any], *, path: Any, step: int, steps: int,
-                       global_batch: int, lr: float, weight_decay: float) -> None:
+                       global_batch: int, lr: float | Callable[[int], float],
+                       weight_decay: float) -> None:
     """``bridge``: a checkpoint's ``extra["bridge"]`` (``consumed_train_samples``,
     ``scheduler``); ``step``: the saved step ``nutp-train`` starts at; ``steps``:
-    ``train.steps``. ``ValueError`` naming the field unless Bridge's schedule sets
-    ``lr``/``weight_decay`` at every step ``step .. steps-1`` and the data position agrees."""
+    ``train.steps``; ``lr``: ``nutp-train``'s constant lr, or its schedule (``lr(updates)``).
+    ``ValueError`` naming the field unless Bridge's schedule sets ``nutp-train``'s lr and
+    ``weight_decay`` at every step ``step .. steps-1`` and the data position agrees."""
     consumed = bridge.get("consumed_train_samples")
     if consumed is not None and int(consumed) != step * global_batch:
         raise ValueError(f"train.global_batch_size={global_batch}: checkpoint {path} was saved "
@@ -125,11 +144,12 @@ def check_continuation(bridge: dict[str, Any], *, path: Any, step: int, steps: i
             raise ValueError(
                 f"{field}: checkpoint {path} continues Bridge's lr schedule "
                 f"(lr_decay_style={s['lr_decay_style']}, warmup {s['lr_warmup_steps']} / decay "
-                f"{s['lr_decay_steps']} samples) at step {k}, which nutp-train cannot follow "
-                f"(its lr is constant: train.lr)")
-        if not math.isclose(have, lr, rel_tol=1e-12, abs_tol=0.0):
-            raise ValueError(f"train.lr={lr}: checkpoint {path} continues Bridge's schedule at "
-                             f"lr {have} ({field}) at step {k}")
+                f"{s['lr_decay_steps']} samples) at step {k}, where its lr is not in the "
+                f"checkpoint (nutp-train cannot check that its schedule continues it)")
+        want, name = (lr(k), "train.lr_decay_style") if callable(lr) else (lr, f"train.lr={lr}")
+        if not math.isclose(have, want, rel_tol=1e-9, abs_tol=0.0):
+            raise ValueError(f"{name}: checkpoint {path} continues Bridge's schedule at "
+                             f"lr {have} ({field}) at step {k}, nutp-train's schedule at {want}")
         wd = _wd_at(s, n)
         if not math.isclose(wd, weight_decay, rel_tol=1e-12, abs_tol=0.0):
             raise ValueError(f"train.weight_decay={weight_decay}: checkpoint {path} continues "

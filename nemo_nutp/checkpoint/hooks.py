@@ -115,13 +115,17 @@ def layout_of(marker: dict[str, Any] | None) -> str:
 
 class CheckpointHooks:
     def __init__(self, cfg: JobConfig, session: RankSession, *,
-                 on_complete: Callable[[int], None] | None = None) -> None:
+                 on_complete: Callable[[int], None] | None = None,
+                 lr_at: Callable[[int], float] | None = None) -> None:
         """``on_complete(step)`` runs in this rank's training thread whenever one of its saves
         completes (published, tracker updated): the boundary where a planned restart stops
         without losing a committed step, decided where it happens rather than by a poll that a
-        short run can miss."""
+        short run can miss. ``lr_at(updates)``: the run's lr schedule (default: constant
+        ``train.lr``), which a Bridge checkpoint's schedule must equal from the resumed step
+        on."""
         self.cfg, self.session = cfg, session
         self.on_complete = on_complete
+        self.lr_at = lr_at
         self.root = cfg.checkpoint_dir
         self.rank = dist.get_rank()
         self.fault = Fault.from_env_or_config(cfg)
@@ -188,8 +192,8 @@ class CheckpointHooks:
         if bridge is not None:  # saved by nutp-bridge: its schedule must continue here
             t = self.cfg.train
             check_continuation(bridge, path=info["path"], step=int(info["step"]),
-                               steps=t.steps, global_batch=t.global_batch_size, lr=t.lr,
-                               weight_decay=t.weight_decay)
+                               steps=t.steps, global_batch=t.global_batch_size,
+                               lr=self.lr_at or t.lr, weight_decay=t.weight_decay)
         saved = None if info["weights_only"] else info["extra"].get("ledger")
         if saved:
             ledger.restore(saved)  # any cluster size: earlier GPU-seconds are carried

@@ -151,7 +151,9 @@ def save_checkpoint(session: RankSession, root: str | Path, *, step: int,
     # Identical on every rank (megatron checks the common part for consistency).
     state.update(_broadcast({"iteration": step, "checkpoint_version": 3.0,
                              "nutp_train": {"step": step, "extra": extra or {},
-                                            "rng": torch.get_rng_state()}}
+                                            "rng": torch.get_rng_state(),
+                                            # the lr schedule's clock is step - skips
+                                            "skips": int(getattr(session, "skips", 0))}}
                             if rank0 else None))
     state["nutp_rng_state"] = _rng_object(session.plan, _rng_states())
     final = iter_dir(root, step)
@@ -408,6 +410,10 @@ def _load(session: RankSession, path: Path, marker: dict[str, Any] | None, *,
         torch.set_rng_state(train["rng"])
         rng = "rank 0"
     step = int(train["step"]) if train is not None else int(loaded.get("iteration", 0))
+    if load_optimizer and hasattr(session, "skips"):  # the schedule continues (weights only:
+        # it starts over, as the optimizer does)
+        session.skips = int(train.get("skips", 0)) if train is not None else 0
+        session.counted_through = step - 1
     return {"step": step, "saved_step": step, "extra": train["extra"] if train else {},
             "marker": marker, "rng": rng, "optimizer": load_optimizer}
 

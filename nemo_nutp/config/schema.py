@@ -34,6 +34,8 @@ RENAMED = {"gated_mlp": "gated_linear_unit", "add_bias": "add_bias_linear",
            "position_embedding": "position_embedding_type"}
 """``model.*`` names of the previous release -> megatron-core's (accepted with a warning for
 one release; a checkpoint's marker may still hold the old ones)."""
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 POSITION_EMBEDDINGS = ("rope", "yarn", "learned_absolute", "none")
 ROTARY = ("rope", "yarn")
 """The position embeddings that rotate query and key channels (``rotary_base`` applies)."""
@@ -367,7 +369,23 @@ class TrainConfig:
     micro_batch_size: int = 2
     """Samples per micro-batch."""
     lr: float = 3e-3
-    """Adam learning rate."""
+    """Peak learning rate (megatron ``lr``; the schedule's maximum)."""
+    lr_warmup_iters: int = 0
+    """Linear warmup from ``lr_warmup_init`` to ``lr`` over this many updates (megatron's
+    name)."""
+    lr_warmup_init: float = 0.0
+    """Where the warmup starts."""
+    lr_decay_style: str = "constant"
+    """After the warmup: 'constant', 'linear', 'cosine', 'inverse-square-root' or 'WSD' (warmup,
+    stable, decay), megatron-core's ``OptimizerParamScheduler``."""
+    lr_decay_iters: int | None = None
+    """Updates over which the lr decays to ``min_lr`` (null: ``steps``)."""
+    min_lr: float = 0.0
+    """The lr after the decay."""
+    lr_wsd_decay_style: str = "exponential"
+    """WSD's final decay: 'exponential', 'linear', 'cosine' or 'minus_sqrt'."""
+    lr_wsd_decay_iters: int | None = None
+    """WSD: the last this-many updates of ``lr_decay_iters`` decay (required with WSD)."""
     seed: int = 1234
     """Seed of weights and synthetic data."""
     optimizer: str = "adam"
@@ -411,12 +429,49 @@ class TrainConfig:
             raise bad_value("train.optimizer", self.optimizer, "must be adam or sgd")
         if not self.lr > 0:
             raise bad_value("train.lr", self.lr, "must be > 0")
+        self._check_schedule()
         if not 0.0 <= self.clip_grad < math.inf:
             raise bad_value("train.clip_grad", self.clip_grad, "must be >= 0 (0 disables)")
         if self.distributed_optimizer and self.precision == "fp16":
             raise bad_value("train.distributed_optimizer", True,
                             "not supported with train.precision=fp16 (use bf16 or fp32)")
         self._check_numerics()
+
+    def _check_schedule(self) -> None:
+        """What megatron's ``OptimizerParamScheduler`` would assert on, one line each."""
+        if self.lr_decay_style not in LR_DECAY_STYLES:
+            raise bad_value("train.lr_decay_style", self.lr_decay_style,
+                            f"must be one of {LR_DECAY_STYLES}")
+        if isinstance(self.lr_warmup_iters, bool) or not isinstance(self.lr_warmup_iters, int) \
+                or self.lr_warmup_iters < 0:
+            raise bad_value("train.lr_warmup_iters", self.lr_warmup_iters,
+                            "must be an integer >= 0")
+        if not 0.0 <= self.min_lr <= self.lr:
+            raise bad_value("train.min_lr", self.min_lr, f"must be in [0, train.lr={self.lr}]")
+        if not 0.0 <= self.lr_warmup_init <= self.lr:
+            raise bad_value("train.lr_warmup_init", self.lr_warmup_init,
+                            f"must be in [0, train.lr={self.lr}]")
+        decay = self.lr_decay_iters
+        if decay is not None:
+            check_positive("train.lr_decay_iters", decay)
+        if self.lr_warmup_iters >= (decay or self.steps):
+            field = "train.lr_decay_iters" if decay is not None else "train.steps"
+            raise bad_value("train.lr_warmup_iters", self.lr_warmup_iters,
+                            f"must be < {field}={decay or self.steps}")
+        wsd = self.lr_wsd_decay_iters
+        if self.lr_decay_style == "WSD":
+            if self.lr_wsd_decay_style not in WSD_DECAY_STYLES:
+                raise bad_value("train.lr_wsd_decay_style", self.lr_wsd_decay_style,
+                                f"must be one of {WSD_DECAY_STYLES}")
+            if wsd is None:
+                raise bad_value("train.lr_wsd_decay_iters", None, "required with "
+                                "train.lr_decay_style=WSD")
+            check_positive("train.lr_wsd_decay_iters", wsd)
+            if wsd > (decay or self.steps):
+                raise bad_value("train.lr_wsd_decay_iters", wsd,
+                                f"must be <= the decay's {decay or self.steps} updates")
+        elif wsd is not None:
+            raise bad_value("train.lr_wsd_decay_iters", wsd, "needs train.lr_decay_style=WSD")
 
     def _check_numerics(self) -> None:
         if self.precision not in PRECISIONS:

@@ -161,6 +161,9 @@ class LiveManager(Generic[R]):
                                                                     False):
             # stopped in the parameter all-gather after its update: the step's norm (the sync's)
             c.grad_norm = math.sqrt(old.model.nutp_engine.grad_sumsq)
+        if c.step == d["step"]:  # the lr schedule's clock: the committed step's outcome
+            old.count_step(c.step, c.grad_norm is None)
+        clock = (old.skips, old.counted_through)
         job, plan = self._next(old.plan, d)
         gpu = old.plan.rank_to_gpu[dist.get_rank()]
         link.old_replica_tp = old.plan.replicas
@@ -186,7 +189,8 @@ class LiveManager(Generic[R]):
             os._exit(EXIT_FALLBACK)  # the control process restarts the job, naming the reason
         del old
         run.session = None
-        ledger, rng = _share(d, rank_map, run.ledger, rng)
+        ledger, rng, clock = _share(d, rank_map, run.ledger, rng, clock)
+        session.skips, session.counted_through = clock
         torch.set_rng_state(rng)
         return self._start(job, plan, session, d, ledger, stats)
 
@@ -208,7 +212,8 @@ class LiveManager(Generic[R]):
         rank_map = _rank_map(old_plan, plan, d)
         stats = move(None, session, old_plan=old_plan, rank_map=rank_map,
                      joiners=frozenset(d["joiners"]))
-        ledger, rng = _share(d, rank_map, None, torch.get_rng_state())
+        ledger, rng, clock = _share(d, rank_map, None, torch.get_rng_state(), None)
+        session.skips, session.counted_through = clock
         torch.set_rng_state(rng)
         return self._start(job, plan, session, d, ledger, stats)
 
@@ -341,14 +346,17 @@ def _rank_map(old_plan: Plan, plan: Plan, d: dict[str, Any]) -> dict[int, int]:
 
 
 def _share(d: dict[str, Any], rank_map: dict[int, int], ledger: GoodputLedger | None,
-           rng: torch.Tensor) -> tuple[GoodputLedger, torch.Tensor]:
-    """Joiners (grow back) take the goodput ledger and the RNG state from the lowest new rank
-    of a survivor (one broadcast over the new world, only when the decision has joiners)."""
+           rng: torch.Tensor, clock: tuple[int, int] | None
+           ) -> tuple[GoodputLedger, torch.Tensor, tuple[int, int]]:
+    """Joiners (grow back) take the goodput ledger, the RNG state and the lr schedule's clock
+    (skips, counted through) from the lowest new rank of a survivor (one broadcast over the
+    new world, only when the decision has joiners)."""
     if not d.get("joiners"):
-        assert ledger is not None
-        return ledger, rng
-    box: list[Any] = [ledger, rng]
+        assert ledger is not None and clock is not None
+        return ledger, rng, clock
+    box: list[Any] = [ledger, rng, clock]
     dist.broadcast_object_list(box, src=min(rank_map.values()))
     if ledger is None:
-        return box[0], box[1]
-    return ledger, rng
+        return box[0], box[1], box[2]
+    assert clock is not None
+    return ledger, rng, clock

@@ -136,6 +136,7 @@ class Trainer:
         self.device, self.live, self.on_checkpoint = device, live, on_checkpoint
 
     def build(self, job: JobConfig, plan: Plan) -> RankSession:
+        from .schedule import schedule_of
         from .session import build_session, precision_of
         from .step import step_options
 
@@ -146,7 +147,8 @@ class Trainer:
                              precision=precision_of(t), device=self.device,
                              data_path=t.data_path, bucket_size=job.sync.bucket_size,
                              distributed_optimizer=t.distributed_optimizer,
-                             live_redundancy=job.recovery.live_redundancy)
+                             live_redundancy=job.recovery.live_redundancy,
+                             schedule=schedule_of(t))
 
     def make_run(self, job: JobConfig, plan: Plan, session: RankSession, *,
                  start: int | None = None, ledger: GoodputLedger | None = None) -> Run:
@@ -163,6 +165,7 @@ class Run:
                  on_checkpoint: Callable[[int], None] | None = None) -> None:
         from ..checkpoint.hooks import CheckpointHooks
         from ..train.rebalance import LiveBalance
+        from .schedule import schedule_of
 
         self.cfg, self.plan = cfg, plan
         self.session: RankSession | None = session  # None once moved to the next world
@@ -174,7 +177,8 @@ class Run:
         self.ledger = ledger or GoodputLedger(cluster_gpus=plan.request.cluster.num_gpus,
                                               failed_gpus=len(plan.request.health.failed_gpus),
                                               idle_gpus=plan.idle_healthy_gpus)
-        self.hooks = CheckpointHooks(cfg, session, on_complete=on_checkpoint)
+        self.hooks = CheckpointHooks(cfg, session, on_complete=on_checkpoint,
+                                     lr_at=schedule_of(cfg.train).lr_at)
         # nutp.rebalance; an injected slow fault is world 0's (after a live re-layout the
         # slowed GPU has left, or its rank number names another GPU)
         self.balance = LiveBalance(cfg, session, fault=self.hooks.fault if start is None else None,
@@ -208,7 +212,7 @@ class Run:
             goodput = ledger.goodput  # the run's so far (this step's save: the next row's)
             row = {"step": step, "loss": res.loss,
                    "grad_norm": None if res.skipped else res.grad_norm,
-                   "skipped": res.skipped,
+                   "skipped": res.skipped, "lr": session.lr,
                    "loss_scale": float(session.optimizer.get_loss_scale()),
                    "tokens": tokens, "step_time_s": step_s, "tokens_per_s": tokens / step_s,
                    "goodput": goodput, "step_goodput": step_goodput,

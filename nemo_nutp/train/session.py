@@ -19,6 +19,7 @@ from ..model.build import enable_cuda_math, needs_attention_mask, transformer_co
 from ..parallel import NUTPGroups, build_groups
 from ..pipeline import PipelineRunner
 from ..sync import NUTPDistributedDataParallel
+from .schedule import Schedule
 from .step import (
     GradChecks,
     StepOptions,
@@ -84,6 +85,22 @@ class RankSession:
     pipeline: PipelineRunner | None = None  # pp > 1
     precision: str = "fp32"
     listener: StepListener | None = None  # recovery.mode=live: the vote, the step's result
+    scheduler: Any = None  # megatron's OptimizerParamScheduler (train/schedule.py), or None
+    skips: int = 0  # skipped steps among those counted: the schedule's clock is step - skips
+    counted_through: int = -1  # the last step whose skip is counted in ``skips``
+    lr: float | None = None  # the lr of the newest step's update
+
+    def count_step(self, step: int, skipped: bool) -> None:
+        """Count ``step``'s outcome once (a live re-layout may report a step already counted)."""
+        if step > self.counted_through:
+            self.counted_through = step
+            self.skips += int(skipped)
+
+    def _clock(self, step: int) -> None:
+        if self.scheduler is not None:
+            from .schedule import set_clock
+
+            self.lr = set_clock(self.scheduler, step - self.skips)
 
     def _global_loss(self, replica_loss: float) -> float:
         ctx = self.groups.ctx
@@ -121,6 +138,7 @@ class RankSession:
 
         hook = None if self.listener is None else before_update
         phase = None if self.listener is None else self.listener.phase
+        self._clock(step)
         if self.pipeline is None:
             replica_loss, grad_norm, times, skipped = train_step(
                 self.model, self.optimizer, self.batches(step), self.mask, opts=self.opts,
@@ -132,6 +150,7 @@ class RankSession:
         loss = losses[0] if losses else self._global_loss(replica_loss)
         result = StepResult(loss=loss, replica_loss=replica_loss, grad_norm=grad_norm,
                             times=times, skipped=skipped)
+        self.count_step(step, skipped)
         if self.listener is not None:
             self.listener.stepped(result)
         return result
@@ -140,8 +159,11 @@ class RankSession:
         """The optimizer step from the gradients this rank holds (a live re-layout completes a
         voted step whose result was lost this way): (updated, grad norm)."""
         phase = None if self.listener is None else self.listener.phase
-        return optimizer_step(self.model, self.optimizer, self.opts, self.checks, step=step,
-                              phase=phase)
+        self._clock(step)
+        ok, norm = optimizer_step(self.model, self.optimizer, self.opts, self.checks, step=step,
+                                  phase=phase)
+        self.count_step(step, not ok)
+        return ok, norm
 
     def _pipeline_step(self, step: int, after_sync: Any, before_update: Any = None,
                        phase: Any = None) -> tuple[float, float, dict[str, float], bool]:
@@ -185,13 +207,15 @@ def build_session(plan: Plan, model_cfg: Any, *, lr: float, seed: int, micro_bat
                   bucket_size: int | None = None, groups: NUTPGroups | None = None,
                   device: torch.device | None = None, data_path: str | None = None,
                   distributed_optimizer: bool = False,
-                  live_redundancy: bool = False) -> RankSession:
+                  live_redundancy: bool = False, schedule: Schedule | None = None
+                  ) -> RankSession:
     """Collective over the world: create groups (unless given), the model, DDP and optimizer.
 
     bf16/fp16: the model is megatron's ``Float16Module`` around the NUTP GPT (half-precision
     params, fp32 ``main_grad`` accumulation and cross-replica reduction unless
     ``grad_reduce_in_fp32`` is off), and megatron's mixed-precision optimizer keeps fp32 master
-    weights.
+    weights. ``schedule``: the lr / weight-decay schedule (megatron's scheduler, advanced per
+    successful update); None: ``lr`` and ``weight_decay`` constant.
     """
     opts = opts or StepOptions()
     prec = precision or Precision()
@@ -221,7 +245,8 @@ def build_session(plan: Plan, model_cfg: Any, *, lr: float, seed: int, micro_bat
                           precision=prec.precision, initial_loss_scale=prec.initial_loss_scale,
                           min_loss_scale=prec.min_loss_scale,
                           loss_scale_window=prec.loss_scale_window,
-                          distributed=distributed_optimizer, redundancy=live_redundancy)
+                          distributed=distributed_optimizer, redundancy=live_redundancy,
+                          min_lr=None if schedule is None else schedule.min_lr)
     source = None if data_path is None else IndexedTokenSource(
         data_path, vocab_size=model_cfg.vocab_size, seq_length=model_cfg.seq_length)
     checks = GradChecks(opts) if (opts.check_for_nan_in_grad or opts.large_grad_factor) else None
@@ -230,4 +255,5 @@ def build_session(plan: Plan, model_cfg: Any, *, lr: float, seed: int, micro_bat
     return RankSession(plan=plan, groups=groups, model=model, optimizer=opt, model_cfg=model_cfg,
                        micro_batch_size=micro_batch_size, seed=seed, gpt=gpt,
                        mask=_mask(model_cfg, device), source=source, opts=opts,
-                       checks=checks, pipeline=pipeline, precision=prec.precision)
+                       checks=checks, pipeline=pipeline, precision=prec.precision,
+                       scheduler=None if schedule is None else schedule.scheduler(opt))

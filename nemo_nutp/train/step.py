@@ -89,7 +89,7 @@ def build_optimizer(model: Any, pgs: Any, *, lr: float, optimizer: str = "adam",
                     adam_eps: float = 1e-8, precision: str = "fp32",
                     initial_loss_scale: float = 2.0 ** 32, min_loss_scale: float = 1.0,
                     loss_scale_window: int = 1000, distributed: bool = False,
-                    redundancy: bool = False) -> Any:
+                    redundancy: bool = False, min_lr: float | None = None) -> Any:
     """megatron-core (non-distributed) optimizer over this rank's explicit process groups:
     fp32 (``FP32Optimizer``) or, for bf16/fp16 models, megatron's mixed-precision optimizer with
     fp32 master weights (fp16: dynamic loss scaler). ``distributed``
@@ -99,8 +99,9 @@ def build_optimizer(model: Any, pgs: Any, *, lr: float, optimizer: str = "adam",
     ``weight_decay`` is megatron's constant schedule: each parameter group decays by
     ``weight_decay x wd_mult`` (0 for biases and 1-D parameters), as ``OptimizerParamScheduler``
     sets it in Megatron-LM's and Bridge's loops; megatron's optimizer alone would decay every
-    group by ``weight_decay``."""
-    cfg = OptimizerConfig(optimizer=optimizer, lr=lr, weight_decay=weight_decay,
+    group by ``weight_decay``. ``min_lr``: the schedule's (megatron's groups carry ``max_lr``
+    = ``lr`` and ``min_lr``, which its ``OptimizerParamScheduler`` reads per group)."""
+    cfg = OptimizerConfig(optimizer=optimizer, lr=lr, min_lr=min_lr, weight_decay=weight_decay,
                           clip_grad=clip_grad, adam_eps=adam_eps,
                           params_dtype=DTYPES[precision], bf16=precision == "bf16",
                           fp16=precision == "fp16", initial_loss_scale=initial_loss_scale,

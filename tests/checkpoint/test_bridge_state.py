@@ -73,7 +73,8 @@ def test_a_constant_schedule_continues_at_train_lr() -> None:
     ({}, {"lr": 2e-3}, "train.lr=0.002"),
     ({}, {"wd": 0.1}, "train.weight_decay=0.1"),
     ({}, {"consumed": 12}, "train.global_batch_size=6"),
-    ({"lr_decay_style": "cosine"}, {}, "scheduler.lr_decay_style"),
+    ({"lr_decay_style": "cosine", "min_lr": 1e-4}, {}, "scheduler.lr_decay_style"),
+    ({"lr_decay_style": "WSD", "min_lr": 1e-4}, {}, "scheduler.lr_decay_style"),  # unknowable
     ({"lr_warmup_steps": 24}, {}, "scheduler.lr_warmup_iters"),  # step 4 is still warmup
     ({"wd_incr_style": "linear", "end_wd": 0.1}, {}, "train.weight_decay=0.0"),
 ])
@@ -83,3 +84,17 @@ def test_a_schedule_nutp_train_cannot_follow_is_named(change: dict[str, object],
     with pytest.raises(ValueError, match=field.replace(".", r"\.")) as e:
         _check({**CONSTANT, **change}, **kwargs)  # type: ignore[arg-type]
     assert "ck/iter_0000003" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_decaying_bridge_schedule_continues_in_nutp_train_s_own() -> None:
+    """Bridge's cosine decay (in samples) continued by nutp-train's (in updates): the same lr at
+    every remaining step, evaluated by megatron's scheduler on both sides; a different minimum
+    is named."""
+    from nemo_nutp.train.schedule import Schedule
+
+    cosine = {**CONSTANT, "lr_decay_style": "cosine", "lr_warmup_steps": 12, "min_lr": 1e-4}
+    ours = Schedule(lr=1e-3, min_lr=1e-4, warmup_iters=2, decay_style="cosine", decay_iters=10)
+    _check(cosine, lr=ours.lr_at)
+    other = Schedule(lr=1e-3, min_lr=0.0, warmup_iters=2, decay_style="cosine", decay_iters=10)
+    with pytest.raises(ValueError, match=r"^train\.lr_decay_style: .* at step 3, nutp-train's"):
+        _check(cosine, lr=other.lr_at)

@@ -54,6 +54,9 @@ class Case:
     data: str | None = None  # the reference's batches (reference.py ``load_batches``)
     ref_model: dict[str, Any] = field(default_factory=dict)  # negative controls: model fields
     # the reference alone changes (a feature switched off on one side)
+    schedule: dict[str, Any] = field(default_factory=dict)  # lr schedule (megatron's names:
+    # lr_warmup_iters, lr_warmup_init, lr_decay_style, lr_decay_iters, min_lr); {}: constant
+    ref_schedule: dict[str, Any] | None = None  # negative controls: the reference's instead
 
 
 def make_plan(case: Case) -> Any:
@@ -213,6 +216,7 @@ def _train(case: Case, session: Any) -> dict[str, Any]:
 
     TIED_COPIES_EQUAL.clear()
     losses, norms, skipped, norms_bitwise, replicas_equal = [], [], [], True, True
+    lrs: list[float | None] = []
     grads: list[dict[str, torch.Tensor]] = []
     params: list[dict[str, torch.Tensor]] = []
 
@@ -223,6 +227,7 @@ def _train(case: Case, session: Any) -> dict[str, Any]:
         # fp16 step 0 overflows by design (NaN/Inf gradients cannot be compared bitwise)
         hook = at_sync if step == 0 and case.precision != "fp16" else None
         res = session.step(step, after_sync=hook)
+        lrs.append(session.lr)
         losses.append(res.loss)
         norms.append(res.grad_norm)
         skipped.append(res.skipped)
@@ -232,7 +237,7 @@ def _train(case: Case, session: Any) -> dict[str, Any]:
         params = _gather_replicas(session)
         if params:
             replicas_equal &= _all_equal(params)
-    return {"losses": losses, "norms": norms, "skipped": skipped,
+    return {"losses": losses, "norms": norms, "skipped": skipped, "lrs": lrs,
             "norms_bitwise": norms_bitwise, "replicas_equal": replicas_equal,
             "grads_replicas_equal": _all_equal(grads) if grads else True,
             "grads": grads[0] if grads else {}, "params": params[0] if params else {},
@@ -252,6 +257,7 @@ def _compare(case: Case, got: dict[str, Any], ref: dict[str, Any]) -> dict[str, 
         "case": case.name, "losses": got["losses"], "ref_losses": ref["losses"],
         "norms": got["norms"], "ref_norms": ref["grad_norms"],
         "skipped": got["skipped"], "ref_skipped": ref["skipped"],
+        "lrs": got.get("lrs"), "ref_lrs": ref.get("lrs"),
         "loss_rel": rel_list(got["losses"], ref["losses"]),
         "norm_rel": rel_list(got["norms"], ref["grad_norms"]),
         "grad_rel": grad_rel, "grad_rel_max": max(grad_rel.values(), default=float("nan")),
@@ -276,7 +282,7 @@ def run_case(case: Case, outdir: str, device: torch.device | None = None) -> Non
     plan = make_plan(case)
     session = build_session(
         plan, plan.request.model, lr=case.lr, seed=case.seed, optimizer=case.optimizer,
-        weight_decay=case.weight_decay,
+        weight_decay=case.weight_decay, schedule=_schedule(case),
         micro_batch_size=case.micro_batch_size, bucket_size=case.bucket_size,
         opts=StepOptions(clip_grad=case.clip_grad),
         precision=Precision(case.precision, initial_loss_scale=case.initial_loss_scale),
@@ -294,6 +300,19 @@ def run_case(case: Case, outdir: str, device: torch.device | None = None) -> Non
         with open(os.path.join(outdir, f"{case.name}.json"), "w") as f:
             json.dump(result, f)
     dist.barrier()
+
+
+def _schedule(case: Case) -> Any:
+    """nutp-train's schedule of a case (``train/schedule.py``), or None (constant)."""
+    if not case.schedule:
+        return None
+    from nemo_nutp.train.schedule import Schedule
+
+    names = {"lr_warmup_iters": "warmup_iters", "lr_warmup_init": "warmup_init",
+             "lr_decay_style": "decay_style", "lr_decay_iters": "decay_iters",
+             "min_lr": "min_lr"}
+    return Schedule(lr=case.lr, weight_decay=case.weight_decay,
+                    **{names[k]: v for k, v in case.schedule.items()})
 
 
 def _no_global_groups() -> bool:
@@ -388,7 +407,7 @@ def check_parity(r: dict[str, Any], *, clip: float = 0.0, tol: float = TOL,
 def check_cases(res: dict[str, dict[str, Any]], cases: list[Case]) -> None:
     """``check_parity`` at each case's precision (controls and fp16 are asserted apart)."""
     for c in cases:
-        if c.control or c.ref_model or c.precision == "fp16":
+        if c.control or c.ref_model or c.ref_schedule is not None or c.precision == "fp16":
             continue
         if c.precision == "bf16":
             check_parity(res[c.name], clip=c.clip_grad, tol=BF16_TOL, tensor_tol=0.0)

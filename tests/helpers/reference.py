@@ -93,8 +93,10 @@ def _build(case: Any, dims: Any) -> tuple[Any, Any, Any]:
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
         grad_reduce_in_fp32=True), model)
     half = _DTYPE[case.precision]
+    sched = case.schedule if case.ref_schedule is None else case.ref_schedule
     opt = get_megatron_optimizer(OptimizerConfig(
-        optimizer=case.optimizer, lr=case.lr, clip_grad=case.clip_grad,
+        optimizer=case.optimizer, lr=case.lr, min_lr=sched.get("min_lr", 0.0) if sched else None,
+        clip_grad=case.clip_grad,
         weight_decay=case.weight_decay,
         adam_eps=1e-8, params_dtype=half,
         bf16=case.precision == "bf16", fp16=case.precision == "fp16",
@@ -103,17 +105,22 @@ def _build(case: Any, dims: Any) -> tuple[Any, Any, Any]:
 
 
 def _schedule(case: Any, opt: Any) -> Any:
-    """megatron-core's ``OptimizerParamScheduler`` at a constant lr and weight decay (None
-    without weight decay: the optimizer's constant lr is the schedule)."""
-    if not case.weight_decay:
+    """megatron-core's ``OptimizerParamScheduler`` with the case's lr schedule (megatron's
+    names; the reference's own in a negative control) and constant weight decay; None for a
+    constant lr without weight decay (the optimizer's lr is the schedule). As in Megatron-LM's
+    loop, it advances once per successful update (``run_reference``)."""
+    sched = case.schedule if case.ref_schedule is None else case.ref_schedule
+    if not case.weight_decay and not sched:
         return None
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     wd = case.weight_decay
+    decay = sched.get("lr_decay_iters", case.steps)
     return OptimizerParamScheduler(
-        opt, init_lr=case.lr, max_lr=case.lr, min_lr=case.lr, lr_warmup_steps=0,
-        lr_decay_steps=case.steps, lr_decay_style="constant", start_wd=wd, end_wd=wd,
-        wd_incr_steps=case.steps, wd_incr_style="constant")
+        opt, init_lr=sched.get("lr_warmup_init", 0.0), max_lr=case.lr,
+        min_lr=sched.get("min_lr", 0.0), lr_warmup_steps=sched.get("lr_warmup_iters", 0),
+        lr_decay_steps=decay, lr_decay_style=sched.get("lr_decay_style", "constant"),
+        start_wd=wd, end_wd=wd, wd_incr_steps=decay, wd_incr_style="constant")
 
 
 def load_batches(path: str) -> list[list[dict[str, torch.Tensor]]]:
@@ -158,7 +165,7 @@ def run_reference(case: Any) -> dict[str, Any]:
     ddp, opt, _ = _build(case, dims)
     schedule = _schedule(case, opt)
     data = load_batches(case.data) if case.data is not None else None
-    out: dict[str, Any] = {"losses": [], "grad_norms": [], "skipped": []}
+    out: dict[str, Any] = {"losses": [], "grad_norms": [], "skipped": [], "lrs": []}
     for step in range(case.steps):
         batches = _step_batches(case, dims, step, data)
         ddp.zero_grad_buffer()
@@ -175,8 +182,9 @@ def run_reference(case: Any) -> dict[str, Any]:
         if step == 0:
             out["grads"] = {normalize_name(k): p.main_grad.detach().float().clone()
                             for k, p in ddp.named_parameters()}
+        out["lrs"].append(float(opt.param_groups[0]["lr"]))
         ok, norm, _ = opt.step()
-        if schedule is not None:
+        if schedule is not None and ok:
             schedule.step(increment=1)
         if ok and not norm:  # clipping off: megatron did not compute it; grads still in place
             norm = opt.get_grad_norm()

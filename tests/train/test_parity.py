@@ -66,6 +66,8 @@ SEVEN = [
     _clip("control_norm_replica0", (4, 3), model=GQA_SWIGLU, control="norm_replica0",
           optimizer="sgd", lr=0.1),
 ]
+COSINE = dict(lr_warmup_iters=2, lr_warmup_init=1e-4, lr_decay_style="cosine",
+              lr_decay_iters=4, min_lr=1e-4)
 THREE = [
     _clip("tp2_tp1_clip", (2, 1), model=dict(gated_linear_unit=False), global_batch=5),
     _clip("tp2_tp1_sp_clip", (2, 1), model=dict(gated_linear_unit=False), sequence_parallel=True,
@@ -84,6 +86,16 @@ THREE = [
     # the global-batch scale (shares 3 and 2 of 5: not a power of two)
     _clip("tp2_tp1_fused_ce_clip", (2, 1),
           model=dict(gated_linear_unit=False, cross_entropy_loss_fusion=True), global_batch=5),
+    # nutp-train's lr schedule (megatron's OptimizerParamScheduler, megatron's names): warmup
+    # then cosine decay to min_lr, with weight decay; control: the reference at a constant lr
+    _clip("tp2_tp1_warmup_cosine_clip", (2, 1), model=dict(gated_linear_unit=False),
+          global_batch=5, weight_decay=0.1, schedule=COSINE),
+    _clip("control_schedule", (2, 1), model=dict(gated_linear_unit=False), global_batch=5,
+          steps=3, schedule=COSINE, ref_schedule={}),
+    # fp16: the loss scaler's overflowing first steps are skipped and do not advance the
+    # schedule (megatron's loop steps its scheduler only after a successful update)
+    Case("tp2_tp1_fp16_warmup", (2, 1), GQA_SWIGLU, precision="fp16", global_batch=5,
+         initial_loss_scale=2.0 ** 19, steps=5, schedule=COSINE),
 ]
 # RoPE as real models set it (megatron's names), at a degraded layout with clipping: Llama 3's
 # base 500000 with Llama 3.1's frequency scaling (factor 8), over 32-channel heads (the scaled
@@ -207,6 +219,19 @@ def test_parity_tp2_tp1(tmp_path: Path) -> None:
     res = run_cases(THREE, 3, tmp_path)
     check_cases(res, THREE)
     assert res["tp2_tp1_clip"]["shares"][0] != res["tp2_tp1_clip"]["shares"][1]
+    # the schedule: warmup 1e-4 -> 1e-3 over 2 updates, cosine down to 1e-4 by update 4; the
+    # same lr as megatron's scheduler gives the reference at every step
+    cos = res["tp2_tp1_warmup_cosine_clip"]
+    assert cos["lrs"] == cos["ref_lrs"], (cos["lrs"], cos["ref_lrs"])
+    assert cos["lrs"][0] == 1e-4 and cos["lrs"][2] == 1e-3 and cos["lrs"][4] == 1e-4
+    fp16 = res["tp2_tp1_fp16_warmup"]
+    assert fp16["skipped"][:2] == fp16["ref_skipped"][:2] == [True, True], fp16["skipped"]
+    assert fp16["lrs"][:3] == fp16["ref_lrs"][:3] == [1e-4] * 3, (fp16["lrs"], fp16["ref_lrs"])
+    agree = next(k for k, (a, b) in enumerate(zip(fp16["skipped"], fp16["ref_skipped"],
+                                                   strict=True)) if a != b)  # TP's fp16 sums
+    assert fp16["lrs"][:agree + 1] == fp16["ref_lrs"][:agree + 1], fp16  # differ from then on
+    bad = res["control_schedule"]  # the reference at a constant lr
+    assert bad["model_rel"] > 10 * TOL and bad["lrs"] != bad["ref_lrs"], bad["model_rel"]
 
 
 @pytest.mark.dist
