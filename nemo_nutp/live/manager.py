@@ -163,7 +163,7 @@ class LiveManager(Generic[R]):
             c.grad_norm = math.sqrt(old.model.nutp_engine.grad_sumsq)
         if c.step == d["step"]:  # the lr schedule's clock: the committed step's outcome
             old.count_step(c.step, c.grad_norm is None)
-        clock = (old.skips, old.counted_through)
+        clock = (old.skips, old.counted_through, old.last_skipped)
         job, plan = self._next(old.plan, d)
         gpu = old.plan.rank_to_gpu[dist.get_rank()]
         link.old_replica_tp = old.plan.replicas
@@ -190,7 +190,7 @@ class LiveManager(Generic[R]):
         del old
         run.session = None
         ledger, rng, clock = _share(d, rank_map, run.ledger, rng, clock)
-        session.skips, session.counted_through = clock
+        session.skips, session.counted_through, session.last_skipped = clock
         torch.set_rng_state(rng)
         return self._start(job, plan, session, d, ledger, stats)
 
@@ -213,7 +213,7 @@ class LiveManager(Generic[R]):
         stats = move(None, session, old_plan=old_plan, rank_map=rank_map,
                      joiners=frozenset(d["joiners"]))
         ledger, rng, clock = _share(d, rank_map, None, torch.get_rng_state(), None)
-        session.skips, session.counted_through = clock
+        session.skips, session.counted_through, session.last_skipped = clock
         torch.set_rng_state(rng)
         return self._start(job, plan, session, d, ledger, stats)
 
@@ -291,8 +291,9 @@ class LiveManager(Generic[R]):
         assert c.step == step, (c, step)
         tokens = run.cfg.train.global_batch_size * run.cfg.model.seq_length
         step_s = max(c.step_s, 1e-9)  # this rank's own time to the vote: the world is gone
+        lr = None if run.session is None else run.session.lr_of(step)
         out.write({"step": step, "loss": c.loss, "grad_norm": c.grad_norm,
-                   "skipped": c.grad_norm is None, "loss_scale": 1.0, "tokens": tokens,
+                   "skipped": c.grad_norm is None, "lr": lr, "loss_scale": 1.0, "tokens": tokens,
                    "step_time_s": step_s, "tokens_per_s": tokens / step_s,
                    "goodput": run.ledger.goodput, "step_goodput": 0.0,
                    "microbatches": [r.microbatches for r in link.old_replica_tp],
@@ -346,11 +347,11 @@ def _rank_map(old_plan: Plan, plan: Plan, d: dict[str, Any]) -> dict[int, int]:
 
 
 def _share(d: dict[str, Any], rank_map: dict[int, int], ledger: GoodputLedger | None,
-           rng: torch.Tensor, clock: tuple[int, int] | None
-           ) -> tuple[GoodputLedger, torch.Tensor, tuple[int, int]]:
+           rng: torch.Tensor, clock: tuple[int, int, bool | None] | None
+           ) -> tuple[GoodputLedger, torch.Tensor, tuple[int, int, bool | None]]:
     """Joiners (grow back) take the goodput ledger, the RNG state and the lr schedule's clock
-    (skips, counted through) from the lowest new rank of a survivor (one broadcast over the
-    new world, only when the decision has joiners)."""
+    (skips, counted through, whether that step was skipped) from the lowest new rank of a
+    survivor (one broadcast over the new world, only when the decision has joiners)."""
     if not d.get("joiners"):
         assert ledger is not None and clock is not None
         return ledger, rng, clock

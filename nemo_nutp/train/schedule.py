@@ -67,3 +67,13 @@ def set_clock(scheduler: Any, updates: int) -> float:
     scheduler.num_steps = updates
     scheduler.step(0)
     return float(scheduler.get_lr({}))
+
+
+def lr_at_clock(scheduler: Any, updates: int) -> float:
+    """``scheduler``'s lr at ``updates`` successful updates, its state unchanged."""
+    saved = scheduler.num_steps
+    scheduler.num_steps = updates
+    try:
+        return float(scheduler.get_lr({}))
+    finally:
+        scheduler.num_steps = saved

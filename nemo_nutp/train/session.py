@@ -89,12 +89,29 @@ class RankSession:
     skips: int = 0  # skipped steps among those counted: the schedule's clock is step - skips
     counted_through: int = -1  # the last step whose skip is counted in ``skips``
     lr: float | None = None  # the lr of the newest step's update
+    last_skipped: bool | None = None  # whether step ``counted_through`` was skipped
 
     def count_step(self, step: int, skipped: bool) -> None:
         """Count ``step``'s outcome once (a live re-layout may report a step already counted)."""
         if step > self.counted_through:
             self.counted_through = step
             self.skips += int(skipped)
+            self.last_skipped = skipped
+
+    def lr_of(self, step: int) -> float | None:
+        """The lr a counted ``step`` updated with (a re-layout's recovered metrics row)."""
+        if self.scheduler is None or step > self.counted_through:
+            return None
+        from .schedule import lr_at_clock
+
+        return lr_at_clock(self.scheduler, step - self.skips_before(step))
+
+    def skips_before(self, step: int) -> int:
+        """Skipped steps before the newest counted one, if that is ``step`` (the clock it ran
+        at); else all counted."""
+        if step != self.counted_through or self.last_skipped is None:
+            return self.skips
+        return self.skips - int(self.last_skipped)
 
     def _clock(self, step: int) -> None:
         if self.scheduler is not None:

@@ -333,3 +333,29 @@ def test_bad_numerics_fail_the_cli_before_anything_runs(tmp_path: Path) -> None:
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert "train.precision='fp8'" in r.stdout + r.stderr, (r.stdout, r.stderr)
     assert not out.exists()
+
+
+@pytest.mark.parametrize(("overrides", "match"), [
+    (["train.lr_decay_style=cos"], r"^train\.lr_decay_style='cos': must be one of"),
+    (["train.lr_warmup_iters=30"], r"^train\.lr_warmup_iters=30: must be < train\.steps=30"),
+    (["train.lr_warmup_iters=4", "train.lr_decay_iters=4"],
+     r"^train\.lr_warmup_iters=4: must be < train\.lr_decay_iters=4"),
+    (["train.min_lr=1"], r"^train\.min_lr=1\.0: must be in \[0, train\.lr="),
+    (["train.lr_decay_style=WSD"], r"^train\.lr_wsd_decay_iters=None: required with"),
+    (["train.lr_wsd_decay_iters=3"], r"^train\.lr_wsd_decay_iters=3: needs train\.lr_decay_"),
+])
+def test_schedule_bad_values_name_the_key(overrides: list[str], match: str) -> None:
+    """What megatron's OptimizerParamScheduler would assert on, one line before any group."""
+    with pytest.raises(ValueError, match=match):
+        load_config(overrides)
+
+
+def test_schedule_loads_with_megatron_names() -> None:
+    from nemo_nutp.train.schedule import schedule_of
+
+    t = load_config(["train.lr_warmup_iters=3", "train.lr_decay_style=cosine",
+                     "train.min_lr=3e-4", "train.steps=13"]).train
+    s = schedule_of(t)
+    assert (s.warmup_iters, s.decay_style, s.decay_iters, s.min_lr) == (3, "cosine", 13, 3e-4)
+    assert s.lr_at(0) == 0.0 and s.lr_at(3) == pytest.approx(t.lr) and s.lr_at(13) == 3e-4
+    assert s.lr_at(8) == pytest.approx(3e-4 + (t.lr - 3e-4) * 0.5)  # half way: cos(pi/2)

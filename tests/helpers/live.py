@@ -47,9 +47,20 @@ def stock_reference(overrides: tuple[str, ...], steps: int, tmp: Path) -> dict[s
                 global_batch=t.global_batch_size // t.micro_batch_size,
                 micro_batch_size=t.micro_batch_size, steps=steps, lr=t.lr,
                 optimizer=t.optimizer, clip_grad=t.clip_grad, precision=t.precision,
-                seed=t.seed, initial_loss_scale=t.initial_loss_scale)
+                seed=t.seed, initial_loss_scale=t.initial_loss_scale,
+                weight_decay=t.weight_decay, schedule=schedule_case(t))
     run_references([case], tmp)
     return dict(torch.load(tmp / "ref_live.pt"))
+
+
+def schedule_case(t: Any) -> dict[str, Any]:
+    """A ``train`` section's lr schedule as a parity ``Case.schedule`` ({}: constant)."""
+    if t.lr_decay_style == "constant" and not t.lr_warmup_iters:
+        return {}
+    assert t.lr_decay_style != "WSD", "the reference takes no WSD settings"
+    return {"lr_warmup_iters": t.lr_warmup_iters, "lr_warmup_init": t.lr_warmup_init,
+            "lr_decay_style": t.lr_decay_style, "lr_decay_iters": t.lr_decay_iters or t.steps,
+            "min_lr": t.min_lr}
 
 
 def metric_rows(out: Path) -> list[dict[str, Any]]:
@@ -66,9 +77,11 @@ def read_events(out: Path) -> list[dict[str, Any]]:
 def check_steps(out: Path, ref: dict[str, Any], tol: float) -> list[dict[str, Any]]:
     rows = metric_rows(out)
     assert len(rows) == len(ref["losses"])
-    for r, loss, norm in zip(rows, ref["losses"], ref["grad_norms"], strict=True):
+    for r, loss, norm, lr in zip(rows, ref["losses"], ref["grad_norms"], ref["lrs"],
+                                 strict=True):
         assert abs(r["loss"] - loss) <= tol * abs(loss), (r["step"], r["loss"], loss)
         assert abs(r["grad_norm"] - norm) <= tol * abs(norm), (r["step"], r["grad_norm"], norm)
+        assert r["lr"] == lr, (r["step"], r["lr"], lr)  # the schedule's, as megatron's sets it
     return rows
 
 

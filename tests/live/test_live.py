@@ -33,6 +33,9 @@ from tests.helpers.live import (
 )
 from tests.helpers.parity import BF16_TOL
 
+# megatron's warmup + cosine decay: its clock (successful updates) must survive every re-layout
+COSINE = ("train.lr_warmup_iters=2", "train.lr_decay_style=cosine", "train.min_lr=3e-4")
+
 
 def _layout(*overrides: str) -> list[list[int]]:
     plan = build_plan(plan_request(load_config(list(overrides))))
@@ -42,12 +45,13 @@ def _layout(*overrides: str) -> list[list[int]]:
 @pytest.mark.dist
 @pytest.mark.timeout(JOB_TIMEOUT_S + 120)
 def test_live_relayout_tp4_tp3_phases_and_rank0(tmp_path: Path) -> None:
-    """TP4+TP3 (fp32, clipping), five live re-layouts in one job (down to TP2 on 2 GPUs): a
+    """TP4+TP3 (fp32, clipping, warmup + cosine), five live re-layouts in one job (down to TP2
+    on 2 GPUs): a
     crash inside a save; rank 0 (the old store host) killed in its forward; a rank killed
     between sync and the vote (the step is discarded everywhere); one killed after the vote
     inside the optimizer step (the survivors complete the step); one more in its forward."""
     steps = 8
-    over = (*BASE, "checkpoint.interval=2", f"train.steps={steps}")
+    over = (*BASE, "checkpoint.interval=2", f"train.steps={steps}", *COSINE)
     faults = ",".join(["kill:0:2:forward:1", "kill:4:3:vote:2", "kill:5:4:optimizer:3",
                        "kill:6:6:forward:4"])
     out = tmp_path / "phases"

@@ -42,7 +42,7 @@ def test_grow_back_tp3_tp3_to_tp4_tp4_live(tmp_path: Path) -> None:
     steps = 8
     # interval > steps: no checkpoint exists while the job runs (recovery needs an interval)
     over = (*BASE, "failures.failed_gpus=[3,7]", "checkpoint.interval=1000",
-            f"train.steps={steps}")
+            f"train.steps={steps}", "train.lr_warmup_iters=3", "train.lr_decay_style=linear")
     out = tmp_path / "grow"
     out.mkdir()
     log = tmp_path / "grow.log"
