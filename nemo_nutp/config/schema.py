@@ -386,6 +386,15 @@ class TrainConfig:
     """WSD's final decay: 'exponential', 'linear', 'cosine' or 'minus_sqrt'."""
     lr_wsd_decay_iters: int | None = None
     """WSD: the last this-many updates of ``lr_decay_iters`` decay (required with WSD)."""
+    eval_interval: int = 0
+    """Evaluate after every this-many steps (megatron's ``eval_interval``; 0: never). The
+    validation loss goes into that step's metrics row (``val_loss``)."""
+    eval_iters: int = 1
+    """Validation global batches per evaluation (megatron's ``eval_iters``); successive
+    evaluations read successive batches of the validation set, as megatron's do."""
+    valid_data_path: str | None = None
+    """A megatron-core indexed dataset (prefix) to validate on; required for evaluation with
+    ``data_path`` (null with synthetic data: the synthetic stream's validation split)."""
     seed: int = 1234
     """Seed of weights and synthetic data."""
     optimizer: str = "adam"
@@ -430,12 +439,26 @@ class TrainConfig:
         if not self.lr > 0:
             raise bad_value("train.lr", self.lr, "must be > 0")
         self._check_schedule()
+        self._check_eval()
         if not 0.0 <= self.clip_grad < math.inf:
             raise bad_value("train.clip_grad", self.clip_grad, "must be >= 0 (0 disables)")
         if self.distributed_optimizer and self.precision == "fp16":
             raise bad_value("train.distributed_optimizer", True,
                             "not supported with train.precision=fp16 (use bf16 or fp32)")
         self._check_numerics()
+
+    def _check_eval(self) -> None:
+        if isinstance(self.eval_interval, bool) or not isinstance(self.eval_interval, int) \
+                or self.eval_interval < 0:
+            raise bad_value("train.eval_interval", self.eval_interval,
+                            "must be an integer >= 0 (0: no evaluation)")
+        check_positive("train.eval_iters", self.eval_iters)
+        if self.eval_interval and self.data_path and not self.valid_data_path:
+            raise bad_value("train.valid_data_path", None, "required for evaluation "
+                            "(train.eval_interval) with train.data_path: a held-out set")
+        if self.valid_data_path and not self.eval_interval:
+            raise bad_value("train.valid_data_path", self.valid_data_path,
+                            "needs train.eval_interval > 0 (it would be ignored)")
 
     def _check_schedule(self) -> None:
         """What megatron's ``OptimizerParamScheduler`` would assert on, one line each."""

@@ -14,7 +14,7 @@ import torch
 from .synthetic import MicroBatch
 
 
-def _read_tokens(path_prefix: str) -> np.ndarray:
+def _read_tokens(path_prefix: str, key: str = "train.data_path") -> np.ndarray:
     """All tokens of the dataset. A malformed or truncated file is a ``ValueError`` naming it.
 
     megatron's reader fails on bad files with messages that name no file (a truncated ``.bin``:
@@ -36,22 +36,24 @@ def _read_tokens(path_prefix: str) -> np.ndarray:
     finally:
         sys.unraisablehook = hook
     if problem is not None:
-        raise ValueError(f"train.data_path={path_prefix!r}: cannot read indexed dataset "
+        raise ValueError(f"{key}={path_prefix!r}: cannot read indexed dataset "
                          f"{path_prefix}.idx/.bin (malformed or truncated: {problem})")
     return tokens.astype(np.int64)
 
 
 class IndexedTokenSource:
-    def __init__(self, path_prefix: str, *, vocab_size: int, seq_length: int) -> None:
+    def __init__(self, path_prefix: str, *, vocab_size: int, seq_length: int,
+                 key: str = "train.data_path") -> None:
+        """``key``: the config key errors name (``train.valid_data_path`` for validation)."""
         missing = [f"{path_prefix}{ext}" for ext in (".bin", ".idx")
                    if not os.path.isfile(f"{path_prefix}{ext}")]
         if missing:
-            raise ValueError(f"train.data_path={path_prefix!r}: missing {', '.join(missing)}")
-        self.tokens = _read_tokens(path_prefix)
+            raise ValueError(f"{key}={path_prefix!r}: missing {', '.join(missing)}")
+        self.tokens = _read_tokens(path_prefix, key)
         if self.tokens.size < seq_length + 2:
-            raise ValueError(f"train.data_path={path_prefix!r}: only {self.tokens.size} tokens")
+            raise ValueError(f"{key}={path_prefix!r}: only {self.tokens.size} tokens")
         if int(self.tokens.max()) >= vocab_size:
-            raise ValueError(f"train.data_path={path_prefix!r}: token id {self.tokens.max()} >= "
+            raise ValueError(f"{key}={path_prefix!r}: token id {self.tokens.max()} >= "
                              f"model.vocab_size={vocab_size}")
         self.seq = seq_length
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -29,8 +30,12 @@ def successor_table(seed: int, vocab_size: int) -> torch.Tensor:
 
 
 def synthetic_microbatch(*, seed: int, step: int, index: int, micro_batch_size: int,
-                         seq_length: int, vocab_size: int, noise: float = 0.1) -> MicroBatch:
-    gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{step}:{index}".encode()))
+                         seq_length: int, vocab_size: int, noise: float = 0.1,
+                         split: str = "train") -> MicroBatch:
+    """Micro-batch ``index`` of global batch ``step`` of the ``split`` ('train' or 'valid':
+    the same successor table, i.e. the same language, drawn independently)."""
+    key = f"{seed}:{step}:{index}" if split == "train" else f"{seed}:{split}:{step}:{index}"
+    gen = torch.Generator().manual_seed(zlib.crc32(key.encode()))
     succ = successor_table(seed, vocab_size)
     b, s, v = micro_batch_size, seq_length + 1, vocab_size
     x = torch.empty(b, s, dtype=torch.int64)
@@ -44,6 +49,6 @@ def synthetic_microbatch(*, seed: int, step: int, index: int, micro_batch_size: 
                       position_ids=pos)
 
 
-def replica_microbatches(*, offset: int, count: int, **kwargs: int) -> list[MicroBatch]:
+def replica_microbatches(*, offset: int, count: int, **kwargs: Any) -> list[MicroBatch]:
     """This replica's slice of the step's global batch."""
     return [synthetic_microbatch(index=offset + k, **kwargs) for k in range(count)]

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 CAUSES = ("useful", "sync", "slack", "straggler", "failed", "idle", "checkpoint", "restart",
-          "relayout")
+          "relayout", "evaluation")
 
 
 @dataclass
@@ -67,9 +67,10 @@ class GoodputLedger:
         return parts["useful"] / (self.cluster_gpus * step_s) if step_s > 0 else 0.0
 
     def add_pause(self, cause: str, seconds: float) -> None:
-        """Whole-cluster pause (checkpoint save, restart, live re-layout)."""
-        if cause not in ("checkpoint", "restart", "relayout"):
-            raise ValueError(f"cause={cause!r}: must be checkpoint, restart or relayout")
+        """Whole-cluster pause (checkpoint save, restart, live re-layout, evaluation)."""
+        if cause not in ("checkpoint", "restart", "relayout", "evaluation"):
+            raise ValueError(f"cause={cause!r}: must be checkpoint, restart, relayout or "
+                             "evaluation")
         parts = {c: 0.0 for c in CAUSES}
         parts[cause] = self.cluster_gpus * seconds
         self._add(parts, seconds)

@@ -18,7 +18,8 @@ _LABELS = {"useful": "useful work", "sync": "exposed sync (reshard + reduce) + o
            "straggler": "straggler inside a replica (peers wait for its slow rank)",
            "failed": "failed GPUs idle",
            "idle": "healthy GPUs unused", "checkpoint": "checkpoint time",
-           "restart": "restart time", "relayout": "live re-layout time"}
+           "restart": "restart time", "relayout": "live re-layout time",
+           "evaluation": "evaluation (train.eval_interval)"}
 
 
 def print_goodput(ledger: GoodputLedger, console: Console | None = None, *,
@@ -49,6 +50,8 @@ def print_goodput(ledger: GoodputLedger, console: Console | None = None, *,
     t.add_column("share", justify="right")
     for c in CAUSES:
         v = ledger.totals[c]
+        if c == "evaluation" and not v:  # only runs that evaluate
+            continue
         t.add_row(_LABELS[c], f"{v:.2f}", f"{v / ledger.total:.1%}" if ledger.total else "-")
         if c == "checkpoint" and "checkpoint_write" in ledger.background:
             t.add_row("  beside it: background checkpoint writes (wall s, not charged)",
@@ -69,8 +72,12 @@ def plot_training(rows: list[dict[str, Any]], path: Path, *,
 
     steps = [r["step"] for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
-    a.plot(steps, [r["loss"] for r in rows], marker=".")
-    a.set(xlabel="step", ylabel="loss", title="training loss (global batch)")
+    a.plot(steps, [r["loss"] for r in rows], marker=".", label="training (global batch)")
+    val = [(r["step"], r["val_loss"]) for r in rows if r.get("val_loss") is not None]
+    if val:
+        a.plot(*zip(*val, strict=True), marker="o", color="tab:orange", label="validation")
+        a.legend(loc="upper right", fontsize=8)
+    a.set(xlabel="step", ylabel="loss", title="loss")
     b.plot(steps, [100 * r["goodput"] for r in rows], marker=".", color="tab:green",
            label="run so far (= bar, report, goodput.json)")
     if all("step_goodput" in r for r in rows):

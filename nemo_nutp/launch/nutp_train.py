@@ -77,11 +77,13 @@ def check_inputs(cfg: JobConfig, plan: Plan | None = None) -> None:
     if plan is not None and fault.kind is not None and fault.rank >= plan.world_size:
         raise ValueError(f"recovery.fault.rank={fault.rank}: the plan has {plan.world_size} "
                          f"ranks (0..{plan.world_size - 1})")
-    if cfg.train.data_path:
-        from ..data.indexed import IndexedTokenSource
+    from ..data.indexed import IndexedTokenSource
 
-        IndexedTokenSource(cfg.train.data_path, vocab_size=cfg.model.vocab_size,
-                           seq_length=cfg.model.seq_length)
+    for key in ("data_path", "valid_data_path"):
+        if getattr(cfg.train, key):
+            IndexedTokenSource(getattr(cfg.train, key), vocab_size=cfg.model.vocab_size,
+                               seq_length=cfg.model.seq_length, key=f"train.{key}")
+
     from ..checkpoint.hooks import resume_candidates
     from ..checkpoint.store import check_compatible, check_dims_of_megatron_checkpoint, read_marker
 

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from ..data import MicroBatch
@@ -47,8 +48,9 @@ class PipelineRunner:
         self.schedule = get_forward_backward_func(pp_size=plan.pp, vp_size=None)
 
     def forward_backward(self, batches: list[MicroBatch], mask: torch.Tensor | None,
-                         scale: float) -> float:
-        """Run the schedule; this replica's mean loss on the last stage (NaN elsewhere)."""
+                         scale: float, *, forward_only: bool = False) -> float:
+        """Run the schedule (``forward_only``: megatron's forward-only pass, no gradients);
+        this replica's mean loss on the last stage (NaN elsewhere)."""
         device = next(self.model.parameters()).device
         mask_d = None if mask is None else mask.to(device)
         last = self.last
@@ -67,11 +69,22 @@ class PipelineRunner:
         stats = self.schedule(
             forward_step_func=forward_step, data_iterator=iter(batches), model=[self.model],
             num_microbatches=len(batches), seq_length=self.plan.request.model.seq_length,
-            micro_batch_size=self.micro_batch_size, forward_only=False,
+            micro_batch_size=self.micro_batch_size, forward_only=forward_only,
             p2p_communicator=self.comm, pg_collection=self.groups.pgs)
         if not last:
             return float("nan")
         return float(torch.stack([s["loss"].float() for s in stats]).mean())
+
+    def evaluate(self, batches: list[MicroBatch], mask: torch.Tensor | None) -> float:
+        """Forward only (validation): this replica's mean loss, on every rank of the replica
+        (the last stage's TP rank 0 shares it over the replica group)."""
+        loss = self.forward_backward(batches, mask, 1.0, forward_only=True)
+        device = next(self.model.parameters()).device
+        box = torch.zeros(1, dtype=torch.float64, device=device)
+        if self.last and self.groups.ctx.tp_rank == 0:
+            box[0] = loss
+        dist.all_reduce(box, group=self.groups.replica)
+        return float(box[0])
 
     def step(self, optimizer: Any, batches: list[MicroBatch], mask: torch.Tensor | None, *,
              scale: float, after_sync: Callable[[], None] | None = None,

@@ -148,7 +148,7 @@ class Trainer:
                              data_path=t.data_path, bucket_size=job.sync.bucket_size,
                              distributed_optimizer=t.distributed_optimizer,
                              live_redundancy=job.recovery.live_redundancy,
-                             schedule=schedule_of(t))
+                             schedule=schedule_of(t), valid_data_path=t.valid_data_path)
 
     def make_run(self, job: JobConfig, plan: Plan, session: RankSession, *,
                  start: int | None = None, ledger: GoodputLedger | None = None) -> Run:
@@ -208,6 +208,12 @@ class Run:
                                      self.gpus)
         shares = self.balance.after_step(step, reps)  # this step's shares; may change the next's
         step_goodput = ledger.add_step(step_s, reps, inside=self.balance.inside_speeds())
+        val_loss = None
+        if t.eval_interval and (step + 1) % t.eval_interval == 0:  # megatron's: after the
+            t_eval = time.perf_counter()  # update, every eval_interval-th step
+            k = (step + 1) // t.eval_interval - 1  # evaluations so far: the set continues
+            val_loss = session.evaluate(k * t.eval_iters, t.eval_iters)
+            ledger.add_pause("evaluation", time.perf_counter() - t_eval)
         if out is not None and self.progress is not None:
             goodput = ledger.goodput  # the run's so far (this step's save: the next row's)
             row = {"step": step, "loss": res.loss,
@@ -219,6 +225,8 @@ class Run:
                    "microbatches": shares,
                    "replica_tp": [list(r.tp) for r in self.plan.replicas],
                    "reshard_bytes_rank0": session.model.nutp_engine.sent_bytes}
+            if val_loss is not None:
+                row["val_loss"] = val_loss
             out.write(row)
             self.progress.update(self.task, advance=1, info=f"loss {res.loss:.4f}  "
                                  f"{tokens / step_s:,.0f} tok/s  goodput {goodput:.1%}")

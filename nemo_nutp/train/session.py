@@ -80,6 +80,7 @@ class RankSession:
     mask: torch.Tensor | None
     gpt: NUTPGPTModel  # the unwrapped model (names and shards as in checkpoints)
     source: IndexedTokenSource | None = None
+    valid_source: IndexedTokenSource | None = None  # train.valid_data_path
     opts: StepOptions = field(default_factory=StepOptions)
     checks: GradChecks | None = None
     pipeline: PipelineRunner | None = None  # pp > 1
@@ -125,20 +126,42 @@ class RankSession:
                                    stage_group=self.groups.stage,
                                    device=next(self.model.parameters()).device)
 
-    def batches(self, step: int) -> list[MicroBatch]:
-        """This replica's micro-batches of the step's global batch."""
+    def batches(self, step: int, *, split: str = "train") -> list[MicroBatch]:
+        """This replica's micro-batches of global batch ``step`` of the training or validation
+        (``split='valid'``) data."""
         ctx = self.groups.ctx
-        if self.source is not None:
+        source = self.source if split == "train" else self.valid_source
+        if source is not None:
             m = self.plan.request.global_batch
-            return [self.source.microbatch(step=step, index=ctx.microbatch_offset + k,
-                                           num_microbatches=m,
-                                           micro_batch_size=self.micro_batch_size)
+            return [source.microbatch(step=step, index=ctx.microbatch_offset + k,
+                                      num_microbatches=m, micro_batch_size=self.micro_batch_size)
                     for k in range(ctx.microbatches)]
         return replica_microbatches(offset=ctx.microbatch_offset, count=ctx.microbatches,
                                     seed=self.seed, step=step,
                                     micro_batch_size=self.micro_batch_size,
                                     seq_length=self.model_cfg.seq_length,
-                                    vocab_size=self.model_cfg.vocab_size)
+                                    vocab_size=self.model_cfg.vocab_size, split=split)
+
+    def evaluate(self, first: int, iters: int) -> float:
+        """The validation loss over validation global batches ``first .. first + iters - 1``,
+        as megatron's ``evaluate`` computes it (the model in eval mode, no gradients; every
+        token weighted alike). Collective over the world: each replica its share of every
+        batch, combined by the replicas' weights like a training loss."""
+        was_training = self.model.training
+        self.model.eval()
+        total = 0.0
+        try:
+            with torch.no_grad():
+                for k in range(first, first + iters):
+                    batches = self.batches(k, split="valid")
+                    if self.pipeline is not None:
+                        replica = self.pipeline.evaluate(batches, self.mask)
+                    else:
+                        replica = _forward_loss(self.model, batches, self.mask)
+                    total += self._global_loss(replica)
+        finally:
+            self.model.train(was_training)
+        return total / iters
 
     def step(self, step: int, *, after_sync: Any = None) -> StepResult:
         """Train one step; the loss is the global-batch mean (a collective over the stage).
@@ -204,6 +227,17 @@ class RankSession:
         return loss, grad_norm, times, not ok
 
 
+def _forward_loss(model: Any, batches: list[MicroBatch], mask: torch.Tensor | None) -> float:
+    """This replica's mean micro-batch loss, forward only."""
+    device = next(model.parameters()).device
+    m = None if mask is None else mask.to(device)
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for mb in batches:
+        total += model(mb.tokens.to(device), mb.position_ids.to(device), m,
+                       labels=mb.labels.to(device)).float().mean()
+    return float(total) / len(batches)
+
+
 def causal_mask(seq_length: int) -> torch.Tensor:
     """Explicit causal mask (True = masked); megatron's local attention needs one on CPU."""
     return torch.triu(torch.ones(seq_length, seq_length, dtype=torch.bool), diagonal=1)[None, None]
@@ -224,8 +258,8 @@ def build_session(plan: Plan, model_cfg: Any, *, lr: float, seed: int, micro_bat
                   bucket_size: int | None = None, groups: NUTPGroups | None = None,
                   device: torch.device | None = None, data_path: str | None = None,
                   distributed_optimizer: bool = False,
-                  live_redundancy: bool = False, schedule: Schedule | None = None
-                  ) -> RankSession:
+                  live_redundancy: bool = False, schedule: Schedule | None = None,
+                  valid_data_path: str | None = None) -> RankSession:
     """Collective over the world: create groups (unless given), the model, DDP and optimizer.
 
     bf16/fp16: the model is megatron's ``Float16Module`` around the NUTP GPT (half-precision
@@ -266,11 +300,15 @@ def build_session(plan: Plan, model_cfg: Any, *, lr: float, seed: int, micro_bat
                           min_lr=None if schedule is None else schedule.min_lr)
     source = None if data_path is None else IndexedTokenSource(
         data_path, vocab_size=model_cfg.vocab_size, seq_length=model_cfg.seq_length)
+    valid = None if valid_data_path is None else IndexedTokenSource(
+        valid_data_path, vocab_size=model_cfg.vocab_size, seq_length=model_cfg.seq_length,
+        key="train.valid_data_path")
     checks = GradChecks(opts) if (opts.check_for_nan_in_grad or opts.large_grad_factor) else None
     pipeline = (PipelineRunner(plan, groups, model, micro_batch_size=micro_batch_size)
                 if plan.pp > 1 else None)
     return RankSession(plan=plan, groups=groups, model=model, optimizer=opt, model_cfg=model_cfg,
                        micro_batch_size=micro_batch_size, seed=seed, gpt=gpt,
-                       mask=_mask(model_cfg, device), source=source, opts=opts,
+                       mask=_mask(model_cfg, device), source=source, valid_source=valid,
+                       opts=opts,
                        checks=checks, pipeline=pipeline, precision=prec.precision,
                        scheduler=None if schedule is None else schedule.scheduler(opt))

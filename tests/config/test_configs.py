@@ -359,3 +359,15 @@ def test_schedule_loads_with_megatron_names() -> None:
     assert (s.warmup_iters, s.decay_style, s.decay_iters, s.min_lr) == (3, "cosine", 13, 3e-4)
     assert s.lr_at(0) == 0.0 and s.lr_at(3) == pytest.approx(t.lr) and s.lr_at(13) == 3e-4
     assert s.lr_at(8) == pytest.approx(3e-4 + (t.lr - 3e-4) * 0.5)  # half way: cos(pi/2)
+
+
+@pytest.mark.parametrize(("overrides", "match"), [
+    (["train.eval_interval=-1"], r"^train\.eval_interval=-1: must be an integer >= 0"),
+    (["train.eval_interval=2", "train.eval_iters=0"], r"^train\.eval_iters=0: must be a "),
+    (["train.eval_interval=2", "train.data_path=/x"],
+     r"^train\.valid_data_path=None: required for evaluation"),
+    (["train.valid_data_path=/x"], r"^train\.valid_data_path='/x': needs train\.eval_interval"),
+])
+def test_evaluation_bad_values_name_the_key(overrides: list[str], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        load_config(overrides)

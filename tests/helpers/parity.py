@@ -57,6 +57,8 @@ class Case:
     schedule: dict[str, Any] = field(default_factory=dict)  # lr schedule (megatron's names:
     # lr_warmup_iters, lr_warmup_init, lr_decay_style, lr_decay_iters, min_lr); {}: constant
     ref_schedule: dict[str, Any] | None = None  # negative controls: the reference's instead
+    eval_interval: int = 0  # evaluate after every this-many steps (megatron's eval_interval)
+    eval_iters: int = 1  # validation global batches per evaluation
 
 
 def make_plan(case: Case) -> Any:
@@ -217,6 +219,7 @@ def _train(case: Case, session: Any) -> dict[str, Any]:
     TIED_COPIES_EQUAL.clear()
     losses, norms, skipped, norms_bitwise, replicas_equal = [], [], [], True, True
     lrs: list[float | None] = []
+    val_losses: dict[int, float] = {}
     grads: list[dict[str, torch.Tensor]] = []
     params: list[dict[str, torch.Tensor]] = []
 
@@ -228,6 +231,9 @@ def _train(case: Case, session: Any) -> dict[str, Any]:
         hook = at_sync if step == 0 and case.precision != "fp16" else None
         res = session.step(step, after_sync=hook)
         lrs.append(session.lr)
+        if case.eval_interval and (step + 1) % case.eval_interval == 0:
+            k = (step + 1) // case.eval_interval - 1
+            val_losses[step] = session.evaluate(k * case.eval_iters, case.eval_iters)
         losses.append(res.loss)
         norms.append(res.grad_norm)
         skipped.append(res.skipped)
@@ -238,6 +244,7 @@ def _train(case: Case, session: Any) -> dict[str, Any]:
         if params:
             replicas_equal &= _all_equal(params)
     return {"losses": losses, "norms": norms, "skipped": skipped, "lrs": lrs,
+            "val_losses": val_losses,
             "norms_bitwise": norms_bitwise, "replicas_equal": replicas_equal,
             "grads_replicas_equal": _all_equal(grads) if grads else True,
             "grads": grads[0] if grads else {}, "params": params[0] if params else {},
@@ -258,6 +265,9 @@ def _compare(case: Case, got: dict[str, Any], ref: dict[str, Any]) -> dict[str, 
         "norms": got["norms"], "ref_norms": ref["grad_norms"],
         "skipped": got["skipped"], "ref_skipped": ref["skipped"],
         "lrs": got.get("lrs"), "ref_lrs": ref.get("lrs"),
+        "val_losses": got.get("val_losses"), "ref_val_losses": ref.get("val_losses"),
+        "val_rel": [abs(v - ref["val_losses"][k]) / abs(ref["val_losses"][k])
+                    for k, v in got.get("val_losses", {}).items()],
         "loss_rel": rel_list(got["losses"], ref["losses"]),
         "norm_rel": rel_list(got["norms"], ref["grad_norms"]),
         "grad_rel": grad_rel, "grad_rel_max": max(grad_rel.values(), default=float("nan")),

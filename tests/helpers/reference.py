@@ -165,7 +165,8 @@ def run_reference(case: Any) -> dict[str, Any]:
     ddp, opt, _ = _build(case, dims)
     schedule = _schedule(case, opt)
     data = load_batches(case.data) if case.data is not None else None
-    out: dict[str, Any] = {"losses": [], "grad_norms": [], "skipped": [], "lrs": []}
+    out: dict[str, Any] = {"losses": [], "grad_norms": [], "skipped": [], "lrs": [],
+                           "val_losses": {}}
     for step in range(case.steps):
         batches = _step_batches(case, dims, step, data)
         ddp.zero_grad_buffer()
@@ -189,11 +190,37 @@ def run_reference(case: Any) -> dict[str, Any]:
         if ok and not norm:  # clipping off: megatron did not compute it; grads still in place
             norm = opt.get_grad_norm()
         out["losses"].append(total / n)
+        if case.eval_interval and (step + 1) % case.eval_interval == 0:
+            k = (step + 1) // case.eval_interval - 1
+            out["val_losses"][step] = _evaluate(case, dims, ddp, k)
         out["grad_norms"].append(float(norm) if ok else float("nan"))
         out["skipped"].append(not ok)
     out["params"] = {normalize_name(k): p.detach().float().clone()
                      for k, p in ddp.named_parameters()}
     return out
+
+
+def _evaluate(case: Any, dims: Any, ddp: Any, k: int) -> float:
+    """The k-th evaluation as megatron's ``evaluate`` does it: eval mode, no gradients, the
+    mean token loss over ``eval_iters`` global batches of the synthetic stream's validation
+    split (batches ``k x eval_iters ..``: the set continues from one evaluation to the next)."""
+    from nemo_nutp.data import replica_microbatches
+
+    mask = torch.triu(torch.ones(dims.seq_length, dims.seq_length, dtype=torch.bool),
+                      diagonal=1)[None, None]
+    ddp.eval()
+    losses = []
+    with torch.no_grad():
+        for j in range(k * case.eval_iters, (k + 1) * case.eval_iters):
+            for mb in replica_microbatches(offset=0, count=case.global_batch, seed=case.seed,
+                                           step=j, micro_batch_size=case.micro_batch_size,
+                                           seq_length=dims.seq_length,
+                                           vocab_size=dims.vocab_size, split="valid"):
+                losses.append(float(_loss(ddp, {"tokens": mb.tokens, "labels": mb.labels,
+                                                "position_ids": mb.position_ids,
+                                                "attention_mask": mask, "loss_mask": None})))
+    ddp.train()
+    return sum(losses) / len(losses)
 
 
 class _Null:

@@ -38,6 +38,7 @@ CASES = [
     # summed over each stage's TP group), a sliding window with Gemma 3's every-other-layer
     # pattern, YaRN (each stage rotates its own layers)
     Case("pp2_qk_norm_window_yarn", ((2, 1), (2, 2)), pp=2, clip_grad=CLIP, steps=3,
+         eval_interval=1,  # forward-only pipeline evaluation after every step
          model=dict(qk_layernorm=True, window_size=(3, 0), window_attn_skip_freq=2,
                     position_embedding_type="yarn", yarn_rotary_scaling_factor=4.0,
                     yarn_original_max_position_embeddings=8, yarn_beta_fast=32.0,
@@ -61,6 +62,8 @@ def test_pipeline_parity(tmp_path: Path) -> None:
               f"norm_rel={max(r['norm_rel']):.2e} grad_rel={r['grad_rel_max']:.2e} "
               f"model_rel={r['model_rel']:.2e} replicas_equal={r['replicas_equal']}")
     assert res["pp2_tied"]["shares"][0] != res["pp2_tied"]["shares"][1]  # unequal shares
+    ev = res["pp2_qk_norm_window_yarn"]
+    assert len(ev["val_rel"]) == 3 and max(ev["val_rel"]) <= TOL, ev["val_rel"]
     check_cases(res, CASES)
     # Pairing the tied rows by rank position (the public reference's embedding groups) is
     # wrong where the first and last stages' degrees differ: far outside the tolerance.

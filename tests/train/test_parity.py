@@ -89,7 +89,7 @@ THREE = [
     # nutp-train's lr schedule (megatron's OptimizerParamScheduler, megatron's names): warmup
     # then cosine decay to min_lr, with weight decay; control: the reference at a constant lr
     _clip("tp2_tp1_warmup_cosine_clip", (2, 1), model=dict(gated_linear_unit=False),
-          global_batch=5, weight_decay=0.1, schedule=COSINE),
+          global_batch=5, weight_decay=0.1, schedule=COSINE, eval_interval=2, eval_iters=2),
     _clip("control_schedule", (2, 1), model=dict(gated_linear_unit=False), global_batch=5,
           steps=3, schedule=COSINE, ref_schedule={}),
     # fp16: the loss scaler's overflowing first steps are skipped and do not advance the
@@ -224,6 +224,10 @@ def test_parity_tp2_tp1(tmp_path: Path) -> None:
     cos = res["tp2_tp1_warmup_cosine_clip"]
     assert cos["lrs"] == cos["ref_lrs"], (cos["lrs"], cos["ref_lrs"])
     assert cos["lrs"][0] == 1e-4 and cos["lrs"][2] == 1e-3 and cos["lrs"][4] == 1e-4
+    # evaluation (nutp-train's train.eval_interval): after steps 1 and 3, two validation
+    # batches each (the second evaluation reads the next two), as megatron's evaluate
+    assert sorted(map(int, cos["val_losses"])) == [1, 3] and max(cos["val_rel"]) <= TOL, cos
+    assert all(abs(v - cos["losses"][int(k)]) > 1e-3 for k, v in cos["val_losses"].items())
     fp16 = res["tp2_tp1_fp16_warmup"]
     assert fp16["skipped"][:2] == fp16["ref_skipped"][:2] == [True, True], fp16["skipped"]
     assert fp16["lrs"][:3] == fp16["ref_lrs"][:3] == [1e-4] * 3, (fp16["lrs"], fp16["ref_lrs"])
