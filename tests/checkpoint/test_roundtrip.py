@@ -68,6 +68,7 @@ def test_round_trip_every_layout_pair(tmp_path: Path) -> None:
     for dst, res in results.items():
         if "self_rng" in res:  # same plan: each rank's own RNG state came back
             assert res["self_rng"] == ["per-rank", True], (dst, res["self_rng"])
+            assert res["self_skips"] == 2, res["self_skips"]  # the lr schedule's clock
         for key, ok in res.items():
             if key.startswith("rng_from_"):  # other plan: the saver's rank 0 CPU state
                 assert ok is True, (dst, key)

@@ -47,8 +47,14 @@ def _session(job: Job) -> Any:
     from nemo_nutp.train.session import Precision, build_session
     from nemo_nutp.train.step import StepOptions
 
+    from nemo_nutp.train.schedule import Schedule
+
     plan = make_plan(job.replicas, pp=job.pp, model=job.extra.get("model"))
+    # warmup + cosine: the schedule continues across a save and a load into any layout
+    schedule = Schedule(lr=1e-3, min_lr=1e-4, warmup_iters=2, warmup_init=1e-4,
+                        decay_style="cosine", decay_iters=SAVE_AT + AFTER)
     return build_session(plan, plan.request.model, lr=1e-3, seed=1234, micro_batch_size=2,
+                         schedule=schedule,
                          precision=Precision(job.extra.get("precision", "fp32")),
                          opts=StepOptions(clip_grad=job.extra.get("clip_grad", 0.0)),
                          distributed_optimizer=job.extra.get("distributed_optimizer", False))
@@ -89,7 +95,7 @@ def run_job(job: Job, outdir: str, index: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from nemo_nutp.checkpoint import load_checkpoint
+    from nemo_nutp.checkpoint import load_checkpoint, save_checkpoint
 
     rank0 = dist.get_rank() == 0
     res: dict[str, Any] = {}
@@ -122,6 +128,12 @@ def run_job(job: Job, outdir: str, index: str) -> None:
         # Same plan: every rank gets its own RNG state back.
         res["self_rng"] = [info["rng"], _all(torch.equal(torch.get_rng_state(), saved_rng))]
         res["self"] = [s.step(k).loss for k in range(SAVE_AT, SAVE_AT + AFTER)]
+        # fp32 skips no step: a skip count the checkpoint must carry (the schedule's clock)
+        s.skips = 2
+        save_checkpoint(s, os.path.join(outdir, f"skips_{job.layout}"), step=SAVE_AT)
+        s.skips = 0
+        load_checkpoint(s, os.path.join(outdir, f"skips_{job.layout}", f"iter_{SAVE_AT:07d}"))
+        res["self_skips"] = s.skips
     if rank0:
         with open(os.path.join(outdir, f"{job.layout}@{index}.json"), "w") as f:
             json.dump(res, f)
