@@ -44,10 +44,9 @@ def make_plan(replicas: tuple[Any, ...], *, pp: int = 1,
 
 
 def _session(job: Job) -> Any:
+    from nemo_nutp.train.schedule import Schedule
     from nemo_nutp.train.session import Precision, build_session
     from nemo_nutp.train.step import StepOptions
-
-    from nemo_nutp.train.schedule import Schedule
 
     plan = make_plan(job.replicas, pp=job.pp, model=job.extra.get("model"))
     # warmup + cosine: the schedule continues across a save and a load into any layout
