@@ -118,6 +118,9 @@ def _window_of(provider: Any) -> dict[str, Any]:
     if family == "gemma2" and w is not None:
         freq = 2  # Gemma2DotProductAttention: the window on odd layer numbers
     if family == "gemma3":
+        if getattr(provider, "is_vision_language", False):
+            raise ValueError("model.is_vision_language=True: not supported by the NUTP model "
+                             "(Gemma 3's text model only)")
         pattern = getattr(provider, "interleaved_attn_pattern", (5, 1))
         if isinstance(w, bool) or not isinstance(w, int) or w < 1:
             raise ValueError(f"model.window_size={w}: not supported by the NUTP model for "

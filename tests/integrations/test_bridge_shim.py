@@ -250,6 +250,8 @@ def test_gemma_providers_reach_the_nutp_model() -> None:
     ("Gemma2ModelProvider", dict(softmax_scale=0.5),
      r"^model.softmax_scale=0.5: Gemma 2's attention uses model.query_pre_attn_scalar=224"),
     ("Gemma3ModelProvider", dict(rope_scaling=True), r"^model.rope_scaling=True: Gemma 3"),
+    ("Gemma3ModelProvider", dict(is_vision_language=True),
+     r"^model.is_vision_language=True: not supported"),
     ("Gemma3ModelProvider", dict(rotary_percent=0.5), r"^model.rotary_percent=0.5: Gemma 3"),
     ("Gemma3ModelProvider", dict(window_size=(7, 0)), r"^model.window_size=\(7, 0\): not "),
     ("Gemma2ModelProvider", dict(add_bias_linear=True),
