@@ -294,3 +294,43 @@ def test_activations_reach_the_nutp_model_and_others_are_rejected_by_name() -> N
     job.bridge.model.activation_func = torch.tanh
     with pytest.raises(ValueError, match=r"^model.activation_func=tanh: not supported by the "):
         model_config_of(job.bridge.model, vocab_size=256)
+
+
+def test_embedding_scaling_rounds_as_each_gemma_provider_does() -> None:
+    """The NUTP model's embedding scaling in bf16 (where rounding the factor matters: sqrt(96)
+    is 9.8125 in bf16): rounded as Bridge's ``EmbeddingScalingMixin`` (Gemma, Gemma 2), or
+    unrounded as Bridge's ``Gemma3LanguageModelEmbedding`` (``embeddings * hidden ** 0.5``)."""
+    import types
+
+    import torch
+
+    install_import_shim()
+    from megatron.bridge.models.gemma.modules import EmbeddingScalingMixin, extend_instance
+
+    from nemo_nutp.model.layers import _scale_embeddings
+
+    out = (torch.randn(4, 2, 96) * 0.02).bfloat16()
+
+    class Raw(torch.nn.Module):
+        def forward(self, **_: object) -> torch.Tensor:
+            return out
+
+    for rounded in (True, False):
+        cfg = types.SimpleNamespace(hidden_size=96, embedding_scale_rounded=rounded)
+        raw = Raw()
+        raw.config = cfg  # type: ignore[assignment]
+        if rounded:
+            extend_instance(raw, EmbeddingScalingMixin)
+            want = raw()
+        else:
+            want = out * (cfg.hidden_size ** 0.5)  # Gemma3LanguageModelEmbedding.forward
+        got = _scale_embeddings(types.SimpleNamespace(config=cfg), (), out)
+        assert torch.equal(got, want), rounded
+    cfg.embedding_scale_rounded = True
+    assert not torch.equal(_scale_embeddings(types.SimpleNamespace(config=cfg), (), out), want)
+    import inspect
+
+    from megatron.bridge.models.gemma.gemma3_provider import Gemma3LanguageModelEmbedding
+
+    source = inspect.getsource(Gemma3LanguageModelEmbedding.forward).replace(" ", "")
+    assert "embeddings*(self.config.hidden_size**0.5)" in source  # the pinned Bridge's formula
