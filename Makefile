@@ -20,6 +20,7 @@ STAMP312 := $(VENV312)/.installed
 TESTS_312 ?= tests/train/test_parity.py tests/train/test_checks.py \
 	tests/train/test_train.py::test_nutp_layout_matches_single_replica \
 	tests/model/test_attention.py tests/model/test_init.py tests/model/test_specs.py \
+	tests/model/test_gemma_reference.py \
 	tests/compat/test_cpu_compat.py tests/checkpoint/test_roundtrip.py \
 	tests/checkpoint/test_zero_roundtrip.py tests/pipeline/test_pipeline_parity.py \
 	tests/sync/test_zero.py tests/launch/test_docker.py

@@ -36,8 +36,16 @@ def nutp_mlp_submodule(mlp: Any, *, cls: type, local_ffn: int, tp_group: Any) ->
                        **({"name": name} if name is not None else {}), **kwargs)
 
         build.nutp_cls, build.nutp_local_ffn = cls, local_ffn  # type: ignore[attr-defined]
+        build.nutp_submodules = submodules  # type: ignore[attr-defined]
         return build
     raise TypeError(f"unsupported megatron-core MLP spec {type(mlp).__name__}: {mlp!r}")
+
+
+def nutp_mlp_linear_fc2(mlp: Any, cls: Any) -> None:
+    """Make an ``mlp`` entry of ``nutp_mlp_submodule`` build ``linear_fc2`` as ``cls`` (its
+    ``MLPSubmodules``: the spec's in 0.16, the one the 0.19 builder closes over)."""
+    submodules = mlp.submodules if isinstance(mlp, ModuleSpec) else mlp.nutp_submodules
+    submodules.linear_fc2 = cls
 
 
 def nutp_mlp_of(mlp: Any) -> tuple[type, int]:

@@ -42,6 +42,9 @@ ROTARY = ("rope", "yarn")
 YARN_REQUIRED = ("yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings",
                  "yarn_beta_fast", "yarn_beta_slow")
 """What YaRN cannot do without (megatron's ``GPTModel`` reads them as they are)."""
+LOCAL_ONLY = ("qk_layernorm", "layernorm_zero_centered_gamma", "post_layernorm",
+              "attn_logit_softcapping", "rotary_base_local")
+"""``model.*`` settings built on megatron's local layers only (refused with TE layers)."""
 ACTIVATIONS = ("silu", "gelu", "relu", "squared_relu", "quick_gelu", "fast_gelu")
 """``model.activation_func`` by name: torch's ``F.silu``/``F.gelu``/``F.relu`` and megatron-core's
 ``activations`` module's others (``model/build.py:activation``)."""
@@ -106,6 +109,34 @@ class ModelConfig(ModelDims):
     yarn_correction_range_round_to_int: bool | None = None
     """Round the ramp's ends to whole channel pairs (megatron's default true; gpt-oss: false;
     null: false, as megatron reads it)."""
+    rotary_base_local: int | None = None
+    """Gemma 3's per-layer RoPE bases: the RoPE base of the sliding-window layers (Bridge's
+    ``rotary_base[0]``, HF ``rope_local_base_freq``); ``rotary_base`` is then the full layers'.
+    Needs ``window_size`` (which layers slide: ``window_attn_skip_freq``). null: one base."""
+    rope_scaling_factor_global: float = 1.0
+    """With ``rotary_base_local``: linear RoPE scaling of the full-attention layers only
+    (their inverse frequencies divided by it: Bridge's Gemma 3 ``rope_scaling_factor``, HF
+    ``rope_scaling: {rope_type: linear}``)."""
+    layernorm_zero_centered_gamma: bool = False
+    """Every norm (layers, final, QK and post norms) scales by ``1 + weight``, the weights
+    initialised to 0 (megatron ``layernorm_zero_centered_gamma``; Gemma)."""
+    softmax_scale: float | None = None
+    """The attention scores' scale (megatron ``softmax_scale``); null: 1/sqrt(head width).
+    Gemma 2's ``query_pre_attn_scalar`` q maps to 1/sqrt(q) (Bridge recipes)."""
+    attn_logit_softcapping: float | None = None
+    """Gemma 2: scaled attention scores become ``cap * tanh(scores / cap)`` before the mask
+    and softmax (Bridge's ``attn_logit_softcapping``). megatron's core attention only (not
+    SDPA, not TE). null: off."""
+    final_logit_softcapping: float | None = None
+    """Gemma 2: the output logits become ``cap * tanh(logits / cap)`` before the loss
+    (Bridge's ``final_logit_softcapping``; elementwise, so exact per vocab shard). null: off."""
+    apply_embedding_scaling: bool = False
+    """Gemma: the embeddings times sqrt(hidden_size) (Bridge's ``EmbeddingScalingMixin``,
+    HF Gemma's ``normalizer``)."""
+    embedding_scale_rounded: bool = True
+    """With ``apply_embedding_scaling``: the factor rounded to the embeddings' dtype first
+    (Gemma 1/2 in Bridge, HF); false: the unrounded float (Bridge's Gemma 3 embedding). The
+    same in fp32."""
     init_std: float = 0.02
     """Std of the normal init of weight matrices."""
     hidden_dropout: float = 0.0
@@ -157,6 +188,7 @@ class ModelConfig(ModelDims):
                             f"RoPE needs an even head dimension "
                             f"({self.hidden_size}/{self.num_attention_heads} heads={self.kv})")
         self._check_rope()  # after the head width: an odd one is named as such
+        self._check_gemma()
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise bad_value(f"model.{name}", getattr(self, name), "must be in [0, 1)")
@@ -253,13 +285,53 @@ class ModelConfig(ModelDims):
             raise bad_value("model.yarn_beta_fast", self.yarn_beta_fast,
                             f"must be > model.yarn_beta_slow ({self.yarn_beta_slow}) > 0")
 
+    def _check_gemma(self) -> None:
+        """Gemma 2/3's settings: valid values; none set where it would be ignored."""
+        for name in ("softmax_scale", "attn_logit_softcapping", "final_logit_softcapping"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not v > 0):
+                raise bad_value(f"model.{name}", v, "must be > 0 or null")
+        if self.attn_logit_softcapping is not None and self.core_attention == "sdpa":
+            raise bad_value("model.core_attention", self.core_attention,
+                            "SDPA cannot softcap the attention scores (model."
+                            "attn_logit_softcapping): set megatron or auto")
+        if self.post_layernorm and self.add_bias_linear:
+            raise bad_value("model.post_layernorm", True, "needs model.add_bias_linear=false "
+                            "(the norm would come before the deferred row-parallel bias)")
+        if not self.embedding_scale_rounded and not self.apply_embedding_scaling:
+            raise bad_value("model.embedding_scale_rounded", False,
+                            "needs model.apply_embedding_scaling=true")
+        local = self.rotary_base_local
+        if not self.rope_scaling_factor_global > 0:
+            raise bad_value("model.rope_scaling_factor_global", self.rope_scaling_factor_global,
+                            "must be > 0")
+        if local is None:
+            if self.rope_scaling_factor_global != 1.0:
+                raise bad_value("model.rope_scaling_factor_global",
+                                self.rope_scaling_factor_global, "needs model.rotary_base_local")
+            return
+        if isinstance(local, bool) or not isinstance(local, int) or local < 2:
+            raise bad_value("model.rotary_base_local", local, "must be an integer >= 2 or null")
+        if self.position_embedding_type != "rope":
+            raise bad_value("model.rotary_base_local", local, "needs model.position_embedding_"
+                            f"type=rope (is {self.position_embedding_type})")
+        if self.window_size is None:
+            raise bad_value("model.rotary_base_local", local, "needs model.window_size (the "
+                            "sliding-window layers take the local base)")
+        if self.rope_scaling:
+            raise bad_value("model.rotary_base_local", local, "with model.rope_scaling=true: "
+                            "Gemma 3 scales its full layers linearly "
+                            "(model.rope_scaling_factor_global)")
+
     def _check_impl(self) -> None:
         if self.transformer_impl not in TRANSFORMER_IMPLS:
             raise bad_value("model.transformer_impl", self.transformer_impl,
                             f"must be one of {TRANSFORMER_IMPLS}")
-        if self.qk_layernorm and self.transformer_impl == "transformer_engine":
-            raise bad_value("model.transformer_impl", self.transformer_impl,
-                            "model.qk_layernorm is built with local layers only (set local)")
+        if self.transformer_impl == "transformer_engine":
+            for name in LOCAL_ONLY:
+                if getattr(self, name) not in (None, False):
+                    raise bad_value("model.transformer_impl", self.transformer_impl,
+                                    f"model.{name} is built with local layers only (set local)")
         if self.core_attention not in CORE_ATTENTIONS:
             raise bad_value("model.core_attention", self.core_attention,
                             f"must be one of {CORE_ATTENTIONS}")

@@ -13,6 +13,7 @@ Only ``pp=1`` (no virtual stages) for now.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,6 @@ REJECTED = {
     "context_parallel_size": 1,
     "pipeline_model_parallel_size": 1,
     "mtp_num_layers": None,
-    "layernorm_zero_centered_gamma": False,
     "fp8": None,
 }
 
@@ -64,9 +64,10 @@ def model_config_of(provider: Any, *, vocab_size: int) -> Any:
         tie_embeddings=bool(provider.share_embeddings_and_output_weights),
         add_bias_linear=bool(provider.add_bias_linear), add_qkv_bias=bool(provider.add_qkv_bias),
         kv_channels=provider.kv_channels, qk_layernorm=bool(provider.qk_layernorm),
-        **_window_of(provider),
+        **_window_of(provider), **_gemma_of(provider),
         normalization=provider.normalization, position_embedding_type=pos,
         layernorm_epsilon=float(provider.layernorm_epsilon),
+        layernorm_zero_centered_gamma=bool(provider.layernorm_zero_centered_gamma),
         init_std=float(provider.init_method_std),
         hidden_dropout=float(provider.hidden_dropout),
         attention_dropout=float(provider.attention_dropout), cross_entropy_loss_fusion=fused_ce,
@@ -89,16 +90,70 @@ def _activation_name(func: Any) -> str:
     return known[func]
 
 
+def _family(provider: Any) -> str | None:
+    """'gemma', 'gemma2' or 'gemma3' for Bridge's Gemma providers (and their subclasses),
+    whose ``provide`` and layer specs add what no ``TransformerConfig`` field says: embedding
+    scaling, post norms, the per-layer window and RoPE patterns; else None."""
+    names = {c.__name__ for c in type(provider).__mro__}
+    for name in ("Gemma3ModelProvider", "Gemma2ModelProvider", "GemmaModelProvider"):
+        if name in names:
+            return name.removesuffix("ModelProvider").lower()
+    return None
+
+
 def _window_of(provider: Any) -> dict[str, Any]:
     """Sliding-window attention (megatron ``window_size``, ``window_attn_skip_freq`` as an
-    int); a per-layer list pattern is refused by name."""
+    int); a per-layer list pattern is refused by name. Gemma 2 slides on the odd layers
+    (frequency 2); Gemma 3 on all but every ``sum(interleaved_attn_pattern)``-th layer, with
+    an int window ``w`` meaning ``(w - 1, 0)`` (Bridge's ``Gemma3TEDotProductAttention``)."""
     w = getattr(provider, "window_size", None)
     freq = getattr(provider, "window_attn_skip_freq", None)
     if freq is not None and not isinstance(freq, int):
         raise ValueError(f"model.window_attn_skip_freq={freq}: not supported by the NUTP model "
                          "(an int or null)")
+    family = _family(provider)
+    if family in ("gemma2", "gemma3") and freq is not None:
+        raise ValueError(f"model.window_attn_skip_freq={freq}: not read by {family}'s "
+                         "attention (its own layer pattern decides): leave it null")
+    if family == "gemma2" and w is not None:
+        freq = 2  # Gemma2DotProductAttention: the window on odd layer numbers
+    if family == "gemma3":
+        if getattr(provider, "is_vision_language", False):
+            raise ValueError("model.is_vision_language=True: not supported by the NUTP model "
+                             "(Gemma 3's text model only)")
+        pattern = getattr(provider, "interleaved_attn_pattern", (5, 1))
+        if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+            raise ValueError(f"model.window_size={w}: not supported by the NUTP model for "
+                             "Gemma 3 (an int >= 1: its window of (w - 1, 0))")
+        return {"window_size": (w - 1, 0), "window_attn_skip_freq": int(sum(pattern))}
     return {"window_size": None if w is None else (int(w[0]), int(w[1])),
             "window_attn_skip_freq": freq}
+
+
+def _gemma_of(provider: Any) -> dict[str, Any]:
+    """Gemma's settings as ``ModelConfig`` fields: ``softmax_scale`` (Gemma 2: from
+    ``query_pre_attn_scalar`` q as 1/sqrt(q), which its attention uses instead), logit
+    softcapping (0 or null: off, as Bridge's ``logit_softcapping``), embedding scaling (Gemma,
+    Gemma 2: the factor in the embeddings' dtype; Gemma 3: unrounded) and post norms (Gemma 2
+    and 3's layer specs)."""
+    family = _family(provider)
+    scale = getattr(provider, "softmax_scale", None)
+    q = getattr(provider, "query_pre_attn_scalar", None)
+    if q is not None and family == "gemma2":
+        if scale is not None and scale != 1.0 / math.sqrt(q):
+            raise ValueError(f"model.softmax_scale={scale}: Gemma 2's attention uses "
+                             f"model.query_pre_attn_scalar={q} (1/sqrt) instead: leave it null")
+        scale = 1.0 / math.sqrt(q)  # Gemma2DotProductAttention: alpha = 1 / sqrt(q)
+    elif q is not None:
+        raise ValueError(f"model.query_pre_attn_scalar={q}: not supported by the NUTP model "
+                         "outside Gemma 2 (set model.softmax_scale)")
+    caps = {name: (float(v) if v else None) for name in
+            ("attn_logit_softcapping", "final_logit_softcapping")
+            for v in [getattr(provider, name, None)]}
+    return {"softmax_scale": None if scale is None else float(scale), **caps,
+            "apply_embedding_scaling": family is not None,
+            "embedding_scale_rounded": family != "gemma3",
+            "post_layernorm": family in ("gemma2", "gemma3")}
 
 
 def _rope_of(provider: Any) -> dict[str, Any]:
@@ -106,7 +161,10 @@ def _rope_of(provider: Any) -> dict[str, Any]:
     without RoPE, ``ModelConfig`` accepts only their defaults (a RoPE setting that would be
     ignored is refused by name); YaRN's ``yarn_*`` likewise. Bridge's provider default
     ``rope_scaling_factor=1.0`` is read only with ``rope_scaling``."""
-    out: dict[str, Any] = {"rotary_base": int(provider.rotary_base),
+    base = provider.rotary_base
+    if isinstance(base, (tuple, list)):
+        return _gemma3_rope_of(provider)
+    out: dict[str, Any] = {"rotary_base": int(base),
                            "rotary_percent": float(provider.rotary_percent),
                            "rope_scaling": bool(getattr(provider, "rope_scaling", False)),
                            "seq_len_interpolation_factor":
@@ -122,6 +180,27 @@ YARN_FIELDS = ("yarn_rotary_scaling_factor", "yarn_original_max_position_embeddi
                "yarn_beta_fast", "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim",
                "yarn_correction_range_round_to_int")
 """Bridge's ``GPTModelProvider`` YaRN fields (``ModelConfig``'s, by the same names)."""
+
+
+def _gemma3_rope_of(provider: Any) -> dict[str, Any]:
+    """Gemma 3's ``rotary_base`` (local, global): the sliding-window layers at the local
+    base, the others at the global one with ``rope_scaling_factor`` as linear scaling
+    (Bridge's ``Gemma3RotaryEmbedding``, which builds both unscaled by llama3 and at
+    ``rotary_percent`` 1: other values of those are refused by name)."""
+    local, base = provider.rotary_base
+    if _family(provider) != "gemma3":
+        raise ValueError(f"model.rotary_base={tuple(provider.rotary_base)}: per-layer RoPE "
+                         "bases only as Gemma 3's provider builds them")
+    if getattr(provider, "rope_scaling", False):
+        raise ValueError("model.rope_scaling=True: Gemma 3 scales its global layers linearly "
+                         "(model.rope_scaling_factor): set false")
+    if float(provider.rotary_percent) != 1.0:
+        raise ValueError(f"model.rotary_percent={provider.rotary_percent}: Gemma 3's RoPE "
+                         "rotates every channel: set 1.0")
+    return {"rotary_base": int(base), "rotary_base_local": int(local),
+            "rope_scaling_factor_global": float(provider.rope_scaling_factor),
+            "seq_len_interpolation_factor": getattr(provider, "seq_len_interpolation_factor",
+                                                    None)}
 
 
 def precision_of(cfg: Any) -> str:

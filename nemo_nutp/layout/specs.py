@@ -238,6 +238,12 @@ class ModelDims:
     """A norm over each query and key head (megatron ``qk_layernorm``: Qwen3, Gemma 3, OLMo 2).
     Its weights are replicated; each TP rank's gradient is a partial sum over its heads, summed
     over the TP group in the sync, as sequence-parallel norms are."""
+    post_layernorm: bool = False
+    """A norm on the outputs of ``linear_proj`` and ``linear_fc2`` before the residual add
+    (Gemma 2/3, EXAONE 4; Bridge's ``TERowParallelLinearLayerNorm``: keys
+    ``...linear_proj.post_layernorm.weight``, ``...linear_fc2.post_layernorm.weight``). Its
+    weights are replicated (the row-parallel output is whole after the all-reduce; under
+    sequence parallelism each rank's gradient covers its sequence shard, as other norms)."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",

@@ -84,6 +84,8 @@ def replicated_shapes(dims: ModelDims) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {"input_layernorm": (h,), "pre_mlp_layernorm": (h,)}
     if dims.qk_layernorm:
         shapes.update(q_layernorm=(dims.kv,), k_layernorm=(dims.kv,))
+    if getattr(dims, "post_layernorm", False):
+        shapes.update(proj_post_layernorm=(h,), fc2_post_layernorm=(h,))
     if dims.add_bias_linear:
         shapes.update(proj_bias=(h,), fc2_bias=(h,))
     return shapes

@@ -24,12 +24,20 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import ModuleSpec, TransformerConfig
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-from ..compat.megatron import nutp_mlp_submodule
+from ..compat.megatron import nutp_mlp_linear_fc2, nutp_mlp_submodule
 from ..layout import PARAM_KINDS, Plan, stage_layers
 from ..layout.specs import ModelDims
 from ..layout.units import space_bounds
 from .init import init_param_
-from .layers import NUTPMLP, NUTPGPTModel, NUTPHeadNorm, NUTPNorm, NUTPSelfAttention
+from .layers import (
+    NUTPMLP,
+    NUTPGPTModel,
+    NUTPHeadNorm,
+    NUTPNorm,
+    NUTPSelfAttention,
+    PostNormRowParallelLinear,
+    SoftcapDotProductAttention,
+)
 
 _KIND_OF = (
     (r"embedding\.word_embeddings\.weight$", "word_embedding"),
@@ -81,8 +89,9 @@ def resolve_impl(model: Any, *, cuda: bool | None = None) -> tuple[str, str]:
     if impl == "transformer_engine":
         return impl, "te"
     core = getattr(model, "core_attention", "megatron")
-    if core == "auto":
-        core = "sdpa" if cuda else "megatron"
+    if core == "auto":  # SDPA cannot softcap the scores
+        softcap = getattr(model, "attn_logit_softcapping", None)
+        core = "sdpa" if cuda and not softcap else "megatron"
     return impl, core
 
 
@@ -137,6 +146,9 @@ def transformer_config(model: Any, *, degree: int, sequence_parallel: bool = Fal
         normalization=getattr(model, "normalization", "RMSNorm"),
         layernorm_epsilon=float(getattr(model, "layernorm_epsilon", 1e-5)),
         qk_layernorm=bool(getattr(model, "qk_layernorm", False)),
+        layernorm_zero_centered_gamma=bool(getattr(model, "layernorm_zero_centered_gamma",
+                                                   False)),
+        softmax_scale=getattr(model, "softmax_scale", None),
         window_size=getattr(model, "window_size", None),
         window_attn_skip_freq=getattr(model, "window_attn_skip_freq", None),
         add_bias_linear=model.add_bias_linear,
@@ -152,6 +164,8 @@ def transformer_config(model: Any, *, degree: int, sequence_parallel: bool = Fal
     config.sequence_parallel = sequence_parallel and degree > 1
     for name, value in yarn_attributes(model).items():
         setattr(config, name, value)
+    for name, default in GEMMA_ATTRS.items():  # not megatron fields: Bridge's provider names
+        setattr(config, name, getattr(model, name, default))
     return config
 
 
@@ -165,6 +179,16 @@ def yarn_attributes(model: Any) -> dict[str, Any]:
     return {f"yarn_{k}": getattr(model, f"yarn_{k}") for k in (
         "rotary_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
         "mscale", "mscale_all_dim", "correction_range_round_to_int")}
+
+
+GEMMA_ATTRS: dict[str, Any] = {
+    "attn_logit_softcapping": None, "final_logit_softcapping": None,
+    "apply_embedding_scaling": False, "embedding_scale_rounded": True,
+    "rotary_base_local": None,
+    "rope_scaling_factor_global": 1.0}
+"""``model.*`` settings that are not megatron ``TransformerConfig`` fields: set on the config
+as attributes (as Bridge's Gemma providers, ``TransformerConfig`` subclasses, carry them) for
+the NUTP layers to read (``model/layers.py``)."""
 
 
 def nutp_layer_spec(dims: ModelDims, *, degree: int, tp_rank: int,
@@ -181,15 +205,24 @@ def nutp_layer_spec(dims: ModelDims, *, degree: int, tp_rank: int,
                               balance)
     spec.submodules.input_layernorm = NUTPNorm
     spec.submodules.pre_mlp_layernorm = NUTPNorm
+    attn = spec.submodules.self_attention.submodules
     if getattr(dims, "qk_layernorm", False):
-        attn = spec.submodules.self_attention.submodules
         attn.q_layernorm = attn.k_layernorm = NUTPHeadNorm
+    if getattr(dims, "post_layernorm", False):
+        attn.linear_proj = PostNormRowParallelLinear
+        nutp_mlp_linear_fc2(spec.submodules.mlp, PostNormRowParallelLinear)
+    softcap = getattr(dims, "attn_logit_softcapping", None)
     if core_attention == "sdpa":
+        if softcap:
+            raise ValueError(f"model.attn_logit_softcapping={softcap}: not with SDPA core "
+                             "attention (model.core_attention=megatron)")
         from .attention import SDPAttention
 
-        spec.submodules.self_attention.submodules.core_attention = SDPAttention
+        attn.core_attention = SDPAttention
     elif core_attention != "megatron":
         raise ValueError(f"core_attention={core_attention!r}: must be sdpa or megatron")
+    elif softcap:
+        attn.core_attention = SoftcapDotProductAttention
     return spec
 
 

@@ -4,7 +4,8 @@ Contract:
 * The distribution of a parameter follows megatron's GPT defaults (``init_std``): weight
   matrices N(0, std); each layer's output projections (``linear_proj``, ``linear_fc2``)
   N(0, std / sqrt(2 * num_layers)) (``scaled_init_method_normal``); biases 0; norm weights 1,
-  norm biases 0 (``layernorm_zero_centered_gamma`` is not modelled).
+  norm biases 0; with ``layernorm_zero_centered_gamma`` norm weights 0 (the norm scales by
+  ``1 + weight``).
 * Values are a pure function of (seed, normalized name, global unit, element): every rank of
   every degree and unit assignment that holds unit ``u`` gets the same bits for it, and the
   TP1 tensor (``init_global``) is exactly the assembly of the shards. ``name`` decides the
@@ -65,13 +66,15 @@ def init_std(name: str, dims: ModelDims, std: float) -> float | None:
     raise ValueError(f"{name}: no init rule (expected a weight, bias or norm parameter)")
 
 
-def constant_value(name: str) -> float:
-    """Value of a constant-initialised parameter: 1 for norm weights, 0 for biases."""
+def constant_value(name: str, *, zero_centered_gamma: bool = False) -> float:
+    """Value of a constant-initialised parameter: 1 for norm weights (0 with
+    ``layernorm_zero_centered_gamma``, as megatron's and TE's norms initialise them), 0 for
+    biases."""
     n = normalize_name(name)
     if n.endswith("bias"):
         return 0.0
     if _is_norm(n) and n.endswith("weight"):
-        return 1.0
+        return 0.0 if zero_centered_gamma else 1.0
     raise ValueError(f"{name}: not a constant-initialised parameter (norm weight or bias)")
 
 
@@ -145,7 +148,8 @@ def init_param_(param: torch.Tensor, *, name: str, kind: str | None,
     with torch.no_grad():
         p_std = init_std(name, dims, std)
         if p_std is None:
-            param.fill_(constant_value(name))
+            param.fill_(constant_value(name, zero_centered_gamma=bool(
+                getattr(dims, "layernorm_zero_centered_gamma", False))))
             return
         if kind is None:
             total = param.shape[0] if param.dim() else 1

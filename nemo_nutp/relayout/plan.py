@@ -141,7 +141,8 @@ def _unit_elems(dims: ModelDims, pp: int, stage: int, space: str) -> int:
         h = dims.hidden_size
         ln = 2 if getattr(dims, "normalization", "RMSNorm") == "LayerNorm" else 1
         per_layer = 2 * ln * h + (2 * h if dims.add_bias_linear else 0) + (
-            2 * ln * dims.kv if getattr(dims, "qk_layernorm", False) else 0)
+            2 * ln * dims.kv if getattr(dims, "qk_layernorm", False) else 0) + (
+            2 * ln * h if getattr(dims, "post_layernorm", False) else 0)
         out = layers * per_layer + (ln * h if stage == pp - 1 else 0)
         if stage == 0 and getattr(dims, "position_embedding_type", "rope") == "learned_absolute":
             out += dims.seq_length * h

@@ -260,6 +260,34 @@ YARN = ["model.position_embedding_type=yarn", "model.yarn_rotary_scaling_factor=
     ([*YARN, "model.yarn_beta_fast=0.5"], r"^model\.yarn_beta_fast=0\.5: must be > model\."),
     ([*YARN, "model.rotary_percent=0.5"],
      r"^model\.rotary_percent=0\.5: needs model\.position_embedding_type=rope \(is yarn\)"),
+    (["model.softmax_scale=0"], r"^model\.softmax_scale=0\.0: must be > 0 or null"),
+    (["model.attn_logit_softcapping=-1"],
+     r"^model\.attn_logit_softcapping=-1\.0: must be > 0 or null"),
+    (["model.final_logit_softcapping=0"],
+     r"^model\.final_logit_softcapping=0\.0: must be > 0 or null"),
+    (["model.attn_logit_softcapping=50", "model.core_attention=sdpa"],
+     r"^model\.core_attention='sdpa': SDPA cannot softcap the attention scores"),
+    (["model.post_layernorm=true", "model.add_bias_linear=true"],
+     r"^model\.post_layernorm=True: needs model\.add_bias_linear=false"),
+    (["model.embedding_scale_rounded=false"],
+     r"^model\.embedding_scale_rounded=False: needs model\.apply_embedding_scaling=true"),
+    (["model.rotary_base_local=10000"], r"^model\.rotary_base_local=10000: needs model\.window_"),
+    (["model.rotary_base_local=1", "model.window_size=[4,0]"],
+     r"^model\.rotary_base_local=1: must be an integer >= 2"),
+    (["model.rotary_base_local=10000", "model.window_size=[4,0]", "model.rope_scaling=true"],
+     r"^model\.rotary_base_local=10000: with model\.rope_scaling=true"),
+    (["model.rotary_base_local=10000", "model.window_size=[4,0]",
+      "model.position_embedding_type=none"],
+     r"^model\.rotary_base_local=10000: needs model\.position_embedding_type=rope"),
+    (["model.rope_scaling_factor_global=8"],
+     r"^model\.rope_scaling_factor_global=8\.0: needs model\.rotary_base_local"),
+    (["model.rope_scaling_factor_global=0"],
+     r"^model\.rope_scaling_factor_global=0\.0: must be > 0"),
+    *[([f"model.{name}={v}", "model.transformer_impl=transformer_engine",
+        "model.window_size=[4,0]"],
+       rf"^model\.transformer_impl='transformer_engine': model\.{name} is built with local")
+      for name, v in (("layernorm_zero_centered_gamma", "true"), ("post_layernorm", "true"),
+                      ("attn_logit_softcapping", "50"), ("rotary_base_local", "10000"))],
 ])
 def test_model_settings_bad_values_name_the_key(overrides: list[str], match: str) -> None:
     """RoPE, activation and epsilon values that megatron would fail on late, or that would be
@@ -308,6 +336,27 @@ def test_model_settings_load_with_megatron_names() -> None:
     assert nope.position_embedding_type == "none"
     w = load_config(["model.window_size=[4096,0]", "model.window_attn_skip_freq=6"]).model
     assert (w.window_size, w.window_attn_skip_freq) == ((4096, 0), 6) and hash(w)
+
+
+def test_gemma_settings_load_with_megatron_and_bridge_names() -> None:
+    """Gemma 2/3's settings (megatron's and Bridge's provider names) load from YAML overrides
+    and reach megatron's TransformerConfig (megatron's fields) or the NUTP layers (Bridge's)."""
+    from nemo_nutp.model.build import transformer_config
+
+    g = load_config(["model.layernorm_zero_centered_gamma=true", "model.post_layernorm=true",
+                     "model.softmax_scale=0.0625", "model.attn_logit_softcapping=50",
+                     "model.final_logit_softcapping=30", "model.apply_embedding_scaling=true",
+                     "model.embedding_scale_rounded=false", "model.window_size=[511,0]",
+                     "model.window_attn_skip_freq=6", "model.rotary_base=1000000",
+                     "model.rotary_base_local=10000",
+                     "model.rope_scaling_factor_global=8"]).model
+    assert (g.rotary_base_local, g.rope_scaling_factor_global, g.post_layernorm) == (
+        10000, 8.0, True) and hash(g)
+    c = transformer_config(g, degree=1, cuda=False)
+    assert (c.layernorm_zero_centered_gamma, c.softmax_scale) == (True, 0.0625)
+    assert (c.attn_logit_softcapping, c.final_logit_softcapping,  # type: ignore[attr-defined]
+            c.apply_embedding_scaling, c.embedding_scale_rounded) == (  # type: ignore[attr-defined]
+        50.0, 30.0, True, False)
 
 
 @pytest.mark.parametrize(("overrides", "match"), [

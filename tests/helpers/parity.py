@@ -298,18 +298,36 @@ def run_case(case: Case, outdir: str, device: torch.device | None = None) -> Non
         precision=Precision(case.precision, initial_loss_scale=case.initial_loss_scale),
         device=device)
     _apply_control(session, case.control)
+    rep = _replicated_elems(plan, session.model)
     got = _train(case, session)
     megatron = _megatron_ddp(case, session) if case.vs_megatron_ddp else None
     if dist.get_rank() == 0:
         ref = torch.load(os.path.join(outdir, f"ref_{case.name}.pt"))
         result = _compare(case, got, ref)
         result.update(shares=[r.microbatches for r in plan.replicas],
-                      global_tp_group_untouched=_no_global_groups())
+                      global_tp_group_untouched=_no_global_groups(), replicated_elems=rep)
         if megatron is not None:
             result.update(megatron)
         with open(os.path.join(outdir, f"{case.name}.json"), "w") as f:
             json.dump(result, f)
     dist.barrier()
+
+
+def _replicated_elems(plan: Any, model: torch.nn.Module) -> tuple[int, int]:
+    """(this rank's replicated parameter elements, what the live move plans for its stage:
+    ``relayout.plan.unit_elems(..., 'rep')``, which the memory model's count follows)."""
+    from nemo_nutp.relayout.plan import REP, unit_elems
+
+    stage = plan.rank_index[dist_rank()][1]
+    have = sum(p.numel() for p in model.parameters()
+               if p.nutp_kind is None and not p.nutp_tied_copy)  # type: ignore[attr-defined]
+    return have, unit_elems(plan, stage, REP)
+
+
+def dist_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank()
 
 
 def _schedule(case: Case) -> Any:
@@ -410,6 +428,8 @@ def check_parity(r: dict[str, Any], *, clip: float = 0.0, tol: float = TOL,
     if tensor_tol:  # bf16: not per tensor (see the module docstring)
         assert r["param_rel"] <= tensor_tol, r["param_rel"]
     assert r["global_tp_group_untouched"], "megatron's global parallel_state was initialised"
+    have, planned = r.get("replicated_elems", (0, 0))
+    assert have == planned, f"replicated elements {have}, the live move plans {planned}"
     if clip:  # the threshold is below every step's norm: every step clipped
         assert min(x for x in r["ref_norms"] if x == x) > clip, r["ref_norms"]
 

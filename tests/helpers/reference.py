@@ -45,6 +45,8 @@ def _config(case: Any, dims: Any) -> Any:
         gated_linear_unit=dims.gated_linear_unit, activation_func=_activation(dims),
         normalization=dims.normalization, layernorm_epsilon=dims.layernorm_epsilon,
         qk_layernorm=dims.qk_layernorm, window_size=dims.window_size,
+        layernorm_zero_centered_gamma=dims.layernorm_zero_centered_gamma,
+        softmax_scale=dims.softmax_scale,
         window_attn_skip_freq=dims.window_attn_skip_freq,
         add_bias_linear=dims.add_bias_linear,
         add_qkv_bias=dims.add_qkv_bias, hidden_dropout=0.0, attention_dropout=0.0,
@@ -70,12 +72,16 @@ def _build(case: Any, dims: Any) -> tuple[Any, Any, Any]:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.module import Float16Module
 
+    from nemo_nutp.config import ModelConfig
     from nemo_nutp.model.build import param_kind
     from nemo_nutp.model.init import init_global
 
     config = _config(case, dims)
-    model: Any = GPTModel(config, get_gpt_layer_local_spec(normalization=dims.normalization,
-                                                           qk_layernorm=dims.qk_layernorm),
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        setattr(config, name, getattr(dims, name))  # Bridge's Gemma 2 provider fields
+    spec = get_gpt_layer_local_spec(normalization=dims.normalization,
+                                    qk_layernorm=dims.qk_layernorm)
+    model: Any = GPTModel(config, gemma_spec(spec, dims),
                           vocab_size=dims.vocab_size, max_sequence_length=dims.seq_length,
                           position_embedding_type=dims.position_embedding_type,
                           rotary_base=dims.rotary_base, rotary_percent=dims.rotary_percent,
@@ -84,9 +90,13 @@ def _build(case: Any, dims: Any) -> tuple[Any, Any, Any]:
                           seq_len_interpolation_factor=dims.seq_len_interpolation_factor,
                           share_embeddings_and_output_weights=dims.tie_embeddings,
                           parallel_output=True)
+    gemma_model(model, dims)
+    # the NUTP run's initial weights (a control changes the reference's forward, not its
+    # input: zero-centred gamma off with the same zero weights)
+    init_dims = ModelConfig(**case.model)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.copy_(init_global(name, param_kind(name), dims, seed=case.seed,
+            p.copy_(init_global(name, param_kind(name), init_dims, seed=case.seed,
                                 std=dims.init_std, shape=tuple(p.shape)))
     if case.precision != "fp32":
         model = Float16Module(config, model)
@@ -102,6 +112,48 @@ def _build(case: Any, dims: Any) -> tuple[Any, Any, Any]:
         bf16=case.precision == "bf16", fp16=case.precision == "fp16",
         initial_loss_scale=case.initial_loss_scale, use_distributed_optimizer=False), [ddp])
     return ddp, opt, model
+
+
+def gemma_spec(spec: Any, dims: Any) -> Any:
+    """Stock megatron's local layer spec with the reference's Gemma modules
+    (``gemma_reference.py``) where ``dims`` turns a Gemma feature on; a block spec with the
+    reference's final norm under zero-centred gamma."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    from . import gemma_reference as g
+
+    sub = spec.submodules
+    attn = sub.self_attention.submodules
+    mlp = sub.mlp.submodules if hasattr(sub.mlp, "submodules") else sub.mlp.keywords[
+        "submodules"]  # 0.16: a ModuleSpec; 0.19: partial(MLP.as_mlp_submodule, ...)
+    if dims.post_layernorm:
+        attn.linear_proj = mlp.linear_fc2 = g.RefPostNormRowParallelLinear
+    if dims.attn_logit_softcapping:
+        attn.core_attention = g.RefSoftcapAttention
+    if dims.rotary_base_local is not None:
+        sub.self_attention.module = g.RefGemma3SelfAttention
+    if not dims.layernorm_zero_centered_gamma:
+        return spec
+    sub.input_layernorm = sub.pre_mlp_layernorm = g.RefNorm
+    if dims.qk_layernorm:
+        attn.q_layernorm = attn.k_layernorm = g.RefNorm
+    return TransformerBlockSubmodules(layer_specs=[spec] * dims.num_layers, layer_norm=g.RefNorm)
+
+
+def gemma_model(model: Any, dims: Any) -> None:
+    """The reference's model-level Gemma modules: embedding scaling, final-logit softcapping,
+    per-layer RoPE tables."""
+    from . import gemma_reference as g
+
+    if dims.apply_embedding_scaling:
+        model.embedding.register_forward_hook(g.scale_embeddings)
+    if dims.final_logit_softcapping:
+        model.output_layer.__class__ = g.RefSoftcapOutputLayer
+    if dims.rotary_base_local is not None:
+        assert dims.seq_len_interpolation_factor is None and dims.rotary_percent == 1.0
+        model.rotary_pos_emb = g.RefGemma3RotaryEmbedding(
+            kv_channels=dims.kv, rotary_base=dims.rotary_base,
+            rotary_base_local=dims.rotary_base_local, factor=dims.rope_scaling_factor_global)
 
 
 def _schedule(case: Any, opt: Any) -> Any:

@@ -205,6 +205,75 @@ def test_yarn_settings_reach_the_nutp_model() -> None:
         load_bridge_job(RECIPE, str(TINY), ["model.yarn_beta_fast=32.0"])
 
 
+GEMMA_DIMS = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                  ffn_hidden_size=128, kv_channels=16, seq_length=32)
+
+
+def _gemma(cls_name: str, **kw: object) -> object:
+    install_import_shim()
+    from megatron.bridge.models.gemma import gemma2_provider, gemma3_provider, gemma_provider
+
+    for module in (gemma_provider, gemma2_provider, gemma3_provider):
+        if hasattr(module, cls_name):
+            return getattr(module, cls_name)(**{**GEMMA_DIMS, **kw})
+    raise AssertionError(cls_name)
+
+
+def test_gemma_providers_reach_the_nutp_model() -> None:
+    """Bridge's Gemma, Gemma 2 and Gemma 3 providers: what their fields, ``provide`` and layer
+    specs build becomes the NUTP model's settings (zero-centred norms, embedding scaling,
+    Gemma 2's query_pre_attn_scalar as the softmax scale, its softcaps and odd-layer window,
+    Gemma 3's int window, layer pattern and (local, global) RoPE bases, post norms)."""
+    from nemo_nutp.integrations.bridge_run import model_config_of
+
+    def fields(m: object, *names: str) -> tuple[object, ...]:
+        return tuple(getattr(m, n) for n in names)
+
+    m = model_config_of(_gemma("GemmaModelProvider"), vocab_size=256)
+    assert fields(m, "layernorm_zero_centered_gamma", "apply_embedding_scaling",
+                  "embedding_scale_rounded", "post_layernorm") == (True, True, True, False)
+    m = model_config_of(_gemma("Gemma2ModelProvider"), vocab_size=256)
+    assert fields(m, "softmax_scale", "attn_logit_softcapping", "final_logit_softcapping",
+                  "window_size", "window_attn_skip_freq", "post_layernorm",
+                  "layernorm_zero_centered_gamma") == (
+        1.0 / 224 ** 0.5, 50.0, 30.0, (4095, 0), 2, True, True)
+    m = model_config_of(_gemma("Gemma3ModelProvider", rope_scaling_factor=8.0), vocab_size=256)
+    assert fields(m, "rotary_base", "rotary_base_local", "rope_scaling_factor_global",
+                  "window_size", "window_attn_skip_freq", "softmax_scale", "qk_layernorm",
+                  "embedding_scale_rounded", "post_layernorm", "attn_logit_softcapping") == (
+        1000000, 10000, 8.0, (511, 0), 6, 1 / 16, True, False, True, None)
+
+
+@pytest.mark.parametrize("cls_name, kw, message", [
+    ("Gemma2ModelProvider", dict(window_attn_skip_freq=3),
+     r"^model.window_attn_skip_freq=3: not read by gemma2's attention"),
+    ("Gemma2ModelProvider", dict(softmax_scale=0.5),
+     r"^model.softmax_scale=0.5: Gemma 2's attention uses model.query_pre_attn_scalar=224"),
+    ("Gemma3ModelProvider", dict(rope_scaling=True), r"^model.rope_scaling=True: Gemma 3"),
+    ("Gemma3ModelProvider", dict(is_vision_language=True),
+     r"^model.is_vision_language=True: not supported"),
+    ("Gemma3ModelProvider", dict(rotary_percent=0.5), r"^model.rotary_percent=0.5: Gemma 3"),
+    ("Gemma3ModelProvider", dict(window_size=(7, 0)), r"^model.window_size=\(7, 0\): not "),
+    ("Gemma2ModelProvider", dict(add_bias_linear=True),
+     r"^model.post_layernorm=True: needs model.add_bias_linear=false"),
+])
+def test_gemma_settings_that_do_not_map_are_refused_by_name(cls_name: str, kw: dict[str, object],
+                                                            message: str) -> None:
+    from nemo_nutp.integrations.bridge_run import model_config_of
+
+    with pytest.raises(ValueError, match=message):
+        model_config_of(_gemma(cls_name, **kw), vocab_size=256)
+
+
+def test_per_layer_rope_bases_outside_gemma3_are_refused_by_name() -> None:
+    from nemo_nutp.integrations.bridge_run import model_config_of
+
+    job = load_bridge_job(RECIPE, str(TINY), ["model.position_embedding_type=rope"])
+    job.bridge.model.rotary_base = (10000, 1000000)
+    with pytest.raises(ValueError, match=r"^model.rotary_base=\(10000, 1000000\): per-layer"):
+        model_config_of(job.bridge.model, vocab_size=256)
+
+
 def test_optimizer_precision_other_than_the_models_is_rejected_by_name() -> None:
     with pytest.raises(ValueError, match=r"^optimizer.bf16=True: the model is fp32"):
         load_bridge_job(RECIPE, str(TINY), ["mixed_precision=null"])
@@ -225,3 +294,43 @@ def test_activations_reach_the_nutp_model_and_others_are_rejected_by_name() -> N
     job.bridge.model.activation_func = torch.tanh
     with pytest.raises(ValueError, match=r"^model.activation_func=tanh: not supported by the "):
         model_config_of(job.bridge.model, vocab_size=256)
+
+
+def test_embedding_scaling_rounds_as_each_gemma_provider_does() -> None:
+    """The NUTP model's embedding scaling in bf16 (where rounding the factor matters: sqrt(96)
+    is 9.8125 in bf16): rounded as Bridge's ``EmbeddingScalingMixin`` (Gemma, Gemma 2), or
+    unrounded as Bridge's ``Gemma3LanguageModelEmbedding`` (``embeddings * hidden ** 0.5``)."""
+    import types
+
+    import torch
+
+    install_import_shim()
+    from megatron.bridge.models.gemma.modules import EmbeddingScalingMixin, extend_instance
+
+    from nemo_nutp.model.layers import _scale_embeddings
+
+    out = (torch.randn(4, 2, 96) * 0.02).bfloat16()
+
+    class Raw(torch.nn.Module):
+        def forward(self, **_: object) -> torch.Tensor:
+            return out
+
+    for rounded in (True, False):
+        cfg = types.SimpleNamespace(hidden_size=96, embedding_scale_rounded=rounded)
+        raw = Raw()
+        raw.config = cfg  # type: ignore[assignment]
+        if rounded:
+            extend_instance(raw, EmbeddingScalingMixin)
+            want = raw()
+        else:
+            want = out * (cfg.hidden_size ** 0.5)  # Gemma3LanguageModelEmbedding.forward
+        got = _scale_embeddings(types.SimpleNamespace(config=cfg), (), out)
+        assert torch.equal(got, want), rounded
+    cfg.embedding_scale_rounded = True
+    assert not torch.equal(_scale_embeddings(types.SimpleNamespace(config=cfg), (), out), want)
+    import inspect
+
+    from megatron.bridge.models.gemma.gemma3_provider import Gemma3LanguageModelEmbedding
+
+    source = inspect.getsource(Gemma3LanguageModelEmbedding.forward).replace(" ", "")
+    assert "embeddings*(self.config.hidden_size**0.5)" in source  # the pinned Bridge's formula

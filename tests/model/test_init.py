@@ -174,6 +174,17 @@ def test_norms_one_biases_zero() -> None:
                            torch.zeros(global_shape(kind, dims)))
     with pytest.raises(ValueError, match="not a constant"):
         constant_value("output_layer.weight")
+    # zero-centred gamma (Gemma): every norm weight from 0, as megatron's and TE's norms and
+    # HF's Gemma2RMSNorm initialise it (the norm scales by 1 + weight)
+    from nemo_nutp.config import ModelConfig
+
+    gemma = ModelConfig(layernorm_zero_centered_gamma=True, post_layernorm=True)
+    for name in [*ones, "decoder.layers.0.self_attention.linear_proj.post_layernorm.weight",
+                 "decoder.layers.0.self_attention.q_layernorm.weight",
+                 "decoder.final_layernorm.weight"]:
+        p = torch.full((gemma.hidden_size,), float("nan"))
+        init_param_(p, name=name, kind=None, units=None, dims=gemma, seed=0, std=0.02)
+        assert torch.equal(p, torch.zeros_like(p)), name
     with pytest.raises(ValueError, match="no init rule"):
         init_std("decoder.layers.0.something", dims, 0.02)
 

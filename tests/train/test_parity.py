@@ -116,6 +116,46 @@ YARN = dict(position_embedding_type="yarn", yarn_rotary_scaling_factor=4.0,
 NO_YARN = {k: None for k in YARN if k.startswith("yarn_")}
 ACTS = [("relu", False), ("squared_relu", False), ("quick_gelu", False), ("fast_gelu", True),
         ("gelu", True)]  # (activation, gated); the control's reference: silu/gelu
+# Gemma 2/3 (Bridge's Gemma2/Gemma3ModelProvider): zero-centred norms (layers, QK, final, post
+# norms), post-attention/post-MLP norms, a softmax scale, attention and final logit
+# softcapping, embedding scaling, per-layer RoPE bases (the sliding layer 1 at the local base,
+# the full layer 2 at the global base with linear scaling), GeGLU, tied embeddings. The caps
+# are small (the scores of QK-normed 16-wide heads at scale 0.5 are ~2, the logits ~0.2) so
+# that they bend them measurably without saturating. The reference: stock megatron-core with
+# named modules written from HF's Gemma (tests/helpers/gemma_reference.py, checked against
+# transformers in tests/model/test_gemma_reference.py). The combined case trains with SGD:
+# under Adam both softcaps together turn fp32 rounding of near-zero gradient elements into a
+# step-1 grad-norm error of 1.2e-5 (each cap alone: <= 1.1e-6; step-0 gradients 1.1e-6 either
+# way). Controls: each feature off in the reference alone (step-0 gradients).
+GEMMA = dict(layernorm_zero_centered_gamma=True, post_layernorm=True, qk_layernorm=True,
+             softmax_scale=0.5, attn_logit_softcapping=2.0, final_logit_softcapping=0.2,
+             apply_embedding_scaling=True, window_size=(3, 0), window_attn_skip_freq=2,
+             rotary_base=1000000, rotary_base_local=10000, rope_scaling_factor_global=8.0,
+             activation_func="fast_gelu", tie_embeddings=True, kv_channels=16)
+GEMMA_OFF = {
+    "zero_gamma": dict(layernorm_zero_centered_gamma=False),
+    "post_norm": dict(post_layernorm=False),
+    "softmax_scale": dict(softmax_scale=None),
+    "attn_softcap": dict(attn_logit_softcapping=None),
+    "final_softcap": dict(final_logit_softcapping=None),
+    "embedding_scaling": dict(apply_embedding_scaling=False),
+    "rope_local": dict(rotary_base_local=None, rope_scaling_factor_global=1.0),
+    "rope_global_factor": dict(rope_scaling_factor_global=1.0),
+}
+GEMMA_CASES = [
+    _clip("tp2_tp1_gemma_clip", (2, 1), model=GEMMA, global_batch=5, steps=3, optimizer="sgd",
+          lr=0.1),
+    # Gemma 2's shape (no QK norm, one RoPE base): the post norms' gradients are whole on
+    # every TP rank (TP-rank-0 leaders reduce them, not the whole stage)
+    _clip("tp2_tp1_gemma2_clip", (2, 1), global_batch=5, steps=2, optimizer="sgd", lr=0.1,
+          model=dict(GEMMA, qk_layernorm=False, rotary_base=10000, rotary_base_local=None,
+                     rope_scaling_factor_global=1.0)),
+    # post norms' gradients are partial per sequence shard; SDPA takes the scale (no softcap)
+    _clip("tp2_tp1_gemma_sp_sdpa_clip", (2, 1), sequence_parallel=True, global_batch=5,
+          steps=2, model=dict(GEMMA, attn_logit_softcapping=None, core_attention="sdpa")),
+    *[_clip(f"control_gemma_{k}", (2, 1), model=GEMMA, global_batch=5, steps=1, ref_model=off)
+      for k, off in GEMMA_OFF.items()],
+]
 SETTINGS = [
     _clip("tp2_tp1_rope_llama31_clip", (2, 1), model=LLAMA31, global_batch=5, steps=3),
     _clip("tp2_tp1_rope_partial_clip", (2, 1), model=PARTIAL, global_batch=5, steps=3),
@@ -178,6 +218,7 @@ SETTINGS = [
             model=dict(activation_func=a, gated_linear_unit=g),
             ref_model=dict(activation_func=None))
       for a, g in ACTS],
+    *GEMMA_CASES,
 ]
 FIVE = [_clip("tp3_tp2_clip", (3, 2), model=GQA_SWIGLU, global_batch=7)]
 FOUR = [
@@ -251,7 +292,8 @@ def test_parity_model_settings(tmp_path: Path) -> None:
                  "control_rope_interpolation", "control_eps", "control_nope", "control_qk_norm",
                  "control_window", "control_window_sdpa", "control_window_skip",
                  "control_yarn", "control_yarn_mscale",
-                 *(f"control_act_{a}_{'glu' if g else 'mlp'}" for a, g in ACTS)):
+                 *(f"control_act_{a}_{'glu' if g else 'mlp'}" for a, g in ACTS),
+                 *(f"control_gemma_{k}" for k in GEMMA_OFF)):
         assert res[name]["grad_rel_max"] > 10 * TOL, (name, res[name]["grad_rel_max"])
     qkv = res["control_qkv_bias"]
     assert max(qkv["norm_rel"]) > 10 * TOL and qkv["model_rel"] > 10 * TOL, qkv["model_rel"]
