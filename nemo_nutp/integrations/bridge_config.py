@@ -166,8 +166,10 @@ def bridge_keys(cfg: Any) -> list[str]:
     from dataclasses import asdict
 
     from .bridge_data import check_dataset
+    from .bridge_fields import check_container
     from .bridge_run import model_config_of, precision_of
 
+    check_container(cfg)
     check_precision(cfg)
     check_dataset(cfg)
     vocab = cfg.model.vocab_size or cfg.tokenizer.vocab_size
