@@ -141,6 +141,7 @@ def test_every_field_is_classified_once_and_every_entry_exists() -> None:
 
 def test_a_planted_field_is_reported_unclassified() -> None:
     """A field a Bridge upgrade adds to a provider dataclass fails the audit, by name."""
+    install_import_shim()
     from megatron.bridge.models.gpt_provider import GPTModelProvider
 
     planted = dataclasses.make_dataclass(
