@@ -16,8 +16,8 @@ Each field is in exactly one class:
   megatron's local layers, fusions are unfused, overlap is off); ``(value without notice,
   notice)``: away from that value, ``notices`` prints one line.
 * ``REFUSED``: the NUTP model's value; any other value is a one-line ``ValueError`` naming the
-  field before any process group (``refusals``). ``ABSENT``: only a provider without the field
-  passes (a family's own feature); ``BRIDGE_DEFAULT``: Bridge's own default (the GPT provider's
+  field before any process group (``refusals``). ``ABSENT``: a family's own field, which passes
+  only absent or off; ``BRIDGE_DEFAULT``: Bridge's own default (the GPT provider's
   layer spec, the plain optimizer override provider). A field under ``ONLY_WITH`` is read only
   with its switch on (e.g. ``model.moe_*`` with ``model.num_moe_experts``), as megatron reads it.
 
@@ -34,7 +34,7 @@ import math
 from typing import Any
 
 ABSENT = "<absent>"
-"""Accepted value of a family's own field: only a provider without the field passes."""
+"""Accepted value of a family's own field: it passes only absent or off."""
 BRIDGE_DEFAULT = "<bridge default>"
 """Accepted value: Bridge's own default object (resolved when checked)."""
 
@@ -722,7 +722,7 @@ REFUSED: dict[str, Any] = {  # the NUTP model's value; any other is refused
     "model.attention_out_multiplier": ABSENT,
     "model.attention_output_gate": False,
     "model.attention_value_scale": ABSENT,
-    "model.attn_logit_softcapping": ABSENT,
+    "model.attn_logit_softcapping": ABSENT,  # gemma branch
     "model.autocast_dtype": None,
     "model.beta_fast": 32,
     "model.beta_slow": 1,
@@ -763,7 +763,7 @@ REFUSED: dict[str, Any] = {  # the NUTP model's value; any other is refused
     "model.expert_tensor_parallel_size": None,
     "model.falconh1_ratio": ABSENT,
     "model.falconh1_stack_spec": ABSENT,
-    "model.final_logit_softcapping": ABSENT,
+    "model.final_logit_softcapping": ABSENT,  # gemma branch
     "model.first_last_layers_bf16": False,
     "model.fp32_residual_connection": False,
     "model.fp4": None,
@@ -805,7 +805,7 @@ REFUSED: dict[str, Any] = {  # the NUTP model's value; any other is refused
     "model.image_token_id": ABSENT,
     "model.index_head_dim": ABSENT,
     "model.index_n_heads": ABSENT,
-    "model.interleaved_attn_pattern": ABSENT,
+    "model.interleaved_attn_pattern": ABSENT,  # gemma branch
     "model.is_hybrid_model": False,
     "model.is_vision_language": ABSENT,
     "model.keep_mtp_spec_in_bf16": ABSENT,
@@ -813,7 +813,7 @@ REFUSED: dict[str, Any] = {  # the NUTP model's value; any other is refused
     "model.kv_lora_rank": 512,
     "model.language_max_sequence_length": ABSENT,
     "model.layer_types": ABSENT,
-    "model.layernorm_zero_centered_gamma": False,
+    "model.layernorm_zero_centered_gamma": False,  # gemma branch
     "model.lightning_indexer_layers": ABSENT,
     "model.linear_attention_freq": None,
     "model.linear_conv_kernel_dim": 4,
@@ -931,16 +931,16 @@ REFUSED: dict[str, Any] = {  # the NUTP model's value; any other is refused
     "model.qk_l2_norm": False,
     "model.qk_pos_emb_head_dim": 64,
     "model.quant_recipe": None,
-    "model.query_pre_attn_scalar": ABSENT,
+    "model.query_pre_attn_scalar": ABSENT,  # gemma branch
     "model.restore_modelopt_state": False,
     "model.rmsnorm": ABSENT,
     "model.rope_type": 'yarn',
-    "model.rotary_base_per_layer": ABSENT,
+    "model.rotary_base_per_layer": ABSENT,  # gemma branch
     "model.rotary_interleaved": False,
     "model.rotary_scaling_factor": None,
     "model.should_pad_vocab": False,
     "model.sliding_attention_setting": ABSENT,
-    "model.softmax_scale": None,
+    "model.softmax_scale": None,  # gemma branch
     "model.softmax_type": 'vanilla',
     "model.spatial_merge_size": ABSENT,
     "model.ssm_in_multiplier": ABSENT,
@@ -948,7 +948,7 @@ REFUSED: dict[str, Any] = {  # the NUTP model's value; any other is refused
     "model.ssm_out_multiplier": ABSENT,
     "model.swa_num_query_groups": ABSENT,
     "model.temporal_patch_size": ABSENT,
-    "model.transformer_layer_spec": BRIDGE_DEFAULT,
+    "model.transformer_layer_spec": BRIDGE_DEFAULT,  # gemma branch: its post-norm specs
     "model.understand_projector_stride": ABSENT,
     "model.use_attention": ABSENT,
     "model.use_kitchen": False,
@@ -963,22 +963,22 @@ REFUSED: dict[str, Any] = {  # the NUTP model's value; any other is refused
     "model.vision_end_token_id": ABSENT,
     "model.vision_start_token_id": ABSENT,
     "model.vision_token_id": ABSENT,
-    "model.yarn_beta_fast": None,
-    "model.yarn_beta_slow": None,
-    "model.yarn_correction_range_round_to_int": None,
-    "model.yarn_mscale": None,
-    "model.yarn_mscale_all_dim": None,
-    "model.yarn_original_max_position_embeddings": None,
-    "model.yarn_rotary_scaling_factor": None,
+    "model.yarn_beta_fast": None,  # yarn branch
+    "model.yarn_beta_slow": None,  # yarn branch
+    "model.yarn_correction_range_round_to_int": None,  # yarn branch
+    "model.yarn_mscale": None,  # yarn branch
+    "model.yarn_mscale_all_dim": None,  # yarn branch
+    "model.yarn_original_max_position_embeddings": None,  # yarn branch
+    "model.yarn_rotary_scaling_factor": None,  # yarn branch
     "nvrx_straggler.enabled": False,
     "optimizer.apply_wd_to_qk_layernorm": False,
     "optimizer.decoupled_lr": None,
     "optimizer.decoupled_min_lr": None,
     "optimizer.fp8_recipe": None,
     "optimizer.grad_norm_skip_threshold": math.inf,
+    "optimizer.optimizer": 'adam',
     "optimizer.optimizer_cpu_offload": False,
     "optimizer.optimizer_offload_fraction": 0.0,
-    "optimizer.optimizer": 'adam',
     "optimizer.reuse_grad_buf_for_mxfp8_param_ag": False,
     "optimizer.use_distributed_optimizer": False,
     "optimizer.use_layer_wise_distributed_optimizer": False,

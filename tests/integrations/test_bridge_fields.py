@@ -134,6 +134,8 @@ def test_every_field_is_classified_once_and_every_entry_exists() -> None:
     assert not twice, f"in more than one class: {twice}"
     stale = sorted(set(listed) - names)
     assert not stale, f"table entries no longer in Bridge/megatron-core: {stale}"
+    for table in (bf.HONOURED, bf.SUBSTITUTED, bf.REFUSED, bf.ONLY_WITH):  # merges stay easy
+        assert list(table) == sorted(table), [a for a, b in zip(table, sorted(table)) if a != b]
     dead = [p for p in bf.ONLY_WITH if not any(n.startswith(p) for n in bf.REFUSED)]
     assert not dead and all(s in bf.REFUSED for s in bf.ONLY_WITH.values()), dead
     assert len(recipe_functions()) == 93  # Bridge 0.6.2's distinct text-LLM pretraining recipes
