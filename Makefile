@@ -30,6 +30,7 @@ TESTS_312 ?= tests/train/test_parity.py tests/train/test_checks.py \
 BRIDGE ?= megatron-bridge==0.6.2
 STAMPBRIDGE := $(VENV312)/.bridge-installed
 TESTS_BRIDGE ?= tests/integrations/test_bridge_shim.py tests/integrations/test_bridge_data.py \
+	tests/integrations/test_bridge_fields.py \
 	tests/integrations/test_bridge_train.py \
 	tests/integrations/test_bridge_uniform.py tests/integrations/test_bridge_readme.py
 

@@ -28,3 +28,9 @@ def print_error(message: str) -> None:
     """``error: <message>`` on stderr, one line whatever the width (the message is not markup)."""
     make_console(stderr=True).print(f"[red]error:[/] {escape(' '.join(message.split()))}",
                                     soft_wrap=True)
+
+
+def print_notice(message: str) -> None:
+    """``notice: <message>`` on stderr, one line (a setting honoured by other kernels)."""
+    make_console(stderr=True).print(f"[yellow]notice:[/] {escape(' '.join(message.split()))}",
+                                    soft_wrap=True)

@@ -166,11 +166,16 @@ def bridge_keys(cfg: Any) -> list[str]:
     from dataclasses import asdict
 
     from .bridge_data import check_dataset
+    from .bridge_fields import check_container
     from .bridge_run import model_config_of, precision_of
 
+    check_container(cfg)
     check_precision(cfg)
     check_dataset(cfg)
-    vocab = cfg.model.vocab_size or cfg.tokenizer.vocab_size
+    if cfg.model.vocab_size is None:  # Bridge's setup() would pad the tokenizer's vocabulary
+        raise ValueError("model.vocab_size=None: set it (Bridge pads the tokenizer's vocabulary "
+                         "by model.make_vocab_size_divisible_by x TP; NUTP trains the one given)")
+    vocab = cfg.model.vocab_size
     model = model_config_of(cfg.model, vocab_size=int(vocab))
     t = cfg.train
     return [*(f"model.{k}={_value(v)}" for k, v in asdict(model).items()),

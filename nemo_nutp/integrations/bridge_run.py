@@ -20,28 +20,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-REJECTED = {
-    # provider field -> value the NUTP model has (anything else is rejected by name)
-    "apply_query_key_layer_scaling": False,
-    "num_moe_experts": None,
-    "virtual_pipeline_model_parallel_size": None,
-    "context_parallel_size": 1,
-    "pipeline_model_parallel_size": 1,
-    "mtp_num_layers": None,
-    "fp8": None,
-}
-
 
 def model_config_of(provider: Any, *, vocab_size: int) -> Any:
-    """NUTP's ``ModelConfig`` of a Bridge ``GPTModelProvider``; ``ValueError`` naming
-    ``model.<field>`` for a setting the NUTP model cannot honour."""
+    """NUTP's ``ModelConfig`` of a Bridge ``GPTModelProvider``; one-line ``ValueError`` naming
+    every ``model.<field>`` the NUTP model cannot honour (``bridge_fields.REFUSED``: the table
+    of every provider field)."""
     from ..config.schema import ModelConfig
+    from .bridge_fields import check_model
 
-    for name, want in REJECTED.items():
-        have = getattr(provider, name, want)
-        if have != want and not (want is None and not have):
-            raise ValueError(f"model.{name}={have}: not supported by the NUTP model "
-                             f"(needs {want})")
+    check_model(provider)
     gated = bool(provider.gated_linear_unit)
     act = _activation_name(provider.activation_func)
     pos = provider.position_embedding_type
@@ -50,11 +37,8 @@ def model_config_of(provider: Any, *, vocab_size: int) -> Any:
     if pos not in POSITION_EMBEDDINGS:
         raise ValueError(f"model.position_embedding_type={pos}: not supported by the NUTP "
                          f"model (one of {POSITION_EMBEDDINGS})")
+    # cross_entropy_fusion_impl=te: megatron's native fused kernel (bridge_fields.SUBSTITUTED)
     fused_ce = bool(getattr(provider, "cross_entropy_loss_fusion", False))
-    impl = getattr(provider, "cross_entropy_fusion_impl", "native")
-    if fused_ce and impl != "native":
-        raise ValueError(f"model.cross_entropy_fusion_impl={impl}: not supported by the NUTP "
-                         "model (needs native, or model.cross_entropy_loss_fusion=false)")
     heads = provider.num_attention_heads
     return ModelConfig(
         num_layers=provider.num_layers, hidden_size=provider.hidden_size,

@@ -59,15 +59,27 @@ def _load(argv: list[str]) -> tuple[Any, Any, Any]:
     return args, job, plan
 
 
+def print_notices(cfg: Any) -> None:
+    """The one-line notice of every substituted setting (``bridge_fields.SUBSTITUTED``), once:
+    by the launching process, or by rank 0 under ``torchrun``."""
+    from nemo_nutp.common.console import print_notice
+    from nemo_nutp.integrations.bridge_fields import notices
+
+    if os.environ.get("RANK", "0") == "0":
+        for line in notices(cfg):
+            print_notice(line)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     from nemo_nutp.common.console import print_error
 
     try:
-        args, _, plan = _load(argv)
+        args, job, plan = _load(argv)
     except ValueError as e:
         print_error(str(e))
         return 2
+    print_notices(job.bridge)
     os.makedirs(args.output_dir, exist_ok=True)
     import torch
 

@@ -136,7 +136,6 @@ def test_cpu_patch_targets_still_exist_and_call_cuda() -> None:
     ("model.context_parallel_size=2", "model.context_parallel_size=2: not supported"),
     ("model.position_embedding_type=mrope", "model.position_embedding_type=mrope: not supported"),
     ("model.position_embedding_type=yarn", "model.yarn_rotary_scaling_factor=None: required"),
-    ("model.cross_entropy_fusion_impl=te", "model.cross_entropy_fusion_impl=te: not supported"),
 ])
 def test_model_fields_the_nutp_model_cannot_honour_are_rejected_by_name(
         override: str, message: str) -> None:
