@@ -171,6 +171,9 @@ def bridge_keys(cfg: Any) -> list[str]:
     check_precision(cfg)
     check_dataset(cfg)
     vocab = cfg.model.vocab_size or cfg.tokenizer.vocab_size
+    if vocab is None:
+        raise ValueError("model.vocab_size=None: the NUTP plan needs a vocabulary size (set "
+                         "model.vocab_size, or tokenizer.vocab_size with the NullTokenizer)")
     model = model_config_of(cfg.model, vocab_size=int(vocab))
     t = cfg.train
     return [*(f"model.{k}={_value(v)}" for k, v in asdict(model).items()),

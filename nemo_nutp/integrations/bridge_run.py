@@ -31,12 +31,20 @@ REJECTED = {
     "fp8": None,
 }
 
+HYBRID_FIELDS = ("hybrid_layer_pattern", "hybrid_override_pattern")
+"""Fields only Bridge's Mamba / hybrid providers have: such a provider is refused by name (its
+layers are not GPT layers; before, they were built as a plain GPT, silently)."""
+
 
 def model_config_of(provider: Any, *, vocab_size: int) -> Any:
     """NUTP's ``ModelConfig`` of a Bridge ``GPTModelProvider``; ``ValueError`` naming
     ``model.<field>`` for a setting the NUTP model cannot honour."""
     from ..config.schema import ModelConfig
 
+    for name in HYBRID_FIELDS:
+        if hasattr(provider, name):  # a Mamba / hybrid stack's provider, not a GPT
+            raise ValueError(f"model.{name}={getattr(provider, name)}: Mamba / hybrid layer "
+                             "stacks are not supported by the NUTP model (a GPT provider)")
     for name, want in REJECTED.items():
         have = getattr(provider, name, want)
         if have != want and not (want is None and not have):
@@ -94,6 +102,9 @@ def _window_of(provider: Any) -> dict[str, Any]:
     int); a per-layer list pattern is refused by name."""
     w = getattr(provider, "window_size", None)
     freq = getattr(provider, "window_attn_skip_freq", None)
+    if w is not None and not isinstance(w, (tuple, list)):
+        raise ValueError(f"model.window_size={w}: not supported by the NUTP model (a [left, "
+                         "right] pair; an int is a provider's own per-layer window scheme)")
     if freq is not None and not isinstance(freq, int):
         raise ValueError(f"model.window_attn_skip_freq={freq}: not supported by the NUTP model "
                          "(an int or null)")
