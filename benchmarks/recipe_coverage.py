@@ -6,8 +6,9 @@ dropped by function identity; vision-language and diffusion recipes excluded by 
 ``EXCLUDED``), per recipe:
 
 * ``model`` (the config half, always): the recipe's model, shrunk (``shrink()``: 2 layers, 2
-  query groups at the recipe's GQA ratio, head dim 16, hidden 64 or narrower where the recipe
-  decouples head dim from width, FFN 128, vocab 256, sequence 32, windows 8; every switch kept:
+  query groups at the recipe's GQA ratio, head dim 16 (8 with 8+ heads per group), hidden =
+  heads x head dim (half of it where the recipe decouples head dim from width), FFN 128, vocab
+  256, sequence 32, windows 8; every switch kept:
   normalisation and its epsilon, activation and gating, biases, QKV bias, qk-layernorm, tied
   embeddings, position embedding and every RoPE setting, window pattern, MoE / MTP / ... as
   shipped), in fp32 at replicas [2,1] with clipping, through ``nutp-bridge``'s own checks
@@ -49,7 +50,6 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "runs" / "bench" / "recipe_coverage.json"
-HF_HUB = ROOT / "configs" / "hf" / "hub"
 LAYOUT = [2, 1]
 TOL = 1e-5
 EXCLUDED = {"qwen_vl": "vision-language", "gemma3_vl": "vision-language",
@@ -66,40 +66,7 @@ _FIELD = re.compile(r"\b([a-z_]+(?:\.[A-Za-z0-9_]+)+)=")
 
 sys.path.insert(0, str(ROOT))
 
-
-def offline_hf() -> None:
-    """The Hugging Face hub is never reached: ``HF_HUB_OFFLINE`` with the committed cache
-    (``configs/hf/hub``), and Bridge's config loader (which retries a missing config for 7 s)
-    reads a committed snapshot directly, or fails at once naming the repository."""
-    os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HUB_CACHE=str(HF_HUB))
-    from nemo_nutp.compat.bridge_cpu import install_import_shim
-
-    install_import_shim()
-    from megatron.bridge.models.conversion import auto_bridge
-
-    if getattr(auto_bridge.safe_load_config_with_retry, "_nutp_offline", False):
-        return
-    real = auto_bridge.safe_load_config_with_retry
-
-    def load(path: Any, trust_remote_code: bool = False, **kwargs: Any) -> Any:
-        local = standin(str(path))
-        if local is None and not Path(str(path)).is_dir():
-            raise FileNotFoundError(f"hf_config={path}: no committed stand-in of its "
-                                    f"config.json under {HF_HUB.relative_to(ROOT)}")
-        return real(local or path, trust_remote_code=trust_remote_code, max_retries=0,
-                    **kwargs)
-
-    load._nutp_offline = True  # type: ignore[attr-defined]
-    auto_bridge.safe_load_config_with_retry = load
-
-
-def standin(repo: str) -> str | None:
-    """The committed snapshot folder of ``repo``'s config.json, or None."""
-    base = HF_HUB / ("models--" + repo.replace("/", "--"))
-    ref = base / "refs" / "main"
-    if not ref.is_file():
-        return None
-    return str(base / "snapshots" / ref.read_text().strip())
+from tests.helpers.hf_offline import offline_hf  # noqa: E402  (the repository root first)
 
 
 def recipes() -> list[dict[str, str]]:
@@ -300,40 +267,6 @@ def reference_batches(spec: str, overrides: list[str], path: Path) -> Path:
     return path
 
 
-def train_worker(rank: int, world: int, port: int, runs: list[tuple[str, str, list[str]]],
-                 outdir: str) -> None:
-    """One rank of the [2,1] world: every accepted recipe in turn through Bridge's ``train()``;
-    rank 0 writes ``nutp_<name>.json`` (steps, replica 0's parameters as a .pt)."""
-    from tests.helpers.dist import gloo_rank
-
-    def body() -> None:
-        from types import SimpleNamespace
-
-        import torch
-        import torch.distributed as dist
-
-        from nemo_nutp.config import plan_request
-        from nemo_nutp.integrations.bridge_config import load_bridge_job
-        from nemo_nutp.integrations.bridge_run import train_rank
-        from nemo_nutp.layout import build_plan
-        from tests.helpers.parity import _gather_replicas
-
-        offline_hf()
-        for name, spec, overrides in runs:
-            job = load_bridge_job(spec, None, overrides)
-            plan = build_plan(plan_request(job.nutp))
-            got = train_rank(job, plan, outdir, seed=job.nutp.train.seed)
-            reps = _gather_replicas(SimpleNamespace(groups=got["groups"], model=got["model"],
-                                                    plan=plan))
-            if rank == 0:
-                equal = all(torch.equal(r[k], reps[0][k]) for r in reps[1:] for k in reps[0])
-                torch.save({"steps": got["steps"], "params": reps[0], "equal": equal},
-                           Path(outdir, f"nutp_{name}.pt"))
-            dist.barrier()
-
-    gloo_rank(rank, world, port, outdir, body)
-
-
 def compare(nutp: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
     """Per recipe: the largest relative difference of the losses, grad norms and final
     parameters (per tensor) between the NUTP run and the stock reference."""
@@ -354,7 +287,7 @@ def train_half(rows: list[dict[str, Any]], jobs: dict[str, Any], tmp: Path) -> N
     """Fills ``model`` (``trains`` / ``mismatch`` / ``error``) of every accepted row."""
     import torch
 
-    from tests.helpers.bridge_jobs import reference_case
+    from tests.helpers.bridge_jobs import recipe_worker, reference_case
     from tests.helpers.dist import spawn
     from tests.helpers.parity import TENSOR_TOL, run_references
 
@@ -367,7 +300,7 @@ def train_half(rows: list[dict[str, Any]], jobs: dict[str, Any], tmp: Path) -> N
         runs.append((r["name"], r["spec"], r["overrides"]))
     run_references(cases, tmp)
     try:
-        spawn(train_worker, sum(LAYOUT), (runs,), tmp)
+        spawn(recipe_worker, sum(LAYOUT), (runs,), tmp)
     except Exception as e:  # the rows not written below are errors
         print(f"train world failed: {type(e).__name__}: {e}")
     for r in todo:
