@@ -23,7 +23,8 @@ dropped by function identity; vision-language and diffusion recipes excluded by 
   single-process megatron-core on the same batches (``tests/helpers/reference.py``, one process
   for every recipe): losses and grad norms within 1e-5 (``TOL``) and the final parameters within
   ``TENSOR_TOL`` per tensor -> ``trains``, else ``mismatch`` with the numbers.
-* ``as_shipped``: the recipe unshrunk, as shipped, through the same checks and the planner,
+* ``as_shipped``: the recipe unshrunk, as shipped, through the same checks and the planner
+  (on ``configs/cluster/dgx_h100.yaml``: 64 DGX H100 nodes, the recipes' hardware),
   then ``RUNTIME_PENDING`` (what the NeMo-path issue #33 has not built under NUTP's Bridge path
   yet); ``refused`` with ``as_shipped_field`` naming the setting.
 
@@ -225,7 +226,7 @@ def as_shipped(spec: str) -> dict[str, Any]:
     from nemo_nutp.layout import build_plan
 
     found: list[str] = []
-    status, reason, extra = "accepted", "", []
+    status, reason, extra = "accepted", "", ["cluster=dgx_h100"]
     while True:
         try:
             job = load_bridge_job(spec, None, extra)
