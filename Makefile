@@ -32,7 +32,8 @@ STAMPBRIDGE := $(VENV312)/.bridge-installed
 TESTS_BRIDGE ?= tests/integrations/test_bridge_shim.py tests/integrations/test_bridge_data.py \
 	tests/integrations/test_bridge_fields.py \
 	tests/integrations/test_bridge_train.py \
-	tests/integrations/test_bridge_uniform.py tests/integrations/test_bridge_readme.py
+	tests/integrations/test_bridge_uniform.py tests/integrations/test_bridge_readme.py \
+	tests/integrations/test_recipe_coverage.py
 
 .PHONY: demo test test-311 test-312 test-bridge lint venv bench sim clean gpu-check-prepare \
 	gpu-check
@@ -82,9 +83,11 @@ test-312: $(STAMP312)
 test-bridge: $(STAMPBRIDGE)
 	$(VENV312)/bin/python -m pytest -q $(TESTS_BRIDGE)
 
-bench: $(STAMP)
+# recipe_coverage.py needs Megatron-Bridge: the Python 3.12 environment.
+bench: $(STAMP) $(STAMPBRIDGE)
 	$(BIN)/python benchmarks/plan_scale.py
 	$(BIN)/python benchmarks/norm_kernels.py
+	$(VENV312)/bin/python benchmarks/recipe_coverage.py --train
 
 sim: $(STAMP)
 	$(BIN)/nutp simulate sim=paper_32k

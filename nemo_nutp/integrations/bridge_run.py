@@ -110,6 +110,9 @@ def _window_of(provider: Any) -> dict[str, Any]:
             raise ValueError(f"model.window_size={w}: not supported by the NUTP model for "
                              "Gemma 3 (an int >= 1: its window of (w - 1, 0))")
         return {"window_size": (w - 1, 0), "window_attn_skip_freq": int(sum(pattern))}
+    if w is not None and not isinstance(w, (tuple, list)):
+        raise ValueError(f"model.window_size={w}: not supported by the NUTP model (a [left, "
+                         "right] pair; an int is Gemma 3's own scheme)")
     return {"window_size": None if w is None else (int(w[0]), int(w[1])),
             "window_attn_skip_freq": freq}
 

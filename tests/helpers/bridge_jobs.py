@@ -244,3 +244,38 @@ def bridge_worker(rank: int, world: int, port: int, overrides: list[str],
         Path(outdir, "bridge_result.json").write_text(json.dumps(out))
 
     gloo_rank(rank, world, port, outdir, body)
+
+
+def recipe_worker(rank: int, world: int, port: int, runs: list[tuple[str, str, list[str]]],
+                  outdir: str) -> None:
+    """One rank of the [2,1] world: every accepted recipe in turn through Bridge's ``train()``;
+    rank 0 writes ``nutp_<name>.pt`` (steps, replica 0's parameters, replicas bitwise equal)
+    (``benchmarks/recipe_coverage.py``; ``runs``: (name, recipe spec, overrides))."""
+    from tests.helpers.dist import gloo_rank
+
+    def body() -> None:
+        from types import SimpleNamespace
+
+        import torch.distributed as dist
+
+        from nemo_nutp.config import plan_request
+        from nemo_nutp.integrations.bridge_config import load_bridge_job
+        from nemo_nutp.integrations.bridge_run import train_rank
+        from nemo_nutp.layout import build_plan
+        from tests.helpers.hf_offline import offline_hf
+        from tests.helpers.parity import _gather_replicas
+
+        offline_hf()
+        for name, spec, overrides in runs:
+            job = load_bridge_job(spec, None, overrides)
+            plan = build_plan(plan_request(job.nutp))
+            got = train_rank(job, plan, outdir, seed=job.nutp.train.seed)
+            reps = _gather_replicas(SimpleNamespace(groups=got["groups"], model=got["model"],
+                                                    plan=plan))
+            if rank == 0:
+                equal = all(torch.equal(r[k], reps[0][k]) for r in reps[1:] for k in reps[0])
+                torch.save({"steps": got["steps"], "params": reps[0], "equal": equal},
+                           Path(outdir, f"nutp_{name}.pt"))
+            dist.barrier()
+
+    gloo_rank(rank, world, port, outdir, body)
