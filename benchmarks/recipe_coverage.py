@@ -24,7 +24,8 @@ dropped by function identity; vision-language and diffusion recipes excluded by 
   for every recipe): losses and grad norms within 1e-5 (``TOL``) and the final parameters within
   ``TENSOR_TOL`` per tensor -> ``trains``, else ``mismatch`` with the numbers.
 * ``as_shipped``: the recipe unshrunk, as shipped, through the same checks and the planner
-  (on ``configs/cluster/dgx_h100.yaml``: 64 DGX H100 nodes, the recipes' hardware),
+  (on ``configs/cluster/dgx_h100.yaml``, H100 nodes, as many GPUs as the recipe's name says,
+  at least one node),
   then ``RUNTIME_PENDING`` (what the NeMo-path issue #33 has not built under NUTP's Bridge path
   yet); ``refused`` with ``as_shipped_field`` naming the setting.
 
@@ -193,6 +194,7 @@ def config_half(spec: str) -> tuple[dict[str, Any], Any]:
     from nemo_nutp.integrations.bridge_run import validate_as_uniform
     from nemo_nutp.layout import build_plan
 
+    offline_hf()
     try:
         overrides = model_overrides(spec)
         job = load_bridge_job(spec, None, overrides)
@@ -225,8 +227,11 @@ def as_shipped(spec: str) -> dict[str, Any]:
     from nemo_nutp.integrations.bridge_config import load_bridge_job
     from nemo_nutp.layout import build_plan
 
+    offline_hf()
+    gpus = re.search(r"_(\d+)gpu_", spec)  # the GPU count a recipe is named for
     found: list[str] = []
-    status, reason, extra = "accepted", "", ["cluster=dgx_h100"]
+    status, reason = "accepted", ""
+    extra = ["cluster=dgx_h100", f"cluster.num_gpus={max(int(gpus[1]) if gpus else 8, 8)}"]
     while True:
         try:
             job = load_bridge_job(spec, None, extra)
