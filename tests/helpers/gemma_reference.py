@@ -50,6 +50,25 @@ class RefGemmaRMSNorm(torch.nn.Module):
         return (h * (1.0 + self.weight.float())).type_as(x)
 
 
+class RefZeroCenteredLayerNorm(torch.nn.Module):
+    """LayerNorm with a zero-centred gamma (megatron's ``layernorm_zero_centered_gamma`` as TE's
+    ``LayerNorm(zero_centered_gamma=True)`` computes it; GPT-3's ``apply_layernorm_1p``): fp32
+    ``(x - mean) * rsqrt(var + eps) * (1 + w) + b``, ``w`` and ``b`` from 0."""
+
+    def __init__(self, config: Any = None, hidden_size: int = 0, eps: float = 1e-5,
+                 **_: Any) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.zeros(hidden_size))
+        self.bias = torch.nn.Parameter(torch.zeros(hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = (h - h.mean(-1, keepdim=True)) * torch.rsqrt(h.var(-1, unbiased=False, keepdim=True)
+                                                         + self.eps)
+        return (h * (1.0 + self.weight.float()) + self.bias.float()).type_as(x)
+
+
 def window_layer(config: Any, layer_number: int) -> bool:
     """Whether 1-based ``layer_number`` attends by the sliding window: every layer, or all but
     every ``window_attn_skip_freq``-th (HF Gemma 2/3 ``layer_types``)."""
@@ -89,8 +108,11 @@ class RefSoftcapAttention(DotProductAttention):
 
 
 def ref_norm(config: Any, hidden_size: int, eps: float) -> torch.nn.Module:
-    """The reference's norm: Gemma's zero-centred RMSNorm, or torch's own RMSNorm/LayerNorm."""
+    """The reference's norm: Gemma's zero-centred RMSNorm, a zero-centred LayerNorm, or
+    torch's own RMSNorm/LayerNorm."""
     if config.layernorm_zero_centered_gamma:
+        if config.normalization == "LayerNorm":
+            return RefZeroCenteredLayerNorm(config, hidden_size, eps)
         return RefGemmaRMSNorm(config, hidden_size, eps)
     cls = torch.nn.RMSNorm if config.normalization == "RMSNorm" else torch.nn.LayerNorm
     return cls(hidden_size, eps=eps)

@@ -22,12 +22,11 @@ if importlib.util.find_spec("megatron.bridge") is None:
 
 ROOT = Path(__file__).resolve().parents[2]
 
-ACCEPTED = {"gpt", "llama2", "llama3", "llama3.1", "llama3.2", "qwen2", "qwen2.5", "qwen3"}
+ACCEPTED = {"gpt", "gpt3", "llama2", "llama3", "llama3.1", "llama3.2", "qwen2", "qwen2.5",
+            "qwen3", "gemma2", "gemma3"}
 """Families whose every recipe's model the config half accepts today."""
 REFUSED = {
-    # family -> the model field that refuses every recipe of it today (first one checked)
-    "gemma2": "layernorm_zero_centered_gamma", "gemma3": "layernorm_zero_centered_gamma",
-    "gpt3": "layernorm_zero_centered_gamma",  # GPT-3 175B: apply_layernorm_1p
+    # family -> the model field that refuses every recipe of it today (the feature's switch)
     "qwen3_moe": "num_moe_experts", "olmoe_7b": "num_moe_experts",
     "nemotronh": "hybrid_layer_pattern", "nemotron_nano_v2": "hybrid_layer_pattern",
     "nemotron_3_nano_4b": "hybrid_layer_pattern",

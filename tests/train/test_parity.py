@@ -142,6 +142,9 @@ GEMMA_OFF = {
     "rope_local": dict(rotary_base_local=None, rope_scaling_factor_global=1.0),
     "rope_global_factor": dict(rope_scaling_factor_global=1.0),
 }
+LAYERNORM_1P = dict(normalization="LayerNorm", layernorm_zero_centered_gamma=True,
+                    add_bias_linear=True, gated_linear_unit=False,
+                    position_embedding_type="learned_absolute")
 GEMMA_CASES = [
     _clip("tp2_tp1_gemma_clip", (2, 1), model=GEMMA, global_batch=5, steps=3, optimizer="sgd",
           lr=0.1),
@@ -155,6 +158,11 @@ GEMMA_CASES = [
           steps=2, model=dict(GEMMA, attn_logit_softcapping=None, core_attention="sdpa")),
     *[_clip(f"control_gemma_{k}", (2, 1), model=GEMMA, global_batch=5, steps=1, ref_model=off)
       for k, off in GEMMA_OFF.items()],
+    # GPT-3's LayerNorm with a zero-centred gamma (Bridge's apply_layernorm_1p), biases,
+    # learned positions; control: the reference's LayerNorm without the 1 +
+    _clip("tp2_tp1_layernorm_1p_clip", (2, 1), model=LAYERNORM_1P, global_batch=5, steps=3),
+    _clip("control_gemma_layernorm_1p", (2, 1), model=LAYERNORM_1P, global_batch=5, steps=1,
+          ref_model=dict(layernorm_zero_centered_gamma=False)),
 ]
 SETTINGS = [
     _clip("tp2_tp1_rope_llama31_clip", (2, 1), model=LLAMA31, global_batch=5, steps=3),
@@ -293,7 +301,7 @@ def test_parity_model_settings(tmp_path: Path) -> None:
                  "control_window", "control_window_sdpa", "control_window_skip",
                  "control_yarn", "control_yarn_mscale",
                  *(f"control_act_{a}_{'glu' if g else 'mlp'}" for a, g in ACTS),
-                 *(f"control_gemma_{k}" for k in GEMMA_OFF)):
+                 *(f"control_gemma_{k}" for k in (*GEMMA_OFF, "layernorm_1p"))):
         assert res[name]["grad_rel_max"] > 10 * TOL, (name, res[name]["grad_rel_max"])
     qkv = res["control_qkv_bias"]
     assert max(qkv["norm_rel"]) > 10 * TOL and qkv["model_rel"] > 10 * TOL, qkv["model_rel"]
