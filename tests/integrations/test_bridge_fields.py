@@ -22,6 +22,7 @@ import importlib.util
 import inspect
 import math
 import re
+import sys
 import typing
 from functools import cache
 from pathlib import Path
@@ -30,7 +31,8 @@ from unittest import mock
 
 import pytest
 
-if importlib.util.find_spec("megatron.bridge") is None:
+if importlib.util.find_spec("megatron.bridge") is None and sys.version_info < (3, 12):
+    # the Python 3.11 env never has it; in the 3.12 env a missing install fails
     pytest.skip("megatron-bridge is not installed (make test-bridge installs it)",
                 allow_module_level=True)
 

@@ -11,12 +11,14 @@ this test fails until the expectation says so (in both directions)."""
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-if importlib.util.find_spec("megatron.bridge") is None:
+if importlib.util.find_spec("megatron.bridge") is None and sys.version_info < (3, 12):
+    # the Python 3.11 env never has it; in the 3.12 env a missing install fails
     pytest.skip("megatron-bridge is not installed (make test-bridge installs it)",
                 allow_module_level=True)
 
