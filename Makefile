@@ -20,7 +20,6 @@ STAMP312 := $(VENV312)/.installed
 TESTS_312 ?= tests/train/test_parity.py tests/train/test_checks.py \
 	tests/train/test_train.py::test_nutp_layout_matches_single_replica \
 	tests/model/test_attention.py tests/model/test_init.py tests/model/test_specs.py \
-	tests/model/test_gemma_reference.py \
 	tests/compat/test_cpu_compat.py tests/checkpoint/test_roundtrip.py \
 	tests/checkpoint/test_zero_roundtrip.py tests/pipeline/test_pipeline_parity.py \
 	tests/sync/test_zero.py tests/launch/test_docker.py
@@ -33,7 +32,7 @@ TESTS_BRIDGE ?= tests/integrations/test_bridge_shim.py tests/integrations/test_b
 	tests/integrations/test_bridge_fields.py \
 	tests/integrations/test_bridge_train.py \
 	tests/integrations/test_bridge_uniform.py tests/integrations/test_bridge_readme.py \
-	tests/integrations/test_recipe_coverage.py
+	tests/integrations/test_recipe_coverage.py tests/model/test_gemma_reference.py
 
 .PHONY: demo test test-311 test-312 test-bridge lint venv bench sim clean gpu-check-prepare \
 	gpu-check
