@@ -32,7 +32,8 @@ TESTS_BRIDGE ?= tests/integrations/test_bridge_shim.py tests/integrations/test_b
 	tests/integrations/test_bridge_fields.py \
 	tests/integrations/test_bridge_train.py \
 	tests/integrations/test_bridge_uniform.py tests/integrations/test_bridge_readme.py \
-	tests/integrations/test_recipe_coverage.py tests/model/test_gemma_reference.py
+	tests/integrations/test_recipe_coverage.py tests/integrations/test_gemma_hf_parity.py \
+	tests/model/test_gemma_reference.py
 
 .PHONY: demo test test-311 test-312 test-bridge lint venv bench sim clean gpu-check-prepare \
 	gpu-check

@@ -59,6 +59,10 @@ class Case:
     ref_schedule: dict[str, Any] | None = None  # negative controls: the reference's instead
     eval_interval: int = 0  # evaluate after every this-many steps (megatron's eval_interval)
     eval_iters: int = 1  # validation global batches per evaluation
+    hf_path: str | None = None  # the reference: transformers' model of this HF folder, loaded
+    # through Bridge's weight mapping (hf_reference.py), instead of stock megatron-core
+    ref_hf: dict[str, Any] = field(default_factory=dict)  # negative controls: HF config fields
+    # the HF reference alone changes
 
 
 def make_plan(case: Case) -> Any:
@@ -437,7 +441,8 @@ def check_parity(r: dict[str, Any], *, clip: float = 0.0, tol: float = TOL,
 def check_cases(res: dict[str, dict[str, Any]], cases: list[Case]) -> None:
     """``check_parity`` at each case's precision (controls and fp16 are asserted apart)."""
     for c in cases:
-        if c.control or c.ref_model or c.ref_schedule is not None or c.precision == "fp16":
+        if (c.control or c.ref_model or c.ref_hf or c.ref_schedule is not None
+                or c.precision == "fp16"):
             continue
         if c.precision == "bf16":
             check_parity(res[c.name], clip=c.clip_grad, tol=BF16_TOL, tensor_tol=0.0)

@@ -293,7 +293,13 @@ def reference_worker(rank: int, world: int, port: int, cases: list[Any], outdir:
         parallel_state.initialize_model_parallel(1, 1)
         for case in cases:
             tensor_parallel.model_parallel_cuda_manual_seed(case.seed)
-            torch.save(run_reference(case), os.path.join(outdir, f"ref_{case.name}.pt"))
+            if case.hf_path is not None:
+                from .hf_reference import run_hf_reference
+
+                ref = run_hf_reference(case)
+            else:
+                ref = run_reference(case)
+            torch.save(ref, os.path.join(outdir, f"ref_{case.name}.pt"))
         parallel_state.destroy_model_parallel()
 
     gloo_rank(rank, world, port, outdir, body)
