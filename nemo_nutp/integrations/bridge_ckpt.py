@@ -12,11 +12,13 @@ stock megatron-core ``GPTModel`` loads it with ``dist_checkpointing.load``. Brid
 state (consumed samples, the lr/weight-decay scheduler) rides along in the metadata
 (``extra["bridge"]``): ``nutp-train``'s resume checks that schedule against its constant
 ``train.lr`` / ``train.weight_decay`` at every step it will run, and pairs Bridge's optimizer
-parameter groups with its own (``nemo_nutp/checkpoint/bridge_state.py``).
+parameter groups with its own (``nemo_nutp/checkpoint/bridge_state.py``). ``nutp-bridge`` itself
+resumes it (``load``), in any layout, from that metadata.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 
@@ -28,6 +30,7 @@ class NUTPBridgeCheckpointManager:
         self.plan, self.groups = plan, groups
         self._context: dict[str, Any] = {}
         self.saved: list[str] = []
+        self.loaded: str | None = None
 
     @property
     def checkpointing_context(self) -> dict[str, Any]:
@@ -47,8 +50,60 @@ class NUTPBridgeCheckpointManager:
         self.saved.append(str(save_checkpoint(session, root, step=int(ts.step), extra=extra)))
 
     def load(self, ctx: Any) -> tuple[int, int]:
-        raise NotImplementedError("nutp-bridge does not resume Bridge runs yet: resume the "
-                                  "checkpoint with nutp-train (checkpoint.load_dir=...)")
+        """Bridge's resume (``CheckpointLoadContext``; its ``setup()`` would call this).
+
+        The checkpoint under ``checkpoint.load`` (the tracker's, or ``iter_<ckpt_step>``), saved
+        in any NUTP layout or by stock megatron-core, goes into this rank's model and optimizer
+        (``checkpoint.load_optim=false`` is refused by the field audit). Bridge's train state
+        (step, consumed samples) and its scheduler's state come from the saver's metadata, so a
+        decaying schedule and the data continue where they stopped. With no checkpoint there,
+        training starts at step 0, as Bridge's does (``checkpoint.exit_on_missing_checkpoint``:
+        an error instead). Returns ``(iteration, 0)``: the FLOP counter is not carried.
+        Collective."""
+        from ..checkpoint.store import load_checkpoint
+
+        path = self.resume_path()
+        if path is None:
+            return 0, 0
+        session = session_of(ctx.model[0], self.plan, self.groups, ctx.optimizer)
+        info = load_checkpoint(session, path)
+        step = int(info["saved_step"])
+        bridge = (info.get("extra") or {}).get("bridge") or {}
+        ts = ctx.state.train_state
+        gbs = int(ctx.state.cfg.train.global_batch_size)
+        ts.step = step
+        ts.consumed_train_samples = int(bridge.get("consumed_train_samples", step * gbs))
+        sched = ctx.opt_param_scheduler
+        if sched is not None:
+            saved = bridge.get("scheduler")
+            if saved is not None:
+                sched.load_state_dict(saved)
+            else:  # nutp-train's or stock megatron's checkpoint: Bridge's own clock, in samples
+                sched.step(increment=step * gbs)
+        self.loaded = str(path)
+        return step, 0
+
+    def resume_path(self) -> Path | None:
+        """The checkpoint ``load`` reads (None: start at step 0); one-line ``ValueError``
+        naming the field when ``checkpoint.ckpt_step`` is missing there, or nothing is there
+        with ``checkpoint.exit_on_missing_checkpoint``."""
+        from ..checkpoint.store import find_latest
+
+        cfg = self.checkpoint_config
+        root = getattr(cfg, "load", None)
+        if root is None:
+            return None
+        step = getattr(cfg, "ckpt_step", None)
+        if step is not None:
+            path = Path(root) / f"iter_{int(step):07d}"
+            if not path.is_dir():
+                raise ValueError(f"checkpoint.ckpt_step={step}: no checkpoint {path}")
+            return path
+        path = find_latest(root)
+        if path is None and getattr(cfg, "exit_on_missing_checkpoint", False):
+            raise ValueError(f"checkpoint.load={root}: no checkpoint there "
+                             "(checkpoint.exit_on_missing_checkpoint=true)")
+        return path
 
     def finalize_async_saves(self, state: Any, blocking: bool = False,
                              terminate: bool = False) -> None:

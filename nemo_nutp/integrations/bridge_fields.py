@@ -49,6 +49,10 @@ INIT = "tests/model/test_init.py::test_megatron_stds"
 DROPOUT = "tests/train/test_train.py::test_fp16_with_dropout_trains"
 DATA_REFUSED = ("tests/integrations/test_bridge_data.py"
                 "::test_data_settings_nutp_cannot_honour_are_rejected_by_name")
+RESUME = ("tests/integrations/test_bridge_resume.py"
+          "::test_nutp_bridge_resumes_in_another_layout_and_the_schedule_continues")
+RESUME_NAMED = ("tests/integrations/test_bridge_resume.py"
+                "::test_a_missing_checkpoint_is_named")
 LR_SCHEDULE = ("tests/checkpoint/test_bridge_state.py"
                "::test_a_schedule_nutp_train_cannot_follow_is_named")
 
@@ -58,6 +62,9 @@ SCHEDULING = "same math, other scheduling"
 DROPOUT_RNG = "dropout masks drawn by another generator"
 
 HONOURED: dict[str, str] = {  # the test that proves the effect
+    "checkpoint.ckpt_step": RESUME,
+    "checkpoint.exit_on_missing_checkpoint": RESUME_NAMED,
+    "checkpoint.load": RESUME,
     "checkpoint.save": BRIDGE_TRAIN,
     "checkpoint.save_interval": BRIDGE_TRAIN,
     "dataset.add_extra_token_to_sequence": BRIDGE_UNIFORM,
@@ -207,14 +214,12 @@ NOT_MATH: frozenset[str] = frozenset({
     "checkpoint.ckpt_fully_parallel_load_process_group",
     "checkpoint.ckpt_fully_parallel_save_process_group",
     "checkpoint.ckpt_load_validate_sharding_integrity",
-    "checkpoint.ckpt_step",
     "checkpoint.custom_manager_class",
     "checkpoint.dist_ckpt_optim_fully_reshardable",
     "checkpoint.dist_ckpt_save_pre_mcore_014",
     "checkpoint.dist_ckpt_strictness",
     "checkpoint.dist_ckpt_workers",
     "checkpoint.distrib_optim_fully_reshardable_mem_efficient",
-    "checkpoint.exit_on_missing_checkpoint",
     "checkpoint.fully_parallel_load",
     "checkpoint.fully_parallel_save",
     "checkpoint.hf_distributed_save",
@@ -222,7 +227,6 @@ NOT_MATH: frozenset[str] = frozenset({
     "checkpoint.hf_source_path",
     "checkpoint.hf_trust_remote_code",
     "checkpoint.load_main_params_from_ckpt",
-    "checkpoint.load_optim",
     "checkpoint.load_rng",
     "checkpoint.most_recent_k",
     "checkpoint.non_persistent_ckpt_type",
@@ -678,7 +682,7 @@ SUBSTITUTED: dict[str, tuple[Any, str]] = {
 
 REFUSED: dict[str, Any] = {  # the NUTP model's value; any other is refused
     "checkpoint.finetune": False,
-    "checkpoint.load": None,
+    "checkpoint.load_optim": True,
     "checkpoint.non_persistent_save_interval": None,
     "checkpoint.pretrained_checkpoint": None,
     "dataset.context_parallel_size": None,

@@ -211,11 +211,12 @@ def recording(optimizer: Any, reduce: Any, *,
     step = optimizer.step
 
     def recorded_step(*args: Any, **kwargs: Any) -> Any:
+        lr = float(optimizer.param_groups[0]["lr"])  # what this step applies
         out = step(*args, **kwargs)
         loss = reduce(sum(losses) / len(losses))
         losses.clear()
         norm = float(out[1]) if out[1] is not None else float("nan")
-        record.append({"loss": loss, "grad_norm": norm})
+        record.append({"loss": loss, "grad_norm": norm, "lr": lr})
         return out
 
     def recorded_forward(state: Any, data_iterator: Any, model: Any,
@@ -293,6 +294,7 @@ def train_rank(job: Any, plan: Any, out_dir: str, *, seed: int,
     ``init_from``: start from the weights of this megatron-core checkpoint (NUTP's, Bridge's or
     stock megatron's ``iter_N``; any layout) instead of NUTP's own initialisation."""
     from megatron.bridge.training import train as bridge_train
+    from megatron.bridge.training.checkpointing import CheckpointLoadContext
     from megatron.bridge.training.optim import setup_optimizer
     from megatron.bridge.training.state import GlobalState
     from megatron.core import parallel_state, tensor_parallel
@@ -343,6 +345,14 @@ def train_rank(job: Any, plan: Any, out_dir: str, *, seed: int,
     init_num_microbatches_calculator(ctx.rank, None, ctx.microbatches * mbs, mbs, 1)
     if init_from is not None:
         load_weights(model[0], plan, groups, optimizer, init_from)
+    checkpoints = NUTPBridgeCheckpointManager(cfg.checkpoint, plan=plan, groups=groups)
+    # checkpoint.load: before the scheduler and optimizer wrappers below (the scheduler's
+    # load_state_dict steps it by the saved count) and the data iterator (it starts at the
+    # consumed samples)
+    checkpoints.load(CheckpointLoadContext(state=state, model=model, optimizer=optimizer,
+                                           opt_param_scheduler=scheduler,
+                                           pg_collection=groups.pgs))
+    first_step = state.train_state.step
 
     def reduce(replica: float) -> float:
         return reduce_replica_loss(replica, weight=ctx.weight, degree=ctx.degree,
@@ -354,10 +364,12 @@ def train_rank(job: Any, plan: Any, out_dir: str, *, seed: int,
     data = train_iterator(cfg, state.train_state, groups.pgs,
                           num_microbatches=plan.request.global_batch,
                           offset=ctx.microbatch_offset, count=ctx.microbatches)
-    checkpoints = NUTPBridgeCheckpointManager(cfg.checkpoint, plan=plan, groups=groups)
     bridge_train.train(recorded_forward, model, optimizer, scheduler, data, None, state,
                        checkpoints, groups.pgs)
+    first = int(first_step)
+    for i, row in enumerate(record):
+        row["step"] = first + i
     out = {"rank": ctx.rank, "replica": ctx.replica, "steps": record}
     Path(out_dir, f"bridge_rank{ctx.rank}.json").write_text(json.dumps(out))
     return {**out, "model": model[0], "groups": groups, "state": state,
-            "saved": checkpoints.saved}
+            "saved": checkpoints.saved, "loaded": checkpoints.loaded}

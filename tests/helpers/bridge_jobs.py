@@ -279,3 +279,29 @@ def recipe_worker(rank: int, world: int, port: int, runs: list[tuple[str, str, l
             dist.barrier()
 
     gloo_rank(rank, world, port, outdir, body)
+
+
+def resume_worker(rank: int, world: int, port: int, first: list[str], second: list[str],
+                  outdir: str) -> None:
+    """Two ``nutp-bridge`` runs in this world, one after the other: ``first`` (it saves), then
+    ``second`` (it resumes one of ``first``'s checkpoints); rank 0 writes both records."""
+    from tests.helpers.dist import gloo_rank
+
+    def body() -> None:
+        from nemo_nutp.config import plan_request
+        from nemo_nutp.integrations.bridge_run import train_rank
+        from nemo_nutp.layout import build_plan
+
+        out = []
+        for overrides in (first, second):
+            job = load(overrides)
+            plan = build_plan(plan_request(job.nutp))
+            got = train_rank(job, plan, outdir, seed=job.nutp.train.seed)
+            out.append({"steps": got["steps"], "saved": got["saved"], "loaded": got["loaded"],
+                        "consumed": got["state"].train_state.consumed_train_samples,
+                        "replica_tp": [list(r.tp) for r in plan.replicas]})
+        if rank == 0:
+            Path(outdir, "resume_result.json").write_text(json.dumps(out))
+
+    gloo_rank(rank, world, port, outdir, body)
+
