@@ -95,15 +95,15 @@ class NUTPBridgeCheckpointManager:
             return None
         step = getattr(cfg, "ckpt_step", None)
         if step is not None:
-            path = Path(root) / f"iter_{int(step):07d}"
-            if not path.is_dir():
-                raise ValueError(f"checkpoint.ckpt_step={step}: no checkpoint {path}")
-            return path
-        path = find_latest(root)
-        if path is None and getattr(cfg, "exit_on_missing_checkpoint", False):
+            chosen = Path(root) / f"iter_{int(step):07d}"
+            if not chosen.is_dir():
+                raise ValueError(f"checkpoint.ckpt_step={step}: no checkpoint {chosen}")
+            return chosen
+        latest = find_latest(root)
+        if latest is None and getattr(cfg, "exit_on_missing_checkpoint", False):
             raise ValueError(f"checkpoint.load={root}: no checkpoint there "
                              "(checkpoint.exit_on_missing_checkpoint=true)")
-        return path
+        return latest
 
     def finalize_async_saves(self, state: Any, blocking: bool = False,
                              terminate: bool = False) -> None:
