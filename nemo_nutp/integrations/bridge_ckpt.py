@@ -124,5 +124,10 @@ def session_of(model: Any, plan: Any, groups: Any, optimizer: Any) -> Any:
     """The view of this rank that ``nemo_nutp.checkpoint`` saves and loads."""
     from types import SimpleNamespace
 
-    return SimpleNamespace(gpt=model.module, model_cfg=plan.request.model, groups=groups,
+    from megatron.core.transformer.module import Float16Module
+
+    gpt = model.module
+    if isinstance(gpt, Float16Module):  # bf16/fp16: Bridge's wrapper around the NUTP GPT
+        gpt = gpt.module
+    return SimpleNamespace(gpt=gpt, model_cfg=plan.request.model, groups=groups,
                            plan=plan, optimizer=optimizer, model=model)

@@ -130,8 +130,31 @@ def load_bridge_job(recipe: str, config_file: str | None, overrides: list[str]) 
             cfg = process_config_with_overrides(cfg, config_filepath=path, cli_overrides=rest)
         except Exception as e:  # omegaconf / hydra errors: one line
             raise ValueError(f"bridge override: {' '.join(str(e).split())}") from None
+    resolve_mixed_precision(cfg)
     job = load_nutp([*bridge_keys(cfg), *nutp], tp=int(cfg.model.tensor_model_parallel_size))
     return BridgeJob(bridge=cfg, nutp=job, nutp_overrides=nutp)
+
+
+def resolve_mixed_precision(cfg: Any) -> None:
+    """``mixed_precision`` given by name (``"bf16_mixed"``, 53 of Bridge's recipes) or as an
+    object, applied as Bridge's ``runtime_config_update`` applies it, with Bridge's own
+    functions: the name resolved by ``get_mixed_precision_config`` (an unknown name is one
+    line naming the field), ``finalize()``, then ``setup`` onto the model, optimizer and DDP
+    configs. Bridge's own ``runtime_config_update`` cannot be called as it is: it also validates
+    the container, whose TP-divisibility check a non-uniform layout fails
+    (``bridge_run.validate_as_uniform`` runs that check at the rank)."""
+    if cfg.mixed_precision is None:
+        return
+    from megatron.bridge.training.mixed_precision import get_mixed_precision_config
+
+    if isinstance(cfg.mixed_precision, str):
+        try:
+            cfg.mixed_precision = get_mixed_precision_config(cfg.mixed_precision)
+        except ValueError as e:
+            raise ValueError(f"mixed_precision={cfg.mixed_precision}: "
+                             f"{' '.join(str(e).split())}") from None
+    cfg.mixed_precision.finalize()
+    cfg.mixed_precision.setup(cfg.model, cfg.optimizer, cfg.ddp)
 
 
 def check_precision(cfg: Any) -> None:

@@ -53,6 +53,8 @@ RESUME = ("tests/integrations/test_bridge_resume.py"
           "::test_nutp_bridge_resumes_in_another_layout_and_the_schedule_continues")
 RESUME_NAMED = ("tests/integrations/test_bridge_resume.py"
                 "::test_a_missing_checkpoint_is_named")
+BF16_BY_NAME = ("tests/integrations/test_bridge_uniform.py"
+                "::test_bridge_uniform_bf16_mixed_by_name_matches_bridge_stock_run")
 LR_SCHEDULE = ("tests/checkpoint/test_bridge_state.py"
                "::test_a_schedule_nutp_train_cannot_follow_is_named")
 
@@ -86,7 +88,7 @@ HONOURED: dict[str, str] = {  # the test that proves the effect
     "dataset.split_matrix": BRIDGE_UNIFORM,
     "dataset.tokenizer": BRIDGE_UNIFORM,
     "ddp.grad_reduce_in_fp32": PARITY,
-    "mixed_precision": PARITY,
+    "mixed_precision": BF16_BY_NAME,
     "mixed_precision.bf16": PARITY,
     "mixed_precision.fp16": PARITY,
     "mixed_precision.fp32": PARITY,
@@ -1039,6 +1041,7 @@ ONLY_WITH: dict[str, str] = {  # refused field (or prefix) -> the switch it is r
     "model.qk_pos_emb_head_dim": "model.multi_latent_attention",
     "model.rope_type": "model.multi_latent_attention",
     "model.v_head_dim": "model.multi_latent_attention",
+    "optimizer.fp8_recipe": "model.fp8",  # megatron reads it for fp8 parameters only
 }
 
 CLASSES = ("honoured", "not_math", "substituted", "refused")

@@ -325,7 +325,7 @@ def train_rank(job: Any, plan: Any, out_dir: str, *, seed: int,
     provider = nutp_provider(cfg.model, plan, groups, seed=seed)
     chunks = provider.provide_distributed_model(
         ddp_config=cfg.ddp, wrap_with_ddp=False, pg_collection=groups.pgs,
-        use_cpu_initialization=True, mixed_precision_wrapper=None)
+        use_cpu_initialization=True)  # bf16/fp16: Bridge's default Float16Module wrapper
     cfg.ddp.overlap_grad_reduce = True
     model = nutp_ddp(chunks, cfg.ddp, plan, groups)
     state = GlobalState()

@@ -86,7 +86,7 @@ def stock_rank(job: Any, out_dir: str, init_root: Path) -> list[dict[str, float]
         cfg.model.transformer_layer_spec = local_layer_spec
     model = cfg.model.provide_distributed_model(
         ddp_config=cfg.ddp, pg_collection=pgs, use_cpu_initialization=True,
-        mixed_precision_wrapper=None,
+        # (bf16/fp16: Bridge's setup() keeps the default Float16Module wrapper)
         overlap_param_gather_with_optimizer_step=cfg.optimizer.overlap_param_gather_with_optimizer_step,
         data_parallel_random_init=cfg.rng.data_parallel_random_init)
     state = GlobalState()

@@ -333,3 +333,17 @@ def test_embedding_scaling_rounds_as_each_gemma_provider_does() -> None:
 
     source = inspect.getsource(Gemma3LanguageModelEmbedding.forward).replace(" ", "")
     assert "embeddings*(self.config.hidden_size**0.5)" in source  # the pinned Bridge's formula
+
+
+def test_mixed_precision_by_name_is_resolved_by_bridge() -> None:
+    """``mixed_precision="bf16_mixed"`` (the recipe's own) is resolved by Bridge's
+    ``get_mixed_precision_config`` and applied to the model and optimizer before the plan (NUTP
+    trains bf16); an unknown name is one line naming the field."""
+    from megatron.bridge.training.mixed_precision import MixedPrecisionConfig
+
+    job = load_bridge_job(RECIPE, str(TINY), [])
+    assert isinstance(job.bridge.mixed_precision, MixedPrecisionConfig)
+    assert job.bridge.model.bf16 and job.bridge.optimizer.bf16
+    assert job.nutp.train.precision == "bf16"
+    with pytest.raises(ValueError, match=r"^mixed_precision=bf16_nonsense: Unknown mixed-"):
+        load_bridge_job(RECIPE, str(TINY), ["mixed_precision=bf16_nonsense"])
