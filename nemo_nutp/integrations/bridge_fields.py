@@ -1049,7 +1049,8 @@ CLASSES = ("honoured", "not_math", "substituted", "refused")
 
 def classification(name: str) -> str | None:
     """The class of ``name`` (``model.hidden_size``, ``ddp.bucket_size``, ``peft``), or None."""
-    for cls, table in zip(CLASSES, (HONOURED, NOT_MATH, SUBSTITUTED, REFUSED), strict=True):
+    tables: tuple[Any, ...] = (HONOURED, NOT_MATH, SUBSTITUTED, REFUSED)
+    for cls, table in zip(CLASSES, tables, strict=True):
         if name in table:
             return cls
     return None
