@@ -75,13 +75,13 @@ lint: $(STAMP)
 test: lint test-311 test-312 test-bridge
 
 test-311: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=20
 
 test-312: $(STAMP312)
-	$(VENV312)/bin/python -m pytest -q $(TESTS_312)
+	$(VENV312)/bin/python -m pytest -q --durations=20 $(TESTS_312)
 
 test-bridge: $(STAMPBRIDGE)
-	$(VENV312)/bin/python -m pytest -q $(TESTS_BRIDGE)
+	$(VENV312)/bin/python -m pytest -q --durations=20 $(TESTS_BRIDGE)
 
 # recipe_coverage.py needs Megatron-Bridge: the Python 3.12 environment.
 bench: $(STAMP) $(STAMPBRIDGE)
