@@ -53,6 +53,8 @@ RESUME = ("tests/integrations/test_bridge_resume.py"
           "::test_nutp_bridge_resumes_in_another_layout_and_the_schedule_continues")
 RESUME_NAMED = ("tests/integrations/test_bridge_resume.py"
                 "::test_a_missing_checkpoint_is_named")
+EVAL = ("tests/integrations/test_bridge_eval.py"
+        "::test_bridge_eval_nutp_2_1_matches_bridge_stock_run")
 LR_SCHEDULE = ("tests/checkpoint/test_bridge_state.py"
                "::test_a_schedule_nutp_train_cannot_follow_is_named")
 
@@ -191,8 +193,11 @@ HONOURED: dict[str, str] = {  # the test that proves the effect
     "train.global_batch_size": BRIDGE_TRAIN,
     "train.micro_batch_size": BRIDGE_TRAIN,
     "train.train_iters": BRIDGE_TRAIN,
-    "validation.eval_interval": DATA_REFUSED,
-    "validation.eval_iters": DATA_REFUSED,
+    "validation.eval_global_batch_size": EVAL,  # at the training one; others refused by name
+    "validation.eval_interval": EVAL,
+    "validation.eval_iters": EVAL,
+    "validation.eval_micro_batch_size": EVAL,  # at the training one; others refused by name
+    "validation.start_eval_at_iter": EVAL,
 }
 
 NOT_MATH: frozenset[str] = frozenset({
@@ -625,11 +630,8 @@ NOT_MATH: frozenset[str] = frozenset({
     "train.manual_gc_eval",
     "train.manual_gc_interval",
     "train.train_sync_interval",
-    "validation.eval_global_batch_size",
-    "validation.eval_micro_batch_size",
     "validation.full_validation",
     "validation.multiple_validation_sets",
-    "validation.start_eval_at_iter",
     "validation.test_mode",
     "validation.validation_set_names",
 })
