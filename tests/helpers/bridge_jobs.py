@@ -299,6 +299,8 @@ def resume_worker(rank: int, world: int, port: int, first: list[str], second: li
             got = train_rank(job, plan, outdir, seed=job.nutp.train.seed)
             out.append({"steps": got["steps"], "saved": got["saved"], "loaded": got["loaded"],
                         "consumed": got["state"].train_state.consumed_train_samples,
+                        "consumed_valid": got["state"].train_state.consumed_valid_samples,
+                        "evals": got["evals"],
                         "replica_tp": [list(r.tp) for r in plan.replicas]})
         if rank == 0:
             Path(outdir, "resume_result.json").write_text(json.dumps(out))
