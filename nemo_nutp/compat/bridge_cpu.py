@@ -140,6 +140,7 @@ TORCH_PROXY_MODULES: tuple[tuple[str, str], ...] = (
     ("megatron.core.timers", "Timer.start Timer.stop Timers._get_elapsed_time_all_ranks"),
     ("megatron.bridge.data.loaders", "build_train_valid_test_data_loaders"),  # "cuda" flags
     ("megatron.training.models.dist_utils", "_ddp_wrap"),  # DDP built inside a CUDA stream
+    ("megatron.bridge.training.eval", "evaluate"),  # empty_cache, synchronize, "cuda" flag
 )
 """Modules whose global ``torch`` becomes compat.cpu's proxy without CUDA; the named functions
 are what needs it (checked to still exist and still call CUDA, tests/integrations)."""
@@ -147,6 +148,8 @@ are what needs it (checked to still exist and still call CUDA, tests/integration
 CUDA_TENSOR_FUNCS: tuple[tuple[str, str], ...] = (
     # ``val.cuda(non_blocking=True)`` per batch tensor: identity on CPU while it runs.
     ("megatron.bridge.training.gpt_step", "get_batch_from_iterator"),
+    # ``torch.tensor([0.0, 0.0]).cuda()``: the validation loss sums (evaluation in train()).
+    ("megatron.bridge.training.eval", "evaluate"),
 )
 
 NCCL_GROUP_FUNCS: tuple[tuple[str, str], ...] = (

@@ -44,6 +44,7 @@ class NUTPBridgeCheckpointManager:
             return
         ts = ctx.state.train_state
         extra = {"bridge": {"consumed_train_samples": int(ts.consumed_train_samples),
+                            "consumed_valid_samples": int(ts.consumed_valid_samples),
                             "scheduler": _jsonable(ctx.opt_param_scheduler.state_dict())
                             if ctx.opt_param_scheduler is not None else None}}
         session = session_of(ctx.model[0], self.plan, self.groups, ctx.optimizer)
@@ -55,11 +56,11 @@ class NUTPBridgeCheckpointManager:
         The checkpoint under ``checkpoint.load`` (the tracker's, or ``iter_<ckpt_step>``), saved
         in any NUTP layout or by stock megatron-core, goes into this rank's model and optimizer
         (``checkpoint.load_optim=false`` is refused by the field audit). Bridge's train state
-        (step, consumed samples) and its scheduler's state come from the saver's metadata, so a
-        decaying schedule and the data continue where they stopped. With no checkpoint there,
-        training starts at step 0, as Bridge's does (``checkpoint.exit_on_missing_checkpoint``:
-        an error instead). Returns ``(iteration, 0)``: the FLOP counter is not carried.
-        Collective."""
+        (step, consumed training and validation samples) and its scheduler's state come from
+        the saver's metadata, so a decaying schedule and the data continue where they stopped.
+        With no checkpoint there, training starts at step 0, as Bridge's does
+        (``checkpoint.exit_on_missing_checkpoint``: an error instead). Returns
+        ``(iteration, 0)``: the FLOP counter is not carried. Collective."""
         from ..checkpoint.store import load_checkpoint
 
         path = self.resume_path()
@@ -73,6 +74,8 @@ class NUTPBridgeCheckpointManager:
         gbs = int(ctx.state.cfg.train.global_batch_size)
         ts.step = step
         ts.consumed_train_samples = int(bridge.get("consumed_train_samples", step * gbs))
+        # where the validation stream continues (Bridge's loader starts there)
+        ts.consumed_valid_samples = int(bridge.get("consumed_valid_samples", 0))
         sched = ctx.opt_param_scheduler
         if sched is not None:
             saved = bridge.get("scheduler")

@@ -55,6 +55,8 @@ RESUME_NAMED = ("tests/integrations/test_bridge_resume.py"
                 "::test_a_missing_checkpoint_is_named")
 BF16_BY_NAME = ("tests/integrations/test_bridge_uniform.py"
                 "::test_bridge_uniform_bf16_mixed_by_name_matches_bridge_stock_run")
+EVAL = ("tests/integrations/test_bridge_eval.py"
+        "::test_bridge_eval_nutp_2_1_matches_bridge_stock_run")
 LR_SCHEDULE = ("tests/checkpoint/test_bridge_state.py"
                "::test_a_schedule_nutp_train_cannot_follow_is_named")
 
@@ -193,8 +195,11 @@ HONOURED: dict[str, str] = {  # the test that proves the effect
     "train.global_batch_size": BRIDGE_TRAIN,
     "train.micro_batch_size": BRIDGE_TRAIN,
     "train.train_iters": BRIDGE_TRAIN,
-    "validation.eval_interval": DATA_REFUSED,
-    "validation.eval_iters": DATA_REFUSED,
+    "validation.eval_global_batch_size": EVAL,  # at the training one; others refused by name
+    "validation.eval_interval": EVAL,
+    "validation.eval_iters": EVAL,
+    "validation.eval_micro_batch_size": EVAL,  # at the training one; others refused by name
+    "validation.start_eval_at_iter": EVAL,
 }
 
 NOT_MATH: frozenset[str] = frozenset({
@@ -627,11 +632,8 @@ NOT_MATH: frozenset[str] = frozenset({
     "train.manual_gc_eval",
     "train.manual_gc_interval",
     "train.train_sync_interval",
-    "validation.eval_global_batch_size",
-    "validation.eval_micro_batch_size",
     "validation.full_validation",
     "validation.multiple_validation_sets",
-    "validation.start_eval_at_iter",
     "validation.test_mode",
     "validation.validation_set_names",
 })

@@ -6,7 +6,8 @@ name), the NUTP DDP, Bridge's optimizer and scheduler (``setup_optimizer``) with
 grad norm, megatron's micro-batch calculator at this replica's share, the finalize / grad-scale
 functions Bridge's ``setup()`` would set (here: NUTP's gradient finalisation), the recipe's
 dataset through Bridge's data pipeline with this replica's share of every global batch
-(``bridge_data.train_iterator``), and then calls ``megatron.bridge.training.train.train``.
+(``bridge_data.train_iterator``; for evaluation during training ``valid_iterator`` and
+``bridge_eval``'s callbacks), and then calls ``megatron.bridge.training.train.train``.
 Only ``pp=1`` (no virtual stages) for now.
 """
 
@@ -195,15 +196,18 @@ def precision_of(cfg: Any) -> str:
     return "bf16" if m.bf16 else "fp16" if m.fp16 else "fp32"
 
 
-def recording(optimizer: Any, reduce: Any, *,
-              report_share: float = 1.0) -> tuple[list[dict[str, float]], Any]:
+def recording(optimizer: Any, reduce: Any, *, report_share: float = 1.0,
+              eval_parts: list[tuple[float, float]] | None = None,
+              ) -> tuple[list[dict[str, float]], Any]:
     """(the per-step record, Bridge's ``forward_step`` recording each micro-batch's loss).
     ``optimizer.step`` is wrapped: after it, ``reduce(this rank's mean micro-batch loss)`` is
     the step's global-batch loss, recorded with the grad norm megatron's step returned.
     ``report_share``: the factor on each micro-batch's reported ``(loss sum, tokens)`` (what
     Bridge's ``train_step`` all-reduces over ``pg_collection.dp_cp`` for its printed loss):
     ``1/degree`` under NUTP, whose ``dp_cp`` holds every TP rank of every replica, so that the
-    sum counts every sample once."""
+    sum counts every sample once (Bridge's ``evaluate`` reduces the same values over the same
+    group). Micro-batches of an evaluation (the model in eval mode) are not in the step's loss;
+    their ``(loss sum, tokens)`` before the factor go to ``eval_parts``."""
     from megatron.bridge.training.gpt_step import forward_step
 
     record: list[dict[str, float]] = []
@@ -222,10 +226,14 @@ def recording(optimizer: Any, reduce: Any, *,
     def recorded_forward(state: Any, data_iterator: Any, model: Any,
                          return_schedule_plan: bool = False) -> Any:
         output, loss_fn = forward_step(state, data_iterator, model, return_schedule_plan)
+        training = model.training  # Bridge's evaluate() puts the model in eval mode
 
         def loss_func(*args: Any, **kwargs: Any) -> Any:
             out = loss_fn(*args, **kwargs)
-            losses.append(float(out[0].detach().sum()) / float(out[1]))
+            if training:
+                losses.append(float(out[0].detach().sum()) / float(out[1]))
+            elif eval_parts is not None:
+                eval_parts.append((float(out[0].detach().sum()), float(out[1])))
             if report_share != 1.0:
                 out = (out[0], out[1], {k: v * report_share for k, v in out[2].items()})
             return out
@@ -308,7 +316,8 @@ def train_rank(job: Any, plan: Any, out_dir: str, *, seed: int,
     from ..train.step import reduce_replica_loss
     from .bridge import exact_grad_norm, nutp_ddp, nutp_provider
     from .bridge_ckpt import NUTPBridgeCheckpointManager
-    from .bridge_data import train_iterator
+    from .bridge_data import datasets, train_iterator, valid_iterator
+    from .bridge_eval import eval_callbacks
 
     apply_bridge_cpu_patches()
     cfg = job.bridge
@@ -358,18 +367,26 @@ def train_rank(job: Any, plan: Any, out_dir: str, *, seed: int,
         return reduce_replica_loss(replica, weight=ctx.weight, degree=ctx.degree,
                                    stage_group=groups.stage)
 
-    record, recorded_forward = recording(optimizer, reduce, report_share=1.0 / ctx.degree)
+    eval_parts: list[tuple[float, float]] = []
+    record, recorded_forward = recording(optimizer, reduce, report_share=1.0 / ctx.degree,
+                                         eval_parts=eval_parts)
     global_samples(optimizer, scheduler, state, cfg.train.global_batch_size,
                    counted=groups.pgs.dp.size() * mbs * ctx.microbatches)
-    data = train_iterator(cfg, state.train_state, groups.pgs,
-                          num_microbatches=plan.request.global_batch,
-                          offset=ctx.microbatch_offset, count=ctx.microbatches)
-    bridge_train.train(recorded_forward, model, optimizer, scheduler, data, None, state,
-                       checkpoints, groups.pgs)
+    share = {"num_microbatches": plan.request.global_batch, "offset": ctx.microbatch_offset,
+             "count": ctx.microbatches}
+    train_ds, valid_ds, _ = datasets(cfg, groups.pgs)
+    data = train_iterator(cfg, state.train_state, groups.pgs, dataset=train_ds, **share)
+    valid = valid_iterator(cfg, state.train_state, valid_ds, **share)
+    evals: list[dict[str, float]] = []
+    callbacks = eval_callbacks(cfg, state, share=ctx.microbatches,
+                               dp_size=groups.pgs.dp.size(), record=evals)
+    bridge_train.train(recorded_forward, model, optimizer, scheduler, data, valid, state,
+                       checkpoints, groups.pgs, callback_manager=callbacks)
     first = int(first_step)
     for i, row in enumerate(record):
         row["step"] = first + i
-    out = {"rank": ctx.rank, "replica": ctx.replica, "steps": record}
+    out = {"rank": ctx.rank, "replica": ctx.replica, "steps": record, "evals": evals,
+           "eval_parts": eval_parts}
     Path(out_dir, f"bridge_rank{ctx.rank}.json").write_text(json.dumps(out))
     return {**out, "model": model[0], "groups": groups, "state": state,
             "saved": checkpoints.saved, "loaded": checkpoints.loaded}

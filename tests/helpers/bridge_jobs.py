@@ -299,9 +299,51 @@ def resume_worker(rank: int, world: int, port: int, first: list[str], second: li
             got = train_rank(job, plan, outdir, seed=job.nutp.train.seed)
             out.append({"steps": got["steps"], "saved": got["saved"], "loaded": got["loaded"],
                         "consumed": got["state"].train_state.consumed_train_samples,
+                        "consumed_valid": got["state"].train_state.consumed_valid_samples,
+                        "evals": got["evals"],
                         "replica_tp": [list(r.tp) for r in plan.replicas]})
         if rank == 0:
             Path(outdir, "resume_result.json").write_text(json.dumps(out))
 
     gloo_rank(rank, world, port, outdir, body)
 
+
+
+def bridge_printed_validation() -> list[str]:
+    """The lines Bridge's ``evaluate_and_print_results`` prints (``print_rank_last``: on the
+    last rank), recorded by wrapping that function for this process."""
+    from megatron.bridge.training import eval as bridge_eval
+
+    printed: list[str] = []
+    real = bridge_eval.print_rank_last
+
+    def print_rank_last(message: str) -> None:
+        printed.append(message)
+        real(message)
+
+    bridge_eval.print_rank_last = print_rank_last
+    return printed
+
+
+def eval_worker(rank: int, world: int, port: int, overrides: list[str], init: str,
+                outdir: str) -> None:
+    """nutp-bridge's run of ``overrides`` (evaluation on) from the weights of ``init``; every
+    rank writes ``eval_rank<r>.json``: its record (steps, evaluations, its evaluation
+    micro-batches' unscaled sums) and what Bridge printed on it."""
+    from tests.helpers.dist import gloo_rank
+
+    def body() -> None:
+        from nemo_nutp.config import plan_request
+        from nemo_nutp.integrations.bridge_run import train_rank
+        from nemo_nutp.layout import build_plan
+
+        job = load(overrides)
+        plan = build_plan(plan_request(job.nutp))
+        printed = bridge_printed_validation()
+        got = train_rank(job, plan, outdir, seed=job.nutp.train.seed, init_from=init)
+        out = {k: got[k] for k in ("steps", "evals", "eval_parts", "replica")}
+        out["printed"] = [line for line in printed if "validation loss at" in line]
+        out["consumed_valid_samples"] = got["state"].train_state.consumed_valid_samples
+        Path(outdir, f"eval_rank{rank}.json").write_text(json.dumps(out))
+
+    gloo_rank(rank, world, port, outdir, body)

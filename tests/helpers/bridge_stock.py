@@ -9,7 +9,8 @@ process groups
 ``provide_distributed_model`` (stock megatron ``GPTModel`` with Bridge's local layer spec where
 TE is absent, megatron's DDP through Bridge's ``_ddp_wrap``), Bridge's ``setup_optimizer``,
 ``_update_model_config_funcs`` (megatron's own ``finalize_model_grads``), then Bridge's
-``train()``. Its initial weights are written in
+``train()`` (with its validation iterator: evaluation during training where the recipe asks;
+each evaluation's loss in ``stock_evals_rank<r>.json``). Its initial weights are written in
 megatron-core's format (the ``model`` part of a Bridge checkpoint), for the NUTP run to start
 from.
 """
@@ -52,6 +53,7 @@ def stock_rank(job: Any, out_dir: str, init_root: Path) -> list[dict[str, float]
     from megatron.bridge.data.loaders import setup_data_iterators
     from megatron.bridge.training import initialize as bridge_init
     from megatron.bridge.training import train as bridge_train
+    from megatron.bridge.training.callbacks import CallbackManager
     from megatron.bridge.training.checkpointing import create_checkpoint_manager
     from megatron.bridge.training.optim import setup_optimizer
     from megatron.bridge.training.setup import _update_model_config_funcs
@@ -111,13 +113,20 @@ def stock_rank(job: Any, out_dir: str, init_root: Path) -> list[dict[str, float]
 
     record, forward = recording(optimizer, reduce)
     # Bridge's own data pipeline over its DP group (what setup() builds), the recipe's dataset
-    data, _, _ = setup_data_iterators(cfg=cfg, train_state=state.train_state,
-                                      model_length=len(model),
-                                      train_valid_test_datasets_provider=dataset_provider(
-                                          cfg, pgs), dp_group=pgs.dp)
-    bridge_train.train(forward, model, optimizer, scheduler, data, None, state,
-                       create_checkpoint_manager(cfg.checkpoint), pgs)
+    data, valid, _ = setup_data_iterators(cfg=cfg, train_state=state.train_state,
+                                          model_length=len(model),
+                                          train_valid_test_datasets_provider=dataset_provider(
+                                              cfg, pgs), dp_group=pgs.dp)
+    evals: list[dict[str, float]] = []
+    callbacks = CallbackManager()  # Bridge's own reduced validation loss (what it prints)
+    callbacks.register("on_eval_end", lambda ctx: evals.append(
+        {"step": int(state.train_state.step),
+         "val_loss": float(ctx.total_loss_dict["lm loss"])}))
+    bridge_train.train(forward, model, optimizer, scheduler, data, valid, state,
+                       create_checkpoint_manager(cfg.checkpoint), pgs,
+                       callback_manager=callbacks)
     Path(out_dir, f"stock_rank{dist.get_rank()}.json").write_text(json.dumps(record))
+    Path(out_dir, f"stock_evals_rank{dist.get_rank()}.json").write_text(json.dumps(evals))
     return record
 
 

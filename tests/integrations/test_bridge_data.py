@@ -57,6 +57,31 @@ def test_replica_shares_partition_every_global_batch(kind: str, shares: tuple[in
         assert merged == one[step * m:(step + 1) * m], step
 
 
+def test_shares_stay_aligned_across_a_cyclic_epoch_boundary() -> None:
+    """A cyclic loader re-iterates its sampler at each epoch (``cyclic_iter``), here mid global
+    batch (10 micro-batches an epoch, 4 a global batch): the shares keep their position in the
+    stream, so they still partition the global batches one process reads."""
+    install_import_shim()
+    from megatron.bridge.data.samplers import MegatronPretrainingRandomSampler
+
+    from nemo_nutp.integrations.bridge_data import ReplicaShareSampler
+
+    def stock() -> Any:
+        return MegatronPretrainingRandomSampler(None, total_samples=10, consumed_samples=0,
+                                                micro_batch_size=1, data_parallel_rank=0,
+                                                data_parallel_size=1, data_sharding=True)
+
+    one_sampler = stock()
+    one = list(one_sampler) + list(one_sampler)  # two epochs, 5 global batches
+    shares = [ReplicaShareSampler(stock(), num_microbatches=4, offset=o, count=c)
+              for o, c in ((0, 3), (3, 1))]
+    got = [list(s) + list(s) for s in shares]
+    assert [len(g) for g in got] == [15, 5]
+    for step in range(5):
+        assert got[0][step * 3:(step + 1) * 3] + got[1][step:step + 1] == \
+            one[step * 4:(step + 1) * 4], step
+
+
 def test_share_outside_the_global_batch_is_an_error() -> None:
     from nemo_nutp.integrations.bridge_data import ReplicaShareSampler
 
@@ -66,8 +91,12 @@ def test_share_outside_the_global_batch_is_an_error() -> None:
 
 @pytest.mark.parametrize("overrides, message", [
     (["dataset.dataloader_type=batch"], "dataset.dataloader_type=batch: not supported with NUTP"),
-    (["validation.eval_iters=4", "validation.eval_interval=2"],
-     "validation.eval_interval=2: evaluation during training"),
+    (["validation.eval_iters=4", "validation.eval_interval=2",
+      "validation.eval_global_batch_size=12"],
+     "validation.eval_global_batch_size=12: NUTP evaluates with the training batch"),
+    (["validation.eval_iters=4", "validation.eval_interval=2",
+      "validation.eval_micro_batch_size=2"],
+     "validation.eval_micro_batch_size=2: NUTP evaluates with the training batch"),
     (["tokenizer.vocab_size=300"], "tokenizer.vocab_size=300: larger than model.vocab_size=256"),
 ])
 def test_data_settings_nutp_cannot_honour_are_rejected_by_name(overrides: list[str],

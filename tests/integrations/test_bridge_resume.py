@@ -7,7 +7,9 @@ and at its end. A second run resumes ``iter_S`` (``checkpoint.ckpt_step``) with 
 (another layout, TP1) and trains to the end. Every resumed step's loss and grad norm equal the
 uninterrupted run's within 1e-5, its lr is the uninterrupted run's (the scheduler's state came
 back: the lr at step S is not the schedule's start), the data continues at the consumed samples,
-and the consumed-sample count ends where the uninterrupted run's does.
+and the consumed-sample count ends where the uninterrupted run's does. Both evaluate at every
+step (``validation.eval_interval=1``): the resumed evaluations equal the uninterrupted run's,
+the validation stream continuing at the saved consumed validation samples.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ TOL = 1e-5
 S, END = 2, 4  # the resumed checkpoint's step; train_iters
 SCHEDULE = ["scheduler.lr_warmup_iters=1", "scheduler.lr_decay_style=cosine",
             f"scheduler.lr_decay_iters={END}", "optimizer.lr=0.01", "optimizer.min_lr=0.001",
-            f"train.train_iters={END}"]
+            f"train.train_iters={END}", "validation.eval_iters=1", "validation.eval_interval=1"]
 
 
 def _rel(a: float, b: float) -> float:
@@ -59,6 +61,13 @@ def test_nutp_bridge_resumes_in_another_layout_and_the_schedule_continues(
         assert _rel(got["loss"], want["loss"]) <= TOL, (got, want)
         assert _rel(got["grad_norm"], want["grad_norm"]) <= TOL, (got, want)
     assert r["consumed"] == u["consumed"]
+    # evaluation at every step: the resumed run's validation stream continues at the saved
+    # consumed validation samples, so its evaluations are the uninterrupted run's
+    assert [e["step"] for e in u["evals"]] == list(range(1, END + 1))
+    assert [e["step"] for e in r["evals"]] == list(range(S + 1, END + 1))
+    for got, want in zip(r["evals"], u["evals"][S:], strict=True):
+        assert _rel(got["val_loss"], want["val_loss"]) <= TOL, (got, want)
+    assert r["consumed_valid"] == u["consumed_valid"] == END * 6  # global batch 6
 
 
 def test_a_missing_checkpoint_is_named(tmp_path: Path) -> None:
