@@ -178,9 +178,13 @@ def bridge_keys(cfg: Any) -> list[str]:
     vocab = cfg.model.vocab_size
     model = model_config_of(cfg.model, vocab_size=int(vocab))
     t = cfg.train
+    zero = bool(cfg.optimizer.use_distributed_optimizer or cfg.ddp.use_distributed_optimizer)
+    if zero and precision_of(cfg) == "fp16":  # NUTP's ZeRO-1 (integrations/bridge_zero.py)
+        raise ValueError("optimizer.use_distributed_optimizer=True: not supported with fp16 "
+                         "under NUTP (bf16 or fp32)")
     return [*(f"model.{k}={_value(v)}" for k, v in asdict(model).items()),
             f"train.global_batch_size={t.global_batch_size}",
             f"train.micro_batch_size={t.micro_batch_size}", f"train.steps={t.train_iters}",
             f"train.clip_grad={cfg.optimizer.clip_grad}", f"train.seed={cfg.rng.seed}",
             f"train.lr={cfg.optimizer.lr}", f"train.weight_decay={weight_decay_of(cfg)}",
-            f"train.precision={precision_of(cfg)}"]
+            f"train.precision={precision_of(cfg)}", f"train.distributed_optimizer={_value(zero)}"]
