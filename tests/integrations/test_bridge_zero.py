@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -39,6 +40,7 @@ def test_bridge_distributed_optimizer_is_nutp_zero_and_matches_stock_megatron(
     from tests.helpers.dist import spawn
     from tests.helpers.parity import TENSOR_TOL, run_references
 
+    t0 = time.perf_counter()
     root = tmp_path / "ckpt"
     overrides = ["model.tensor_model_parallel_size=2", "nutp.replicas=[2,1]",
                  "optimizer.use_distributed_optimizer=true",
@@ -50,7 +52,9 @@ def test_bridge_distributed_optimizer_is_nutp_zero_and_matches_stock_megatron(
     data = reference_batches(overrides, tmp_path / "ref_batches.pt")
     base = reference_case(job, data)  # stock megatron-core, its non-distributed optimizer
     run_references([base, replace(base, name="bridge_no_wd", weight_decay=0.0)], tmp_path)
+    t1 = time.perf_counter()
     spawn(zero_worker, 3, (overrides,), tmp_path)
+    print(f"reference {t1 - t0:.1f} s, NUTP world {time.perf_counter() - t1:.1f} s")
     r = json.loads((tmp_path / "zero_result.json").read_text())
     print(json.dumps({k: v for k, v in r.items() if k not in ("param_rel", "param_rel_no_wd")}))
     print("max param rel", max(r["param_rel"].values()),
