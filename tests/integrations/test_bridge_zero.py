@@ -82,3 +82,12 @@ def test_bridge_distributed_optimizer_is_nutp_zero_and_matches_stock_megatron(
     assert sum(x["state_numel"] for x in r["ranks"]) == r["global_numel"]
     assert sum(x["local_numel"] for x in r["ranks"]) > 2 * r["global_numel"]
     assert r["saved"] == [str(root / f"iter_{len(r['steps']):07d}")]
+
+
+def test_fp16_with_the_distributed_optimizer_is_named() -> None:
+    from tests.helpers.bridge_jobs import load
+
+    with pytest.raises(ValueError, match=r"^optimizer.use_distributed_optimizer=True: not "
+                                         r"supported with fp16"):
+        load(["optimizer.use_distributed_optimizer=true", "ddp.use_distributed_optimizer=true",
+              "model.fp16=true", "optimizer.fp16=true"])
