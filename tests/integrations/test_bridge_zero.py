@@ -123,10 +123,16 @@ def test_bridge_zero_checkpoint_resumes_in_another_layout(tmp_path: Path) -> Non
     assert r["consumed"] == u["consumed"]
 
 
-def test_fp16_with_the_distributed_optimizer_is_named() -> None:
+@pytest.mark.parametrize("half", [["model.fp16=true", "optimizer.fp16=true"],
+                                  ["model.bf16=true", "optimizer.bf16=true"],
+                                  ["mixed_precision=bf16_mixed"]])
+def test_half_precision_with_the_distributed_optimizer_is_named(half: list[str]) -> None:
+    """fp32 only: the bf16 model nutp-bridge builds (no ``Float16Module``) keeps some
+    parameters in fp32, and NUTP's ZeRO-1 takes one parameter dtype (measured: ``parameters
+    of several dtypes ['torch.bfloat16', 'torch.float32']`` after the process groups)."""
     from tests.helpers.bridge_jobs import load
 
-    with pytest.raises(ValueError, match=r"^optimizer.use_distributed_optimizer=True: not "
-                                         r"supported with fp16"):
+    with pytest.raises(ValueError, match=r"^optimizer.use_distributed_optimizer=True: fp32 "
+                                         r"only under nutp-bridge"):
         load(["optimizer.use_distributed_optimizer=true", "ddp.use_distributed_optimizer=true",
-              "model.fp16=true", "optimizer.fp16=true"])
+              *half])
