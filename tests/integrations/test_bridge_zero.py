@@ -6,7 +6,8 @@ single-process megatron-core run of the same model and data within 1e-5, the fin
 are within the project's Adam tolerance, the replicas are bitwise equal, the recipe's scheduler
 drives the ZeRO groups' lr and weight decay, the optimizer state is sharded (each element kept
 once in the world, not once per replica), and the checkpoint Bridge's loop saved reloads the
-sharded state bitwise."""
+sharded state bitwise. A ZeRO checkpoint of [2,1] resumes in [1,1,1] through ``checkpoint.load``
+as the uninterrupted run continues; half precision with it is refused by name (fp32 only)."""
 
 from __future__ import annotations
 
