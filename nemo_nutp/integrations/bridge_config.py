@@ -183,6 +183,20 @@ def weight_decay_of(cfg: Any) -> float:
     return float(cfg.optimizer.weight_decay if start is None else start)
 
 
+def _half(cfg: Any) -> bool:
+    """Whether the model trains in bf16/fp16 (its own flags, or Bridge's ``mixed_precision``
+    recipe, by name or object, which sets them)."""
+    from .bridge_run import precision_of
+
+    mp = cfg.mixed_precision
+    if isinstance(mp, str):
+        from megatron.bridge.training.mixed_precision import get_mixed_precision_config
+
+        mp = get_mixed_precision_config(mp)
+    return precision_of(cfg) != "fp32" or bool(mp is not None and (
+        getattr(mp, "bf16", False) or getattr(mp, "fp16", False)))
+
+
 def bridge_keys(cfg: Any) -> list[str]:
     """The recipe's model and batch as ``nutp-train`` overrides (``model.*``, ``train.*``), so
     the plan is made, and validated, by the same schema."""
@@ -201,9 +215,15 @@ def bridge_keys(cfg: Any) -> list[str]:
     vocab = cfg.model.vocab_size
     model = model_config_of(cfg.model, vocab_size=int(vocab))
     t = cfg.train
+    zero = bool(cfg.optimizer.use_distributed_optimizer or cfg.ddp.use_distributed_optimizer)
+    if zero and _half(cfg):  # NUTP's ZeRO-1 (integrations/bridge_zero.py)
+        raise ValueError("optimizer.use_distributed_optimizer=True: fp32 only under "
+                         "nutp-bridge (its bf16/fp16 model keeps some parameters in fp32 and "
+                         "NUTP's ZeRO-1 takes one parameter dtype): set mixed_precision=null, "
+                         "or optimizer.use_distributed_optimizer=false")
     return [*(f"model.{k}={_value(v)}" for k, v in asdict(model).items()),
             f"train.global_batch_size={t.global_batch_size}",
             f"train.micro_batch_size={t.micro_batch_size}", f"train.steps={t.train_iters}",
             f"train.clip_grad={cfg.optimizer.clip_grad}", f"train.seed={cfg.rng.seed}",
             f"train.lr={cfg.optimizer.lr}", f"train.weight_decay={weight_decay_of(cfg)}",
-            f"train.precision={precision_of(cfg)}"]
+            f"train.precision={precision_of(cfg)}", f"train.distributed_optimizer={_value(zero)}"]

@@ -57,6 +57,8 @@ BF16_BY_NAME = ("tests/integrations/test_bridge_uniform.py"
                 "::test_bridge_uniform_bf16_mixed_by_name_matches_bridge_stock_run")
 EVAL = ("tests/integrations/test_bridge_eval.py"
         "::test_bridge_eval_nutp_2_1_matches_bridge_stock_run")
+ZERO = ("tests/integrations/test_bridge_zero.py"
+        "::test_bridge_distributed_optimizer_is_nutp_zero_and_matches_stock_megatron")
 LR_SCHEDULE = ("tests/checkpoint/test_bridge_state.py"
                "::test_a_schedule_nutp_train_cannot_follow_is_named")
 
@@ -90,6 +92,7 @@ HONOURED: dict[str, str] = {  # the test that proves the effect
     "dataset.split_matrix": BRIDGE_UNIFORM,
     "dataset.tokenizer": BRIDGE_UNIFORM,
     "ddp.grad_reduce_in_fp32": PARITY,
+    "ddp.use_distributed_optimizer": ZERO,
     "mixed_precision": BF16_BY_NAME,
     "mixed_precision.bf16": PARITY,
     "mixed_precision.fp16": PARITY,
@@ -164,6 +167,7 @@ HONOURED: dict[str, str] = {  # the test that proves the effect
     "optimizer.min_loss_scale": PARITY,
     "optimizer.min_lr": BRIDGE_UNIFORM,
     "optimizer.params_dtype": PARITY,
+    "optimizer.use_distributed_optimizer": ZERO,
     "optimizer.weight_decay": BRIDGE_TRAIN,
     "rng.seed": BRIDGE_TRAIN,
     "scheduler.end_weight_decay": BRIDGE_TRAIN,
@@ -316,7 +320,6 @@ NOT_MATH: frozenset[str] = frozenset({
     "ddp.nccl_ub",
     "ddp.num_buckets",
     "ddp.overlap_grad_reduce",
-    "ddp.overlap_param_gather",
     "ddp.pad_buckets_for_high_nccl_busbw",
     "ddp.param_name_patterns_for_fp32_local_accumulation",
     "ddp.reduce_scatter_with_fp32_accumulation",
@@ -554,7 +557,6 @@ NOT_MATH: frozenset[str] = frozenset({
     "optimizer.optimizer_cuda_graph",
     "optimizer.overlap_cpu_optimizer_d2h_h2d",
     "optimizer.overlap_param_gather",
-    "optimizer.overlap_param_gather_with_optimizer_step",
     "optimizer.pin_cpu_grads",
     "optimizer.pin_cpu_params",
     "optimizer.sgd_momentum",
@@ -644,6 +646,8 @@ SUBSTITUTED: dict[str, tuple[Any, str]] = {
     "comm_overlap.tp_comm_overlap": (False, f"no TP communication overlap ({SCHEDULING})"),
     "comm_overlap.tp_comm_overlap_cfg": (None, f"no TP communication overlap ({SCHEDULING})"),
     "ddp.average_in_collective": (False, f"NUTP's weighted reduction divides ({ROUNDING})"),
+    "ddp.overlap_param_gather": (False, "the distributed optimizer gathers the parameters at "
+                                 f"the end of its step, not in the next forward ({SCHEDULING})"),
     "dist.disable_jit_fuser": (False, f"torch's jit fuser as it is ({KERNELS})"),
     "model.apply_rope_fusion": (False, f"RoPE unfused ({ROUNDING})"),
     "model.attention_backend": ("auto", f"the NUTP model's core attention ({KERNELS})"),
@@ -681,6 +685,8 @@ SUBSTITUTED: dict[str, tuple[Any, str]] = {
     "model.use_te_rng_tracker": (False, f"megatron's RNG tracker ({DROPOUT_RNG})"),
     "model.use_transformer_engine_full_layer_spec": (False, f"megatron's local layers ({KERNELS})"),
     "model.use_transformer_engine_op_fuser": (False, f"no TE op fuser ({KERNELS})"),
+    "optimizer.overlap_param_gather_with_optimizer_step": (
+        False, f"the parameters are gathered at the end of the optimizer step ({SCHEDULING})"),
     "rng.te_rng_tracker": (False, f"megatron's RNG tracker ({DROPOUT_RNG})"),
 }
 
@@ -699,7 +705,6 @@ REFUSED: dict[str, Any] = {  # the NUTP model's value; any other is refused
     "ddp.outer_dp_sharding_strategy": 'no_shard',
     "ddp.reuse_grad_buf_for_mxfp8_param_ag": False,
     "ddp.use_custom_fsdp": False,
-    "ddp.use_distributed_optimizer": False,
     "ddp.use_megatron_fsdp": False,
     "dist.use_megatron_fsdp": False,
     "dist.use_torch_fsdp2": False,
@@ -987,7 +992,6 @@ REFUSED: dict[str, Any] = {  # the NUTP model's value; any other is refused
     "optimizer.optimizer_cpu_offload": False,
     "optimizer.optimizer_offload_fraction": 0.0,
     "optimizer.reuse_grad_buf_for_mxfp8_param_ag": False,
-    "optimizer.use_distributed_optimizer": False,
     "optimizer.use_layer_wise_distributed_optimizer": False,
     "optimizer.use_precision_aware_optimizer": False,
     "peft": None,

@@ -3,9 +3,10 @@
 ``train_rank(job, plan, out_dir)`` builds, on this rank: the NUTP groups, the recipe's model as
 the NUTP GPT (``model_config_of``: every field that changes the math is honoured or rejected by
 name), the NUTP DDP, Bridge's optimizer and scheduler (``setup_optimizer``) with the exact NUTP
-grad norm, megatron's micro-batch calculator at this replica's share, the finalize / grad-scale
-functions Bridge's ``setup()`` would set (here: NUTP's gradient finalisation), the recipe's
-dataset through Bridge's data pipeline with this replica's share of every global batch
+grad norm (with ``optimizer.use_distributed_optimizer``: NUTP's ZeRO-1, ``bridge_zero``),
+megatron's micro-batch calculator at this replica's share, the finalize / grad-scale functions
+Bridge's ``setup()`` would set (here: NUTP's gradient finalisation), the recipe's dataset
+through Bridge's data pipeline with this replica's share of every global batch
 (``bridge_data.train_iterator``; for evaluation during training ``valid_iterator`` and
 ``bridge_eval``'s callbacks), and then calls ``megatron.bridge.training.train.train``.
 Only ``pp=1`` (no virtual stages) for now.
@@ -318,6 +319,7 @@ def train_rank(job: Any, plan: Any, out_dir: str, *, seed: int,
     from .bridge_ckpt import NUTPBridgeCheckpointManager
     from .bridge_data import datasets, train_iterator, valid_iterator
     from .bridge_eval import eval_callbacks
+    from .bridge_zero import setup_zero_optimizer, wants_zero
 
     apply_bridge_cpu_patches()
     cfg = job.bridge
@@ -331,6 +333,12 @@ def train_rank(job: Any, plan: Any, out_dir: str, *, seed: int,
         parallel_state._set_global_memory_buffer()
     tensor_parallel.model_parallel_cuda_manual_seed(seed, tp_rank=ctx.tp_rank, ep_rank=0,
                                                     etp_rank=0)
+    zero = wants_zero(cfg)
+    if zero:  # NUTP's ZeRO-1 over the usual NUTP DDP, never megatron's buffers (bridge_zero)
+        cfg.ddp.use_distributed_optimizer = False
+        # ddp.overlap_param_gather: gathered at the end of step() (bridge_fields.SUBSTITUTED);
+        # off, so that Bridge's loop does not toggle megatron's forward pre-hooks
+        cfg.ddp.overlap_param_gather = cfg.optimizer.overlap_param_gather = False
     provider = nutp_provider(cfg.model, plan, groups, seed=seed)
     chunks = provider.provide_distributed_model(
         ddp_config=cfg.ddp, wrap_with_ddp=False, pg_collection=groups.pgs,
@@ -341,10 +349,13 @@ def train_rank(job: Any, plan: Any, out_dir: str, *, seed: int,
     state.cfg = cfg
     cfg.model.timers = state.timers
     cfg.optimizer.timers = state.timers
-    optimizer, scheduler = setup_optimizer(
-        optimizer_config=cfg.optimizer, scheduler_config=cfg.scheduler, model=model,
-        use_gloo_process_groups=False, pg_collection=groups.pgs)
-    exact_grad_norm(optimizer, model[0])
+    if zero:
+        optimizer, scheduler = setup_zero_optimizer(cfg, model)
+    else:
+        optimizer, scheduler = setup_optimizer(
+            optimizer_config=cfg.optimizer, scheduler_config=cfg.scheduler, model=model,
+            use_gloo_process_groups=False, pg_collection=groups.pgs)
+        exact_grad_norm(optimizer, model[0])
     mc = model[0].config
     mc.no_sync_func = model[0].no_sync
     mc.finalize_model_grads_func = _nutp_finalize
@@ -388,5 +399,5 @@ def train_rank(job: Any, plan: Any, out_dir: str, *, seed: int,
     out = {"rank": ctx.rank, "replica": ctx.replica, "steps": record, "evals": evals,
            "eval_parts": eval_parts}
     Path(out_dir, f"bridge_rank{ctx.rank}.json").write_text(json.dumps(out))
-    return {**out, "model": model[0], "groups": groups, "state": state,
+    return {**out, "model": model[0], "groups": groups, "state": state, "optimizer": optimizer,
             "saved": checkpoints.saved, "loaded": checkpoints.loaded}

@@ -1,0 +1,86 @@
+"""Bridge's distributed optimizer under NUTP: NUTP's ZeRO-1 (``sync/zero.py``) behind the
+megatron-optimizer interface Bridge's ``train()`` calls.
+
+A recipe with ``optimizer.use_distributed_optimizer=true`` (and so
+``ddp.use_distributed_optimizer=true``, which Bridge keeps in step) gets, in ``bridge_run``'s
+place of Bridge's ``setup_optimizer``: the NUTP DDP as usual (megatron's distributed-optimizer
+buffers never reach it: ``ddp.use_distributed_optimizer`` is mapped onto this optimizer), this
+``BridgeZeroOptimizer`` built from Bridge's ``OptimizerConfig`` (lr, min_lr, betas, eps, weight
+decay, clip_grad; megatron's parameter groups with Bridge's default overrides, which are
+``get_standard_config_overrides`` as ``ZeroOptimizer`` applies them), and Bridge's own scheduler
+(``optim._get_scheduler``) bound to it: ``OptimizerParamScheduler`` writes lr and weight decay
+into ``param_groups``, which are the inner optimizer's groups of the flat ZeRO masters.
+
+``step()`` is megatron's ``FP32Optimizer.step`` contract, ``(success, grad_norm, num_zeros)``:
+``prepare_grads`` (each rank receives its slice of every reduced bucket), the exact single-process
+grad norm of the NUTP sync, clipping of the slices with megatron's
+``clip_grad_by_total_norm_fp32`` by that norm (every rank the same factor), the update and the
+parameter all-gather (``step_with_ready_grads``). ``num_zeros`` is None
+(``optimizer.log_num_zeros_in_grad`` shows nothing under the distributed optimizer).
+
+``ddp.overlap_param_gather`` (Bridge's recipes' default with the distributed optimizer): the
+parameters are all-gathered at the end of ``step()``, not during the next forward — the same
+math, other scheduling (``bridge_fields.SUBSTITUTED``; ``bridge_run`` turns it off on the
+config so that Bridge's loop does not toggle megatron's forward pre-hooks).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+from ..sync.zero import ZeroOptimizer
+
+
+def wants_zero(cfg: Any) -> bool:
+    """Whether a Bridge ``ConfigContainer`` asks for the distributed optimizer (either field:
+    Bridge's ``validate()`` turns both on when one is)."""
+    return bool(cfg.optimizer.use_distributed_optimizer or cfg.ddp.use_distributed_optimizer)
+
+
+class BridgeZeroOptimizer(ZeroOptimizer):
+    """NUTP's ZeRO-1 with the methods Bridge's ``train_step`` calls on a megatron optimizer."""
+
+    is_stub_optimizer = False
+
+    def __init__(self, model: Any, config: Any) -> None:
+        super().__init__(model, config)
+        self.clip_grad = float(config.clip_grad or 0.0)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss  # fp32 / bf16: no loss scale (fp16 is refused)
+
+    def prepare_model_params_for_param_sync(self) -> None:
+        return None  # the parameters are gathered in step()
+
+    def grad_norm(self) -> float:
+        """The exact single-process grad norm of this step (after ``prepare_grads``)."""
+        return math.sqrt(self.engine.grad_sumsq)
+
+    @torch.no_grad()
+    def step(self) -> tuple[bool, float, None]:
+        """prepare -> clip by the exact norm -> update + gather; collective."""
+        self.prepare_grads()
+        norm = self.grad_norm()
+        if self.clip_grad > 0.0:
+            params = self.get_parameters()
+            if params:
+                clip_grad_by_total_norm_fp32(params, max_norm=self.clip_grad, total_norm=norm)
+        self.step_with_ready_grads()
+        return True, norm, None
+
+
+def setup_zero_optimizer(cfg: Any, model: list[Any]) -> tuple[BridgeZeroOptimizer, Any]:
+    """(NUTP's ZeRO-1 over the NUTP DDP ``model[0]``, Bridge's scheduler bound to it), what
+    Bridge's ``setup_optimizer`` returns for a megatron optimizer. Only one model chunk
+    (``pp=1``, no virtual stages)."""
+    from megatron.bridge.training.optim import _get_scheduler
+
+    if len(model) != 1:
+        raise ValueError("optimizer.use_distributed_optimizer=True: one model chunk only "
+                         "under NUTP (no virtual pipeline stages)")
+    optimizer = BridgeZeroOptimizer(model[0], cfg.optimizer)
+    return optimizer, _get_scheduler(cfg.optimizer, cfg.scheduler, optimizer)
