@@ -1187,4 +1187,9 @@ def notices(cfg: Any) -> list[str]:
         value = _value(cfg, name)  # None: unset, the library's default
         if value is not None and not at_accepted(name, value, plain):
             out.append(f"{name}={_short(_plain(value))}: {text}")
+    iters = getattr(getattr(cfg, "validation", None), "eval_iters", 0) or 0
+    if iters > 0:  # nutp-bridge calls Bridge's train(), not pretrain(), which evaluates after it
+        out.append(f"validation.eval_iters={iters}: evaluated during training only; the final "
+                   "validation and test evaluations Bridge's pretrain() runs after training are "
+                   "not run by nutp-bridge")
     return out

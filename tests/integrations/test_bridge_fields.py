@@ -285,3 +285,14 @@ def test_nutp_bridge_prints_each_notice_once(capfd: pytest.CaptureFixture[str]) 
     err = [ln for ln in capfd.readouterr().err.splitlines() if ln.startswith("notice:")]
     te = [ln for ln in err if "model.transformer_impl=transformer_engine" in ln]
     assert len(te) == 1 and "megatron's local layers" in te[0], err
+
+
+def test_no_final_evaluation_is_noticed() -> None:
+    """``nutp-bridge`` runs Bridge's ``train()``, not ``pretrain()``: with evaluation on, one
+    notice says the evaluations after training are not run; none without it."""
+    cfg = copy.deepcopy(tiny_container())
+    cfg.validation.eval_iters = 0
+    assert not [n for n in bf.notices(cfg) if n.startswith("validation.eval_iters=")]
+    cfg.validation.eval_iters = 2
+    found = [n for n in bf.notices(cfg) if n.startswith("validation.eval_iters=2: ")]
+    assert len(found) == 1 and "after training are not run" in found[0], found
