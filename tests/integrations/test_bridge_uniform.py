@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib.util
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -40,13 +41,14 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-30)
 
 
-@pytest.mark.timeout(1500)
-def test_bridge_uniform_tp2_dp2_matches_bridge_stock_run(tmp_path: Path) -> None:
+def _stock_then_nutp(extra: list[str], tmp_path: Path) -> tuple[list[Any], list[Any]]:
+    """Bridge's stock run at TP2xDP2 (4 ranks), then ``nutp-bridge`` at replicas [2,2] from the
+    stock run's initial checkpoint; each one's 3 per-step records."""
     from tests.helpers.bridge_jobs import uniform_worker
     from tests.helpers.bridge_stock import stock_worker
     from tests.helpers.dist import spawn
 
-    overrides = ["model.tensor_model_parallel_size=2", "nutp.replicas=[2,2]"]
+    overrides = ["model.tensor_model_parallel_size=2", "nutp.replicas=[2,2]", *extra]
     spawn(stock_worker, 4, (overrides,), tmp_path)
     stock = json.loads((tmp_path / "stock_rank0.json").read_text())
     init = str(tmp_path / "stock_init" / "iter_0000000")
@@ -54,6 +56,12 @@ def test_bridge_uniform_tp2_dp2_matches_bridge_stock_run(tmp_path: Path) -> None
     nutp = json.loads((tmp_path / "uniform_result.json").read_text())
     print(json.dumps({"stock": stock, "nutp": nutp}))
     assert len(nutp) == len(stock) == 3
+    return stock, nutp
+
+
+@pytest.mark.timeout(1500)
+def test_bridge_uniform_tp2_dp2_matches_bridge_stock_run(tmp_path: Path) -> None:
+    stock, nutp = _stock_then_nutp([], tmp_path)
     for got, ref in zip(nutp, stock, strict=True):
         assert _rel(got["loss"], ref["loss"]) <= TOL, (got, ref)
         assert _rel(got["grad_norm"], ref["grad_norm"]) <= TOL, (got, ref)
@@ -66,19 +74,7 @@ def test_bridge_uniform_bf16_mixed_by_name_matches_bridge_stock_run(tmp_path: Pa
     functions (``bridge_config.resolve_mixed_precision``; before, Bridge's ``validate()`` failed
     on the string): bf16 parameters in Bridge's ``Float16Module``, fp32 main grads and master
     weights, on both sides of the same uniform comparison."""
-    from tests.helpers.bridge_jobs import uniform_worker
-    from tests.helpers.bridge_stock import stock_worker
-    from tests.helpers.dist import spawn
-
-    overrides = ["model.tensor_model_parallel_size=2", "nutp.replicas=[2,2]",
-                 "mixed_precision=bf16_mixed"]
-    spawn(stock_worker, 4, (overrides,), tmp_path)
-    stock = json.loads((tmp_path / "stock_rank0.json").read_text())
-    init = str(tmp_path / "stock_init" / "iter_0000000")
-    spawn(uniform_worker, 4, (overrides, init), tmp_path)
-    nutp = json.loads((tmp_path / "uniform_result.json").read_text())
-    print(json.dumps({"stock": stock, "nutp": nutp}))
-    assert len(nutp) == len(stock) == 3
+    stock, nutp = _stock_then_nutp(["mixed_precision=bf16_mixed"], tmp_path)
     assert _rel(nutp[0]["loss"], stock[0]["loss"]) <= 1e-7  # the same bf16 forward
     for got, ref in zip(nutp, stock, strict=True):
         assert _rel(got["loss"], ref["loss"]) <= BF16_TOL, (got, ref)
