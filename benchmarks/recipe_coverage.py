@@ -217,7 +217,7 @@ def config_half(spec: str) -> tuple[dict[str, Any], Any]:
         overrides = model_overrides(spec)
         job = load_bridge_job(spec, None, overrides)
         plan = build_plan(plan_request(job.nutp))
-        validate_as_uniform(job.bridge, plan.world_size)  # what train_rank runs first
+        validate_as_uniform(job.bridge, plan)  # what train_rank runs first
     except Exception as e:
         status, field, msg = classify(e)
         return {"model": status, "model_field": field.removeprefix("model."),
@@ -294,7 +294,7 @@ def reference_batches(spec: str, overrides: list[str], path: Path) -> Path:
 
     job = load_bridge_job(spec, None, overrides)
     cfg = job.bridge
-    validate_as_uniform(cfg, 1)
+    validate_as_uniform(cfg, None)
     loader = iter(stock_loader(cfg, train_dataset(cfg, None), 0))
     m = job.nutp.train.num_microbatches
     torch.save([[dict(next(loader)) for _ in range(m)] for _ in range(cfg.train.train_iters)],

@@ -112,7 +112,9 @@ def load_bridge_job(recipe: str, config_file: str | None, overrides: list[str]) 
     yaml_bridge, nutp = split_yaml(config_file) if config_file else ({}, [])
     nutp += [o for o in overrides if is_nutp_override(o)]
     rest = [o for o in overrides if not is_nutp_override(o)]
-    load_nutp(nutp, tp=1)  # keys and values; the degree is checked again below
+    # keys and values; the replicas (their per-stage degrees need the recipe's
+    # pipeline_model_parallel_size) and the degree are checked again below
+    load_nutp([o for o in nutp if not o.lstrip("+~").startswith("nutp.replicas=")], tp=1)
     from ..compat.bridge_cpu import install_import_shim
 
     install_import_shim()
@@ -230,4 +232,5 @@ def bridge_keys(cfg: Any) -> list[str]:
             f"train.micro_batch_size={t.micro_batch_size}", f"train.steps={t.train_iters}",
             f"train.clip_grad={cfg.optimizer.clip_grad}", f"train.seed={cfg.rng.seed}",
             f"train.lr={cfg.optimizer.lr}", f"train.weight_decay={weight_decay_of(cfg)}",
-            f"train.precision={precision_of(cfg)}", f"train.distributed_optimizer={_value(zero)}"]
+            f"train.precision={precision_of(cfg)}", f"train.distributed_optimizer={_value(zero)}",
+            f"parallel.pp={int(cfg.model.pipeline_model_parallel_size)}"]

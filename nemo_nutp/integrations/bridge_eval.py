@@ -23,14 +23,17 @@ exits (the samples counted are right).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 
 def eval_callbacks(cfg: Any, state: Any, *, share: int, dp_size: int,
-                   record: list[dict[str, float]]) -> Any:
+                   record: list[dict[str, float]],
+                   shared: Callable[[float], float] | None = None) -> Any:
     """Bridge's ``CallbackManager`` with the NUTP evaluation hooks (module docstring); each
     evaluation appends ``{"step", "val_loss"}`` (Bridge's own reduced ``lm loss``, what it
-    prints) to ``record``."""
+    prints) to ``record``. With pipeline stages only the last stage has it (NaN elsewhere):
+    ``shared`` (collective over the replica) gives every rank the last stage's value."""
     from megatron.bridge.training.callbacks import CallbackManager
 
     v = cfg.validation
@@ -47,8 +50,10 @@ def eval_callbacks(cfg: Any, state: Any, *, share: int, dp_size: int,
     def end(ctx: Any) -> None:
         v.eval_global_batch_size = true_batch
         losses = ctx.total_loss_dict
-        record.append({"step": int(state.train_state.step),
-                       "val_loss": float(losses["lm loss"])})
+        val = float(losses["lm loss"]) if "lm loss" in losses else float("nan")
+        if shared is not None:
+            val = shared(val)
+        record.append({"step": int(state.train_state.step), "val_loss": val})
 
     manager = CallbackManager()
     manager.register("on_eval_start", start)

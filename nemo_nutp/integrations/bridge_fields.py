@@ -62,6 +62,8 @@ ZERO = ("tests/integrations/test_bridge_zero.py"
 LR_SCHEDULE = ("tests/checkpoint/test_bridge_state.py"
                "::test_a_schedule_nutp_train_cannot_follow_is_named")
 
+PIPELINE = ("tests/integrations/test_bridge_pipeline.py"
+            "::test_bridge_pipeline_matches_bridge_stock_run")
 ROUNDING = "same math, other rounding"
 KERNELS = "same math, other kernels"
 SCHEDULING = "same math, other scheduling"
@@ -69,6 +71,7 @@ DROPOUT_RNG = "dropout masks drawn by another generator"
 
 HONOURED: dict[str, str] = {  # the test that proves the effect
     "checkpoint.ckpt_step": RESUME,
+    "model.pipeline_model_parallel_size": PIPELINE,
     "checkpoint.exit_on_missing_checkpoint": RESUME_NAMED,
     "checkpoint.load": RESUME,
     "checkpoint.save": BRIDGE_TRAIN,
@@ -940,7 +943,6 @@ REFUSED: dict[str, Any] = {  # the NUTP model's value; any other is refused
     "model.num_moe_experts": None,
     "model.original_max_position_embeddings": 4096,
     "model.pipeline_model_parallel_layout": None,
-    "model.pipeline_model_parallel_size": 1,
     "model.projector_bias": ABSENT,
     "model.projector_hidden_size": ABSENT,
     "model.q_lora_rank": 512,

@@ -9,7 +9,9 @@ Bridge's ``setup()`` would set (here: NUTP's gradient finalisation), the recipe'
 through Bridge's data pipeline with this replica's share of every global batch
 (``bridge_data.train_iterator``; for evaluation during training ``valid_iterator`` and
 ``bridge_eval``'s callbacks), and then calls ``megatron.bridge.training.train.train``.
-Only ``pp=1`` (no virtual stages) for now.
+With ``pp > 1`` the stages run at their plan's degrees: Bridge's ``train()`` and
+``evaluate()`` get NUTP's stage communicator through ``bridge_pipeline``'s one substitution
+point, and the step's finalisation covers every stage (no virtual stages yet).
 """
 
 from __future__ import annotations
@@ -218,7 +220,8 @@ def recording(optimizer: Any, reduce: Any, *, report_share: float = 1.0,
     def recorded_step(*args: Any, **kwargs: Any) -> Any:
         lr = float(optimizer.param_groups[0]["lr"])  # what this step applies
         out = step(*args, **kwargs)
-        loss = reduce(sum(losses) / len(losses))
+        # (a pipeline's other stages see no loss: ``reduce`` gets it from the last stage)
+        loss = reduce(sum(losses) / len(losses) if losses else float("nan"))
         losses.clear()
         norm = float(out[1]) if out[1] is not None else float("nan")
         record.append({"loss": loss, "grad_norm": norm, "lr": lr})
@@ -242,13 +245,6 @@ def recording(optimizer: Any, reduce: Any, *, report_share: float = 1.0,
 
     optimizer.step = recorded_step
     return record, recorded_forward
-
-
-def _nutp_finalize(model_chunks: list[Any], num_tokens: Any = None, **kwargs: Any) -> None:
-    """NUTP's gradient finalisation (megatron's ``finalize_model_grads`` slot): the NUTP DDP's
-    cross-replica sync, weighted by the replicas' micro-batch shares."""
-    for chunk in model_chunks:
-        chunk.finish_grad_sync()
 
 
 def global_samples(optimizer: Any, scheduler: Any, state: Any, global_batch: int, *,
@@ -281,20 +277,21 @@ def load_weights(model: Any, plan: Any, groups: Any, optimizer: Any, path: str |
     load_checkpoint(session_of(model, plan, groups, optimizer), path, load_optimizer=False)
 
 
-def validate_as_uniform(cfg: Any, world: int) -> None:
-    """Bridge's ``ConfigContainer.validate()`` (derived scheduler steps, mixed precision, ...).
-    A uniform layout (the world divisible by the healthy TP degree) passes it as it is; for a
-    non-uniform one (replicas [2,1]) its TP-divisibility assertion cannot hold, so the check
-    runs with TP1 (the layout itself was validated by the NUTP planner)."""
-    tp = cfg.model.tensor_model_parallel_size
-    if world % tp == 0:
-        cfg.validate()
-        return
-    cfg.model.tensor_model_parallel_size = 1
-    try:
-        cfg.validate()
-    finally:
-        cfg.model.tensor_model_parallel_size = tp
+def validate_as_uniform(cfg: Any, plan: Any | None) -> None:
+    """Bridge's ``ConfigContainer.validate()`` (derived scheduler steps, mixed precision,
+    pipeline settings, ...). A uniform layout passes it as it is. For a non-uniform one
+    (replicas [2,1], or [[2,1],[2,2]] with stages) Bridge's data-parallel size (the world over
+    TP x PP x CP) does not exist: the check runs with the replicas as its data-parallel size,
+    preset where ``validate()`` would derive it (the layout itself was validated by the NUTP
+    planner). ``plan=None``: one process reading the recipe's data (a reference), data-parallel
+    size 1."""
+    m = cfg.model
+    if plan is None:
+        cfg.data_parallel_size = 1
+    elif len({tuple(r.tp) for r in plan.replicas}) != 1 or \
+            plan.replicas[0].tp[0] != m.tensor_model_parallel_size:
+        cfg.data_parallel_size = len(plan.replicas)
+    cfg.validate()
 
 
 def train_rank(job: Any, plan: Any, out_dir: str, *, seed: int,
@@ -319,11 +316,12 @@ def train_rank(job: Any, plan: Any, out_dir: str, *, seed: int,
     from .bridge_ckpt import NUTPBridgeCheckpointManager
     from .bridge_data import datasets, train_iterator, valid_iterator
     from .bridge_eval import eval_callbacks
+    from .bridge_pipeline import PipelineFinish, stage_communicator
     from .bridge_zero import setup_zero_optimizer, wants_zero
 
     apply_bridge_cpu_patches()
     cfg = job.bridge
-    validate_as_uniform(cfg, plan.world_size)
+    validate_as_uniform(cfg, plan)
     cfg.dist.use_decentralized_pg = True  # explicit process groups (NUTP's), never mpu globals
     if not torch.cuda.is_available():  # megatron's local attention needs the explicit mask
         cfg.dataset.skip_getting_attention_mask_from_dataset = False
@@ -358,7 +356,7 @@ def train_rank(job: Any, plan: Any, out_dir: str, *, seed: int,
         exact_grad_norm(optimizer, model[0])
     mc = model[0].config
     mc.no_sync_func = model[0].no_sync
-    mc.finalize_model_grads_func = _nutp_finalize
+    mc.finalize_model_grads_func = PipelineFinish(plan, groups, model[0])
     mc.grad_scale_func = optimizer.scale_loss
     mbs = cfg.train.micro_batch_size
     destroy_num_microbatches_calculator()
@@ -374,9 +372,19 @@ def train_rank(job: Any, plan: Any, out_dir: str, *, seed: int,
                                            pg_collection=groups.pgs))
     first_step = state.train_state.step
 
+    def from_last_stage(value: float) -> float:
+        """The last stage's value on every rank of the replica (collective over it)."""
+        if plan.pp == 1:
+            return value
+        box = torch.zeros(1, dtype=torch.float64)
+        if ctx.stage == plan.pp - 1 and ctx.tp_rank == 0:
+            box[0] = value
+        torch.distributed.all_reduce(box, group=groups.replica)
+        return float(box[0])
+
     def reduce(replica: float) -> float:
-        return reduce_replica_loss(replica, weight=ctx.weight, degree=ctx.degree,
-                                   stage_group=groups.stage)
+        return reduce_replica_loss(from_last_stage(replica), weight=ctx.weight,
+                                   degree=ctx.degree, stage_group=groups.stage)
 
     eval_parts: list[tuple[float, float]] = []
     record, recorded_forward = recording(optimizer, reduce, report_share=1.0 / ctx.degree,
@@ -390,9 +398,11 @@ def train_rank(job: Any, plan: Any, out_dir: str, *, seed: int,
     valid = valid_iterator(cfg, state.train_state, valid_ds, **share)
     evals: list[dict[str, float]] = []
     callbacks = eval_callbacks(cfg, state, share=ctx.microbatches,
-                               dp_size=groups.pgs.dp.size(), record=evals)
-    bridge_train.train(recorded_forward, model, optimizer, scheduler, data, valid, state,
-                       checkpoints, groups.pgs, callback_manager=callbacks)
+                               dp_size=groups.pgs.dp.size(), record=evals,
+                               shared=from_last_stage if plan.pp > 1 else None)
+    with stage_communicator(plan, groups):
+        bridge_train.train(recorded_forward, model, optimizer, scheduler, data, valid, state,
+                           checkpoints, groups.pgs, callback_manager=callbacks)
     first = int(first_step)
     for i, row in enumerate(record):
         row["step"] = first + i

@@ -54,8 +54,6 @@ def _load(argv: list[str]) -> tuple[Any, Any, Any]:
     args = _parser().parse_intermixed_args(argv)
     job = load_bridge_job(args.recipe, args.config_file, args.overrides)
     plan = build_plan(plan_request(job.nutp))
-    if plan.pp != 1:
-        raise ValueError(f"parallel.pp={plan.pp}: nutp-bridge runs pp=1 only for now")
     return args, job, plan
 
 

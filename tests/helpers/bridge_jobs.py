@@ -60,7 +60,7 @@ def reference_batches(overrides: list[str], path: Path) -> Path:
 
     job = load(overrides)
     cfg = job.bridge
-    validate_as_uniform(cfg, 1)
+    validate_as_uniform(cfg, None)
     loader = iter(stock_loader(cfg, train_dataset(cfg, None), 0))
     m = job.nutp.train.num_microbatches
     steps = [[dict(next(loader)) for _ in range(m)] for _ in range(cfg.train.train_iters)]

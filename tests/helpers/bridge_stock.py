@@ -119,9 +119,9 @@ def stock_rank(job: Any, out_dir: str, init_root: Path) -> list[dict[str, float]
                                               cfg, pgs), dp_group=pgs.dp)
     evals: list[dict[str, float]] = []
     callbacks = CallbackManager()  # Bridge's own reduced validation loss (what it prints)
-    callbacks.register("on_eval_end", lambda ctx: evals.append(
+    callbacks.register("on_eval_end", lambda ctx: evals.append(  # (the last stage's)
         {"step": int(state.train_state.step),
-         "val_loss": float(ctx.total_loss_dict["lm loss"])}))
+         "val_loss": float(ctx.total_loss_dict.get("lm loss", float("nan")))}))
     bridge_train.train(forward, model, optimizer, scheduler, data, valid, state,
                        create_checkpoint_manager(cfg.checkpoint), pgs,
                        callback_manager=callbacks)

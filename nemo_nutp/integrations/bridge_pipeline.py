@@ -1,0 +1,87 @@
+"""Pipeline parallelism under Bridge's ``train()``: the one substitution point for the stage
+communicator, and the finalisation of a pipelined step.
+
+Bridge 0.6.2 offers no extension point for the pipeline communicator: ``train()`` builds
+megatron's stock ``P2PCommunicator(pp_group=pg_collection.pp, config=model_config)`` itself,
+and ``evaluate()`` (called by ``train()`` without a communicator) builds its own. Both look the
+class up as a global of their module. Under NUTP the stages of a replica run at their own TP
+degrees, so activations move between ranks as ``pipeline.boundary`` maps them
+(``NUTPP2PCommunicator``), never by megatron's one-peer-per-direction rule.
+
+``stage_communicator(plan, groups)`` is that substitution, as a context manager around one
+``train()`` call: inside it, the name ``P2PCommunicator`` in exactly the modules of
+``SUBSTITUTED`` builds this rank's ``NUTPP2PCommunicator``; on exit the stock class is back.
+``tests/integrations/test_bridge_pipeline.py`` fails when the pinned Bridge no longer builds
+the communicator where ``SUBSTITUTED`` says (the substitution would then silently do nothing).
+
+``PipelineFinish`` is megatron's ``finalize_model_grads_func`` slot for ``pp > 1``: the NUTP
+cross-replica sync of each stage, then ``PipelineFinalizer`` (tied embeddings combined by vocab
+unit between the first and last stage, the whole model's grad norm), so that the exact norm the
+optimizer clips with (``bridge.exact_grad_norm``) covers every stage.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+SUBSTITUTED: dict[str, str] = {
+    "megatron.bridge.training.train":
+        "p2p_communicator = P2PCommunicator(pp_group=pg_collection.pp, config=model_config)",
+    "megatron.bridge.training.eval":
+        "eval_p2p_communicator = P2PCommunicator(pp_group=pg_collection.pp, config=model_config)",
+}
+"""Module -> the line of its source that builds the stock communicator (the test pins it)."""
+
+
+@contextmanager
+def stage_communicator(plan: Any, groups: Any) -> Iterator[None]:
+    """Inside: Bridge's ``train()`` and ``evaluate()`` build this rank's NUTP stage
+    communicator. Nothing is replaced when ``plan.pp == 1`` (no communication between
+    stages)."""
+    if plan.pp == 1:
+        yield
+        return
+    from ..pipeline.p2p import NUTPP2PCommunicator
+
+    rank = groups.ctx.rank
+    built: list[NUTPP2PCommunicator] = []
+
+    def factory(pp_group: Any, config: Any) -> NUTPP2PCommunicator:
+        comm = NUTPP2PCommunicator(pp_group, config, plan=plan, rank=rank)
+        if not built:
+            comm.warm_up()  # every pair's communicator before the first step (NCCL)
+        built.append(comm)
+        return comm
+
+    modules = [importlib.import_module(name) for name in SUBSTITUTED]
+    stock = [m.P2PCommunicator for m in modules]
+    for m in modules:
+        m.P2PCommunicator = factory
+    try:
+        yield
+    finally:
+        for m, cls in zip(modules, stock, strict=True):
+            m.P2PCommunicator = cls
+
+
+class PipelineFinish:
+    """megatron's ``finalize_model_grads_func`` for a NUTP model: each chunk's cross-replica
+    sync finished; with ``pp > 1`` then the pipelined step's finalisation (tied embeddings,
+    the whole model's grad norm on every rank)."""
+
+    def __init__(self, plan: Any, groups: Any, model: Any) -> None:
+        self.finalizer = None
+        if plan.pp > 1:
+            from ..pipeline.finalize import PipelineFinalizer
+
+            self.finalizer = PipelineFinalizer(plan, groups, model)
+            self.finalizer.warm_up()
+
+    def __call__(self, model_chunks: list[Any], num_tokens: Any = None, **kwargs: Any) -> None:
+        for chunk in model_chunks:
+            chunk.finish_grad_sync()
+        if self.finalizer is not None:
+            self.finalizer.finish(0.0)  # the loss is shared by the recording (bridge_run)

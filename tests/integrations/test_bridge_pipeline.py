@@ -1,0 +1,99 @@
+"""Pipeline parallelism under Bridge's own ``train()``: stages of different TP degree.
+
+Bridge's Llama 3 8B recipe, shrunk to 4 layers for CPU (``bridge_pipeline_jobs.SHRUNK``) with
+its training switches kept: the distributed optimizer, warmup then cosine decay, evaluation
+during training, and (NUTP side) sequence parallelism. ``nutp-bridge`` trains it at PP=2 with
+replicas ``[[2,1],[2,2]]`` (7 ranks: replica 0 has its second stage at TP1) from the initial
+weights of Bridge's own stock uniform run of the same recipe (TP2 x PP2 x DP2, 8 ranks,
+``bridge_stock.py``: Bridge's process groups, stock ``GPTModel``, megatron's DDP and
+distributed optimizer, megatron's ``P2PCommunicator``, Bridge's ``train()``). In fp32, every
+step's loss, grad norm and learning rate and every validation loss agree within 1e-5.
+
+The stock side runs without sequence parallelism: megatron's ``WrappedTorchNorm`` refuses it
+on CPU; the math is the same."""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+if sys.version_info < (3, 12):
+    pytest.skip("Megatron-Bridge runs on Python 3.12 (.venv312)", allow_module_level=True)
+if importlib.util.find_spec("megatron.bridge") is None:
+    pytest.skip("megatron-bridge is not installed (make test-bridge installs it)",
+                allow_module_level=True)
+
+TOL = 1e-5
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
+def test_stage_communicator_substitution_is_pinned() -> None:
+    """The pinned Bridge builds its communicator where ``bridge_pipeline.SUBSTITUTED`` says (by
+    the module-global name the substitution replaces); inside ``stage_communicator`` that name
+    builds NUTP's, and the stock class is back after."""
+    import importlib
+
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+    from nemo_nutp.compat.bridge_cpu import install_import_shim
+    from nemo_nutp.integrations.bridge_pipeline import SUBSTITUTED, stage_communicator
+
+    install_import_shim()
+    modules = {name: importlib.import_module(name) for name in SUBSTITUTED}
+    for name, line in SUBSTITUTED.items():
+        assert line in inspect.getsource(modules[name]), (name, line)
+        assert modules[name].P2PCommunicator is P2PCommunicator
+
+    class Plan:
+        pp = 2
+
+    class Groups:
+        class ctx:
+            rank = 0
+
+    with stage_communicator(Plan(), Groups()):
+        for m in modules.values():
+            assert m.P2PCommunicator is not P2PCommunicator
+    for m in modules.values():
+        assert m.P2PCommunicator is P2PCommunicator
+
+
+@pytest.mark.timeout(1500)
+def test_bridge_pipeline_matches_bridge_stock_run(tmp_path: Path) -> None:
+    from tests.helpers.bridge_pipeline_jobs import FP32, nutp_worker, stock_worker
+    from tests.helpers.dist import spawn
+
+    spawn(stock_worker, 8, (FP32,), tmp_path)
+    stock_ranks = [json.loads((tmp_path / f"stock_rank{r}.json").read_text()) for r in range(8)]
+    stock = next(r for r in stock_ranks if not math.isnan(r[0]["loss"]))  # a last-stage rank
+    evals = [json.loads((tmp_path / f"stock_evals_rank{r}.json").read_text()) for r in range(8)]
+    stock_evals = next(e for e in evals if e and not math.isnan(e[0]["val_loss"]))
+    init = str(tmp_path / "stock_init" / "iter_0000000")
+    nutp_overrides = [*FP32, "model.sequence_parallel=true", "nutp.replicas=[[2,1],[2,2]]",
+                      "failures=none"]
+    spawn(nutp_worker, 7, (nutp_overrides, init), tmp_path)
+    ranks = [json.loads((tmp_path / f"pipeline_rank{r}.json").read_text()) for r in range(7)]
+    print(json.dumps({"stock": stock, "stock_evals": stock_evals, "nutp": ranks[0]}))
+
+    assert len(stock) == 4
+    assert [e["step"] for e in stock_evals] == [2, 4]
+    lrs = [s["lr"] for s in stock]
+    assert lrs[0] < lrs[1] and lrs[2] > lrs[3]  # warmup, then decay
+    assert {(r["replica"], r["stage"]) for r in ranks} == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    for r in ranks:  # every rank, every stage: the same global-batch values
+        assert len(r["steps"]) == len(stock)
+        for got, ref in zip(r["steps"], stock, strict=True):
+            for key in ("loss", "grad_norm", "lr"):
+                assert _rel(got[key], ref[key]) <= TOL, (key, got, ref)
+        assert [e["step"] for e in r["evals"]] == [2, 4]
+        for got, ref in zip(r["evals"], stock_evals, strict=True):
+            assert _rel(got["val_loss"], ref["val_loss"]) <= TOL, (got, ref)
