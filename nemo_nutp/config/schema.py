@@ -811,6 +811,20 @@ def _check_layout(cfg: JobConfig) -> None:
         raise bad_value("model.recompute_num_layers", m.recompute_num_layers,
                         f"exceeds the layers per stage (model.num_layers / parallel.pp = "
                         f"{m.num_layers // p.pp})")
+    if m.num_layers % (p.pp * p.vp):
+        raise bad_value("parallel.virtual_pipeline_model_parallel_size", p.vp,
+                        f"parallel.pp={p.pp} times it must divide model.num_layers="
+                        f"{m.num_layers}")
+    if p.vp > 1 and m.recompute_num_layers is not None and \
+            m.recompute_num_layers > m.num_layers // (p.pp * p.vp):
+        raise bad_value("model.recompute_num_layers", m.recompute_num_layers,
+                        f"exceeds the layers per model chunk (model.num_layers / (parallel.pp * "
+                        f"parallel.virtual_pipeline_model_parallel_size) = "
+                        f"{m.num_layers // (p.pp * p.vp)})")
+    if p.vp > 1 and cfg.nutp.rebalance:
+        raise bad_value("nutp.rebalance", True, "not with parallel.virtual_pipeline_model_"
+                        "parallel_size > 1 (a moved share must stay a multiple of parallel.pp "
+                        "for the interleaved schedule; not built yet)")
     if cfg.nutp.replicas is None:
         return
     reps = normalize_replicas(cfg.nutp.replicas, p.pp)

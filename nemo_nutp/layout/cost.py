@@ -46,6 +46,17 @@ def stage_layers(num_layers: int, pp: int) -> list[tuple[int, int]]:
     return [(s * n, (s + 1) * n) for s in range(pp)]
 
 
+def chunk_layers(num_layers: int, pp: int, vp: int = 1) -> list[list[tuple[int, int]]]:
+    """Per stage, ``[first, last_exclusive)`` layers of each of its ``vp`` model chunks:
+    chunk ``c`` of stage ``s`` holds block ``c * pp + s`` of ``pp * vp`` even blocks
+    (megatron's interleaving). ``vp == 1``: ``stage_layers``."""
+    if vp < 1 or num_layers % (pp * vp):
+        raise bad_value("parallel.virtual_pipeline_model_parallel_size", vp,
+                        f"parallel.pp={pp} times it must divide model.num_layers={num_layers}")
+    n = num_layers // (pp * vp)
+    return [[((c * pp + s) * n, (c * pp + s + 1) * n) for c in range(vp)] for s in range(pp)]
+
+
 def stage_flops(dims: ModelDims, t: int, layers: int, *, with_vocab: bool, tokens: int,
                 balance: str = "work") -> float:
     """Forward + backward FLOPs of the slowest of ``t`` ranks for one micro-batch."""

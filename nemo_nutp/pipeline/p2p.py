@@ -23,19 +23,9 @@ import torch.distributed as dist
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
 from ..layout import Plan
-from .boundary import boundary_pieces, grad_pieces, rows
+from .boundary import rows, stage_links
 
 Slices = list[tuple[int, int, int]]  # (peer global rank, local row lo, local row hi)
-
-
-def _local(pieces: list[tuple[int, int, int, int]], me: int, peers: tuple[int, ...],
-           mine: tuple[int, int], *, sending: bool) -> Slices:
-    """This rank's (peer, local rows) from global pieces (from, to, lo, hi)."""
-    out = []
-    for src, dst, lo, hi in pieces:
-        if (src if sending else dst) == me:
-            out.append((peers[dst if sending else src], lo - mine[0], hi - mine[0]))
-    return out
 
 
 class NUTPP2PCommunicator(P2PCommunicator):
@@ -48,24 +38,19 @@ class NUTPP2PCommunicator(P2PCommunicator):
         rep = plan.replicas[i]
         seq = plan.request.model.seq_length
         sp = plan.request.parallel.sequence_parallel
-        mine = rows(rep.tp[s], j, seq, sp)
+        lo0 = rows(rep.tp[s], j, seq, sp)[0]
         self.next_rank = self.prev_rank = None  # never used: peers come from the maps
-        self.send_next: Slices = []  # activation rows to the next stage
-        self.recv_next: Slices = []  # gradient rows from the next stage
-        self.send_prev: Slices = []  # gradient rows to the previous stage
-        self.recv_prev: Slices = []  # activation rows from the previous stage
-        if s + 1 < plan.pp:
-            a, b = rep.tp[s], rep.tp[s + 1]
-            self.send_next = _local(boundary_pieces(a, b, seq, sp), j, rep.ranks[s + 1], mine,
-                                    sending=True)
-            self.recv_next = _local(grad_pieces(a, b, seq, sp), j, rep.ranks[s + 1], mine,
-                                    sending=False)
-        if s > 0:
-            a, b = rep.tp[s - 1], rep.tp[s]
-            self.recv_prev = _local(boundary_pieces(a, b, seq, sp), j, rep.ranks[s - 1], mine,
-                                    sending=False)
-            self.send_prev = _local(grad_pieces(a, b, seq, sp), j, rep.ranks[s - 1], mine,
-                                    sending=True)
+        # with virtual stages the stages form a ring (stage pp-1 feeds stage 0's next chunk)
+        links = stage_links(rep.tp, s, j, seq, sp, ring=plan.vp > 1)
+        nxt, prv = rep.ranks[(s + 1) % plan.pp], rep.ranks[(s - 1) % plan.pp]
+
+        def local(name: str, peers: tuple[int, ...]) -> Slices:
+            return [(peers[k], lo - lo0, hi - lo0) for k, lo, hi in links[name]]
+
+        self.send_next: Slices = local("send_next", nxt)  # activation rows to the next stage
+        self.recv_next: Slices = local("recv_next", nxt)  # gradient rows from the next stage
+        self.send_prev: Slices = local("send_prev", prv)  # gradient rows to the previous stage
+        self.recv_prev: Slices = local("recv_prev", prv)  # activation rows from the previous
         self.nccl = dist.get_backend(pp_group) == "nccl"
 
     def _communicate(self, *, tensor_send_next: torch.Tensor | None,

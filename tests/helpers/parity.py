@@ -49,6 +49,7 @@ class Case:
     initial_loss_scale: float = 2.0 ** 12
     seed: int = 1234
     pp: int = 1
+    vp: int = 1  # virtual pipeline stages (model chunks per rank; megatron's interleaving)
     zero_redundancy: bool = False  # distributed optimizer: recovery.live_redundancy
     weight_decay: float = 0.0  # the reference: megatron's constant schedule (wd_mult per group)
     data: str | None = None  # the reference's batches (reference.py ``load_batches``)
@@ -74,7 +75,8 @@ def make_plan(case: Case) -> Any:
     req = PlanRequest(cluster=ClusterSpec(num_gpus=n, domain_size=tb, gpus_per_node=tb),
                       model=ModelConfig(**case.model),
                       parallel=ParallelSpec(tp_base=tb, sequence_parallel=case.sequence_parallel,
-                                            sync_layout=case.sync_layout, pp=case.pp),
+                                            sync_layout=case.sync_layout, pp=case.pp,
+                                            virtual_pipeline_model_parallel_size=case.vp),
                       replicas=case.replicas, global_batch=case.global_batch)
     return build_plan(req)
 
