@@ -89,6 +89,7 @@ test-bridge: $(STAMPBRIDGE)
 bench: $(STAMP) $(STAMPBRIDGE)
 	$(BIN)/python benchmarks/plan_scale.py
 	$(BIN)/python benchmarks/norm_kernels.py
+	NUTP_BENCH=1 $(BIN)/python -m pytest -q -m bench tests
 	$(VENV312)/bin/python benchmarks/recipe_coverage.py --train
 
 sim: $(STAMP)

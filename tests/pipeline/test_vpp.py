@@ -14,11 +14,14 @@ parallel_size``) with stages at different TP degrees.
   degree-2 -> degree-1 wrap-around), PP4 x 2 chunks on a degraded replica and PP2 x 3 chunks,
   with forward-only interleaved evaluation; two negative controls fail far outside the
   tolerance: the wrap-around link removed, and chunks holding contiguous layer blocks instead
-  of megatron's interleaved ``c * pp + s``.
+  of megatron's interleaved ``c * pp + s``;
+* checkpoints (bench tier, ``make bench``): a chunked run's checkpoint resumes in a plain
+  pipeline and in a chunked one at other degrees, and back.
 """
 
 from __future__ import annotations
 
+import os
 from itertools import pairwise
 from pathlib import Path
 
@@ -28,7 +31,9 @@ from hypothesis import strategies as st
 
 from nemo_nutp.layout import chunk_layers, interleave_error
 from nemo_nutp.pipeline.boundary import rows, stage_links
+from tests.helpers.dist import spawn
 from tests.helpers.parity import CLIP, GQA_SWIGLU, TOL, Case, check_cases, make_plan, run_cases
+from tests.helpers.roundtrip import AFTER, SAVE_AT, Job, worker
 
 
 # ------------------------------------------------------------------ the ring's stage links
@@ -181,3 +186,50 @@ def test_vpp_parity(tmp_path: Path) -> None:
         assert max(bad["norm_rel"]) > 100 * TOL, (name, bad["norm_rel"])
         assert bad["grad_rel_max"] > 100 * TOL, (name, bad["grad_rel_max"])
         assert bad["model_rel"] > 100 * TOL, (name, bad["model_rel"])
+
+
+# ------------------------------------------------------------------ checkpoints across layouts
+FOUR = {"extra": {"model": dict(num_layers=4, add_bias_linear=True, tie_embeddings=True),
+                  "clip_grad": 0.05}}
+CKPT_STEPS = [
+    (1, [Job("tp1", (1,), reference=True, **FOUR)]),
+    # PP2 x 2 chunks saves (and reloads itself); PP2 without chunks loads it and saves
+    (7, [Job("vp2", ((2, 1), (2, 2)), pp=2, vp=2, save=True, **FOUR)]),
+    (6, [Job("pp2", ((1, 2), (2, 1)), pp=2, load=("vp2",), save=True, **FOUR)]),
+    # ... which PP2 x 2 chunks at other degrees loads (with vp2's own)
+    (5, [Job("vp2_b", ((1, 1), (2, 1)), pp=2, vp=2, load=("pp2", "vp2"), **FOUR)]),
+]
+
+
+@pytest.mark.dist
+@pytest.mark.bench
+@pytest.mark.skipif(os.environ.get("NUTP_BENCH") != "1",
+                    reason="bench tier (about 60 s on 2 cores): make bench, or NUTP_BENCH=1")
+@pytest.mark.timeout(900)
+def test_checkpoints_with_virtual_stages(tmp_path: Path) -> None:
+    """A PP2 x 2-chunk run saves megatron's global layer axis (every chunk's layers at their
+    global index): a PP2 run without chunks and a PP2 x 2-chunk run at other degrees resume
+    from it (optimizer state included), and the chunked run from the plain one; losses equal
+    an uninterrupted single-process TP1 run within 1e-5."""
+    import json
+
+    for world, jobs in CKPT_STEPS:
+        spawn(worker, world, (jobs,), tmp_path)
+    results: dict[str, dict[str, object]] = {}
+    for f in tmp_path.glob("*.json"):
+        results.setdefault(f.stem.split("@")[0], {}).update(json.loads(f.read_text()))
+    ref = results["tp1"]["reference"]
+    assert isinstance(ref, list)
+    checked = []
+    for dst, res in results.items():
+        for key, losses in res.items():
+            if key.startswith("from_") or key in ("self", "fresh"):
+                assert isinstance(losses, list)
+                want = ref[:SAVE_AT] if key == "fresh" else ref[SAVE_AT:SAVE_AT + AFTER]
+                rel = [abs(a - b) / abs(b) for a, b in zip(losses, want, strict=True)]
+                print(f"{key:>10} -> {dst:<6} loss_rel={max(rel):.1e}")
+                assert max(rel) <= TOL, (key, dst, losses, want)
+                checked.append((key, dst))
+    assert sorted(checked) == sorted([
+        ("fresh", "vp2"), ("self", "vp2"), ("from_vp2", "pp2"), ("fresh", "pp2"),
+        ("self", "pp2"), ("from_pp2", "vp2_b"), ("from_vp2", "vp2_b")]), checked
