@@ -821,6 +821,10 @@ def _check_layout(cfg: JobConfig) -> None:
                         f"exceeds the layers per model chunk (model.num_layers / (parallel.pp * "
                         f"parallel.virtual_pipeline_model_parallel_size) = "
                         f"{m.num_layers // (p.pp * p.vp)})")
+    if p.vp > 1 and cfg.recovery.enabled and cfg.recovery.mode == "live":
+        raise bad_value("recovery.mode", "live", "not with parallel.virtual_pipeline_model_"
+                        "parallel_size > 1 (the in-memory re-layout of model chunks is not "
+                        "built yet; recovery.mode=restart resumes from checkpoints)")
     if p.vp > 1 and cfg.nutp.rebalance:
         raise bad_value("nutp.rebalance", True, "not with parallel.virtual_pipeline_model_"
                         "parallel_size > 1 (a moved share must stay a multiple of parallel.pp "

@@ -1,17 +1,21 @@
 """megatron's ``P2PCommunicator`` for stages of different TP degree.
 
-megatron's pipeline schedules (``get_forward_backward_func``: 1F1B) drive communication
+megatron's pipeline schedules (``get_forward_backward_func``: 1F1B, interleaved with virtual
+stages) drive communication
 through a ``P2PCommunicator``; every ``send_*``/``recv_*`` method ends in ``_communicate``.
 ``NUTPP2PCommunicator`` keeps megatron's schedule and methods and replaces only
 ``_communicate``: the activation and its gradient move between this rank and the ranks of the
 neighbouring stages of its replica as ``pipeline.boundary`` maps them (rows of the sequence,
 a piece per pair). ``pp_group`` is the rank's position among the stages (the schedule reads
-its size and rank only).
+its size and rank only). With virtual stages the stages form a ring: the last stage's next is
+the first (``boundary.stage_links(ring=True)``).
 
 Deadlock freedom: every TP rank of a stage runs the same schedule (same micro-batches, same
 calls in the same order), so the stage-level protocol is megatron's; each call posts all of
 its receives and sends before waiting on any, and two ranks exchange at most one message per
-direction per call, in schedule order on both sides.
+direction per call, in schedule order on both sides — except a ring of two stages, where an
+activation and a gradient may go the same way in one call: receives are posted prev then next
+and sends next then prev, so both sides order them alike (p2p matches per pair in order).
 """
 
 from __future__ import annotations

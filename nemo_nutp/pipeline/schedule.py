@@ -1,6 +1,7 @@
 """Forward/backward of one replica's micro-batches through megatron's pipeline schedule.
 
-``pipeline_step`` runs megatron-core's own 1F1B schedule (``get_forward_backward_func``) with
+``pipeline_step`` runs megatron-core's own 1F1B schedule (``get_forward_backward_func``; with
+virtual pipeline stages its interleaved schedule over the rank's model chunks) with
 this rank's explicit groups and the NUTP stage-boundary communicator; megatron's DDP
 accumulates into ``main_grad`` with ``no_sync`` until the last micro-batch's backward, whose
 hooks drive the NUTP cross-replica sync as with ``pp == 1``. Then the sync is finished, tied

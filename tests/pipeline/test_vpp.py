@@ -12,9 +12,10 @@ parallel_size``) with stages at different TP degrees.
   ``test_pipeline_parity.py``: losses, grad norms, step-0 gradients, final parameters within
   1e-5) for PP2 x 2 chunks (tied, unequal degrees and shares; sequence parallelism with a
   degree-2 -> degree-1 wrap-around), PP4 x 2 chunks on a degraded replica and PP2 x 3 chunks,
-  with forward-only interleaved evaluation; two negative controls fail far outside the
-  tolerance: the wrap-around link removed, and chunks holding contiguous layer blocks instead
-  of megatron's interleaved ``c * pp + s``;
+  with forward-only interleaved evaluation; bf16 within the parity suite's bf16 tolerance;
+  two negative controls fail far outside the tolerance: the wrap-around link removed, and
+  chunks holding contiguous layer blocks instead of megatron's interleaved ``c * pp + s``;
+* NUTP's distributed optimizer over chunked ranks (with and without live redundancy);
 * checkpoints (bench tier, ``make bench``): a chunked run's checkpoint resumes in a plain
   pipeline and in a chunked one at other degrees, and back.
 """
@@ -145,6 +146,9 @@ def test_config_errors_name_the_field() -> None:
         load_config([*base, "model.num_layers=6"])
     with pytest.raises(ValueError, match=r"^nutp.rebalance=True: not with parallel.virtual_"):
         load_config([*base, "model.num_layers=4", "nutp.rebalance=true"])
+    with pytest.raises(ValueError, match=r"^recovery.mode='live': not with parallel.virtual_"):
+        load_config([*base, "model.num_layers=4", "recovery.enabled=true",
+                     "recovery.mode=live", "checkpoint.interval=2"])
     cfg = load_config([*base, "model.num_layers=4"])
     assert cfg.parallel.vp == 2
 
@@ -161,6 +165,8 @@ CASES = [
          global_batch=8, model=dict(num_layers=8, tie_embeddings=True)),
     Case("pp2_vp3", ((2, 1), (2, 2)), pp=2, vp=3, clip_grad=CLIP, steps=2, global_batch=6,
          model=dict(num_layers=6)),
+    Case("pp2_vp2_bf16", ((2, 1), (2, 2)), pp=2, vp=2, clip_grad=CLIP, precision="bf16",
+         steps=3, global_batch=8, model=dict(GQA_SWIGLU, num_layers=4)),
     Case("control_vp_no_wrap", ((2, 2), (1, 2)), pp=2, vp=2, clip_grad=CLIP,
          sequence_parallel=True, steps=2, global_batch=6, model=dict(GQA_SWIGLU, num_layers=4),
          control="vp_no_wrap"),
@@ -233,3 +239,36 @@ def test_checkpoints_with_virtual_stages(tmp_path: Path) -> None:
     assert sorted(checked) == sorted([
         ("fresh", "vp2"), ("self", "vp2"), ("from_vp2", "pp2"), ("fresh", "pp2"),
         ("self", "pp2"), ("from_pp2", "vp2_b"), ("from_vp2", "vp2_b")]), checked
+
+
+# ------------------------------------------------------------------ the distributed optimizer
+@pytest.mark.dist
+@pytest.mark.timeout(900)
+def test_distributed_optimizer_with_virtual_stages(tmp_path: Path) -> None:
+    """NUTP's ZeRO-1 over a chunked rank (every chunk's parameters in the one sync engine's
+    buckets), with and without ``recovery.live_redundancy``: the parity suite's checks, state
+    kept once across the world (``tests/sync/test_zero.py``'s)."""
+    import json
+
+    from tests.helpers.parity import check_parity, run_references
+    from tests.helpers.zero_jobs import parity_worker
+
+    tied = dict(num_layers=4, tie_embeddings=True, add_bias_linear=True)
+    cases = [Case("zero_vp2_tied", ((2, 1), (2, 2)), pp=2, vp=2, clip_grad=CLIP,
+                  global_batch=8, steps=3, model=tied),
+             Case("zero_vp2_tied_redundant", ((2, 1), (2, 2)), pp=2, vp=2, clip_grad=CLIP,
+                  global_batch=8, steps=3, model=tied, zero_redundancy=True)]
+    run_references(cases, tmp_path)
+    spawn(parity_worker, 7, (cases,), tmp_path)
+    for c in cases:
+        r = json.loads((tmp_path / f"{c.name}.json").read_text())
+        print(f"{c.name}: loss_rel={max(r['loss_rel']):.2e} norm_rel={max(r['norm_rel']):.2e} "
+              f"model_rel={r['model_rel']:.2e} state={r['state']}")
+        assert r["grads_compared"]  # pipeline + tied: all-reduced buckets, gradients compared
+        check_parity(r, clip=c.clip_grad)
+        # state kept about once across the world (Adam moments; redundancy: twice, fp32
+        # masters too), every copy equal to its primary
+        per_elem, copies = (12, 2) if r["redundancy"] else (8, 1)
+        for b, n in r["state"]:
+            assert 0 < b <= copies * (1 / r["replicas"] + 0.05) * n * per_elem, r["state"]
+        assert r["backup_diff"] == 0.0, r["backup_diff"]
