@@ -864,7 +864,7 @@ def memory_spec(cfg: JobConfig) -> MemorySpec | None:
         flash_attention=m.core_attention != "megatron" or m.transformer_impl ==
         "transformer_engine", dropout=m.hidden_dropout > 0 or m.attention_dropout > 0,
         recompute_granularity=m.recompute_granularity, recompute_method=m.recompute_method,
-        recompute_num_layers=m.recompute_num_layers or 1)
+        recompute_num_layers=m.recompute_num_layers or 1, vp=p.vp)
 
 
 def plan_request(cfg: JobConfig, *, world_size: int | None = None) -> PlanRequest:

@@ -80,6 +80,9 @@ class MemorySpec:
     """With 'full': layers per recompute chunk (uniform) or recomputed layers (block)."""
     reserve_gib: float = 4.0
     """Set aside for the CUDA context, NCCL and sync buffers, fragmentation."""
+    vp: int = 1
+    """Model chunks per rank (``parallel.virtual_pipeline_model_parallel_size``): the
+    interleaved schedule keeps more, smaller chunk passes in flight."""
 
     def __post_init__(self) -> None:
         if not self.gpu_memory_gib > 0:

@@ -93,6 +93,33 @@ def test_chunks_hold_megatrons_interleaved_blocks() -> None:
         chunk_layers(6, 2, 2)
 
 
+def test_memory_model_counts_the_interleaved_passes_in_flight() -> None:
+    """Stage 0 keeps ``1 + (pp - 1) / (pp vp)`` times the activations of plain 1F1B (Megatron-
+    LM's interleaved-schedule memory penalty); the last stage ``(vp - 1) pp + 1`` chunk passes
+    of ``L / (pp vp)`` layers (megatron's warm-up there); with ``M == pp`` every pass is in
+    flight."""
+    import dataclasses
+
+    from nemo_nutp.layout import ModelDims
+    from nemo_nutp.layout.memory import stage_activation_bytes
+    from nemo_nutp.layout.specs import MemorySpec
+
+    dims = ModelDims(num_layers=16)
+    plain = MemorySpec(gpu_memory_gib=80.0)
+    for pp, vp in ((2, 2), (4, 2), (4, 4), (2, 8)):
+        spec = dataclasses.replace(plain, vp=vp)
+        base = stage_activation_bytes(dims, 2, plain, stage=0, pp=pp)
+        got = stage_activation_bytes(dims, 2, spec, stage=0, pp=pp)
+        assert got == pytest.approx(base * (1 + (pp - 1) / (pp * vp)), rel=1e-12), (pp, vp)
+        last = [stage_activation_bytes(dims, 2, s, stage=pp - 1, pp=pp) for s in (plain, spec)]
+        layer = base / dims.num_layers  # stage 0 of plain 1F1B keeps pp x L/pp layers
+        assert last[1] - last[0] == pytest.approx(
+            layer * (((vp - 1) * pp + 1) * dims.num_layers / (pp * vp)
+                     - dims.num_layers / pp)), (pp, vp)
+        every = stage_activation_bytes(dims, 2, spec, stage=0, pp=pp, microbatches=pp)
+        assert every == pytest.approx(layer * vp * pp * dims.num_layers / (pp * vp))
+
+
 # ------------------------------------------------------------------ megatron's interleaving rule
 def test_interleaving_rule_is_megatrons() -> None:
     # default group = pp: a multiple of pp, at least pp
