@@ -346,11 +346,13 @@ class _Speed:
             self._cache[key] = stage_time(
                 r.model, r.cost, t=t, stage=s, pp=self.pp, tokens=self.tokens, t_prev=t_prev,
                 t_next=t_next, sequence_parallel=r.parallel.sequence_parallel,
-                balance=r.parallel.unit_balance)
+                balance=r.parallel.unit_balance, vp=r.parallel.vp)
         return self._cache[key]
 
     def _nbrs(self, s: int, degrees: tuple[int, ...] | None) -> tuple[int | None, int | None]:
         d = degrees or (self.tb,) * self.pp
+        if self.req.parallel.vp > 1:  # virtual stages: a ring (last stage -> stage 0)
+            return d[(s - 1) % self.pp], d[(s + 1) % self.pp]
         return (d[s - 1] if s > 0 else None), (d[s + 1] if s < self.pp - 1 else None)
 
     def time(self, stage: int, t: int, gpu_speed: float = 1.0,

@@ -120,6 +120,26 @@ def test_memory_model_counts_the_interleaved_passes_in_flight() -> None:
         assert every == pytest.approx(layer * vp * pp * dims.num_layers / (pp * vp))
 
 
+def test_cost_model_counts_every_chunks_boundary_crossing() -> None:
+    """Virtual stages: every chunk crosses its stage's boundaries (the ring's wrap-around
+    included), except into the first chunk of stage 0 and out of the last chunk of the last
+    stage; the planner's stage times see the ring's neighbours."""
+    from nemo_nutp.layout import ModelDims
+    from nemo_nutp.layout.cost import CostSpec, boundary_bytes, crossings, stage_time
+
+    assert [crossings(s, 2) for s in range(2)] == [(0, 1), (1, 0)]
+    assert [crossings(s, 2, 2) for s in range(2)] == [(1, 2), (2, 1)]
+    assert [crossings(s, 4, 3) for s in range(4)] == [(2, 3), (3, 3), (3, 3), (3, 2)]
+    dims = ModelDims(num_layers=8)
+    one = boundary_bytes(dims, 2, t_prev=1, t_next=2, tokens=64)
+    assert boundary_bytes(dims, 2, t_prev=1, t_next=2, tokens=64, n_prev=3, n_next=3) == 3 * one
+    spec = CostSpec.from_hardware(peak_tflops=989, nvlink_gbps=450, network_gbps=50, name="h100")
+    plain = stage_time(dims, spec, t=2, stage=0, pp=2, tokens=64, t_next=1)
+    ring = stage_time(dims, spec, t=2, stage=0, pp=2, tokens=64, t_prev=1, t_next=1, vp=2)
+    assert ring.compute == plain.compute and ring.tp == plain.tp
+    assert ring.boundary > 2 * plain.boundary  # 2 sends + 1 receive (from the wrap) vs 1 send
+
+
 # ------------------------------------------------------------------ megatron's interleaving rule
 def test_interleaving_rule_is_megatrons() -> None:
     # default group = pp: a multiple of pp, at least pp
