@@ -43,6 +43,12 @@ class PipelineRunner:
             raise ValueError(f"{len(self.chunks)} model chunks, the plan has "
                              f"parallel.virtual_pipeline_model_parallel_size={plan.vp}")
         self.config = get_model_config(self.chunks[0]) if plan.vp > 1 else model.config
+        if plan.vp > 1 and (self.config.overlap_p2p_comm
+                            or self.config.overlap_p2p_comm_warmup_flush):
+            # (only the interleaved schedule reads it)
+            raise ValueError("overlap_p2p_comm=True: not with NUTP's virtual pipeline stages "
+                             "(every stage-boundary exchange completes inside its call; no "
+                             "handles to wait on)")
         self.config.no_sync_func = model.no_sync
         self.config.grad_sync_func = None
         self.config.finalize_model_grads_func = None  # NUTP finishes the sync itself
@@ -54,10 +60,6 @@ class PipelineRunner:
         self.finalizer.warm_up()
         self.micro_batch_size = micro_batch_size
         self.last = groups.ctx.stage == plan.pp - 1
-        if self.config.overlap_p2p_comm or self.config.overlap_p2p_comm_warmup_flush:
-            raise ValueError("overlap_p2p_comm=True: not with NUTP stages (every stage-"
-                             "boundary exchange completes inside its call; no handles to wait "
-                             "on)")
         self.schedule = get_forward_backward_func(pp_size=plan.pp,
                                                   vp_size=plan.vp if plan.vp > 1 else None)
 
