@@ -22,7 +22,7 @@ TESTS_312 ?= tests/train/test_parity.py tests/train/test_checks.py \
 	tests/model/test_attention.py tests/model/test_init.py tests/model/test_specs.py \
 	tests/compat/test_cpu_compat.py tests/checkpoint/test_roundtrip.py \
 	tests/checkpoint/test_zero_roundtrip.py tests/pipeline/test_pipeline_parity.py \
-	tests/sync/test_zero.py tests/launch/test_docker.py
+	tests/sync/test_zero.py tests/launch/test_docker.py tests/pipeline/test_vpp.py
 
 # Megatron-Bridge (Python 3.12 only): Bridge --no-deps plus the pinned list of what its imports
 # need (requirements-bridge.txt); its full dependency set does not build here.
@@ -89,6 +89,7 @@ test-bridge: $(STAMPBRIDGE)
 bench: $(STAMP) $(STAMPBRIDGE)
 	$(BIN)/python benchmarks/plan_scale.py
 	$(BIN)/python benchmarks/norm_kernels.py
+	NUTP_BENCH=1 $(BIN)/python -m pytest -q -m bench tests
 	$(VENV312)/bin/python benchmarks/recipe_coverage.py --train
 
 sim: $(STAMP)

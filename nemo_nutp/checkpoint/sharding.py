@@ -160,6 +160,12 @@ def layer_offset(model: torch.nn.Module) -> int:
     return int(layers[0].layer_number) - 1 if layers else 0
 
 
+def _chunks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """A ``model.ModelChunks``'s chunks (virtual pipeline stages)."""
+    chunks: Any = model.chunks
+    return list(chunks)
+
+
 def megatron_sharded_state_dict(model: torch.nn.Module, dims: ModelDims, *, replica: int,
                                 tp_rank: int) -> dict[str, Any]:
     """``{name: ShardedTensor | ShardedTensorFactory | ShardedObject}`` of this rank's model in
@@ -168,7 +174,13 @@ def megatron_sharded_state_dict(model: torch.nn.Module, dims: ModelDims, *, repl
 
     Pipeline stages: layers get their global index (the stage's offset added); the last
     stage's copy of a tied embedding is megatron's: a non-main replica of
-    ``embedding.word_embeddings.weight`` (never written; loaded from the first stage's)."""
+    ``embedding.word_embeddings.weight`` (never written; loaded from the first stage's).
+    Virtual pipeline stages (``model.ModelChunks``): every chunk's, its names prefixed
+    ``chunks.<c>.`` as the rank's parameter names, each chunk's layers at their global index."""
+    if hasattr(model, "chunks"):
+        return {f"chunks.{c}.{k}": v for c, chunk in enumerate(_chunks(model))
+                for k, v in megatron_sharded_state_dict(chunk, dims, replica=replica,
+                                                        tp_rank=tp_rank).items()}
     kmap = keys_map(model)
     offset = layer_offset(model)
     out: dict[str, Any] = {}
@@ -195,6 +207,9 @@ def megatron_sharded_state_dict(model: torch.nn.Module, dims: ModelDims, *, repl
 
 def expected_global_shapes(model: torch.nn.Module, dims: ModelDims) -> dict[str, list[int]]:
     """Global shape of every megatron checkpoint key of the model's parameters."""
+    if hasattr(model, "chunks"):  # virtual pipeline stages: every chunk's
+        return {k: v for chunk in _chunks(model)
+                for k, v in expected_global_shapes(chunk, dims).items()}
     kmap = keys_map(model)
     offset = layer_offset(model)
     out: dict[str, list[int]] = {}

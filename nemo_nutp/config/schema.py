@@ -811,6 +811,24 @@ def _check_layout(cfg: JobConfig) -> None:
         raise bad_value("model.recompute_num_layers", m.recompute_num_layers,
                         f"exceeds the layers per stage (model.num_layers / parallel.pp = "
                         f"{m.num_layers // p.pp})")
+    if m.num_layers % (p.pp * p.vp):
+        raise bad_value("parallel.virtual_pipeline_model_parallel_size", p.vp,
+                        f"parallel.pp={p.pp} times it must divide model.num_layers="
+                        f"{m.num_layers}")
+    if p.vp > 1 and m.recompute_num_layers is not None and \
+            m.recompute_num_layers > m.num_layers // (p.pp * p.vp):
+        raise bad_value("model.recompute_num_layers", m.recompute_num_layers,
+                        f"exceeds the layers per model chunk (model.num_layers / (parallel.pp * "
+                        f"parallel.virtual_pipeline_model_parallel_size) = "
+                        f"{m.num_layers // (p.pp * p.vp)})")
+    if p.vp > 1 and cfg.recovery.enabled and cfg.recovery.mode == "live":
+        raise bad_value("recovery.mode", "live", "not with parallel.virtual_pipeline_model_"
+                        "parallel_size > 1 (the in-memory re-layout of model chunks is not "
+                        "built yet; recovery.mode=restart resumes from checkpoints)")
+    if p.vp > 1 and cfg.nutp.rebalance:
+        raise bad_value("nutp.rebalance", True, "not with parallel.virtual_pipeline_model_"
+                        "parallel_size > 1 (a moved share must stay a multiple of parallel.pp "
+                        "for the interleaved schedule; not built yet)")
     if cfg.nutp.replicas is None:
         return
     reps = normalize_replicas(cfg.nutp.replicas, p.pp)
@@ -846,7 +864,7 @@ def memory_spec(cfg: JobConfig) -> MemorySpec | None:
         flash_attention=m.core_attention != "megatron" or m.transformer_impl ==
         "transformer_engine", dropout=m.hidden_dropout > 0 or m.attention_dropout > 0,
         recompute_granularity=m.recompute_granularity, recompute_method=m.recompute_method,
-        recompute_num_layers=m.recompute_num_layers or 1)
+        recompute_num_layers=m.recompute_num_layers or 1, vp=p.vp)
 
 
 def plan_request(cfg: JobConfig, *, world_size: int | None = None) -> PlanRequest:

@@ -3,9 +3,16 @@
 Nothing here imports ``torch`` or creates processes.
 """
 
-from .cost import CostSpec, stage_layers
+from .cost import CostSpec, chunk_layers, stage_layers
 from .plan import POLICIES, Plan, Replica, apportion, build_plan, fit_cluster
-from .specs import ClusterSpec, HealthReport, ModelDims, ParallelSpec, PlanRequest
+from .specs import (
+    ClusterSpec,
+    HealthReport,
+    ModelDims,
+    ParallelSpec,
+    PlanRequest,
+    interleave_error,
+)
 from .sync import ReshardPlan, SyncLayout, make_sync_layout, moved_lower_bound, reshard_plan
 from .units import PARAM_KINDS, SPACES, assignment, global_index, local_layout, num_units
 
@@ -26,8 +33,10 @@ __all__ = [
     "apportion",
     "assignment",
     "build_plan",
+    "chunk_layers",
     "fit_cluster",
     "global_index",
+    "interleave_error",
     "local_layout",
     "make_sync_layout",
     "moved_lower_bound",

@@ -46,6 +46,17 @@ def stage_layers(num_layers: int, pp: int) -> list[tuple[int, int]]:
     return [(s * n, (s + 1) * n) for s in range(pp)]
 
 
+def chunk_layers(num_layers: int, pp: int, vp: int = 1) -> list[list[tuple[int, int]]]:
+    """Per stage, ``[first, last_exclusive)`` layers of each of its ``vp`` model chunks:
+    chunk ``c`` of stage ``s`` holds block ``c * pp + s`` of ``pp * vp`` even blocks
+    (megatron's interleaving). ``vp == 1``: ``stage_layers``."""
+    if vp < 1 or num_layers % (pp * vp):
+        raise bad_value("parallel.virtual_pipeline_model_parallel_size", vp,
+                        f"parallel.pp={pp} times it must divide model.num_layers={num_layers}")
+    n = num_layers // (pp * vp)
+    return [[((c * pp + s) * n, (c * pp + s + 1) * n) for c in range(vp)] for s in range(pp)]
+
+
 def stage_flops(dims: ModelDims, t: int, layers: int, *, with_vocab: bool, tokens: int,
                 balance: str = "work") -> float:
     """Forward + backward FLOPs of the slowest of ``t`` ranks for one micro-batch."""
@@ -59,16 +70,28 @@ def tp_bytes(dims: ModelDims, t: int, layers: int, *, tokens: int, act_bytes: in
 
 
 def boundary_bytes(dims: ModelDims, t: int, *, t_prev: int | None, t_next: int | None,
-                   tokens: int, sequence_parallel: bool = False, act_bytes: int = 2) -> float:
+                   tokens: int, sequence_parallel: bool = False, act_bytes: int = 2,
+                   n_prev: int = 1, n_next: int = 1) -> float:
     """Bytes one rank of a stage at degree ``t`` sends + receives at its stage boundaries per
-    micro-batch, forward activations and backward gradients (``None``: no such neighbour)."""
+    micro-batch, forward activations and backward gradients (``None``: no such neighbour);
+    ``n_prev``/``n_next``: crossings per micro-batch (virtual stages: one per chunk)."""
     a = float(tokens * dims.hidden_size * act_bytes)
     total = 0.0
     if t_prev is not None:  # receive: the whole activation, or this rank's chunk under SP
-        total += a / t if sequence_parallel else a
+        total += n_prev * (a / t if sequence_parallel else a)
     if t_next is not None:  # send: its chunk, or the whole one to t_next / t receivers
-        total += a / t if sequence_parallel else a * t_next / t
+        total += n_next * (a / t if sequence_parallel else a * t_next / t)
     return 2.0 * total  # the gradients go the other way with the same sizes
+
+
+def crossings(stage: int, pp: int, vp: int = 1) -> tuple[int, int]:
+    """Boundary crossings per micro-batch of a stage (from the previous stage, to the next):
+    one each way without virtual stages; with ``vp`` chunks the stages form a ring and every
+    chunk crosses, but nothing enters the first chunk of stage 0 or leaves the last chunk of
+    the last stage."""
+    if vp == 1:
+        return int(stage > 0), int(stage < pp - 1)
+    return vp - int(stage == 0), vp - int(stage == pp - 1)
 
 
 @dataclass(frozen=True)
@@ -86,8 +109,11 @@ class StageTime:
 
 def stage_time(dims: ModelDims, spec: CostSpec | None, *, t: int, stage: int, pp: int,
                tokens: int, t_prev: int | None = None, t_next: int | None = None,
-               sequence_parallel: bool = False, balance: str = "work") -> StageTime:
-    """One micro-batch on stage ``stage`` of ``pp`` at degree ``t`` (slowest rank)."""
+               sequence_parallel: bool = False, balance: str = "work",
+               vp: int = 1) -> StageTime:
+    """One micro-batch on stage ``stage`` of ``pp`` at degree ``t`` (slowest rank); ``vp``
+    chunks per rank: its boundary crossings per micro-batch (``crossings``; ``t_prev`` /
+    ``t_next`` then the ring's neighbours)."""
     layers = dims.num_layers // pp
     flops = stage_flops(dims, t, layers, with_vocab=stage == pp - 1, tokens=tokens,
                         balance=balance)
@@ -96,9 +122,11 @@ def stage_time(dims: ModelDims, spec: CostSpec | None, *, t: int, stage: int, pp
     ab = spec.act_bytes
     tp = tp_bytes(dims, t, layers, tokens=tokens, act_bytes=ab) / (spec.tp_gbps * 1e9)
     tp = tp * (1.0 - spec.tp_overlap) + (4 * layers * spec.latency_s if t > 1 else 0.0)
-    nb = (t_prev is not None) + (t_next is not None)
+    n_prev, n_next = crossings(stage, pp, vp) if vp > 1 else (1, 1)
+    nb = n_prev * (t_prev is not None) + n_next * (t_next is not None)
     bd = boundary_bytes(dims, t, t_prev=t_prev, t_next=t_next, tokens=tokens,
-                        sequence_parallel=sequence_parallel, act_bytes=ab)
+                        sequence_parallel=sequence_parallel, act_bytes=ab,
+                        n_prev=n_prev, n_next=n_next)
     bd = bd / (spec.p2p_gbps * 1e9) + 2 * nb * spec.latency_s
     compute = flops / spec.flops + layers * spec.layer_overhead_s
     if stage == 0 and spec.table_elem_s:

@@ -110,8 +110,12 @@ def layer_activation_bytes(dims: ModelDims, t: int, spec: MemorySpec, *,
 def stage_activation_bytes(dims: ModelDims, t: int, spec: MemorySpec, *, stage: int, pp: int,
                            microbatches: int | None = None, balance: str = "work") -> float:
     """Peak activation bytes of a stage: micro-batches in flight x what each keeps, one
-    recomputed chunk, and the last stage's logits."""
-    layers = dims.num_layers // pp
+    recomputed chunk, and the last stage's logits. Virtual pipeline stages (``spec.vp > 1``):
+    chunk passes in flight x what each keeps of its chunk's layers; megatron's interleaved
+    schedule runs ``2 (pp - stage - 1) + (vp - 1) pp`` warm-up passes (its default micro-batch
+    group, ``pp``), so one more are in flight (all ``vp M`` when ``M == pp``)."""
+    vp = spec.vp
+    layers = dims.num_layers // (pp * vp)
     a_layer = layer_activation_bytes(dims, t, spec, balance=balance)
     s, b, h = dims.seq_length, spec.micro_batch_size, dims.hidden_size
     chunk_in = spec.param_bytes * s * b * h / (t if spec.sequence_parallel else 1)
@@ -125,7 +129,12 @@ def stage_activation_bytes(dims: ModelDims, t: int, spec: MemorySpec, *, stage: 
         chunks = -(-layers // n)
         kept, transient = chunks * chunk_in, min(n, layers) * a_layer
     in_flight = pp - stage if pp > 1 else 1
-    if microbatches is not None:
+    if vp > 1:
+        in_flight = 2 * (pp - stage - 1) + (vp - 1) * pp + 1
+        if microbatches is not None:
+            in_flight = vp * microbatches if microbatches == pp else \
+                min(in_flight, vp * microbatches)
+    elif microbatches is not None:
         in_flight = min(in_flight, microbatches)
     logits = 0.0
     if stage == pp - 1:

@@ -37,7 +37,7 @@ import numpy as np
 
 from .cost import StageTime, stage_time
 from .memory import fits_every_stage, stage_memory, why_not
-from .specs import ClusterSpec, PlanRequest, bad_value
+from .specs import ClusterSpec, PlanRequest, bad_value, interleave_error
 from .sync import SyncLayout, make_sync_layout, reshard_plan
 from .units import (
     PARAM_KINDS,
@@ -89,6 +89,11 @@ class Plan:
     @property
     def pp(self) -> int:
         return self.request.parallel.pp
+
+    @property
+    def vp(self) -> int:
+        """Model chunks per rank (megatron's virtual pipeline size; 1: no interleaving)."""
+        return self.request.parallel.vp
 
     @cached_property
     def rank_index(self) -> dict[int, tuple[int, int, int]]:
@@ -192,12 +197,32 @@ def best_degree_table(valid: np.ndarray) -> np.ndarray:
     return np.maximum.accumulate(idx)
 
 
+def check_interleaving(req: PlanRequest, shares: list[int]) -> None:
+    """With virtual pipeline stages every replica's share of micro-batches must satisfy
+    megatron's interleaved schedule (``specs.interleave_error``): checked per replica, since each
+    runs the schedule on its own share."""
+    p = req.parallel
+    if p.vp <= 1:
+        return
+    for k, m in enumerate(shares):
+        why = interleave_error(m, p.pp)
+        if why is not None:
+            raise bad_value("parallel.virtual_pipeline_model_parallel_size", p.vp,
+                            f"replica {k}'s share is {m} of the {req.global_batch} micro-batches "
+                            f"of a step (train.global_batch_size / train.micro_batch_size; "
+                            f"shares {shares}): {why}")
+
+
 def _validate(req: PlanRequest) -> None:
     p, m, c = req.parallel, req.model, req.cluster
     if req.policy not in POLICIES:
         raise bad_value("nutp.policy", req.policy, f"must be one of {POLICIES}")
     if m.num_layers % p.pp:
         raise bad_value("parallel.pp", p.pp, f"must divide model.num_layers={m.num_layers}")
+    if m.num_layers % (p.pp * p.vp):
+        raise bad_value("parallel.virtual_pipeline_model_parallel_size", p.vp,
+                        f"parallel.pp={p.pp} times it must divide model.num_layers="
+                        f"{m.num_layers}")
     if p.tp_base > c.domain_size:
         raise bad_value("parallel.tp_base", p.tp_base,
                         f"a TP group must fit in one domain (cluster.domain_size={c.domain_size})")
@@ -321,11 +346,13 @@ class _Speed:
             self._cache[key] = stage_time(
                 r.model, r.cost, t=t, stage=s, pp=self.pp, tokens=self.tokens, t_prev=t_prev,
                 t_next=t_next, sequence_parallel=r.parallel.sequence_parallel,
-                balance=r.parallel.unit_balance)
+                balance=r.parallel.unit_balance, vp=r.parallel.vp)
         return self._cache[key]
 
     def _nbrs(self, s: int, degrees: tuple[int, ...] | None) -> tuple[int | None, int | None]:
         d = degrees or (self.tb,) * self.pp
+        if self.req.parallel.vp > 1:  # virtual stages: a ring (last stage -> stage 0)
+            return d[(s - 1) % self.pp], d[(s + 1) % self.pp]
         return (d[s - 1] if s > 0 else None), (d[s + 1] if s < self.pp - 1 else None)
 
     def time(self, stage: int, t: int, gpu_speed: float = 1.0,
@@ -526,7 +553,11 @@ def _assemble(req: PlanRequest, starts: np.ndarray, healthy: np.ndarray, failed:
     keep = _bench_slow(speeds, req.global_batch)
     deg[live[~keep]] = 0
     live, speeds = live[keep], speeds[keep]
-    shares = apportion(speeds, req.global_batch)
+    if p.vp > 1 and req.global_batch % p.pp == 0 and req.global_batch >= p.pp * len(speeds):
+        # the interleaved schedule runs multiples of pp per replica: apportion in groups of pp
+        shares = p.pp * apportion(speeds, req.global_batch // p.pp)
+    else:
+        shares = apportion(speeds, req.global_batch)
     ranks: dict[tuple[int, int], tuple[int, ...]] = {}
     rank_to_gpu: list[int] = []
     for s in range(p.pp):
@@ -551,6 +582,7 @@ def _assemble(req: PlanRequest, starts: np.ndarray, healthy: np.ndarray, failed:
                 stage_times=tuple(t / speed.full for t in speed.stage_times(
                     tuple(int(x) for x in deg[i]), gv[int(i)])))
         for k, i in enumerate(live))
+    check_interleaving(req, [int(x) for x in shares])
     sync = {(s, space): make_sync_layout(
         num_units(req.model, space), sorted({r.tp[s] for r in replicas}), p.sync_layout,
         bounds=functools.partial(space_bounds, req.model, space, balance=p.unit_balance))

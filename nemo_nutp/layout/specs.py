@@ -19,6 +19,23 @@ def bad_value(name: str, value: Any, why: str) -> ValueError:
     return ValueError(f"{name}={value!r}: {why}")
 
 
+def interleave_error(microbatches: int, pp: int, group: int | None = None) -> str | None:
+    """megatron's interleaved schedule's rule on a rank's micro-batch count (0.16 and 0.19,
+    ``forward_backward_pipelining_with_interleaving``): with ``group`` contiguous micro-batches
+    per virtual stage (megatron's ``microbatch_group_size_per_vp_stage``, default ``pp``),
+    ``pp <= group <= microbatches`` and ``microbatches % group`` is 0 or ``>= pp``; with the
+    default that is ``microbatches % pp == 0``. None when it holds, else why not."""
+    g = pp if group is None else group
+    if not pp <= g <= microbatches:
+        return (f"the interleaved schedule needs at least parallel.pp={pp} micro-batches "
+                f"(megatron: pp <= microbatch_group_size_per_vp_stage={g} <= micro-batches)")
+    if 0 < microbatches % g < pp:
+        return (f"the interleaved schedule needs a multiple of parallel.pp={pp} micro-batches "
+                f"(megatron: micro-batches % microbatch_group_size_per_vp_stage={g} must be 0 "
+                f"or >= pp)")
+    return None
+
+
 def check_positive(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise bad_value(name, value, "must be a positive integer")
@@ -63,6 +80,9 @@ class MemorySpec:
     """With 'full': layers per recompute chunk (uniform) or recomputed layers (block)."""
     reserve_gib: float = 4.0
     """Set aside for the CUDA context, NCCL and sync buffers, fragmentation."""
+    vp: int = 1
+    """Model chunks per rank (``parallel.virtual_pipeline_model_parallel_size``): the
+    interleaved schedule keeps more, smaller chunk passes in flight."""
 
     def __post_init__(self) -> None:
         if not self.gpu_memory_gib > 0:
@@ -304,9 +324,24 @@ class ParallelSpec:
     sync_layout: str = "refine"
     """'refine': shards at every replica's boundaries (nothing moves, more DP groups);
     'base': shards of the tp_base layout (degraded replicas reshard, one group per shard)."""
+    virtual_pipeline_model_parallel_size: int | None = None
+    """megatron's virtual pipeline stages (interleaved 1F1B): model chunks per rank; chunk ``c``
+    of stage ``s`` holds layer block ``c * pp + s``. None or 1: no interleaving."""
+
+    @property
+    def vp(self) -> int:
+        """Model chunks per rank (1 without interleaving)."""
+        return self.virtual_pipeline_model_parallel_size or 1
+
     def __post_init__(self) -> None:
         check_positive("parallel.tp_base", self.tp_base)
         check_positive("parallel.pp", self.pp)
+        v = self.virtual_pipeline_model_parallel_size
+        if v is not None:
+            check_positive("parallel.virtual_pipeline_model_parallel_size", v)
+            if v > 1 and self.pp < 2:
+                raise bad_value("parallel.virtual_pipeline_model_parallel_size", v,
+                                f"needs parallel.pp > 1 (parallel.pp={self.pp})")
         check_positive("parallel.min_tp", self.min_tp)
         if self.dp is not None:
             check_positive("parallel.dp", self.dp)

@@ -89,7 +89,9 @@ class Injector:
             step, gen = where()
             self.fire(phase, step=step, gen=gen)
 
-        session.gpt.register_forward_pre_hook(lambda *_: at("forward"))
-        session.gpt.register_full_backward_pre_hook(lambda *_: at("backward"))
+        # virtual pipeline stages: every chunk runs its own forward and backward
+        for module in getattr(session.gpt, "chunks", [session.gpt]):
+            module.register_forward_pre_hook(lambda *_: at("forward"))
+            module.register_full_backward_pre_hook(lambda *_: at("backward"))
         if hasattr(session.optimizer, "before_publish"):  # slices updated, params not gathered
             session.optimizer.before_publish = lambda: at("gather")

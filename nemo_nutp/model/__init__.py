@@ -2,6 +2,8 @@
 
 from .build import (
     LAYER_SPECS,
+    ModelChunks,
+    build_gpt_chunks,
     build_gpt_model,
     load_global_init,
     nutp_block_spec,
@@ -14,9 +16,11 @@ from .layers import NUTPMLP, NUTPGPTModel, NUTPNorm, NUTPSelfAttention
 __all__ = [
     "LAYER_SPECS",
     "NUTPMLP",
+    "ModelChunks",
     "NUTPGPTModel",
     "NUTPNorm",
     "NUTPSelfAttention",
+    "build_gpt_chunks",
     "build_gpt_model",
     "load_global_init",
     "nutp_block_spec",

@@ -25,7 +25,7 @@ from megatron.core.transformer import ModuleSpec, TransformerConfig
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from ..compat.megatron import nutp_mlp_linear_fc2, nutp_mlp_submodule
-from ..layout import PARAM_KINDS, Plan, stage_layers
+from ..layout import PARAM_KINDS, Plan, chunk_layers
 from ..layout.specs import ModelDims
 from ..layout.units import space_bounds
 from .init import init_param_
@@ -122,7 +122,7 @@ def enable_cuda_math(precision: str) -> None:
 
 
 def transformer_config(model: Any, *, degree: int, sequence_parallel: bool = False,
-                       precision: str = "fp32", pp: int = 1,
+                       precision: str = "fp32", pp: int = 1, vp: int = 1,
                        cuda: bool | None = None) -> TransformerConfig:
     """megatron ``TransformerConfig`` of the *global* model (fusions only on CUDA: ``fusions``).
 
@@ -131,7 +131,9 @@ def transformer_config(model: Any, *, degree: int, sequence_parallel: bool = Fal
     ``precision`` 'bf16'/'fp16' sets megatron's ``bf16``/``fp16`` and the params dtype (the
     model is then wrapped in megatron's ``Float16Module``). ``pp`` sets megatron's pipeline
     size (the stage's layer count and offset come from the rank's pipeline group) and the
-    dtype of the activations sent between stages. ``model.recompute_*`` pass through to
+    dtype of the activations sent between stages; ``vp`` > 1 megatron's
+    ``virtual_pipeline_model_parallel_size`` (model chunks per rank, the interleaved schedule;
+    a chunk's layers follow from its ``vp_stage``). ``model.recompute_*`` pass through to
     megatron's activation recompute. ``cuda``: default ``torch.cuda.is_available()``.
     """
     cuda = torch.cuda.is_available() if cuda is None else cuda
@@ -159,6 +161,7 @@ def transformer_config(model: Any, *, degree: int, sequence_parallel: bool = Fal
         params_dtype=DTYPES[precision], bf16=precision == "bf16", fp16=precision == "fp16",
         **fusions(cuda=cuda, te=impl == "transformer_engine"), **recompute,
         pipeline_model_parallel_size=pp, pipeline_dtype=DTYPES[precision],
+        virtual_pipeline_model_parallel_size=vp if vp > 1 else None,
     )
     config.tensor_model_parallel_size = degree
     config.sequence_parallel = sequence_parallel and degree > 1
@@ -360,11 +363,43 @@ def rope_kwargs(model_cfg: Any) -> dict[str, Any]:
                                                     None)}
 
 
+class ModelChunks(torch.nn.Module):
+    """A rank's model chunks under virtual pipeline stages, as one module for the NUTP DDP
+    (one grad buffer, one sync engine over every chunk's parameters: all of them belong to the
+    rank's stage and sync at its degree); megatron's interleaved schedule runs ``chunks``."""
+
+    def __init__(self, chunks: list[torch.nn.Module]) -> None:
+        super().__init__()
+        self.chunks = torch.nn.ModuleList(chunks)
+        self.config = getattr(chunks[0], "config", None)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("model chunks run through megatron's interleaved pipeline schedule "
+                           "(pipeline.PipelineRunner), one chunk at a time")
+
+
+def build_gpt_chunks(plan: Plan, rank: int, model_cfg: Any, pgs: ProcessGroupCollection, *,
+                     seed: int = 1234, precision: str = "fp32") -> list[NUTPGPTModel]:
+    """This rank's model chunks: ``plan.vp`` of them (megatron's virtual pipeline stages;
+    chunk ``c`` of stage ``s`` holds layer block ``c * pp + s``), one without interleaving."""
+    if plan.vp == 1:
+        return [build_gpt_model(plan, rank, model_cfg, pgs, seed=seed, precision=precision)]
+    return [build_gpt_model(plan, rank, model_cfg, pgs, seed=seed, precision=precision,
+                            vp_stage=c) for c in range(plan.vp)]
+
+
 def build_gpt_model(plan: Plan, rank: int, model_cfg: Any, pgs: ProcessGroupCollection, *,
-                    seed: int = 1234, precision: str = "fp32") -> NUTPGPTModel:
+                    seed: int = 1234, precision: str = "fp32",
+                    vp_stage: int | None = None) -> NUTPGPTModel:
     """This rank's NUTP GPT model: its pipeline stage's layers (embedding on the first stage,
     final norm and output layer on the last) at the stage's degree, initialised from the
-    global weights; layers and core attention per ``resolve_impl``."""
+    global weights; layers and core attention per ``resolve_impl``. With virtual pipeline
+    stages (``plan.vp > 1``) one chunk, ``vp_stage``: its layer block ``vp_stage * pp +
+    stage``, the embedding only on chunk 0 of stage 0, the output layer only on the last chunk
+    of the last stage (``build_gpt_chunks`` builds them all)."""
+    if (plan.vp > 1) != (vp_stage is not None) or not 0 <= (vp_stage or 0) < plan.vp:
+        raise ValueError(f"vp_stage={vp_stage}: must be a chunk index in [0, "
+                         f"{plan.vp}) with virtual pipeline stages, None without")
     i, stage, j = plan.rank_index[rank]
     degree = plan.replicas[i].tp[stage]
     if pgs.tp.size() != degree:
@@ -374,9 +409,11 @@ def build_gpt_model(plan: Plan, rank: int, model_cfg: Any, pgs: ProcessGroupColl
                          f"this rank at position {stage}")
     sp = plan.request.parallel.sequence_parallel
     config = transformer_config(model_cfg, degree=degree, sequence_parallel=sp,
-                                precision=precision, pp=plan.pp)
+                                precision=precision, pp=plan.pp, vp=plan.vp)
     balance = plan.request.parallel.unit_balance
-    first, last = stage_layers(model_cfg.num_layers, plan.pp)[stage]
+    first, last = chunk_layers(model_cfg.num_layers, plan.pp, plan.vp)[stage][vp_stage or 0]
+    chunk = {} if vp_stage is None else {"vp_stage": vp_stage}
+    first_chunk, last_chunk = (vp_stage or 0) == 0, (vp_stage or 0) == plan.vp - 1
     v0, v1 = unit_range(model_cfg, "word_embedding", degree, j, balance)
     impl, core = resolve_impl(model_cfg)
     model = NUTPGPTModel(
@@ -391,7 +428,8 @@ def build_gpt_model(plan: Plan, rank: int, model_cfg: Any, pgs: ProcessGroupColl
         **rope_kwargs(model_cfg),
         share_embeddings_and_output_weights=model_cfg.tie_embeddings,
         parallel_output=True, pg_collection=pgs,
-        pre_process=stage == 0, post_process=stage == plan.pp - 1,
+        pre_process=stage == 0 and first_chunk,
+        post_process=stage == plan.pp - 1 and last_chunk, **chunk,
     )
     load_global_init(model, model_cfg, degree=degree, tp_rank=j, seed=seed,
                      std=getattr(model_cfg, "init_std", 0.02), balance=balance,

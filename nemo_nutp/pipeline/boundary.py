@@ -13,6 +13,11 @@ the whole sequence), and gradients go back the same way.
 sends global rows ``[lo, hi)`` to receiver ``k``; ``grad_pieces`` the backward ones
 ``(k, j, lo, hi)``: receiver ``k`` sends the gradient of rows ``[lo, hi)`` to sender ``j``.
 Every receiver's rows are covered exactly once (property-tested).
+
+With virtual pipeline stages (megatron's interleaved schedule) the stages form a ring: the last
+stage's chunk ``c`` feeds the first stage's chunk ``c + 1``, so stage ``pp - 1`` (degree
+``tp[pp-1]``) and stage 0 (degree ``tp[0]``) have a boundary too, mapped the same way
+(``stage_links(..., ring=True)``).
 """
 
 from __future__ import annotations
@@ -55,3 +60,32 @@ def grad_pieces(a: int, b: int, seq: int, sp: bool) -> list[Piece]:
     if not sp:
         return [(j % b, j, 0, seq) for j in range(a)]
     return [(k, j, lo, hi) for j, k, lo, hi in _overlaps(a, b, seq)]
+
+
+Link = tuple[int, int, int]  # (TP index of the peer in its stage, global row lo, hi)
+
+
+def stage_links(tp: tuple[int, ...], s: int, j: int, seq: int, sp: bool, *, ring: bool
+                ) -> dict[str, list[Link]]:
+    """Rank ``j`` of stage ``s`` of a replica with per-stage degrees ``tp``: its
+    ``send_next`` (activation rows to stage ``s + 1``), ``recv_next`` (their gradient back),
+    ``send_prev`` (gradient rows to stage ``s - 1``) and ``recv_prev`` (activation rows from
+    it), as (peer TP index, global rows). ``ring``: stage ``pp - 1``'s next is stage 0 and
+    stage 0's prev is stage ``pp - 1`` (virtual pipeline stages); otherwise the first stage has
+    no prev and the last no next."""
+    pp = len(tp)
+    out: dict[str, list[Link]] = {"send_next": [], "recv_next": [], "send_prev": [],
+                                  "recv_prev": []}
+    if ring or s + 1 < pp:
+        a, b = tp[s], tp[(s + 1) % pp]
+        out["send_next"] = [(k, lo, hi) for f, k, lo, hi in boundary_pieces(a, b, seq, sp)
+                            if f == j]
+        out["recv_next"] = [(k, lo, hi) for k, t, lo, hi in grad_pieces(a, b, seq, sp)
+                            if t == j]
+    if ring or s > 0:
+        a, b = tp[(s - 1) % pp], tp[s]
+        out["recv_prev"] = [(f, lo, hi) for f, k, lo, hi in boundary_pieces(a, b, seq, sp)
+                            if k == j]
+        out["send_prev"] = [(t, lo, hi) for k, t, lo, hi in grad_pieces(a, b, seq, sp)
+                            if k == j]
+    return out

@@ -1,17 +1,21 @@
 """megatron's ``P2PCommunicator`` for stages of different TP degree.
 
-megatron's pipeline schedules (``get_forward_backward_func``: 1F1B) drive communication
+megatron's pipeline schedules (``get_forward_backward_func``: 1F1B, interleaved with virtual
+stages) drive communication
 through a ``P2PCommunicator``; every ``send_*``/``recv_*`` method ends in ``_communicate``.
 ``NUTPP2PCommunicator`` keeps megatron's schedule and methods and replaces only
 ``_communicate``: the activation and its gradient move between this rank and the ranks of the
 neighbouring stages of its replica as ``pipeline.boundary`` maps them (rows of the sequence,
 a piece per pair). ``pp_group`` is the rank's position among the stages (the schedule reads
-its size and rank only).
+its size and rank only). With virtual stages the stages form a ring: the last stage's next is
+the first (``boundary.stage_links(ring=True)``).
 
 Deadlock freedom: every TP rank of a stage runs the same schedule (same micro-batches, same
 calls in the same order), so the stage-level protocol is megatron's; each call posts all of
 its receives and sends before waiting on any, and two ranks exchange at most one message per
-direction per call, in schedule order on both sides.
+direction per call, in schedule order on both sides — except a ring of two stages, where an
+activation and a gradient may go the same way in one call: receives are posted prev then next
+and sends next then prev, so both sides order them alike (p2p matches per pair in order).
 """
 
 from __future__ import annotations
@@ -23,19 +27,9 @@ import torch.distributed as dist
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
 from ..layout import Plan
-from .boundary import boundary_pieces, grad_pieces, rows
+from .boundary import rows, stage_links
 
 Slices = list[tuple[int, int, int]]  # (peer global rank, local row lo, local row hi)
-
-
-def _local(pieces: list[tuple[int, int, int, int]], me: int, peers: tuple[int, ...],
-           mine: tuple[int, int], *, sending: bool) -> Slices:
-    """This rank's (peer, local rows) from global pieces (from, to, lo, hi)."""
-    out = []
-    for src, dst, lo, hi in pieces:
-        if (src if sending else dst) == me:
-            out.append((peers[dst if sending else src], lo - mine[0], hi - mine[0]))
-    return out
 
 
 class NUTPP2PCommunicator(P2PCommunicator):
@@ -48,24 +42,19 @@ class NUTPP2PCommunicator(P2PCommunicator):
         rep = plan.replicas[i]
         seq = plan.request.model.seq_length
         sp = plan.request.parallel.sequence_parallel
-        mine = rows(rep.tp[s], j, seq, sp)
+        lo0 = rows(rep.tp[s], j, seq, sp)[0]
         self.next_rank = self.prev_rank = None  # never used: peers come from the maps
-        self.send_next: Slices = []  # activation rows to the next stage
-        self.recv_next: Slices = []  # gradient rows from the next stage
-        self.send_prev: Slices = []  # gradient rows to the previous stage
-        self.recv_prev: Slices = []  # activation rows from the previous stage
-        if s + 1 < plan.pp:
-            a, b = rep.tp[s], rep.tp[s + 1]
-            self.send_next = _local(boundary_pieces(a, b, seq, sp), j, rep.ranks[s + 1], mine,
-                                    sending=True)
-            self.recv_next = _local(grad_pieces(a, b, seq, sp), j, rep.ranks[s + 1], mine,
-                                    sending=False)
-        if s > 0:
-            a, b = rep.tp[s - 1], rep.tp[s]
-            self.recv_prev = _local(boundary_pieces(a, b, seq, sp), j, rep.ranks[s - 1], mine,
-                                    sending=False)
-            self.send_prev = _local(grad_pieces(a, b, seq, sp), j, rep.ranks[s - 1], mine,
-                                    sending=True)
+        # with virtual stages the stages form a ring (stage pp-1 feeds stage 0's next chunk)
+        links = stage_links(rep.tp, s, j, seq, sp, ring=plan.vp > 1)
+        nxt, prv = rep.ranks[(s + 1) % plan.pp], rep.ranks[(s - 1) % plan.pp]
+
+        def local(name: str, peers: tuple[int, ...]) -> Slices:
+            return [(peers[k], lo - lo0, hi - lo0) for k, lo, hi in links[name]]
+
+        self.send_next: Slices = local("send_next", nxt)  # activation rows to the next stage
+        self.recv_next: Slices = local("recv_next", nxt)  # gradient rows from the next stage
+        self.send_prev: Slices = local("send_prev", prv)  # gradient rows to the previous stage
+        self.recv_prev: Slices = local("recv_prev", prv)  # activation rows from the previous
         self.nccl = dist.get_backend(pp_group) == "nccl"
 
     def _communicate(self, *, tensor_send_next: torch.Tensor | None,

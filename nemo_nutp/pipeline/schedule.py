@@ -1,6 +1,7 @@
 """Forward/backward of one replica's micro-batches through megatron's pipeline schedule.
 
-``pipeline_step`` runs megatron-core's own 1F1B schedule (``get_forward_backward_func``) with
+``pipeline_step`` runs megatron-core's own 1F1B schedule (``get_forward_backward_func``; with
+virtual pipeline stages its interleaved schedule over the rank's model chunks) with
 this rank's explicit groups and the NUTP stage-boundary communicator; megatron's DDP
 accumulates into ``main_grad`` with ``no_sync`` until the last micro-batch's backward, whose
 hooks drive the NUTP cross-replica sync as with ``pp == 1``. Then the sync is finished, tied
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.utils import get_model_config
 
 from ..data import MicroBatch
 from ..layout import Plan
@@ -33,7 +35,20 @@ class PipelineRunner:
     def __init__(self, plan: Plan, groups: NUTPGroups, model: Any, *,
                  micro_batch_size: int) -> None:
         self.plan, self.groups, self.model = plan, groups, model
-        self.config = model.config
+        # virtual pipeline stages: megatron's interleaved schedule over the rank's chunks
+        # (the DDP wraps them as one ``ModelChunks``; its ``no_sync`` covers them all) reads
+        # its config from the first chunk
+        self.chunks: list[Any] = list(model.module.chunks) if plan.vp > 1 else [model]
+        if plan.vp > 1 and len(self.chunks) != plan.vp:
+            raise ValueError(f"{len(self.chunks)} model chunks, the plan has "
+                             f"parallel.virtual_pipeline_model_parallel_size={plan.vp}")
+        self.config = get_model_config(self.chunks[0]) if plan.vp > 1 else model.config
+        if plan.vp > 1 and (self.config.overlap_p2p_comm
+                            or self.config.overlap_p2p_comm_warmup_flush):
+            # (only the interleaved schedule reads it)
+            raise ValueError("overlap_p2p_comm=True: not with NUTP's virtual pipeline stages "
+                             "(every stage-boundary exchange completes inside its call; no "
+                             "handles to wait on)")
         self.config.no_sync_func = model.no_sync
         self.config.grad_sync_func = None
         self.config.finalize_model_grads_func = None  # NUTP finishes the sync itself
@@ -45,7 +60,8 @@ class PipelineRunner:
         self.finalizer.warm_up()
         self.micro_batch_size = micro_batch_size
         self.last = groups.ctx.stage == plan.pp - 1
-        self.schedule = get_forward_backward_func(pp_size=plan.pp, vp_size=None)
+        self.schedule = get_forward_backward_func(pp_size=plan.pp,
+                                                  vp_size=plan.vp if plan.vp > 1 else None)
 
     def forward_backward(self, batches: list[MicroBatch], mask: torch.Tensor | None,
                          scale: float, *, forward_only: bool = False) -> float:
@@ -53,7 +69,7 @@ class PipelineRunner:
         this replica's mean loss on the last stage (NaN elsewhere)."""
         device = next(self.model.parameters()).device
         mask_d = None if mask is None else mask.to(device)
-        last = self.last
+        output_chunk = self.chunks[-1] if self.last else None  # computes the loss
         self.config.grad_scale_func = None if scale == 1.0 else (lambda t: t * scale)
 
         def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -63,15 +79,18 @@ class PipelineRunner:
         def forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Callable]:
             mb = next(data_iterator)
             out = model(mb.tokens.to(device), mb.position_ids.to(device), mask_d,
-                        labels=mb.labels.to(device) if last else None)
+                        labels=mb.labels.to(device) if model is output_chunk else None)
             return out, loss_func
 
+        one = len(self.chunks) == 1  # else every chunk reads every micro-batch in turn
         stats = self.schedule(
-            forward_step_func=forward_step, data_iterator=iter(batches), model=[self.model],
+            forward_step_func=forward_step,
+            data_iterator=iter(batches) if one else [iter(batches) for _ in self.chunks],
+            model=self.chunks,
             num_microbatches=len(batches), seq_length=self.plan.request.model.seq_length,
             micro_batch_size=self.micro_batch_size, forward_only=forward_only,
             p2p_communicator=self.comm, pg_collection=self.groups.pgs)
-        if not last:
+        if not self.last:
             return float("nan")
         return float(torch.stack([s["loss"].float() for s in stats]).mean())
 

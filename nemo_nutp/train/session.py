@@ -14,7 +14,7 @@ from megatron.core.transformer.module import Float16Module
 from ..data import MicroBatch, replica_microbatches
 from ..data.indexed import IndexedTokenSource
 from ..layout import Plan
-from ..model import NUTPGPTModel, build_gpt_model
+from ..model import ModelChunks, build_gpt_chunks
 from ..model.build import enable_cuda_math, needs_attention_mask, transformer_config
 from ..parallel import NUTPGroups, build_groups
 from ..pipeline import PipelineRunner
@@ -78,7 +78,8 @@ class RankSession:
     micro_batch_size: int
     seed: int
     mask: torch.Tensor | None
-    gpt: NUTPGPTModel  # the unwrapped model (names and shards as in checkpoints)
+    gpt: Any  # the unwrapped model, NUTPGPTModel (names and shards as in checkpoints);
+    # virtual pipeline stages: the rank's chunks (ModelChunks)
     source: IndexedTokenSource | None = None
     valid_source: IndexedTokenSource | None = None  # train.valid_data_path
     opts: StepOptions = field(default_factory=StepOptions)
@@ -276,16 +277,24 @@ def build_session(plan: Plan, model_cfg: Any, *, lr: float, seed: int, micro_bat
     ctx = groups.ctx
     tensor_parallel.model_parallel_cuda_manual_seed(seed, tp_rank=ctx.tp_rank, ep_rank=0,
                                                     etp_rank=0)
-    gpt = build_gpt_model(plan, ctx.rank, model_cfg, groups.pgs, seed=seed,
-                          precision=prec.precision)
+    chunks = build_gpt_chunks(plan, ctx.rank, model_cfg, groups.pgs, seed=seed,
+                              precision=prec.precision)
     if device is not None:
-        gpt = gpt.to(device)
+        chunks = [c.to(device) for c in chunks]
         if device.type == "cuda":
             enable_cuda_math(prec.precision)
     config = transformer_config(model_cfg, degree=ctx.degree, precision=prec.precision,
                                 sequence_parallel=plan.request.parallel.sequence_parallel,
-                                pp=plan.pp)
-    module: Any = gpt if prec.precision == "fp32" else Float16Module(config, gpt)
+                                pp=plan.pp, vp=plan.vp)
+    gpt: Any
+    module: Any
+    if plan.vp == 1:  # one model
+        gpt = chunks[0]
+        module = gpt if prec.precision == "fp32" else Float16Module(config, gpt)
+    else:  # virtual pipeline stages: the chunks as one module for the DDP
+        gpt = ModelChunks(list(chunks))
+        module = gpt if prec.precision == "fp32" else ModelChunks(
+            [Float16Module(c.config, c) for c in chunks])
     ddp_cfg = DistributedDataParallelConfig(
         overlap_grad_reduce=True, bucket_size=bucket_size,
         grad_reduce_in_fp32=prec.grad_reduce_in_fp32 or prec.precision == "fp32",

@@ -49,6 +49,7 @@ class Case:
     initial_loss_scale: float = 2.0 ** 12
     seed: int = 1234
     pp: int = 1
+    vp: int = 1  # virtual pipeline stages (model chunks per rank; megatron's interleaving)
     zero_redundancy: bool = False  # distributed optimizer: recovery.live_redundancy
     weight_decay: float = 0.0  # the reference: megatron's constant schedule (wd_mult per group)
     data: str | None = None  # the reference's batches (reference.py ``load_batches``)
@@ -74,7 +75,8 @@ def make_plan(case: Case) -> Any:
     req = PlanRequest(cluster=ClusterSpec(num_gpus=n, domain_size=tb, gpus_per_node=tb),
                       model=ModelConfig(**case.model),
                       parallel=ParallelSpec(tp_base=tb, sequence_parallel=case.sequence_parallel,
-                                            sync_layout=case.sync_layout, pp=case.pp),
+                                            sync_layout=case.sync_layout, pp=case.pp,
+                                            virtual_pipeline_model_parallel_size=case.vp),
                       replicas=case.replicas, global_batch=case.global_batch)
     return build_plan(req)
 
@@ -153,8 +155,38 @@ def _apply_control(session: Any, control: str | None) -> None:
         _replica_local_norm(session, control)
     elif control == "tied_by_position":
         _tied_by_position(session)
+    elif control == "vp_no_wrap":
+        _no_wrap(session)
     else:
-        assert control is None, control
+        assert control is None or control == "vp_contiguous_blocks", control
+
+
+def _no_wrap(session: Any) -> None:
+    """Negative control (virtual stages): the ring's wrap-around link (last stage -> first
+    stage's next chunk, and its gradient back) removed: stage 0's later chunks see zeros."""
+    comm, plan = session.pipeline.comm, session.plan
+    stage = plan.rank_index[dist_rank()][1]
+    if stage == 0:
+        comm.recv_prev, comm.send_prev = [], []
+    if stage == plan.pp - 1:
+        comm.send_next, comm.recv_next = [], []
+    inner = comm._communicate
+
+    def communicate(**kw: Any) -> Any:
+        t_prev, t_next, reqs = inner(**kw)
+        for t, zero in ((t_prev, stage == 0), (t_next, stage == plan.pp - 1)):
+            if t is not None and zero:
+                t.data.zero_()
+        return t_prev, t_next, reqs
+
+    comm._communicate = communicate
+
+
+def _contiguous_blocks(num_layers: int, pp: int, vp: int = 1) -> list[list[tuple[int, int]]]:
+    """Negative control (virtual stages): chunk ``c`` of stage ``s`` holds block ``s * vp + c``
+    (contiguous per stage), not megatron's interleaved ``c * pp + s``."""
+    n = num_layers // (pp * vp)
+    return [[((s * vp + c) * n, (s * vp + c + 1) * n) for c in range(vp)] for s in range(pp)]
 
 
 def _shards(model: torch.nn.Module, *, grads: bool = False
@@ -290,17 +322,16 @@ def run_case(case: Case, outdir: str, device: torch.device | None = None) -> Non
     default CPU)."""
     import torch.distributed as dist
 
-    from nemo_nutp.train.session import Precision, build_session
-    from nemo_nutp.train.step import StepOptions
+    import nemo_nutp.model.build as build
 
     plan = make_plan(case)
-    session = build_session(
-        plan, plan.request.model, lr=case.lr, seed=case.seed, optimizer=case.optimizer,
-        weight_decay=case.weight_decay, schedule=_schedule(case),
-        micro_batch_size=case.micro_batch_size, bucket_size=case.bucket_size,
-        opts=StepOptions(clip_grad=case.clip_grad),
-        precision=Precision(case.precision, initial_loss_scale=case.initial_loss_scale),
-        device=device)
+    chunk_layers = build.chunk_layers
+    if case.control == "vp_contiguous_blocks":
+        build.chunk_layers = _contiguous_blocks  # type: ignore[assignment]
+    try:
+        session = _build(case, plan, device)
+    finally:
+        build.chunk_layers = chunk_layers
     _apply_control(session, case.control)
     rep = _replicated_elems(plan, session.model)
     got = _train(case, session)
@@ -315,6 +346,19 @@ def run_case(case: Case, outdir: str, device: torch.device | None = None) -> Non
         with open(os.path.join(outdir, f"{case.name}.json"), "w") as f:
             json.dump(result, f)
     dist.barrier()
+
+
+def _build(case: Case, plan: Any, device: torch.device | None) -> Any:
+    from nemo_nutp.train.session import Precision, build_session
+    from nemo_nutp.train.step import StepOptions
+
+    return build_session(
+        plan, plan.request.model, lr=case.lr, seed=case.seed, optimizer=case.optimizer,
+        weight_decay=case.weight_decay, schedule=_schedule(case),
+        micro_batch_size=case.micro_batch_size, bucket_size=case.bucket_size,
+        opts=StepOptions(clip_grad=case.clip_grad),
+        precision=Precision(case.precision, initial_loss_scale=case.initial_loss_scale),
+        device=device)
 
 
 def _replicated_elems(plan: Any, model: torch.nn.Module) -> tuple[int, int]:

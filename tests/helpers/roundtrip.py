@@ -27,9 +27,10 @@ class Job:
     extra: dict[str, Any] = field(default_factory=dict)  # precision, clip_grad, model,
     # distributed_optimizer, async_save
     pp: int = 1
+    vp: int = 1  # virtual pipeline stages (model chunks per rank)
 
 
-def make_plan(replicas: tuple[Any, ...], *, pp: int = 1,
+def make_plan(replicas: tuple[Any, ...], *, pp: int = 1, vp: int = 1,
               model: dict[str, Any] | None = None) -> Any:
     from nemo_nutp.config import ModelConfig
     from nemo_nutp.layout import ClusterSpec, ParallelSpec, PlanRequest, build_plan
@@ -38,7 +39,9 @@ def make_plan(replicas: tuple[Any, ...], *, pp: int = 1,
     n = tb * pp * len(replicas)
     req = PlanRequest(cluster=ClusterSpec(num_gpus=n, domain_size=tb, gpus_per_node=tb),
                       model=ModelConfig(**(MODEL if model is None else model)),
-                      parallel=ParallelSpec(tp_base=tb, pp=pp), replicas=replicas,
+                      parallel=ParallelSpec(tp_base=tb, pp=pp,
+                                            virtual_pipeline_model_parallel_size=vp),
+                      replicas=replicas,
                       global_batch=8)
     return build_plan(req)
 
@@ -48,7 +51,7 @@ def _session(job: Job) -> Any:
     from nemo_nutp.train.session import Precision, build_session
     from nemo_nutp.train.step import StepOptions
 
-    plan = make_plan(job.replicas, pp=job.pp, model=job.extra.get("model"))
+    plan = make_plan(job.replicas, pp=job.pp, vp=job.vp, model=job.extra.get("model"))
     # warmup + cosine: the schedule continues across a save and a load into any layout
     schedule = Schedule(lr=1e-3, min_lr=1e-4, warmup_iters=2, warmup_init=1e-4,
                         decay_style="cosine", decay_iters=SAVE_AT + AFTER)
