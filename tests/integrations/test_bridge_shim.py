@@ -402,7 +402,7 @@ def test_output_dir_is_one_setting(tmp_path: Path, capfd: pytest.CaptureFixture[
 
 
 @pytest.mark.parametrize("override, says", [
-    ("recovery.mode=sometimes", "recovery.mode"),  # the schema's validation
+    ("recovery.mode=sometimes", "recovery.mode='sometimes': must be restart or live"),  # schema
     ("recovery.enabled=true", "recovery.enabled=True: recovery is not built under nutp-bridge"),
 ])
 def test_recovery_keys_are_nutp_keys(override: str, says: str) -> None:
