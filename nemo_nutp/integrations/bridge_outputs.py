@@ -134,10 +134,12 @@ class BridgeOutputs:
 
     def _eval_end(self, ctx: Any) -> None:
         self.ledger.add_pause("evaluation", time.perf_counter() - self.t_eval)
-        if self.pending is not None and self.evals:
-            e = self.evals[-1]  # bridge_eval's record of this evaluation
-            if int(e["step"]) == self.pending["step"] + 1:
-                self.pending["val_loss"] = e["val_loss"]
+        if self.pending is None:
+            return
+        self.pending["goodput"] = self.ledger.goodput  # as nutp-train: after the evaluation
+        e = self.evals[-1] if self.evals else None  # bridge_eval's record of this evaluation
+        if e is not None and int(e["step"]) == self.pending["step"] + 1:
+            self.pending["val_loss"] = e["val_loss"]
 
     def _flush(self) -> None:
         if self.pending is not None and self.out is not None:
