@@ -6,10 +6,13 @@
 * One YAML file (``--config-file``) and ``a.b=c`` arguments override it with Bridge's own
   ``process_config_with_overrides`` (``megatron/bridge/training/utils/omegaconf_utils.py``).
 * NUTP's settings use the names and validation of ``nutp-train`` (``nemo_nutp/config/schema.py``,
-  composed by ``load_job``): the YAML's top-level ``nutp:``, ``failures:`` and ``cluster:`` blocks
-  and the arguments that start with ``nutp.``, ``failures.``, ``cluster.`` (or select a group:
+  composed by ``load_job``): the YAML's top-level ``nutp:``, ``failures:``, ``cluster:``,
+  ``output:`` and ``recovery:`` blocks and the arguments that start with ``nutp.``,
+  ``failures.``, ``cluster.``, ``output.``, ``recovery.`` (or select a group:
   ``cluster=node_pair``) are taken out before Bridge sees the rest. A bad key or value is a
-  ``ValueError`` naming it, raised before anything distributed exists.
+  ``ValueError`` naming it, raised before anything distributed exists. None of these is a
+  top-level key of Bridge's ``ConfigContainer``; the schema sections that are (``model``,
+  ``train``, ``checkpoint``) are Bridge's here, and ``bridge_keys`` maps them onto the schema.
 
 Importing this module imports neither Bridge nor megatron-core.
 """
@@ -23,8 +26,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-NUTP_SECTIONS = ("nutp", "failures", "cluster")
+NUTP_SECTIONS = ("nutp", "failures", "cluster", "output", "recovery")
 """Top-level keys that belong to NUTP (the schema of ``nutp-train``), not to Bridge."""
+
+RECIPE_STAND_INS = ("checkpoint.interval=1", "train.distributed_optimizer=true")
+
+OUTPUT_DIR = "runs/bridge"
+"""``output.dir`` of ``nutp-bridge`` unless set (``output.dir=`` or ``--output-dir``)."""
 
 
 @dataclass
@@ -106,15 +114,27 @@ def load_nutp(overrides: list[str], *, tp: int) -> Any:
     return load_job([f"parallel.tp_base={tp}", *overrides])
 
 
-def load_bridge_job(recipe: str, config_file: str | None, overrides: list[str]) -> BridgeJob:
+def load_bridge_job(recipe: str, config_file: str | None, overrides: list[str], *,
+                    output_dir: str | None = None) -> BridgeJob:
     """Recipe + YAML + CLI overrides -> (Bridge config, NUTP config). NUTP's keys are validated
-    before the recipe is even called (a typo costs no Bridge import)."""
+    before the recipe is even called (a typo costs no Bridge import). ``output_dir``: the CLI's
+    ``--output-dir``, another name for ``output.dir`` (both given, and different: an error)."""
     yaml_bridge, nutp = split_yaml(config_file) if config_file else ({}, [])
     nutp += [o for o in overrides if is_nutp_override(o)]
+    if output_dir is not None:
+        given = [o.split("=", 1)[1] for o in nutp if o.split("=", 1)[0].lstrip("+~") ==
+                 "output.dir"]
+        if any(g != output_dir for g in given):
+            raise ValueError(f"--output-dir={output_dir}: output.dir={given[-1]} is also given "
+                             "(the same setting: give one)")
+        nutp.append(f"output.dir={_quoted(output_dir)}")
     rest = [o for o in overrides if not is_nutp_override(o)]
-    # keys and values; the replicas (their per-stage degrees need the recipe's
-    # pipeline_model_parallel_size) and the degree are checked again below
-    load_nutp([o for o in nutp if not o.lstrip("+~").startswith("nutp.replicas=")], tp=1)
+    # NUTP's keys and values alone: the recipe's keys (checkpoint interval, distributed
+    # optimizer) are not known yet, so their cross-checks with recovery.* pass here with
+    # stand-ins and run on the whole job below, as does the degree
+    # (the replicas too: their per-stage degrees need the recipe's pipeline_model_parallel_size)
+    check_unbuilt(load_nutp([*RECIPE_STAND_INS, *(o for o in nutp if not o.lstrip("+~")
+                                                  .startswith("nutp.replicas="))], tp=1))
     from ..compat.bridge_cpu import install_import_shim
 
     install_import_shim()
@@ -133,8 +153,53 @@ def load_bridge_job(recipe: str, config_file: str | None, overrides: list[str]) 
         except Exception as e:  # omegaconf / hydra errors: one line
             raise ValueError(f"bridge override: {' '.join(str(e).split())}") from None
     resolve_mixed_precision(cfg)
-    job = load_nutp([*bridge_keys(cfg), *nutp], tp=int(cfg.model.tensor_model_parallel_size))
+    job = load_nutp([*bridge_keys(cfg), *checkpoint_keys(cfg), f"output.dir={OUTPUT_DIR}",
+                     *nutp],
+                    tp=int(cfg.model.tensor_model_parallel_size))
     return BridgeJob(bridge=cfg, nutp=job, nutp_overrides=nutp)
+
+
+def check_unbuilt(job: Any) -> None:
+    """NUTP settings ``nutp-bridge`` does not run yet, refused by name: ``recovery.*`` away
+    from its defaults (the recovery supervisor runs under ``nutp-train``)."""
+    from dataclasses import asdict
+
+    from ..config.schema import RecoveryConfig
+
+    def leaves(prefix: str, node: dict[str, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in node.items():
+            out.update(leaves(f"{prefix}.{k}", v) if isinstance(v, dict) else {f"{prefix}.{k}": v})
+        return out
+
+    default = leaves("recovery", asdict(RecoveryConfig()))
+    bad = [f"{k}={v}" for k, v in leaves("recovery", asdict(job.recovery)).items()
+           if v != default[k]]
+    if bad:
+        raise ValueError(f"{bad[0]}: recovery is not built under nutp-bridge yet (nutp-train "
+                         "runs it); leave recovery.* at its defaults")
+
+
+def _quoted(text: str) -> str:
+    """A string as a quoted Hydra override value (any path)."""
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def checkpoint_keys(cfg: Any) -> list[str]:
+    """Bridge's checkpoint settings as the schema's (``checkpoint.*`` of ``nutp-train``), so
+    that the NUTP job says what the run does: ``checkpoint.save`` -> ``checkpoint.dir``,
+    ``checkpoint.save_interval`` -> ``checkpoint.interval`` (0 without ``save``; Bridge's
+    ``None``, one save at the end, -> ``train.train_iters``), ``checkpoint.load`` ->
+    ``checkpoint.load_dir``."""
+    ck = cfg.checkpoint
+    every = ck.save_interval
+    interval = 0 if not ck.save or every == 0 else int(every or cfg.train.train_iters)
+    out = [f"checkpoint.interval={interval}"]
+    if ck.save:
+        out.append(f"checkpoint.dir={_quoted(str(ck.save))}")
+    if ck.load:
+        out.append(f"checkpoint.load_dir={_quoted(str(ck.load))}")
+    return out
 
 
 def resolve_mixed_precision(cfg: Any) -> None:
@@ -204,7 +269,8 @@ def _half(cfg: Any) -> bool:
 
 
 def bridge_keys(cfg: Any) -> list[str]:
-    """The recipe's model and batch as ``nutp-train`` overrides (``model.*``, ``train.*``), so
+    """The recipe's model and batch as ``nutp-train`` overrides (``model.*``, ``train.*``;
+    ``optimizer.``/``ddp.use_distributed_optimizer`` -> ``train.distributed_optimizer``), so
     the plan is made, and validated, by the same schema."""
     from dataclasses import asdict
 

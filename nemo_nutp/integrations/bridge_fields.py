@@ -592,7 +592,6 @@ NOT_MATH: frozenset[str] = frozenset({
     "straggler",
     "straggler.disable_straggler_on_startup",
     "straggler.enable_straggler_on_startup",
-    "straggler.log_straggler",
     "straggler.straggler_ctrlr_port",
     "straggler.straggler_minmax_count",
     "tensor_inspect",
@@ -1000,6 +999,7 @@ REFUSED: dict[str, Any] = {  # the NUTP model's value; any other is refused
     "rerun_state_machine.error_injection_rate": 0,
     "rerun_state_machine.rerun_mode": 'disabled',
     "rng.data_parallel_random_init": False,
+    "straggler.log_straggler": False,
     "tensor_inspect.enabled": False,
     "tokenizer.pad_vocab_size": False,
     "tokenizer.use_tokenizer_vocab_size": False,
@@ -1051,6 +1051,18 @@ ONLY_WITH: dict[str, str] = {  # refused field (or prefix) -> the switch it is r
     "model.v_head_dim": "model.multi_latent_attention",
     "optimizer.fp8_recipe": "model.fp8",  # megatron reads it for fp8 parameters only
 }
+
+_RECOVERY = "NUTP's recovery.* does its job (its recovery supervisor)"
+_STRAGGLERS = ("NUTP's straggler handling is its own (nutp.straggler_probe_interval, "
+               "nutp.exclude_stragglers; nutp-train)")
+WHY_REFUSED: dict[str, str] = {  # the reason a refusal adds, where it is more than the value
+    "ft.enable_ft_package": f"Bridge's fault tolerance (nvidia-resiliency-ext); {_RECOVERY}",
+    "ft.simulate_fault": "Bridge's fault injection; NUTP's is recovery.fault",
+    "inprocess_restart.enabled": f"Bridge's in-process restart; {_RECOVERY}",
+    "nvrx_straggler.enabled": f"Bridge's NVRx straggler detection; {_STRAGGLERS}",
+    "straggler.log_straggler": f"megatron's straggler detector; {_STRAGGLERS}",
+}
+"""Bridge's own resilience switches: NUTP's recovery and straggler handling replace them."""
 
 CLASSES = ("honoured", "not_math", "substituted", "refused")
 
@@ -1126,8 +1138,27 @@ def _section(cfg: Any, name: str) -> Any:
 
 
 def _value(cfg: Any, name: str) -> Any:
+    """The field's value; an optional section (``ft``, ``straggler``, ...) that a ``+ft.x=...``
+    override or a YAML block turned on is a plain dict (Bridge's ``process_config_with_overrides``
+    leaves it so), read by key."""
     obj = _section(cfg, name)
-    return ABSENT if obj is None else getattr(obj, name.rsplit(".", 1)[-1], ABSENT)
+    field = name.rsplit(".", 1)[-1]
+    if isinstance(obj, dict):
+        return obj.get(field, ABSENT)
+    return ABSENT if obj is None else getattr(obj, field, ABSENT)
+
+
+def unknown_keys(cfg: Any) -> list[str]:
+    """``<section>.<key>`` for every key of a section given as a plain dict (a ``None`` section
+    that overrides created) that is no field of the section in this table."""
+    sections = {n.split(".", 1)[0] for t in (HONOURED, NOT_MATH, SUBSTITUTED, REFUSED)
+                for n in t if "." in n}
+    out = []
+    for head in sorted(sections):
+        obj = getattr(cfg, head, None)
+        if isinstance(obj, dict):
+            out += [f"{head}.{k}" for k in obj if classification(f"{head}.{k}") is None]
+    return out
 
 
 def _switch_on(cfg: Any, name: str) -> bool:
@@ -1156,7 +1187,8 @@ def refusals(cfg: Any, *, prefix: str = "") -> list[str]:
             continue
         needs = ("a provider without it" if accepted == ABSENT else
                  "Bridge's default" if accepted == BRIDGE_DEFAULT else _short(accepted))
-        out.append(f"{name}={_short(value)}: not supported by NUTP (needs {needs})")
+        why = f": {WHY_REFUSED[name]}" if name in WHY_REFUSED else ""
+        out.append(f"{name}={_short(value)}: not supported by NUTP (needs {needs}){why}")
     return out
 
 
@@ -1178,6 +1210,7 @@ def check_container(cfg: Any) -> None:
     """One-line ``ValueError`` naming every refused field of a ``ConfigContainer`` outside
     ``model`` (``check_model`` covers it), before any process group exists."""
     bad = [r for r in refusals(cfg) if not r.startswith("model.")]
+    bad += [f"{k}: unknown key of Bridge's {k.split('.')[0]} section" for k in unknown_keys(cfg)]
     if bad:
         raise ValueError("; ".join(bad))
 

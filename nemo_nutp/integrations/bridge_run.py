@@ -16,7 +16,6 @@ point, and the step's finalisation covers every stage (no virtual stages yet).
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -297,6 +296,9 @@ def validate_as_uniform(cfg: Any, plan: Any | None) -> None:
 def train_rank(job: Any, plan: Any, out_dir: str, *, seed: int,
                init_from: str | Path | None = None) -> dict[str, Any]:
     """Collective over the world: build and train this rank; returns the per-step record.
+    ``out_dir``: the run directory (``nutp-bridge`` passes ``output.dir``): every rank's
+    ``bridge_rank<r>.json``, and rank 0's ``metrics.jsonl``, ``goodput.json`` and
+    ``training.png`` (``bridge_outputs``).
     ``init_from``: start from the weights of this megatron-core checkpoint (NUTP's, Bridge's or
     stock megatron's ``iter_N``; any layout) instead of NUTP's own initialisation."""
     from megatron.bridge.training import train as bridge_train
@@ -310,12 +312,14 @@ def train_rank(job: Any, plan: Any, out_dir: str, *, seed: int,
     )
 
     from ..compat.bridge_cpu import apply_bridge_cpu_patches
+    from ..layout.serialize import write_json_atomic
     from ..parallel import build_groups
     from ..train.step import reduce_replica_loss
     from .bridge import exact_grad_norm, nutp_ddp, nutp_provider
     from .bridge_ckpt import NUTPBridgeCheckpointManager
     from .bridge_data import datasets, train_iterator, valid_iterator
     from .bridge_eval import eval_callbacks
+    from .bridge_outputs import BridgeOutputs
     from .bridge_pipeline import PipelineFinish, stage_communicator
     from .bridge_zero import setup_zero_optimizer, wants_zero
 
@@ -400,14 +404,18 @@ def train_rank(job: Any, plan: Any, out_dir: str, *, seed: int,
     callbacks = eval_callbacks(cfg, state, share=ctx.microbatches,
                                dp_size=groups.pgs.dp.size(), record=evals,
                                shared=from_last_stage if plan.pp > 1 else None)
+    outputs = BridgeOutputs(job.nutp, plan, groups, model[0], out_dir, record=record,
+                            evals=evals, start_step=int(first_step))  # rank 0: output.dir
+    outputs.attach(callbacks, optimizer, checkpoints, mc)
     with stage_communicator(plan, groups):
         bridge_train.train(recorded_forward, model, optimizer, scheduler, data, valid, state,
                            checkpoints, groups.pgs, callback_manager=callbacks)
+    outputs.finish()
     first = int(first_step)
     for i, row in enumerate(record):
         row["step"] = first + i
     out = {"rank": ctx.rank, "replica": ctx.replica, "steps": record, "evals": evals,
            "eval_parts": eval_parts}
-    Path(out_dir, f"bridge_rank{ctx.rank}.json").write_text(json.dumps(out))
+    write_json_atomic(out, Path(out_dir, f"bridge_rank{ctx.rank}.json"))
     return {**out, "model": model[0], "groups": groups, "state": state, "optimizer": optimizer,
             "saved": checkpoints.saved, "loaded": checkpoints.loaded}

@@ -28,10 +28,10 @@ def _rank(rank: int, world: int, port: int, argv: list[str], backend: str) -> No
         os.environ["MASTER_PORT"] = str(port)
     apply_bridge_cpu_patches()
     dist.init_process_group(backend, rank=rank, world_size=world)
-    args, job, plan = _load(argv)
+    _, job, plan = _load(argv)
     from nemo_nutp.integrations.bridge_run import train_rank
 
-    train_rank(job, plan, args.output_dir, seed=job.nutp.train.seed)
+    train_rank(job, plan, job.nutp.output.dir, seed=job.nutp.train.seed)
     dist.destroy_process_group()
 
 
@@ -40,9 +40,11 @@ def _parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipe", required=True, help="module:function returning a ConfigContainer")
     ap.add_argument("--config-file", default=None, help="YAML overrides (Bridge keys + nutp:)")
-    ap.add_argument("--output-dir", default="runs/bridge", help="per-rank step records (JSON)")
+    ap.add_argument("--output-dir", default=None,
+                    help="another name for output.dir (default runs/bridge): metrics.jsonl, "
+                         "goodput.json, training.png, per-rank step records")
     ap.add_argument("overrides", nargs="*", help="a.b=c (Bridge keys, or nutp.*/failures.*/"
-                                                  "cluster.*)")
+                                                  "cluster.*/output.*/recovery.*)")
     return ap
 
 
@@ -52,7 +54,8 @@ def _load(argv: list[str]) -> tuple[Any, Any, Any]:
     from nemo_nutp.layout import build_plan
 
     args = _parser().parse_intermixed_args(argv)
-    job = load_bridge_job(args.recipe, args.config_file, args.overrides)
+    job = load_bridge_job(args.recipe, args.config_file, args.overrides,
+                          output_dir=args.output_dir)
     plan = build_plan(plan_request(job.nutp))
     return args, job, plan
 
@@ -73,12 +76,12 @@ def main(argv: list[str] | None = None) -> int:
     from nemo_nutp.common.console import print_error
 
     try:
-        args, job, plan = _load(argv)
+        _, job, plan = _load(argv)
     except ValueError as e:
         print_error(str(e))
         return 2
     print_notices(job.bridge)
-    os.makedirs(args.output_dir, exist_ok=True)
+    os.makedirs(job.nutp.output.dir, exist_ok=True)
     import torch
 
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:

@@ -64,8 +64,9 @@ def replica_gpus(plan: Plan) -> list[int]:
     return [sum(rep.tp) for rep in plan.replicas]
 
 
-class _Outputs:
-    """Rank-0 side effects: metrics file, TensorBoard (if installed), progress."""
+class MetricsWriter:
+    """Rank 0's ``metrics.jsonl`` (as ``.partial`` until ``close``) and TensorBoard (if
+    installed); ``nutp-bridge`` writes its rows with it too (``integrations/bridge_outputs``)."""
 
     def __init__(self, cfg: JobConfig, plan: Plan, *, start_step: int = 0) -> None:
         self.dir = Path(cfg.output.dir)
@@ -188,7 +189,7 @@ class Run:
         else:  # live re-layout: NUTP_FAULT is for the first world only
             self.hooks.fault = None
         self.start = start
-        self.out = _Outputs(cfg, plan, start_step=start) if self.rank0 else None
+        self.out = MetricsWriter(cfg, plan, start_step=start) if self.rank0 else None
         self.progress = _progress() if self.rank0 else None
         self.task = (self.progress.add_task("train", total=cfg.train.steps, completed=start,
                                             info="") if self.progress else None)
@@ -296,7 +297,7 @@ def train_rank(cfg: JobConfig, plan: Plan, *, device: torch.device | None = None
         return None
     run.out.close(final_goodput=run.ledger.goodput)
     run.ledger.check()
-    return _finish(cfg, run.out.rows, run.ledger)
+    return write_reports(cfg, run.out.rows, run.ledger)
 
 
 def _progress() -> Any:
@@ -306,13 +307,16 @@ def _progress() -> Any:
                        rp.TextColumn("{task.fields[info]}"), rp.TimeElapsedColumn())
 
 
-def _finish(cfg: JobConfig, rows: list[dict[str, Any]], ledger: GoodputLedger
-            ) -> list[dict[str, Any]]:
+def write_reports(cfg: JobConfig, rows: list[dict[str, Any]], ledger: GoodputLedger, *,
+                  restarts: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """Rank 0 at the end of a run: ``goodput.json``, the printed goodput table and
+    ``training.png`` in ``output.dir`` (``nutp-train`` and ``nutp-bridge``). ``restarts``: the
+    job's restarts so far (None: those of ``$NUTP_EVENTS``)."""
     from ..goodput.train_report import plot_training, print_goodput
     from ..layout.serialize import write_json_atomic
 
     d = Path(cfg.output.dir)
-    restarts = _restarts()
+    restarts = _restarts() if restarts is None else restarts
     write_json_atomic({**ledger.as_dict(), "restarts": restarts,
                        "lost_steps": sum(r.get("lost_steps", 0) for r in restarts)},
                       d / "goodput.json")

@@ -293,10 +293,13 @@ def resume_worker(rank: int, world: int, port: int, first: list[str], second: li
         from nemo_nutp.layout import build_plan
 
         out = []
-        for overrides in (first, second):
+        for k, overrides in enumerate((first, second)):
             job = load(overrides)
             plan = build_plan(plan_request(job.nutp))
             got = train_rank(job, plan, outdir, seed=job.nutp.train.seed)
+            if rank == 0:  # each run's goodput.json (the second one's replaces it)
+                good = Path(outdir, "goodput.json")
+                Path(outdir, f"goodput_run{k}.json").write_text(good.read_text())
             out.append({"steps": got["steps"], "saved": got["saved"], "loaded": got["loaded"],
                         "consumed": got["state"].train_state.consumed_train_samples,
                         "consumed_valid": got["state"].train_state.consumed_valid_samples,

@@ -9,7 +9,9 @@ and the line Bridge prints) agree within 1e-5, at the same steps (2 and 3: not 1
 Controls (from every rank's own evaluation micro-batches): the validation loss without the
 ``1/degree`` factor on the reported sums is 9.3e-5 and 2.5e-4 off; with Bridge's own count of
 micro-batches a rank (the eval batch over ``dp`` size, shares ignored) the first evaluation is
-5.3e-3 off, the value the run printed with the batch-size hook of ``bridge_eval`` disabled."""
+5.3e-3 off, the value the run printed with the batch-size hook of ``bridge_eval`` disabled.
+
+The same run's ``output.dir`` holds what ``nutp-train`` writes (``check_run_outputs``)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import json
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -85,3 +88,34 @@ def test_bridge_eval_nutp_2_1_matches_bridge_stock_run(tmp_path: Path) -> None:
     first = [p for r in (ranks[0], ranks[2]) for p in r["eval_parts"][:4]]
     bridge_count = sum(p[0] for p in first) / sum(p[1] for p in first)
     assert _rel(bridge_count, stock_evals[0]["val_loss"]) > 100 * TOL, bridge_count
+
+    check_run_outputs(tmp_path, nutp)
+
+
+GOODPUT_KEYS = {f"{c}_gpu_s" for c in ("useful", "sync", "slack", "straggler", "failed", "idle",
+                                       "checkpoint", "restart", "relayout", "evaluation")} | {
+    "total_gpu_s", "wall_s", "goodput", "restarts", "lost_steps"}
+"""The keys of ``nutp-train``'s ``goodput.json`` (docs/training.md)."""
+
+
+def check_run_outputs(out: Path, rank0: dict[str, Any]) -> None:
+    """What ``nutp-train`` writes into ``output.dir``, written by the ``nutp-bridge`` run
+    (``bridge_outputs``): ``metrics.jsonl`` holds, per step, rank 0's record of it (the
+    global-batch loss, grad norm and rate) and, on an evaluation step, Bridge's validation loss
+    (its evaluation after iteration ``s`` on the row of step ``s - 1``, 0-based);
+    ``goodput.json`` with ``nutp-train``'s keys, its goodput the last row's and its parts adding
+    up; ``training.png`` a PNG; no ``.partial`` left."""
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    keys = ("step", "loss", "grad_norm", "lr")
+    assert [{k: r[k] for k in keys} for r in rows] == \
+        [{k: s[k] for k in keys} for s in rank0["steps"]]
+    assert {r["step"]: r["val_loss"] for r in rows if "val_loss" in r} == \
+        {e["step"] - 1: e["val_loss"] for e in rank0["evals"]}
+    good = json.loads((out / "goodput.json").read_text())
+    assert set(good) == GOODPUT_KEYS, set(good) ^ GOODPUT_KEYS
+    parts = sum(v for k, v in good.items() if k.endswith("_gpu_s") and k != "total_gpu_s")
+    assert abs(parts - good["total_gpu_s"]) <= 0.01 * good["total_gpu_s"]
+    assert good["evaluation_gpu_s"] > 0 and 0 < good["goodput"] == rows[-1]["goodput"] < 1
+    assert (out / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    left = [p.name for p in out.iterdir() if p.name.endswith(".partial") or p.name[0] == "."]
+    assert not left, left  # .partial / atomic_path's temporary names

@@ -296,3 +296,38 @@ def test_no_final_evaluation_is_noticed() -> None:
     cfg.validation.eval_iters = 2
     found = [n for n in bf.notices(cfg) if n.startswith("validation.eval_iters=2: ")]
     assert len(found) == 1 and "after training are not run" in found[0], found
+
+
+@pytest.mark.parametrize("name", sorted(bf.WHY_REFUSED))
+def test_bridge_resilience_switches_are_refused_naming_what_replaces_them(name: str) -> None:
+    """Bridge's fault tolerance, in-process restart and straggler detection, switched on: one
+    line naming the field and NUTP's replacement (``recovery.*``, or NUTP's straggler probe),
+    whether the section is Bridge's dataclass or the plain dict that a ``+ft.x=...`` override
+    or a YAML block makes of an unset section (Bridge's ``process_config_with_overrides``)."""
+    section, attr = name.split(".", 1)
+    replaced = "recovery." if section in ("ft", "inprocess_restart") else \
+        "nutp.straggler_probe_interval"
+    for as_dict in (False, True):
+        cfg = copy.deepcopy(tiny_container())
+        if as_dict:
+            setattr(cfg, section, {attr: True})
+        else:
+            _with_section(cfg, section)
+            setattr(getattr(cfg, section), attr, True)
+        with pytest.raises(ValueError) as e:
+            bf.check_container(cfg)
+        msg = str(e.value)
+        assert f"{name}=True: not supported" in msg and replaced in msg and "\n" not in msg, msg
+        setattr(cfg, section, {attr: False} if as_dict else None)
+        bf.check_container(cfg)  # off: passes
+
+
+def test_an_unknown_key_of_a_section_given_as_a_dict_is_refused_by_name() -> None:
+    """``+ft.enable_ft_pakage=true`` (a typo) makes ``ft`` the dict ``{enable_ft_pakage: True}``:
+    refused by name, not ignored."""
+    cfg = copy.deepcopy(tiny_container())
+    cfg.ft = {"enable_ft_pakage": True}
+    with pytest.raises(ValueError, match=r"^ft\.enable_ft_pakage: unknown key"):
+        bf.check_container(cfg)
+    cfg.ft = {"calc_ft_timeouts": True}  # a known field, not math (read only with the package)
+    bf.check_container(cfg)

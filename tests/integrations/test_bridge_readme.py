@@ -1,6 +1,7 @@
 """The Megatron-Bridge commands of README.md and docs/*.md (``.venv312/bin/...``; the Python 3.11
 README test skips them by that name) run as written here, in a scratch directory; the YAML example
-of docs/bridge.md is the override file the commands and the Bridge tests use."""
+of docs/bridge.md is the override file the commands and the Bridge tests use. A ``nutp-bridge``
+command leaves ``nutp-train``'s outputs in its ``output.dir`` and prints the goodput report."""
 
 from __future__ import annotations
 
@@ -71,3 +72,10 @@ def test_readme_bridge_commands_run(tmp_path: Path) -> None:
         # (``utils/import_utils.py`` safe_import_from: "Import of X from Y failed with: ...").
         real = out.replace("failed with: Traceback", "failed with:")
         assert "Traceback" not in real, f"README: {cmd}\n{out[-4000:]}"
+        if Path(argv[0]).name == "nutp-bridge":  # nutp-train's outputs, in output.dir
+            d = tmp_path / next((v.split("=", 1)[1] for v in argv if v.startswith(
+                "output.dir=")), argv[argv.index("--output-dir") + 1]
+                if "--output-dir" in argv else "runs/bridge")
+            for name in ("metrics.jsonl", "goodput.json", "training.png"):
+                assert (d / name).is_file(), f"README: {cmd}: no {d / name}"
+            assert "Goodput report" in out, f"README: {cmd}\n{out[-4000:]}"

@@ -9,7 +9,8 @@ uninterrupted run's within 1e-5, its lr is the uninterrupted run's (the schedule
 back: the lr at step S is not the schedule's start), the data continues at the consumed samples,
 and the consumed-sample count ends where the uninterrupted run's does. Both evaluate at every
 step (``validation.eval_interval=1``): the resumed evaluations equal the uninterrupted run's,
-the validation stream continuing at the saved consumed validation samples.
+the validation stream continuing at the saved consumed validation samples. Both runs write
+into one ``output.dir``: its ``metrics.jsonl`` continues across the resume.
 """
 
 from __future__ import annotations
@@ -68,6 +69,19 @@ def test_nutp_bridge_resumes_in_another_layout_and_the_schedule_continues(
     for got, want in zip(r["evals"], u["evals"][S:], strict=True):
         assert _rel(got["val_loss"], want["val_loss"]) <= TOL, (got, want)
     assert r["consumed_valid"] == u["consumed_valid"] == END * 6  # global batch 6
+    # output.dir (both runs'): metrics.jsonl keeps the first run's rows before the resumed step
+    # and has the resumed run's own after it, as nutp-train's resumed runs do; each evaluation
+    # on the row of the step before Bridge's iteration; the first run's checkpoint saves are
+    # charged in its goodput.json, the resumed run (no saves) charges none
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    keys = ("step", "loss", "grad_norm", "lr")
+    assert [{k: x[k] for k in keys} for x in rows] == \
+        [{k: x[k] for k in keys} for x in [*u["steps"][:S], *r["steps"]]]
+    assert [x["val_loss"] for x in rows] == \
+        [e["val_loss"] for e in [*u["evals"][:S], *r["evals"]]]
+    saves = [json.loads((tmp_path / f"goodput_run{k}.json").read_text())["checkpoint_gpu_s"]
+             for k in (0, 1)]
+    assert saves[0] > 0 and saves[1] == 0, saves
 
 
 def test_a_missing_checkpoint_is_named(tmp_path: Path) -> None:

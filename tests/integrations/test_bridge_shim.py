@@ -347,3 +347,65 @@ def test_mixed_precision_by_name_is_resolved_by_bridge() -> None:
     assert job.nutp.train.precision == "bf16"
     with pytest.raises(ValueError, match=r"^mixed_precision=bf16_nonsense: Unknown mixed-"):
         load_bridge_job(RECIPE, str(TINY), ["mixed_precision=bf16_nonsense"])
+
+
+BASE = ["model.tensor_model_parallel_size=2", "mixed_precision=null", "optimizer.bf16=false"]
+
+
+def test_nutp_sections_are_not_bridge_keys_and_bridge_keys_reach_the_schema(
+        tmp_path: Path) -> None:
+    """``output`` and ``recovery`` are NUTP sections (as ``nutp``, ``failures``, ``cluster``: no
+    top-level key of Bridge's ``ConfigContainer``); the schema sections that are Bridge's
+    (``model``, ``train``, ``checkpoint``) are mapped onto the NUTP job: ``checkpoint.save`` ->
+    ``checkpoint.dir``, ``save_interval`` -> ``interval`` (0 without ``save``; Bridge's null,
+    one save at the end, -> ``train.train_iters``), ``load`` -> ``load_dir``, the distributed
+    optimizer -> ``train.distributed_optimizer``."""
+    import dataclasses
+
+    install_import_shim()
+    from megatron.bridge.training.config import ConfigContainer
+
+    from nemo_nutp.integrations.bridge_config import NUTP_SECTIONS
+
+    bridge = {f.name for f in dataclasses.fields(ConfigContainer)}
+    assert {"output", "recovery"} <= set(NUTP_SECTIONS) and not bridge & set(NUTP_SECTIONS)
+    assert {"model", "train", "checkpoint"} <= bridge
+    save, load = tmp_path / "it's saved", tmp_path / "loaded"
+    job = load_bridge_job(RECIPE, str(TINY), [
+        *BASE, f"checkpoint.save=\"{save}\"", "checkpoint.save_interval=2",
+        f"checkpoint.load={load}", "optimizer.use_distributed_optimizer=true"])
+    c = job.nutp.checkpoint
+    assert (c.dir, c.interval, c.load_dir) == (str(save), 2, str(load))
+    assert job.nutp.train.distributed_optimizer
+    job = load_bridge_job(RECIPE, str(TINY), [*BASE, f"checkpoint.save=\"{save}\"",
+                                              "checkpoint.save_interval=null"])
+    assert job.nutp.checkpoint.interval == 3 and not job.nutp.train.distributed_optimizer
+    job = load_bridge_job(RECIPE, str(TINY), [*BASE, "checkpoint.save=null"])
+    assert (job.nutp.checkpoint.dir, job.nutp.checkpoint.interval) == (None, 0)
+
+
+def test_output_dir_is_one_setting(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """``output.dir`` (default ``runs/bridge``) and the CLI's ``--output-dir`` are one setting:
+    either sets it; both, different, is one error line naming both."""
+    from nemo_nutp.launch.bridge_cli import main
+
+    assert load_bridge_job(RECIPE, str(TINY), BASE).nutp.output.dir == "runs/bridge"
+    out = str(tmp_path / "a b")
+    assert load_bridge_job(RECIPE, str(TINY), [*BASE, f"output.dir='{out}'"]).nutp.output.dir \
+        == out
+    assert load_bridge_job(RECIPE, str(TINY), BASE, output_dir=out).nutp.output.dir == out
+    assert main(["--recipe", RECIPE, "--config-file", str(TINY), "--output-dir", out,
+                 "output.dir=elsewhere", *BASE]) == 2
+    err = [line for line in capfd.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(err) == 1 and f"--output-dir={out}" in err[0] and \
+        "output.dir=elsewhere" in err[0], err
+
+
+@pytest.mark.parametrize("override, says", [
+    ("recovery.mode=sometimes", "recovery.mode='sometimes': must be restart or live"),  # schema
+    ("recovery.enabled=true", "recovery.enabled=True: recovery is not built under nutp-bridge"),
+])
+def test_recovery_keys_are_nutp_keys(override: str, says: str) -> None:
+    with pytest.raises(ValueError) as e:
+        load_bridge_job(RECIPE, str(TINY), [*BASE, override])
+    assert says in str(e.value) and "\n" not in str(e.value), str(e.value)
