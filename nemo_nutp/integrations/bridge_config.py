@@ -6,9 +6,11 @@
 * One YAML file (``--config-file``) and ``a.b=c`` arguments override it with Bridge's own
   ``process_config_with_overrides`` (``megatron/bridge/training/utils/omegaconf_utils.py``).
 * NUTP's settings use the names and validation of ``nutp-train`` (``nemo_nutp/config/schema.py``,
-  composed by ``load_job``): the YAML's top-level ``nutp:``, ``failures:`` and ``cluster:`` blocks
-  and the arguments that start with ``nutp.``, ``failures.``, ``cluster.`` (or select a group:
-  ``cluster=node_pair``) are taken out before Bridge sees the rest. A bad key or value is a
+  composed by ``load_job``): the YAML's top-level ``nutp:``, ``failures:``, ``cluster:`` and
+  ``recovery:`` blocks and the arguments that start with ``nutp.``, ``failures.``, ``cluster.``,
+  ``recovery.`` (or select a group: ``cluster=node_pair``) are taken out before Bridge sees the
+  rest. Under ``recovery.enabled=true`` Bridge's ``checkpoint.save`` / ``save_interval`` are the
+  job's ``checkpoint.dir`` / ``checkpoint.interval`` (``recovery_keys``). A bad key or value is a
   ``ValueError`` naming it, raised before anything distributed exists.
 
 Importing this module imports neither Bridge nor megatron-core.
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-NUTP_SECTIONS = ("nutp", "failures", "cluster")
+NUTP_SECTIONS = ("nutp", "failures", "cluster", "recovery")
 """Top-level keys that belong to NUTP (the schema of ``nutp-train``), not to Bridge."""
 
 
@@ -112,7 +114,8 @@ def load_bridge_job(recipe: str, config_file: str | None, overrides: list[str]) 
     yaml_bridge, nutp = split_yaml(config_file) if config_file else ({}, [])
     nutp += [o for o in overrides if is_nutp_override(o)]
     rest = [o for o in overrides if not is_nutp_override(o)]
-    load_nutp(nutp, tp=1)  # keys and values; the degree is checked again below
+    # keys and values (the degree and checkpointing, Bridge's, are checked again below)
+    early = load_nutp([*nutp, "checkpoint.interval=1"], tp=1)
     from ..compat.bridge_cpu import install_import_shim
 
     install_import_shim()
@@ -131,8 +134,44 @@ def load_bridge_job(recipe: str, config_file: str | None, overrides: list[str]) 
         except Exception as e:  # omegaconf / hydra errors: one line
             raise ValueError(f"bridge override: {' '.join(str(e).split())}") from None
     resolve_mixed_precision(cfg)
-    job = load_nutp([*bridge_keys(cfg), *nutp], tp=int(cfg.model.tensor_model_parallel_size))
+    job = load_nutp([*bridge_keys(cfg), *nutp, *recovery_keys(cfg, early.recovery)],
+                    tp=int(cfg.model.tensor_model_parallel_size))
     return BridgeJob(bridge=cfg, nutp=job, nutp_overrides=nutp)
+
+
+RECOVERY_UNUSED = {"rate_per_gpu_day": "checkpoint.interval=auto of nutp-train (Bridge saves "
+                                       "every checkpoint.save_interval steps)",
+                   "probe_timeout_s": "launcher workers' device probe (nutp-bridge under "
+                                      "torchrun has no recovery yet)",
+                   "live_redundancy": "recovery.mode=live (not built under nutp-bridge yet)"}
+"""``recovery.*`` keys ``nutp-bridge`` does not read: refused by name when set."""
+
+
+def recovery_keys(cfg: Any, rec: Any) -> list[str]:
+    """Under ``recovery.enabled=true``: where the supervisor finds the newest checkpoint (the
+    job's ``checkpoint.dir``, ``checkpoint.interval``) is Bridge's ``checkpoint.save`` and
+    ``save_interval``, the checkpoints Bridge's ``train()`` writes through NUTP's manager.
+    One-line ``ValueError`` naming the field: recovery without them, ``recovery.mode=live``,
+    and a ``recovery.*`` key ``nutp-bridge`` does not read (``RECOVERY_UNUSED``)."""
+    from ..config.schema import RecoveryConfig
+
+    default = RecoveryConfig()
+    for name, why in RECOVERY_UNUSED.items():
+        if getattr(rec, name) != getattr(default, name):
+            raise ValueError(f"recovery.{name}={getattr(rec, name)}: not read by nutp-bridge "
+                             f"(it is for {why})")
+    if not rec.enabled:
+        return []
+    if rec.mode != "restart":
+        raise ValueError(f"recovery.mode={rec.mode}: nutp-bridge recovers by restart only for "
+                         "now (set recovery.mode=restart)")
+    ck = cfg.checkpoint
+    if not ck.save or not ck.save_interval:
+        field, value = ("checkpoint.save", ck.save) if not ck.save else (
+            "checkpoint.save_interval", ck.save_interval)
+        raise ValueError(f"{field}={value}: recovery.enabled=true restarts from the checkpoints "
+                         "Bridge saves (set checkpoint.save and checkpoint.save_interval > 0)")
+    return [f"checkpoint.dir={ck.save}", f"checkpoint.interval={int(ck.save_interval)}"]
 
 
 def resolve_mixed_precision(cfg: Any) -> None:

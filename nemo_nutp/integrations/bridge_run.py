@@ -319,6 +319,7 @@ def train_rank(job: Any, plan: Any, out_dir: str, *, seed: int,
     from .bridge_ckpt import NUTPBridgeCheckpointManager
     from .bridge_data import datasets, train_iterator, valid_iterator
     from .bridge_eval import eval_callbacks
+    from .bridge_recovery import recovery_callbacks
     from .bridge_zero import setup_zero_optimizer, wants_zero
 
     apply_bridge_cpu_patches()
@@ -391,6 +392,7 @@ def train_rank(job: Any, plan: Any, out_dir: str, *, seed: int,
     evals: list[dict[str, float]] = []
     callbacks = eval_callbacks(cfg, state, share=ctx.microbatches,
                                dp_size=groups.pgs.dp.size(), record=evals)
+    recovery_callbacks(callbacks, job.nutp, plan, checkpoints)  # heartbeats, faults, resumed
     bridge_train.train(recorded_forward, model, optimizer, scheduler, data, valid, state,
                        checkpoints, groups.pgs, callback_manager=callbacks)
     first = int(first_step)
