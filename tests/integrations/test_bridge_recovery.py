@@ -35,26 +35,33 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-30)
 
 
-def _bridge_cli(out: Path, overrides: list[str], env: dict[str, str]) -> tuple[int, str]:
-    """``nutp-bridge`` as a process in a session of its own (every process it started is
-    killed when the test leaves); (exit code, output)."""
-    import os
+class _BridgeCli:
+    """``nutp-bridge`` as a process in a session of its own, output in ``<out>.log``; every
+    process it started is killed when the test leaves the ``with``."""
 
-    from nemo_nutp.common.procs import kill_session
-    from tests.helpers.bridge_jobs import PARITY, RECIPE, TINY
+    def __init__(self, out: Path, overrides: list[str], env: dict[str, str]) -> None:
+        import os
 
-    log = out.with_suffix(".log")
-    cmd = [sys.executable, "-m", "nemo_nutp.launch.bridge_cli", "--recipe", RECIPE,
-           "--config-file", str(TINY), "--output-dir", str(out), *PARITY, *overrides]
-    with log.open("w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True, env={**os.environ, **env})
-    try:
-        rc = proc.wait(timeout=600)
-    finally:
-        kill_session(proc.pid)
-        proc.wait()
-    return rc, log.read_text()
+        from tests.helpers.bridge_jobs import PARITY, RECIPE, TINY
+
+        self.log = out.with_suffix(".log")
+        cmd = [sys.executable, "-m", "nemo_nutp.launch.bridge_cli", "--recipe", RECIPE,
+               "--config-file", str(TINY), "--output-dir", str(out), *PARITY, *overrides]
+        with self.log.open("w") as f:
+            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True,
+                                         start_new_session=True, env={**os.environ, **env})
+
+    def __enter__(self) -> _BridgeCli:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        from nemo_nutp.common.procs import kill_session
+
+        kill_session(self.proc.pid)
+        self.proc.wait()
+
+    def wait(self) -> tuple[int, str]:
+        return self.proc.wait(timeout=600), self.log.read_text()
 
 
 @pytest.mark.timeout(900)
@@ -63,18 +70,18 @@ def test_a_killed_rank_restarts_inside_bridge_and_the_schedule_continues(tmp_pat
     from tests.helpers.bridge_jobs import run_worker
     from tests.helpers.dist import spawn
 
-    ref_dir = tmp_path / "ref"
+    out, ckpt, ref_dir = tmp_path / "run", tmp_path / "ckpt", tmp_path / "ref"
     ref_dir.mkdir()
-    spawn(run_worker, 1, ([*SCHEDULE, "model.tensor_model_parallel_size=1",
-                           "nutp.replicas=[1]"],), ref_dir)
+    with _BridgeCli(out, [*SCHEDULE, *CLUSTER, "recovery.enabled=true",
+                          f"checkpoint.save={ckpt}", f"checkpoint.save_interval={SAVE}"],
+                    {"NUTP_FAULT": f"kill:1:{KILL}"}) as job:
+        # the uninterrupted run (one process) while the supervised job runs
+        spawn(run_worker, 1, ([*SCHEDULE, "model.tensor_model_parallel_size=1",
+                               "nutp.replicas=[1]"],), ref_dir)
+        rc, log = job.wait()
     want = json.loads((ref_dir / "run_result.json").read_text())
     lrs = [row["lr"] for row in want]
     assert len(set(lrs)) == END and lrs[SAVE] != lrs[0]  # a restart from scratch differs
-
-    out, ckpt = tmp_path / "run", tmp_path / "ckpt"
-    rc, log = _bridge_cli(out, [*SCHEDULE, *CLUSTER, "recovery.enabled=true",
-                                f"checkpoint.save={ckpt}", f"checkpoint.save_interval={SAVE}"],
-                          {"NUTP_FAULT": f"kill:1:{KILL}"})
     assert rc == 0, log[-3000:]
     for rank in (0, 1):  # the relaunched world's records: steps SAVE.. of the same schedule
         got = json.loads((out / f"bridge_rank{rank}.json").read_text())["steps"]
