@@ -116,6 +116,7 @@ def load_bridge_job(recipe: str, config_file: str | None, overrides: list[str]) 
     rest = [o for o in overrides if not is_nutp_override(o)]
     # keys and values (the degree and checkpointing, Bridge's, are checked again below)
     early = load_nutp([*nutp, "checkpoint.interval=1"], tp=1)
+    check_nutp_unused(early.nutp)
     from ..compat.bridge_cpu import install_import_shim
 
     install_import_shim()
@@ -145,6 +146,27 @@ RECOVERY_UNUSED = {"rate_per_gpu_day": "checkpoint.interval=auto of nutp-train (
                                       "torchrun has no recovery yet)",
                    "live_redundancy": "recovery.mode=live (not built under nutp-bridge yet)"}
 """``recovery.*`` keys ``nutp-bridge`` does not read: refused by name when set."""
+
+
+NUTP_UNUSED = ("rebalance", "rebalance_smoothing", "rebalance_hysteresis", "rebalance_max_shift",
+               "rebalance_warmup", "straggler_probe_interval", "straggler_threshold",
+               "straggler_window", "exclude_stragglers")
+"""``nutp.*`` keys of ``nutp-train``'s own loop (micro-batch rebalancing, straggler probes and
+their exclusion by the supervisor), not built into Bridge's ``train()``: refused by name when
+set."""
+
+
+def check_nutp_unused(nutp: Any) -> None:
+    """One-line ``ValueError`` naming the first ``NUTP_UNUSED`` key set to other than its
+    default."""
+    from ..config.schema import NutpConfig
+
+    default = NutpConfig()
+    for name in NUTP_UNUSED:
+        if getattr(nutp, name) != getattr(default, name):
+            raise ValueError(f"nutp.{name}={getattr(nutp, name)}: not read by nutp-bridge "
+                             "(nutp-train's loop only: rebalancing and straggler handling are "
+                             "not built into Bridge's train())")
 
 
 def recovery_keys(cfg: Any, rec: Any) -> list[str]:

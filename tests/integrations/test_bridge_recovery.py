@@ -109,16 +109,17 @@ def test_recovery_keys_are_nutp_keys_and_what_is_not_read_is_refused(
         monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
     """``recovery.*`` is NUTP's (Bridge's ``ConfigContainer`` has no such field); Bridge's
     ``checkpoint.save`` / ``save_interval`` are the job's checkpoint dir and interval under
-    recovery; recovery without them, ``recovery.mode=live``, keys nutp-bridge does not read,
-    and recovery under torchrun are one line naming the field, before any process group."""
+    recovery; recovery without them, ``recovery.mode=live``, ``recovery.*`` and ``nutp.*`` keys
+    nutp-bridge does not read, and recovery under torchrun are one line naming the field,
+    before any process group."""
     import dataclasses
     from types import SimpleNamespace
 
     import torch.distributed as dist
 
     from nemo_nutp.compat.bridge_cpu import install_import_shim
-    from nemo_nutp.config.schema import RecoveryConfig
-    from nemo_nutp.integrations.bridge_config import recovery_keys
+    from nemo_nutp.config.schema import NutpConfig, RecoveryConfig
+    from nemo_nutp.integrations.bridge_config import check_nutp_unused, recovery_keys
     from nemo_nutp.launch.bridge_cli import main
     from tests.helpers.bridge_jobs import RECIPE, TINY, load
 
@@ -150,6 +151,12 @@ def test_recovery_keys_are_nutp_keys_and_what_is_not_read_is_refused(
         with pytest.raises(ValueError) as e:
             recovery_keys(cfg, rec)
         assert str(e.value).startswith(field + ":") and "\n" not in str(e.value), e.value
+    # nutp-train's loop's own keys (rebalancing, stragglers): not read by Bridge's train()
+    with pytest.raises(ValueError, match=r"^nutp\.rebalance=True: not read by nutp-bridge"):
+        load(["nutp.rebalance=true", "model.tensor_model_parallel_size=2"])
+    check_nutp_unused(NutpConfig())
+    with pytest.raises(ValueError, match=r"^nutp\.straggler_probe_interval=2: not read"):
+        check_nutp_unused(NutpConfig(straggler_probe_interval=2))
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "3")
     assert main(["--recipe", RECIPE, "--config-file", str(TINY), "recovery.enabled=true",
