@@ -13,6 +13,8 @@
   ``ValueError`` naming it, raised before anything distributed exists. None of these is a
   top-level key of Bridge's ``ConfigContainer``; the schema sections that are (``model``,
   ``train``, ``checkpoint``) are Bridge's here, and ``bridge_keys`` maps them onto the schema.
+  Under ``recovery.enabled=true`` Bridge's ``checkpoint.save`` / ``save_interval`` are the
+  job's ``checkpoint.dir`` / ``checkpoint.interval`` (``recovery_keys``).
 
 Importing this module imports neither Bridge nor megatron-core.
 """
@@ -130,11 +132,12 @@ def load_bridge_job(recipe: str, config_file: str | None, overrides: list[str], 
         nutp.append(f"output.dir={_quoted(output_dir)}")
     rest = [o for o in overrides if not is_nutp_override(o)]
     # NUTP's keys and values alone: the recipe's keys (checkpoint interval, distributed
-    # optimizer) are not known yet, so their cross-checks with recovery.* pass here with
-    # stand-ins and run on the whole job below, as does the degree
-    # (the replicas too: their per-stage degrees need the recipe's pipeline_model_parallel_size)
-    check_unbuilt(load_nutp([*RECIPE_STAND_INS, *(o for o in nutp if not o.lstrip("+~")
-                                                  .startswith("nutp.replicas="))], tp=1))
+    # optimizer, pipeline_model_parallel_size for the replicas' per-stage degrees) are not
+    # known yet, so their cross-checks pass here with stand-ins (the replicas are left out)
+    # and run on the whole job below, as does the degree
+    early = load_nutp([*RECIPE_STAND_INS, *(o for o in nutp if not o.lstrip("+~")
+                                            .startswith("nutp.replicas="))], tp=1)
+    check_nutp_unused(early.nutp)
     from ..compat.bridge_cpu import install_import_shim
 
     install_import_shim()
@@ -154,30 +157,9 @@ def load_bridge_job(recipe: str, config_file: str | None, overrides: list[str], 
             raise ValueError(f"bridge override: {' '.join(str(e).split())}") from None
     resolve_mixed_precision(cfg)
     job = load_nutp([*bridge_keys(cfg), *checkpoint_keys(cfg), f"output.dir={OUTPUT_DIR}",
-                     *nutp],
+                     *nutp, *recovery_keys(cfg, early.recovery)],
                     tp=int(cfg.model.tensor_model_parallel_size))
     return BridgeJob(bridge=cfg, nutp=job, nutp_overrides=nutp)
-
-
-def check_unbuilt(job: Any) -> None:
-    """NUTP settings ``nutp-bridge`` does not run yet, refused by name: ``recovery.*`` away
-    from its defaults (the recovery supervisor runs under ``nutp-train``)."""
-    from dataclasses import asdict
-
-    from ..config.schema import RecoveryConfig
-
-    def leaves(prefix: str, node: dict[str, Any]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for k, v in node.items():
-            out.update(leaves(f"{prefix}.{k}", v) if isinstance(v, dict) else {f"{prefix}.{k}": v})
-        return out
-
-    default = leaves("recovery", asdict(RecoveryConfig()))
-    bad = [f"{k}={v}" for k, v in leaves("recovery", asdict(job.recovery)).items()
-           if v != default[k]]
-    if bad:
-        raise ValueError(f"{bad[0]}: recovery is not built under nutp-bridge yet (nutp-train "
-                         "runs it); leave recovery.* at its defaults")
 
 
 def _quoted(text: str) -> str:
@@ -200,6 +182,62 @@ def checkpoint_keys(cfg: Any) -> list[str]:
     if ck.load:
         out.append(f"checkpoint.load_dir={_quoted(str(ck.load))}")
     return out
+
+
+RECOVERY_UNUSED = {"rate_per_gpu_day": "checkpoint.interval=auto of nutp-train (Bridge saves "
+                                       "every checkpoint.save_interval steps)",
+                   "probe_timeout_s": "launcher workers' device probe (nutp-bridge under "
+                                      "torchrun has no recovery yet)",
+                   "live_redundancy": "recovery.mode=live (not built under nutp-bridge yet)"}
+"""``recovery.*`` keys ``nutp-bridge`` does not read: refused by name when set."""
+
+
+NUTP_UNUSED = ("rebalance", "rebalance_smoothing", "rebalance_hysteresis", "rebalance_max_shift",
+               "rebalance_warmup", "straggler_probe_interval", "straggler_threshold",
+               "straggler_window", "exclude_stragglers")
+"""``nutp.*`` keys of ``nutp-train``'s own loop (micro-batch rebalancing, straggler probes and
+their exclusion by the supervisor), not built into Bridge's ``train()``: refused by name when
+set."""
+
+
+def check_nutp_unused(nutp: Any) -> None:
+    """One-line ``ValueError`` naming the first ``NUTP_UNUSED`` key set to other than its
+    default."""
+    from ..config.schema import NutpConfig
+
+    default = NutpConfig()
+    for name in NUTP_UNUSED:
+        if getattr(nutp, name) != getattr(default, name):
+            raise ValueError(f"nutp.{name}={getattr(nutp, name)}: not read by nutp-bridge "
+                             "(nutp-train's loop only: rebalancing and straggler handling are "
+                             "not built into Bridge's train())")
+
+
+def recovery_keys(cfg: Any, rec: Any) -> list[str]:
+    """Under ``recovery.enabled=true``: where the supervisor finds the newest checkpoint (the
+    job's ``checkpoint.dir``, ``checkpoint.interval``) is Bridge's ``checkpoint.save`` and
+    ``save_interval``, the checkpoints Bridge's ``train()`` writes through NUTP's manager.
+    One-line ``ValueError`` naming the field: recovery without them, ``recovery.mode=live``,
+    and a ``recovery.*`` key ``nutp-bridge`` does not read (``RECOVERY_UNUSED``)."""
+    from ..config.schema import RecoveryConfig
+
+    default = RecoveryConfig()
+    for name, why in RECOVERY_UNUSED.items():
+        if getattr(rec, name) != getattr(default, name):
+            raise ValueError(f"recovery.{name}={getattr(rec, name)}: not read by nutp-bridge "
+                             f"(it is for {why})")
+    if not rec.enabled:
+        return []
+    if rec.mode != "restart":
+        raise ValueError(f"recovery.mode={rec.mode}: nutp-bridge recovers by restart only for "
+                         "now (set recovery.mode=restart)")
+    ck = cfg.checkpoint
+    if not ck.save or not ck.save_interval:
+        field, value = ("checkpoint.save", ck.save) if not ck.save else (
+            "checkpoint.save_interval", ck.save_interval)
+        raise ValueError(f"{field}={value}: recovery.enabled=true restarts from the checkpoints "
+                         "Bridge saves (set checkpoint.save and checkpoint.save_interval > 0)")
+    return [f"checkpoint.dir={ck.save}", f"checkpoint.interval={int(ck.save_interval)}"]
 
 
 def resolve_mixed_precision(cfg: Any) -> None:

@@ -321,6 +321,7 @@ def train_rank(job: Any, plan: Any, out_dir: str, *, seed: int,
     from .bridge_eval import eval_callbacks
     from .bridge_outputs import BridgeOutputs
     from .bridge_pipeline import PipelineFinish, stage_communicator
+    from .bridge_recovery import recovery_callbacks
     from .bridge_zero import setup_zero_optimizer, wants_zero
 
     apply_bridge_cpu_patches()
@@ -404,6 +405,7 @@ def train_rank(job: Any, plan: Any, out_dir: str, *, seed: int,
     callbacks = eval_callbacks(cfg, state, share=ctx.microbatches,
                                dp_size=groups.pgs.dp.size(), record=evals,
                                shared=from_last_stage if plan.pp > 1 else None)
+    recovery_callbacks(callbacks, job.nutp, plan, checkpoints)  # heartbeats, faults, resumed
     outputs = BridgeOutputs(job.nutp, plan, groups, model[0], out_dir, record=record,
                             evals=evals, start_step=int(first_step))  # rank 0: output.dir
     outputs.attach(callbacks, optimizer, checkpoints, mc)

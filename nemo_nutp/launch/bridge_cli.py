@@ -8,6 +8,13 @@ nemo_nutp.launch.bridge_cli``. Overrides and NUTP keys: ``bridge_config``. Plain
 invocation spawns the plan's world on this machine (gloo, CPU); under ``torchrun``
 (``RANK``/``WORLD_SIZE``) this process is one rank (NCCL when CUDA is present). Everything is
 validated and planned before any process group.
+
+``recovery.enabled=true`` (``recovery.mode=restart``): the plain invocation runs the ranks under
+``nutp-train``'s recovery supervisor (``recovery/supervisor.py``): a rank killed or hung ends the
+world, its GPU is marked failed, the job is re-planned and relaunched, and the new world resumes
+inside Bridge's ``train()`` from the newest checkpoint under ``checkpoint.save`` (Bridge's
+``checkpoint.load`` pointed at it: ``integrations/bridge_recovery.py``). Events, summary and
+heartbeats go to ``<output.dir>/recovery/``.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 
@@ -35,6 +43,62 @@ def _rank(rank: int, world: int, port: int, argv: list[str], backend: str) -> No
     dist.destroy_process_group()
 
 
+def recovery_rank(argv: list[str], rank: int, world: int, job: Any, plan: Any, port: int,
+                  env: dict[str, str]) -> None:
+    """One rank the recovery supervisor starts (``recovery.world.RankEntry``): the Bridge job
+    from ``argv`` with the supervisor's NUTP job of this attempt (its failed GPUs) and plan; a
+    relaunch reads the newest checkpoint under ``checkpoint.save``. An error ends the rank as a
+    ``nutp-train`` rank's does (``train/worker.py``: one record, exit 2 for bad input, else 1)."""
+    from nemo_nutp.health import watch
+    from nemo_nutp.recovery.world import enter
+
+    enter(env)
+    watch.start_stack_watcher(Path(env["NUTP_HEARTBEAT_DIR"]) / f"rank{rank}.stack")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        import torch.distributed as dist
+
+        from nemo_nutp.compat.bridge_cpu import apply_bridge_cpu_patches
+        from nemo_nutp.integrations.bridge_recovery import resume_at_save
+        from nemo_nutp.integrations.bridge_run import train_rank
+
+        apply_bridge_cpu_patches()
+        _, bridge_job = _job(argv)
+        bridge_job.nutp = job
+        resume_at_save(bridge_job.bridge, int(env.get("NUTP_ATTEMPT", "0")))
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        train_rank(bridge_job, plan, job.output.dir, seed=job.train.seed)
+        dist.destroy_process_group()
+    except Exception as e:
+        if os.environ.get("NUTP_DEBUG") == "1":
+            raise
+        from nemo_nutp.train.worker import report_error
+
+        code = report_error(job.output.dir, rank, e)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+BRIDGE_PRELOAD = ("nemo_nutp.integrations.bridge_preload", "nemo_nutp.health.watch",
+                  "nemo_nutp.recovery.world", "nemo_nutp.train.worker")
+"""Imported once by the supervisor's fork server: Bridge and the NUTP modules its ranks run."""
+
+
+def _supervise(job: Any, argv: list[str]) -> int:
+    """``recovery.enabled=true``: the world under the recovery supervisor (module docstring)."""
+    from functools import partial
+
+    from nemo_nutp.common.console import make_console
+    from nemo_nutp.launch import bridge_cli  # by its module name, also when run as __main__
+    from nemo_nutp.recovery.supervisor import supervise
+    from nemo_nutp.recovery.world import RankEntry
+
+    cfg = job.nutp  # output.dir: --output-dir's too
+    entry = RankEntry(partial(bridge_cli.recovery_rank, argv), BRIDGE_PRELOAD)
+    return supervise(cfg, make_console(), entry=entry)
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="nutp-bridge", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -48,14 +112,19 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _load(argv: list[str]) -> tuple[Any, Any, Any]:
-    from nemo_nutp.config import plan_request
+def _job(argv: list[str]) -> tuple[Any, Any]:
     from nemo_nutp.integrations.bridge_config import load_bridge_job
-    from nemo_nutp.layout import build_plan
 
     args = _parser().parse_intermixed_args(argv)
-    job = load_bridge_job(args.recipe, args.config_file, args.overrides,
-                          output_dir=args.output_dir)
+    return args, load_bridge_job(args.recipe, args.config_file, args.overrides,
+                                 output_dir=args.output_dir)
+
+
+def _load(argv: list[str]) -> tuple[Any, Any, Any]:
+    from nemo_nutp.config import plan_request
+    from nemo_nutp.layout import build_plan
+
+    args, job = _job(argv)
     plan = build_plan(plan_request(job.nutp))
     return args, job, plan
 
@@ -80,11 +149,19 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print_error(str(e))
         return 2
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if launched and job.nutp.recovery.enabled:
+        print_error("recovery.enabled=true: nutp-bridge recovers the world it spawns itself; "
+                    "under torchrun that is not built yet (run it without torchrun, or set "
+                    "recovery.enabled=false)")
+        return 2
     print_notices(job.bridge)
     os.makedirs(job.nutp.output.dir, exist_ok=True)
+    if job.nutp.recovery.enabled:
+        return _supervise(job, argv)
     import torch
 
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    if launched:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         _rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), 0, argv, backend)
         return 0

@@ -58,7 +58,7 @@ from ..health.decisions import (
     next_failed,
     straggler_relayout,
 )
-from .world import HANG_POLL_S, PRELOAD, Attempt, rank_main, stop_procs
+from .world import HANG_POLL_S, Attempt, RankEntry, stop_procs
 
 if TYPE_CHECKING:
     from ..config import JobConfig
@@ -68,11 +68,14 @@ if TYPE_CHECKING:
 POLL_S = 0.05  # exit codes (and, while a planned restart waits, the newest checkpoint)
 def _run_world(cfg: JobConfig, job: JobConfig, plan: Plan,
                failed: frozenset[int], attempt: int, rdir: Path,
-               console: Any, host: Host | None = None) -> Attempt:
+               console: Any, host: Host | None = None, entry: RankEntry | None = None
+               ) -> Attempt:
     if job.recovery.mode == "live":  # survivors keep their processes (recovery/control.py)
+        assert entry is None, "live recovery starts nutp-train's ranks only"
         from .control import run_world
 
         return run_world(cfg, job, plan, failed, attempt, rdir, console, host)
+    entry = entry or RankEntry()
     from ..common.ports import free_port
 
     hb = rdir / f"heartbeats.{attempt}"
@@ -82,10 +85,10 @@ def _run_world(cfg: JobConfig, job: JobConfig, plan: Plan,
     # Ranks fork from one server that imported torch and megatron once (a clean interpreter,
     # no threads, no process group): a restart does not pay ~6 CPU-s of imports per rank.
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(list(PRELOAD))
+    ctx.set_forkserver_preload(list(entry.preload))
     port = free_port()
     world = plan.world_size
-    procs = [ctx.Process(target=rank_main, args=(r, world, job, plan, port, env))
+    procs = [ctx.Process(target=entry.target, args=(r, world, job, plan, port, env))
              for r in range(world)]
     started = time.time()
     for p in procs:
@@ -160,10 +163,13 @@ def _record_failure(job: JobConfig, res: Attempt, failed: frozenset[int], rdir: 
     return failed
 
 
-def supervise(cfg: JobConfig, console: Any, host: Host | None = None) -> int:
+def supervise(cfg: JobConfig, console: Any, host: Host | None = None,
+              entry: RankEntry | None = None) -> int:
     """Run the job to completion through failures and planned restarts. Returns an exit code.
     ``host`` (``recovery.mode=live`` only, ``hosts.py``): where the ranks run; default this
-    machine. The Slurm control process (``launch/control.py``) passes its node agents."""
+    machine. The Slurm control process (``launch/control.py``) passes its node agents.
+    ``entry`` (restart path): how a rank starts; default ``nutp-train``'s (``world.RankEntry``;
+    ``nutp-bridge`` passes Bridge's)."""
     from ..common.plan_report import replicas_table
     from ..config import plan_request
     from ..layout import build_plan
@@ -185,7 +191,7 @@ def supervise(cfg: JobConfig, console: Any, host: Host | None = None) -> int:
         log_event("start", file=events, attempt=attempt, failed_gpus=sorted(failed),
                   world_size=plan.world_size, replica_tp=watch.layout_of(plan))
         started = time.time()
-        res = _run_world(cfg, job, plan, failed, attempt, rdir, console, host)
+        res = _run_world(cfg, job, plan, failed, attempt, rdir, console, host, entry)
         found = straggler_relayout(read_events(events), started) if res.ok else None
         if res.ok and found is None:
             return _finish(console, rdir, attempt)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -80,6 +81,16 @@ def rank_main(rank: int, world: int, cfg: JobConfig, plan: Plan, port: int,
     from ..train.worker import run_rank
 
     run_rank(rank, world, rank if local is None else local, cfg, plan, port)
+
+
+@dataclass(frozen=True)
+class RankEntry:
+    """How the restart path starts one rank: ``target(rank, world, job, plan, port, env)`` in a
+    process forked from a server that imported ``preload`` once. Default: ``nutp-train``'s rank
+    (``rank_main``); ``nutp-bridge`` passes its own (``launch/bridge_cli.py``)."""
+
+    target: Callable[..., None] = rank_main
+    preload: tuple[str, ...] = PRELOAD
 
 
 def join_main(slot: int, cfg: JobConfig, old_plan: Plan, gpu: int, gen: int,

@@ -350,3 +350,22 @@ def eval_worker(rank: int, world: int, port: int, overrides: list[str], init: st
         Path(outdir, f"eval_rank{rank}.json").write_text(json.dumps(out))
 
     gloo_rank(rank, world, port, outdir, body)
+
+
+def run_worker(rank: int, world: int, port: int, overrides: list[str], outdir: str) -> None:
+    """One ``nutp-bridge`` run of ``overrides`` (on top of ``PARITY``) in this world; rank 0
+    writes its per-step record to ``run_result.json``."""
+    from tests.helpers.dist import gloo_rank
+
+    def body() -> None:
+        from nemo_nutp.config import plan_request
+        from nemo_nutp.integrations.bridge_run import train_rank
+        from nemo_nutp.layout import build_plan
+
+        job = load(overrides)
+        plan = build_plan(plan_request(job.nutp))
+        got = train_rank(job, plan, outdir, seed=job.nutp.train.seed)
+        if rank == 0:
+            Path(outdir, "run_result.json").write_text(json.dumps(got["steps"]))
+
+    gloo_rank(rank, world, port, outdir, body)
