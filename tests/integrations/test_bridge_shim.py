@@ -403,8 +403,7 @@ def test_output_dir_is_one_setting(tmp_path: Path, capfd: pytest.CaptureFixture[
 
 @pytest.mark.parametrize("override, says", [
     ("recovery.mode=sometimes", "recovery.mode='sometimes': must be restart or live"),  # schema
-    ("recovery.enabled=true", "checkpoint.save=None: recovery.enabled=true restarts from the "
-                              "checkpoints Bridge saves"),
+    ("recovery.live_redundancy=true", "recovery.live_redundancy=True: not read by nutp-bridge"),
 ])
 def test_recovery_keys_are_nutp_keys(override: str, says: str) -> None:
     with pytest.raises(ValueError) as e:
