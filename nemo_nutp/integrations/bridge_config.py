@@ -306,6 +306,40 @@ def _half(cfg: Any) -> bool:
         getattr(mp, "bf16", False) or getattr(mp, "fp16", False)))
 
 
+def tokenizer_vocabulary(cfg: Any) -> None:
+    """``tokenizer.use_tokenizer_vocab_size`` (36 of Bridge's recipes), or no
+    ``model.vocab_size``: the model's vocabulary is the tokenizer's, padded, as Bridge's
+    ``setup()`` and provider make it (``_validate_and_set_vocab_size``, then
+    ``calculate_padded_vocab_size`` by ``model.make_vocab_size_divisible_by`` x the healthy TP
+    degree: the uniform run's size, which every NUTP replica trains in its uneven shards).
+    ``model.vocab_size`` becomes that padded size; a tokenizer that cannot be built here is
+    one line naming the field."""
+    use = bool(getattr(cfg.tokenizer, "use_tokenizer_vocab_size", False))
+    if not use and cfg.model.vocab_size is not None:
+        return
+    from megatron.bridge.training.setup import _validate_and_set_vocab_size
+    from megatron.bridge.training.tokenizers.tokenizer import build_tokenizer
+    from megatron.bridge.utils.vocab_utils import calculate_padded_vocab_size
+
+    field = ("tokenizer.use_tokenizer_vocab_size=True" if use else "model.vocab_size=None")
+    try:
+        tokenizer = build_tokenizer(cfg.tokenizer)
+    except Exception as e:  # an HF tokenizer off the network, a missing file: one line
+        raise ValueError(f"{field}: the model's vocabulary is the tokenizer's, which could not "
+                         f"be built here ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
+                         "; set model.vocab_size and tokenizer.use_tokenizer_vocab_size=false"
+                         ) from None
+    vocab, pad = _validate_and_set_vocab_size(
+        model_vocab_size=cfg.model.vocab_size, tokenizer_vocab_size=tokenizer.vocab_size,
+        use_tokenizer_vocab_size=use)
+    m = cfg.model
+    if pad:
+        vocab = calculate_padded_vocab_size(vocab, m.make_vocab_size_divisible_by,
+                                            m.tensor_model_parallel_size)
+    m.vocab_size = int(vocab)
+    cfg.tokenizer.use_tokenizer_vocab_size = False  # done: the model's size is set
+
+
 def bridge_keys(cfg: Any) -> list[str]:
     """The recipe's model and batch as ``nutp-train`` overrides (``model.*``, ``train.*``;
     ``optimizer.``/``ddp.use_distributed_optimizer`` -> ``train.distributed_optimizer``), so
@@ -316,12 +350,10 @@ def bridge_keys(cfg: Any) -> list[str]:
     from .bridge_fields import check_container
     from .bridge_run import model_config_of, precision_of
 
+    tokenizer_vocabulary(cfg)
     check_container(cfg)
     check_precision(cfg)
     check_dataset(cfg)
-    if cfg.model.vocab_size is None:  # Bridge's setup() would pad the tokenizer's vocabulary
-        raise ValueError("model.vocab_size=None: set it (Bridge pads the tokenizer's vocabulary "
-                         "by model.make_vocab_size_divisible_by x TP; NUTP trains the one given)")
     vocab = cfg.model.vocab_size
     model = model_config_of(cfg.model, vocab_size=int(vocab))
     t = cfg.train

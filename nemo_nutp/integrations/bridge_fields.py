@@ -62,6 +62,8 @@ ZERO = ("tests/integrations/test_bridge_zero.py"
 LR_SCHEDULE = ("tests/checkpoint/test_bridge_state.py"
                "::test_a_schedule_nutp_train_cannot_follow_is_named")
 
+TOKENIZER_VOCAB = ("tests/integrations/test_bridge_shim.py"
+                   "::test_tokenizer_vocabulary_is_bridges_padded_size")
 PIPELINE = ("tests/integrations/test_bridge_pipeline.py"
             "::test_bridge_pipeline_matches_bridge_stock_run")
 ROUNDING = "same math, other rounding"
@@ -199,6 +201,7 @@ HONOURED: dict[str, str] = {  # the test that proves the effect
     "tokenizer.tokenizer_type": BRIDGE_TRAIN,
     "tokenizer.vocab_file": BRIDGE_UNIFORM,
     "tokenizer.vocab_size": BRIDGE_TRAIN,
+    "tokenizer.use_tokenizer_vocab_size": TOKENIZER_VOCAB,
     "train.global_batch_size": BRIDGE_TRAIN,
     "train.micro_batch_size": BRIDGE_TRAIN,
     "train.train_iters": BRIDGE_TRAIN,
@@ -1002,7 +1005,6 @@ REFUSED: dict[str, Any] = {  # the NUTP model's value; any other is refused
     "straggler.log_straggler": False,
     "tensor_inspect.enabled": False,
     "tokenizer.pad_vocab_size": False,
-    "tokenizer.use_tokenizer_vocab_size": False,
     "train.check_weight_hash_across_dp_replicas_interval": None,
     "train.decrease_batch_size_if_needed": False,
     "train.eval_interval": None,

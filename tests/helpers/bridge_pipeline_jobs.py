@@ -35,6 +35,11 @@ SHRUNK = [
     "train.train_iters=4", "train.global_batch_size=8", "train.micro_batch_size=1",
     "scheduler.lr_warmup_iters=2", "scheduler.lr_decay_iters=4",
     "validation.eval_interval=2", "validation.eval_iters=2",
+    # the validation sampler (Bridge's ``cyclic`` one) without data sharding: with sharding
+    # each data-parallel rank draws from its own slice of the set, so the batches Bridge
+    # evaluates depend on the data-parallel size (8 DP2 stock values differ from a DP1 run's);
+    # without it every global batch is the same samples at any data-parallel size
+    "dataset.data_sharding=false",
     "dataset.num_workers=0", "logger.log_interval=1", "logger.tensorboard_dir=null",
     "checkpoint.save=null", "checkpoint.load=null",
 ]

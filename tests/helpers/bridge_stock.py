@@ -111,7 +111,8 @@ def stock_rank(job: Any, out_dir: str, init_root: Path) -> list[dict[str, float]
         dist.all_reduce(t, group=pgs.dp)
         return float(t) / dp
 
-    record, forward = recording(optimizer, reduce)
+    eval_parts: list[tuple[float, float]] = []
+    record, forward = recording(optimizer, reduce, eval_parts=eval_parts)
     # Bridge's own data pipeline over its DP group (what setup() builds), the recipe's dataset
     data, valid, _ = setup_data_iterators(cfg=cfg, train_state=state.train_state,
                                           model_length=len(model),
@@ -127,6 +128,8 @@ def stock_rank(job: Any, out_dir: str, init_root: Path) -> list[dict[str, float]
                        callback_manager=callbacks)
     Path(out_dir, f"stock_rank{dist.get_rank()}.json").write_text(json.dumps(record))
     Path(out_dir, f"stock_evals_rank{dist.get_rank()}.json").write_text(json.dumps(evals))
+    Path(out_dir, f"stock_eval_parts_rank{dist.get_rank()}.json").write_text(
+        json.dumps(eval_parts))  # each evaluation micro-batch's (loss sum, tokens), in order
     return record
 
 

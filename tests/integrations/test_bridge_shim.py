@@ -409,3 +409,31 @@ def test_recovery_keys_are_nutp_keys(override: str, says: str) -> None:
     with pytest.raises(ValueError) as e:
         load_bridge_job(RECIPE, str(TINY), [*BASE, override])
     assert says in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_tokenizer_vocabulary_is_bridges_padded_size() -> None:
+    """``tokenizer.use_tokenizer_vocab_size`` (or no ``model.vocab_size``): the model trains the
+    tokenizer's vocabulary padded as Bridge's own setup() and provider pad it (their functions,
+    the recipe's divisor x the healthy TP degree), not the preset ``model.vocab_size``; a
+    tokenizer that cannot be built is one line naming the field."""
+    from nemo_nutp.compat.bridge_cpu import install_import_shim
+
+    install_import_shim()
+    from megatron.bridge.training.tokenizers.tokenizer import build_tokenizer
+    from megatron.bridge.utils.vocab_utils import calculate_padded_vocab_size
+
+    pad = ["tokenizer.vocab_size=250", "model.make_vocab_size_divisible_by=100"]
+    want = calculate_padded_vocab_size(
+        build_tokenizer(load_bridge_job(RECIPE, str(TINY), [*BASE, *pad]).bridge.tokenizer)
+        .vocab_size, 100, 2)
+    assert want != 256  # the preset model.vocab_size of the tiny YAML
+    for how in ("tokenizer.use_tokenizer_vocab_size=true", "model.vocab_size=null"):
+        job = load_bridge_job(RECIPE, str(TINY), [*BASE, *pad, how])
+        assert job.nutp.model.vocab_size == job.bridge.model.vocab_size == want, how
+    with pytest.raises(ValueError) as e:
+        load_bridge_job(RECIPE, str(TINY), [
+            *BASE, "tokenizer.use_tokenizer_vocab_size=true",
+            "tokenizer.tokenizer_type=SentencePieceTokenizer",
+            "tokenizer.tokenizer_model=/nonexistent/tokenizer.model"])
+    assert str(e.value).startswith("tokenizer.use_tokenizer_vocab_size=True: ") and \
+        "\n" not in str(e.value), str(e.value)
