@@ -31,7 +31,7 @@ STAMPBRIDGE := $(VENV312)/.bridge-installed
 TESTS_BRIDGE ?= tests/integrations/test_bridge_shim.py tests/integrations/test_bridge_data.py \
 	tests/integrations/test_bridge_fields.py \
 	tests/integrations/test_bridge_train.py tests/integrations/test_bridge_resume.py \
-	tests/integrations/test_bridge_zero.py \
+	tests/integrations/test_bridge_zero.py tests/integrations/test_bridge_pipeline.py \
 	tests/integrations/test_bridge_uniform.py tests/integrations/test_bridge_eval.py \
 	tests/integrations/test_bridge_readme.py tests/integrations/test_bridge_recovery.py \
 	tests/integrations/test_recipe_coverage.py tests/integrations/test_gemma_hf_parity.py \
