@@ -73,7 +73,6 @@ DROPOUT_RNG = "dropout masks drawn by another generator"
 
 HONOURED: dict[str, str] = {  # the test that proves the effect
     "checkpoint.ckpt_step": RESUME,
-    "model.pipeline_model_parallel_size": PIPELINE,
     "checkpoint.exit_on_missing_checkpoint": RESUME_NAMED,
     "checkpoint.load": RESUME,
     "checkpoint.save": BRIDGE_TRAIN,
@@ -135,6 +134,7 @@ HONOURED: dict[str, str] = {  # the test that proves the effect
     "model.num_query_groups": PARITY,
     "model.output_layer_init_method": INIT,
     "model.params_dtype": PARITY,
+    "model.pipeline_model_parallel_size": PIPELINE,
     "model.position_embedding_type": SETTINGS,
     "model.qk_layernorm": SETTINGS,
     "model.query_pre_attn_scalar": SETTINGS,
@@ -199,9 +199,9 @@ HONOURED: dict[str, str] = {  # the test that proves the effect
     "tokenizer.null_tokenizer_pad_id": BRIDGE_UNIFORM,
     "tokenizer.tokenizer_model": BRIDGE_UNIFORM,
     "tokenizer.tokenizer_type": BRIDGE_TRAIN,
+    "tokenizer.use_tokenizer_vocab_size": TOKENIZER_VOCAB,
     "tokenizer.vocab_file": BRIDGE_UNIFORM,
     "tokenizer.vocab_size": BRIDGE_TRAIN,
-    "tokenizer.use_tokenizer_vocab_size": TOKENIZER_VOCAB,
     "train.global_batch_size": BRIDGE_TRAIN,
     "train.micro_batch_size": BRIDGE_TRAIN,
     "train.train_iters": BRIDGE_TRAIN,
