@@ -358,10 +358,9 @@ def bridge_keys(cfg: Any) -> list[str]:
     model = model_config_of(cfg.model, vocab_size=int(vocab))
     t = cfg.train
     zero = bool(cfg.optimizer.use_distributed_optimizer or cfg.ddp.use_distributed_optimizer)
-    if zero and _half(cfg):  # NUTP's ZeRO-1 (integrations/bridge_zero.py)
-        raise ValueError("optimizer.use_distributed_optimizer=True: fp32 only under "
-                         "nutp-bridge (NUTP's ZeRO-1 with bf16/fp16 parameters is not built "
-                         "for Bridge's loop yet): set mixed_precision=null, or "
+    if zero and precision_of(cfg) == "fp16":  # NUTP's ZeRO-1 (integrations/bridge_zero.py)
+        raise ValueError("optimizer.use_distributed_optimizer=True: not with fp16 under NUTP "
+                         "(its ZeRO-1 keeps no loss scaler): use bf16 or fp32, or "
                          "optimizer.use_distributed_optimizer=false")
     return [*(f"model.{k}={_value(v)}" for k, v in asdict(model).items()),
             f"train.global_batch_size={t.global_batch_size}",

@@ -124,16 +124,17 @@ def test_bridge_zero_checkpoint_resumes_in_another_layout(tmp_path: Path) -> Non
     assert r["consumed"] == u["consumed"]
 
 
-@pytest.mark.parametrize("half", [["model.fp16=true", "optimizer.fp16=true"],
-                                  ["model.bf16=true", "optimizer.bf16=true"],
-                                  ["mixed_precision=bf16_mixed"]])
-def test_half_precision_with_the_distributed_optimizer_is_named(half: list[str]) -> None:
-    """fp32 only: the bf16 model nutp-bridge builds (no ``Float16Module``) keeps some
-    parameters in fp32, and NUTP's ZeRO-1 takes one parameter dtype (measured: ``parameters
-    of several dtypes ['torch.bfloat16', 'torch.float32']`` after the process groups)."""
+def test_half_precision_with_the_distributed_optimizer() -> None:
+    """bf16 (the model's flags, or ``mixed_precision`` by name) trains with NUTP's ZeRO-1: the
+    model sits in Bridge's ``Float16Module``, one parameter dtype, fp32 masters in the slices
+    (``test_bridge_uniform``'s bf16 case compares it with Bridge's stock distributed
+    optimizer). fp16 is refused by name: NUTP's ZeRO-1 keeps no loss scaler."""
     from tests.helpers.bridge_jobs import load
 
-    with pytest.raises(ValueError, match=r"^optimizer.use_distributed_optimizer=True: fp32 "
-                                         r"only under nutp-bridge"):
-        load(["optimizer.use_distributed_optimizer=true", "ddp.use_distributed_optimizer=true",
-              *half])
+    zero = ["optimizer.use_distributed_optimizer=true", "ddp.use_distributed_optimizer=true"]
+    for half in (["model.bf16=true", "optimizer.bf16=true"], ["mixed_precision=bf16_mixed"]):
+        job = load([*zero, *half])
+        assert job.nutp.train.distributed_optimizer and job.nutp.train.precision == "bf16"
+    with pytest.raises(ValueError, match=r"^optimizer.use_distributed_optimizer=True: not with "
+                                         r"fp16 under NUTP"):
+        load([*zero, "model.fp16=true", "optimizer.fp16=true"])
