@@ -90,6 +90,7 @@ bench: $(STAMP) $(STAMPBRIDGE)
 	$(BIN)/python benchmarks/plan_scale.py
 	$(BIN)/python benchmarks/norm_kernels.py
 	NUTP_BENCH=1 $(BIN)/python -m pytest -q -m bench tests
+	NUTP_BENCH=1 $(VENV312)/bin/python -m pytest -q -m bench tests/integrations
 	$(VENV312)/bin/python benchmarks/recipe_coverage.py --train
 
 sim: $(STAMP)

@@ -18,8 +18,10 @@ import importlib.util
 import inspect
 import json
 import math
+import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -30,6 +32,11 @@ if importlib.util.find_spec("megatron.bridge") is None:
                 allow_module_level=True)
 
 TOL = 1e-5
+# bf16 (measured, make bench): worst 1.0e-4 over every loss, grad norm and validation loss: a
+# parameter whose fp32 master lands next to a bf16 rounding boundary may round the other way on
+# one side (the sides sum the same gradients in another order). 1e-3 is ~10x that and far below
+# a missing update (the loss moves ~5e-3 a step here).
+BF16_TOL = 1e-3
 
 
 def _rel(a: float, b: float) -> float:
@@ -67,33 +74,65 @@ def test_stage_communicator_substitution_is_pinned() -> None:
         assert m.P2PCommunicator is P2PCommunicator
 
 
-@pytest.mark.timeout(1500)
-def test_bridge_pipeline_matches_bridge_stock_run(tmp_path: Path) -> None:
-    from tests.helpers.bridge_pipeline_jobs import FP32, nutp_worker, stock_worker
+def _stock_then_nutp(precision: list[str], tmp_path: Path) -> tuple[Any, Any, list[Any]]:
+    """Bridge's stock TP2xPP2xDP2 run (8 ranks), then ``nutp-bridge`` at [[2,1],[2,2]] (7 ranks)
+    from its initial weights: (a last-stage stock rank's steps, its evaluations, every NUTP
+    rank's record)."""
+    from tests.helpers.bridge_pipeline_jobs import nutp_worker, stock_worker
     from tests.helpers.dist import spawn
 
-    spawn(stock_worker, 8, (FP32,), tmp_path)
+    spawn(stock_worker, 8, (precision,), tmp_path)
     stock_ranks = [json.loads((tmp_path / f"stock_rank{r}.json").read_text()) for r in range(8)]
     stock = next(r for r in stock_ranks if not math.isnan(r[0]["loss"]))  # a last-stage rank
     evals = [json.loads((tmp_path / f"stock_evals_rank{r}.json").read_text()) for r in range(8)]
     stock_evals = next(e for e in evals if e and not math.isnan(e[0]["val_loss"]))
     init = str(tmp_path / "stock_init" / "iter_0000000")
-    nutp_overrides = [*FP32, "model.sequence_parallel=true", "nutp.replicas=[[2,1],[2,2]]",
+    nutp_overrides = [*precision, "model.sequence_parallel=true", "nutp.replicas=[[2,1],[2,2]]",
                       "failures=none"]
     spawn(nutp_worker, 7, (nutp_overrides, init), tmp_path)
     ranks = [json.loads((tmp_path / f"pipeline_rank{r}.json").read_text()) for r in range(7)]
     print(json.dumps({"stock": stock, "stock_evals": stock_evals, "nutp": ranks[0]}))
-
     assert len(stock) == 4
     assert [e["step"] for e in stock_evals] == [2, 4]
-    lrs = [s["lr"] for s in stock]
-    assert lrs[0] < lrs[1] and lrs[2] > lrs[3]  # warmup, then decay
     assert {(r["replica"], r["stage"]) for r in ranks} == {(0, 0), (0, 1), (1, 0), (1, 1)}
-    for r in ranks:  # every rank, every stage: the same global-batch values
+    return stock, stock_evals, ranks
+
+
+def _check(stock: Any, stock_evals: Any, ranks: list[Any], tol: float) -> None:
+    """Every rank, every stage: each step's loss, grad norm and lr, and every validation loss,
+    the stock run's within ``tol``."""
+    worst = 0.0
+    for r in ranks:
         assert len(r["steps"]) == len(stock)
         for got, ref in zip(r["steps"], stock, strict=True):
-            for key in ("loss", "grad_norm", "lr"):
-                assert _rel(got[key], ref[key]) <= TOL, (key, got, ref)
+            assert _rel(got["lr"], ref["lr"]) <= 1e-12, (got, ref)
+            for key in ("loss", "grad_norm"):
+                worst = max(worst, _rel(got[key], ref[key]))
+                assert _rel(got[key], ref[key]) <= tol, (key, got, ref)
         assert [e["step"] for e in r["evals"]] == [2, 4]
         for got, ref in zip(r["evals"], stock_evals, strict=True):
-            assert _rel(got["val_loss"], ref["val_loss"]) <= TOL, (got, ref)
+            worst = max(worst, _rel(got["val_loss"], ref["val_loss"]))
+            assert _rel(got["val_loss"], ref["val_loss"]) <= tol, (got, ref)
+    print("worst rel", worst)
+
+
+@pytest.mark.timeout(1500)
+def test_bridge_pipeline_matches_bridge_stock_run(tmp_path: Path) -> None:
+    from tests.helpers.bridge_pipeline_jobs import FP32
+
+    stock, stock_evals, ranks = _stock_then_nutp(FP32, tmp_path)
+    lrs = [s["lr"] for s in stock]
+    assert lrs[0] < lrs[1] and lrs[2] > lrs[3]  # warmup, then decay
+    _check(stock, stock_evals, ranks, TOL)
+
+
+@pytest.mark.bench
+@pytest.mark.skipif(os.environ.get("NUTP_BENCH") != "1",
+                    reason="bench tier (about 3 min on 2 cores): make bench, or NUTP_BENCH=1")
+@pytest.mark.timeout(1500)
+def test_bridge_pipeline_bf16_matches_bridge_stock_run(tmp_path: Path) -> None:
+    """The recipe's own precision, ``mixed_precision="bf16_mixed"`` by name: bf16 parameters in
+    Bridge's ``Float16Module``, fp32 masters (NUTP's ZeRO-1 slices / megatron's distributed
+    optimizer)."""
+    stock, stock_evals, ranks = _stock_then_nutp([], tmp_path)
+    _check(stock, stock_evals, ranks, BF16_TOL)
