@@ -368,4 +368,5 @@ def bridge_keys(cfg: Any) -> list[str]:
             f"train.clip_grad={cfg.optimizer.clip_grad}", f"train.seed={cfg.rng.seed}",
             f"train.lr={cfg.optimizer.lr}", f"train.weight_decay={weight_decay_of(cfg)}",
             f"train.precision={precision_of(cfg)}", f"train.distributed_optimizer={_value(zero)}",
-            f"parallel.pp={int(cfg.model.pipeline_model_parallel_size)}"]
+            f"parallel.pp={int(cfg.model.pipeline_model_parallel_size)}",
+            f"parallel.sequence_parallel={_value(bool(cfg.model.sequence_parallel))}"]

@@ -93,6 +93,8 @@ def nutp_worker(rank: int, world: int, port: int, overrides: list[str], init: st
         Path(outdir, f"pipeline_rank{rank}.json").write_text(json.dumps(
             {"steps": got["steps"], "evals": got["evals"], "stage": got["groups"].ctx.stage,
              "eval_parts": got["eval_parts"],
+             "sequence_parallel": bool(got["model"].config.sequence_parallel),
+             "degree": got["groups"].ctx.degree,
              "replica": got["groups"].ctx.replica}))
 
     gloo_rank(rank, world, port, outdir, body)

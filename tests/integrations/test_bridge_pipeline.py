@@ -95,6 +95,8 @@ def _stock_then_nutp(precision: list[str], tmp_path: Path) -> tuple[Any, Any, li
     assert len(stock) == 4
     assert [e["step"] for e in stock_evals] == [2, 4]
     assert {(r["replica"], r["stage"]) for r in ranks} == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    # the NUTP model runs it (honoured) on every stage above TP1 (megatron's SP needs TP > 1)
+    assert all(r["sequence_parallel"] == (r["degree"] > 1) for r in ranks)
     return stock, stock_evals, ranks
 
 
