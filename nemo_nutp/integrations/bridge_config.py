@@ -187,8 +187,7 @@ def checkpoint_keys(cfg: Any) -> list[str]:
 RECOVERY_UNUSED = {"rate_per_gpu_day": "checkpoint.interval=auto of nutp-train (Bridge saves "
                                        "every checkpoint.save_interval steps)",
                    "probe_timeout_s": "launcher workers' device probe (nutp-bridge under "
-                                      "torchrun has no recovery yet)",
-                   "live_redundancy": "recovery.mode=live (not built under nutp-bridge yet)"}
+                                      "torchrun has no recovery yet)"}
 """``recovery.*`` keys ``nutp-bridge`` does not read: refused by name when set."""
 
 
@@ -217,8 +216,9 @@ def recovery_keys(cfg: Any, rec: Any) -> list[str]:
     """Under ``recovery.enabled=true``: where the supervisor finds the newest checkpoint (the
     job's ``checkpoint.dir``, ``checkpoint.interval``) is Bridge's ``checkpoint.save`` and
     ``save_interval``, the checkpoints Bridge's ``train()`` writes through NUTP's manager.
-    One-line ``ValueError`` naming the field: recovery without them, ``recovery.mode=live``,
-    and a ``recovery.*`` key ``nutp-bridge`` does not read (``RECOVERY_UNUSED``)."""
+    ``recovery.mode=live`` needs them too: its fallback is the restart path. One-line
+    ``ValueError`` naming the field: recovery without them, and a ``recovery.*`` key
+    ``nutp-bridge`` does not read (``RECOVERY_UNUSED``)."""
     from ..config.schema import RecoveryConfig
 
     default = RecoveryConfig()
@@ -228,9 +228,6 @@ def recovery_keys(cfg: Any, rec: Any) -> list[str]:
                              f"(it is for {why})")
     if not rec.enabled:
         return []
-    if rec.mode != "restart":
-        raise ValueError(f"recovery.mode={rec.mode}: nutp-bridge recovers by restart only for "
-                         "now (set recovery.mode=restart)")
     ck = cfg.checkpoint
     if not ck.save or not ck.save_interval:
         field, value = ("checkpoint.save", ck.save) if not ck.save else (

@@ -47,11 +47,12 @@ class BridgeOutputs:
     """The per-step bookkeeping of one ``nutp-bridge`` rank (rank 0 writes).
 
     ``record``/``evals``: ``bridge_run``'s per-step record and ``bridge_eval``'s evaluations
-    (lists that fill while Bridge trains); ``model``: this rank's NUTP DDP model."""
+    (lists that fill while Bridge trains); ``model``: this rank's NUTP DDP model; ``ledger``:
+    the goodput ledger to continue (a live re-layout's next world)."""
 
     def __init__(self, job: Any, plan: Any, groups: Any, model: Any, out_dir: str | Path, *,
                  record: list[dict[str, float]], evals: list[dict[str, float]],
-                 start_step: int = 0) -> None:
+                 start_step: int = 0, ledger: GoodputLedger | None = None) -> None:
         from ..config.schema import OutputConfig
         from ..train.loop import MetricsWriter, replica_gpus
 
@@ -60,7 +61,7 @@ class BridgeOutputs:
         # what gather_times reads of a nutp-train session: the plan, the groups, the model
         self.session: Any = SimpleNamespace(plan=plan, groups=groups, model=model)
         self.gpus = replica_gpus(plan)
-        self.ledger = GoodputLedger(cluster_gpus=plan.request.cluster.num_gpus,
+        self.ledger = ledger or GoodputLedger(cluster_gpus=plan.request.cluster.num_gpus,
                                     failed_gpus=len(plan.request.health.failed_gpus),
                                     idle_gpus=plan.idle_healthy_gpus)
         self.out = MetricsWriter(self.job, plan, start_step=start_step) \

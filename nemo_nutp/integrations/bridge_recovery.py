@@ -26,17 +26,19 @@ from pathlib import Path
 from typing import Any
 
 
-def recovery_callbacks(manager: Any, nutp: Any, plan: Any, checkpoints: Any) -> None:
+def recovery_callbacks(manager: Any, nutp: Any, plan: Any, checkpoints: Any, *,
+                       fault: bool = True) -> None:
     """Register the heartbeat, fault and ``resumed`` hooks (module docstring) on Bridge's
     ``CallbackManager``. Without ``$NUTP_HEARTBEAT_DIR`` / ``$NUTP_EVENTS`` (no supervisor)
-    only an injected fault acts."""
+    only an injected fault acts. ``fault=False``: no injected fault (a live re-layout's next
+    world: the fault was the first world's)."""
     import torch.distributed as dist
 
     from ..checkpoint.faults import Fault
     from ..common.events import log_event
 
     rank = dist.get_rank()
-    fault = Fault.from_env_or_config(nutp)
+    injected = Fault.from_env_or_config(nutp) if fault else None
     hb = os.environ.get("NUTP_HEARTBEAT_DIR")
     beat_file = Path(hb) / f"rank{rank}" if hb else None
 
@@ -47,8 +49,8 @@ def recovery_callbacks(manager: Any, nutp: Any, plan: Any, checkpoints: Any) -> 
     def step_start(ctx: Any) -> None:
         step = int(ctx.state.train_state.step)
         beat("start", step)
-        if fault is not None:
-            fault.at_step(rank, step)
+        if injected is not None:
+            injected.at_step(rank, step)
 
     def step_end(ctx: Any) -> None:
         beat("done", int(ctx.state.train_state.step))  # Bridge counts the step after this

@@ -17,6 +17,8 @@ point, and the step's finalisation covers every stage (no virtual stages yet).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -200,7 +202,7 @@ def precision_of(cfg: Any) -> str:
 
 def recording(optimizer: Any, reduce: Any, *, report_share: float = 1.0,
               eval_parts: list[tuple[float, float]] | None = None,
-              ) -> tuple[list[dict[str, float]], Any]:
+              hooks: StepHooks | None = None) -> tuple[list[dict[str, float]], Any]:
     """(the per-step record, Bridge's ``forward_step`` recording each micro-batch's loss).
     ``optimizer.step`` is wrapped: after it, ``reduce(this rank's mean micro-batch loss)`` is
     the step's global-batch loss, recorded with the grad norm megatron's step returned.
@@ -209,7 +211,8 @@ def recording(optimizer: Any, reduce: Any, *, report_share: float = 1.0,
     ``1/degree`` under NUTP, whose ``dp_cp`` holds every TP rank of every replica, so that the
     sum counts every sample once (Bridge's ``evaluate`` reduces the same values over the same
     group). Micro-batches of an evaluation (the model in eval mode) are not in the step's loss;
-    their ``(loss sum, tokens)`` before the factor go to ``eval_parts``."""
+    their ``(loss sum, tokens)`` before the factor go to ``eval_parts``. ``hooks``: called
+    around megatron's step with the step's loss (before) and outcome (after)."""
     from megatron.bridge.training.gpt_step import forward_step
 
     record: list[dict[str, float]] = []
@@ -218,12 +221,16 @@ def recording(optimizer: Any, reduce: Any, *, report_share: float = 1.0,
 
     def recorded_step(*args: Any, **kwargs: Any) -> Any:
         lr = float(optimizer.param_groups[0]["lr"])  # what this step applies
-        out = step(*args, **kwargs)
         # (a pipeline's other stages see no loss: ``reduce`` gets it from the last stage)
         loss = reduce(sum(losses) / len(losses) if losses else float("nan"))
         losses.clear()
+        if hooks is not None:
+            hooks.before(loss)
+        out = step(*args, **kwargs)
         norm = float(out[1]) if out[1] is not None else float("nan")
         record.append({"loss": loss, "grad_norm": norm, "lr": lr})
+        if hooks is not None:
+            hooks.after(bool(out[0]), None if out[1] is None else float(out[1]))
         return out
 
     def recorded_forward(state: Any, data_iterator: Any, model: Any,
@@ -293,18 +300,55 @@ def validate_as_uniform(cfg: Any, plan: Any | None) -> None:
     cfg.validate()
 
 
-def train_rank(job: Any, plan: Any, out_dir: str, *, seed: int,
-               init_from: str | Path | None = None) -> dict[str, Any]:
-    """Collective over the world: build and train this rank; returns the per-step record.
-    ``out_dir``: the run directory (``nutp-bridge`` passes ``output.dir``): every rank's
-    ``bridge_rank<r>.json``, and rank 0's ``metrics.jsonl``, ``goodput.json`` and
-    ``training.png`` (``bridge_outputs``).
-    ``init_from``: start from the weights of this megatron-core checkpoint (NUTP's, Bridge's or
-    stock megatron's ``iter_N``; any layout) instead of NUTP's own initialisation."""
-    from megatron.bridge.training import train as bridge_train
-    from megatron.bridge.training.checkpointing import CheckpointLoadContext
+@dataclass
+class BridgeWorld:
+    """One world's Bridge objects on this rank, before training state exists (``build_world``):
+    the groups, the NUTP model in Bridge's chunk list, Bridge's optimizer and scheduler (not yet
+    stepped), the model config's callbacks and megatron's micro-batch calculator set. A live
+    re-layout builds one per world (``bridge_live``) and moves the state into it."""
+
+    job: Any
+    plan: Any
+    groups: Any
+    cfg: Any  # this world's ConfigContainer
+    model: list[Any]
+    optimizer: Any
+    scheduler: Any
+    raw_step: Any  # the optimizer's step before any wrapper (a live re-layout's completion)
+
+
+@dataclass
+class BridgeRun:
+    """What Bridge's ``train()`` is called with, from a ``BridgeWorld`` (``start_world``)."""
+
+    world: BridgeWorld
+    state: Any
+    checkpoints: Any
+    callbacks: Any
+    data: Any
+    valid: Any
+    forward: Any
+    record: list[dict[str, float]]
+    evals: list[dict[str, float]]
+    eval_parts: list[tuple[float, float]]
+    outputs: Any
+    first_step: int
+
+
+@dataclass
+class StepHooks:
+    """Around the optimizer step (``recovery.mode=live``: the manager's vote and result):
+    ``before(loss)`` after the global-batch loss is known and before any optimizer state
+    changes (it may raise to stop the step); ``after(ok, grad_norm)`` right after the update."""
+
+    before: Callable[[float], None]
+    after: Callable[[bool, float | None], None]
+
+
+def build_world(job: Any, plan: Any, *, seed: int) -> BridgeWorld:
+    """Collective over the world: groups, model, DDP, optimizer and scheduler of this rank
+    (module docstring), from ``job.bridge`` (validated and adjusted for this plan here)."""
     from megatron.bridge.training.optim import setup_optimizer
-    from megatron.bridge.training.state import GlobalState
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.num_microbatches_calculator import (
         destroy_num_microbatches_calculator,
@@ -312,16 +356,9 @@ def train_rank(job: Any, plan: Any, out_dir: str, *, seed: int,
     )
 
     from ..compat.bridge_cpu import apply_bridge_cpu_patches
-    from ..layout.serialize import write_json_atomic
     from ..parallel import build_groups
-    from ..train.step import reduce_replica_loss
     from .bridge import exact_grad_norm, nutp_ddp, nutp_provider
-    from .bridge_ckpt import NUTPBridgeCheckpointManager
-    from .bridge_data import datasets, train_iterator, valid_iterator
-    from .bridge_eval import eval_callbacks
-    from .bridge_outputs import BridgeOutputs
-    from .bridge_pipeline import PipelineFinish, stage_communicator
-    from .bridge_recovery import recovery_callbacks
+    from .bridge_pipeline import PipelineFinish
     from .bridge_zero import setup_zero_optimizer, wants_zero
 
     apply_bridge_cpu_patches()
@@ -348,12 +385,9 @@ def train_rank(job: Any, plan: Any, out_dir: str, *, seed: int,
         use_cpu_initialization=True)  # bf16/fp16: Bridge's default Float16Module wrapper
     cfg.ddp.overlap_grad_reduce = True
     model = nutp_ddp(chunks, cfg.ddp, plan, groups)
-    state = GlobalState()
-    state.cfg = cfg
-    cfg.model.timers = state.timers
-    cfg.optimizer.timers = state.timers
     if zero:
-        optimizer, scheduler = setup_zero_optimizer(cfg, model)
+        optimizer, scheduler = setup_zero_optimizer(
+            cfg, model, redundancy=job.nutp.recovery.live_redundancy)
     else:
         optimizer, scheduler = setup_optimizer(
             optimizer_config=cfg.optimizer, scheduler_config=cfg.scheduler, model=model,
@@ -366,16 +400,58 @@ def train_rank(job: Any, plan: Any, out_dir: str, *, seed: int,
     mbs = cfg.train.micro_batch_size
     destroy_num_microbatches_calculator()
     init_num_microbatches_calculator(ctx.rank, None, ctx.microbatches * mbs, mbs, 1)
+    return BridgeWorld(job, plan, groups, cfg, model, optimizer, scheduler, optimizer.step)
+
+
+def start_world(world: BridgeWorld, out_dir: str | Path, *,
+                init_from: str | Path | None = None, resume: ResumeAt | None = None,
+                ledger: Any = None, hooks: StepHooks | None = None,
+                callbacks_extra: Callable[[Any, Any], None] | None = None) -> BridgeRun:
+    """Collective over the world: the training state, data, callbacks and outputs of a world.
+    ``resume=None``: the run's first world (``init_from`` weights, else Bridge's
+    ``checkpoint.load``); else a live re-layout's next world, whose state was moved in and
+    which starts at ``resume`` (the schedule's clock, the data position). ``ledger``: the goodput
+    ledger to continue; ``hooks``: around the optimizer step; ``callbacks_extra(callbacks,
+    state)``: more of Bridge's callbacks, registered last."""
+    from megatron.bridge.training.checkpointing import CheckpointLoadContext
+    from megatron.bridge.training.state import GlobalState
+
+    from ..train.step import reduce_replica_loss
+    from .bridge_ckpt import NUTPBridgeCheckpointManager
+    from .bridge_data import datasets, train_iterator, valid_iterator
+    from .bridge_eval import eval_callbacks
+    from .bridge_outputs import BridgeOutputs
+    from .bridge_recovery import recovery_callbacks
+
+    job, plan, groups, cfg = world.job, world.plan, world.groups, world.cfg
+    model, optimizer, scheduler = world.model, world.optimizer, world.scheduler
+    ctx = groups.ctx
+    state = GlobalState()
+    state.cfg = cfg
+    cfg.model.timers = state.timers
+    cfg.optimizer.timers = state.timers
     if init_from is not None:
         load_weights(model[0], plan, groups, optimizer, init_from)
     checkpoints = NUTPBridgeCheckpointManager(cfg.checkpoint, plan=plan, groups=groups)
-    # checkpoint.load: before the scheduler and optimizer wrappers below (the scheduler's
-    # load_state_dict steps it by the saved count) and the data iterator (it starts at the
-    # consumed samples)
-    checkpoints.load(CheckpointLoadContext(state=state, model=model, optimizer=optimizer,
-                                           opt_param_scheduler=scheduler,
-                                           pg_collection=groups.pgs))
-    first_step = state.train_state.step
+    if resume is None:
+        # checkpoint.load: before the scheduler and optimizer wrappers below (the scheduler's
+        # load_state_dict steps it by the saved count) and the data iterator (it starts at the
+        # consumed samples)
+        checkpoints.load(CheckpointLoadContext(state=state, model=model, optimizer=optimizer,
+                                               opt_param_scheduler=scheduler,
+                                               pg_collection=groups.pgs))
+    else:
+        resume.apply(state, scheduler, cfg)
+        # megatron's rerun state machine (a process global, created implicitly with its
+        # defaults by the first train_step) is left mid-step by a stopped world: a new one
+        from megatron.core.rerun_state_machine import (
+            destroy_rerun_state_machine,
+            initialize_rerun_state_machine,
+        )
+
+        destroy_rerun_state_machine()
+        initialize_rerun_state_machine()
+    first_step = int(state.train_state.step)
 
     def from_last_stage(value: float) -> float:
         """The last stage's value on every rank of the replica (collective over it)."""
@@ -393,7 +469,8 @@ def train_rank(job: Any, plan: Any, out_dir: str, *, seed: int,
 
     eval_parts: list[tuple[float, float]] = []
     record, recorded_forward = recording(optimizer, reduce, report_share=1.0 / ctx.degree,
-                                         eval_parts=eval_parts)
+                                         eval_parts=eval_parts, hooks=hooks)
+    mbs = cfg.train.micro_batch_size
     global_samples(optimizer, scheduler, state, cfg.train.global_batch_size,
                    counted=groups.pgs.dp.size() * mbs * ctx.microbatches)
     share = {"num_microbatches": plan.request.global_batch, "offset": ctx.microbatch_offset,
@@ -405,19 +482,95 @@ def train_rank(job: Any, plan: Any, out_dir: str, *, seed: int,
     callbacks = eval_callbacks(cfg, state, share=ctx.microbatches,
                                dp_size=groups.pgs.dp.size(), record=evals,
                                shared=from_last_stage if plan.pp > 1 else None)
-    recovery_callbacks(callbacks, job.nutp, plan, checkpoints)  # heartbeats, faults, resumed
+    # heartbeats, the injected fault (the run's first world only), resumed
+    recovery_callbacks(callbacks, job.nutp, plan, checkpoints, fault=resume is None)
     outputs = BridgeOutputs(job.nutp, plan, groups, model[0], out_dir, record=record,
-                            evals=evals, start_step=int(first_step))  # rank 0: output.dir
-    outputs.attach(callbacks, optimizer, checkpoints, mc)
-    with stage_communicator(plan, groups):
-        bridge_train.train(recorded_forward, model, optimizer, scheduler, data, valid, state,
-                           checkpoints, groups.pgs, callback_manager=callbacks)
-    outputs.finish()
-    first = int(first_step)
-    for i, row in enumerate(record):
-        row["step"] = first + i
-    out = {"rank": ctx.rank, "replica": ctx.replica, "steps": record, "evals": evals,
-           "eval_parts": eval_parts}
+                            evals=evals, start_step=first_step, ledger=ledger)
+    outputs.attach(callbacks, optimizer, checkpoints, model[0].config)
+    if callbacks_extra is not None:
+        callbacks_extra(callbacks, state)
+    return BridgeRun(world, state, checkpoints, callbacks, data, valid, recorded_forward,
+                     record, evals, eval_parts, outputs, first_step)
+
+
+def train_world(run: BridgeRun) -> None:
+    """Bridge's own ``train()`` from ``run``'s step to ``train.train_iters`` (collective)."""
+    from megatron.bridge.training import train as bridge_train
+
+    from .bridge_pipeline import stage_communicator
+
+    w = run.world
+    with stage_communicator(w.plan, w.groups):
+        bridge_train.train(run.forward, w.model, w.optimizer, w.scheduler, run.data, run.valid,
+                           run.state, run.checkpoints, w.groups.pgs,
+                           callback_manager=run.callbacks)
+
+
+def rank_record(run: BridgeRun, out_dir: str | Path) -> dict[str, Any]:
+    """This rank's per-step record (numbered from the world's first step) and evaluations,
+    written to ``bridge_rank<r>.json`` (atomic)."""
+    from ..layout.serialize import write_json_atomic
+
+    ctx = run.world.groups.ctx
+    for i, row in enumerate(run.record):
+        row["step"] = run.first_step + i
+    out = {"rank": ctx.rank, "replica": ctx.replica, "steps": run.record, "evals": run.evals,
+           "eval_parts": run.eval_parts}
     write_json_atomic(out, Path(out_dir, f"bridge_rank{ctx.rank}.json"))
-    return {**out, "model": model[0], "groups": groups, "state": state, "optimizer": optimizer,
-            "saved": checkpoints.saved, "loaded": checkpoints.loaded}
+    return out
+
+
+@dataclass(frozen=True)
+class ResumeAt:
+    """Where a live re-layout's next world starts: ``step`` (the last committed + 1) with
+    ``skips`` of the steps before it skipped (fp16's loss scaler)."""
+
+    step: int
+    skips: int = 0
+    eval_pending: bool = False  # the evaluation due at ``step`` did not complete: run it
+    # before training (the validation data then starts where it would have)
+
+    @staticmethod
+    def evaluates_at(cfg: Any, counter: int) -> bool:
+        """Whether Bridge's ``train()`` evaluates when its step counter reaches ``counter``
+        (right after the step ``counter - 1``)."""
+        v = cfg.validation
+        first = getattr(v, "start_eval_at_iter", None) or 1
+        return bool(v.eval_interval and v.eval_iters and counter >= first and
+                    counter % v.eval_interval == 0)
+
+    def apply(self, state: Any, scheduler: Any, cfg: Any) -> None:
+        """Bridge's train state and scheduler as an uninterrupted run has them at ``step``:
+        every step consumed the global batch; the scheduler stepped by it on each update
+        (megatron skips it on a skipped one); each evaluation so far (Bridge evaluates when its
+        counter, after the step, is a multiple of ``validation.eval_interval``, from
+        ``start_eval_at_iter``) consumed
+        ``eval_iters`` validation global batches."""
+        ts = state.train_state
+        gbs = int(cfg.train.global_batch_size)
+        ts.step = self.step
+        ts.consumed_train_samples = self.step * gbs
+        v = cfg.validation
+        last = self.step - int(self.eval_pending)
+        evals = sum(1 for s in range(1, last + 1) if self.evaluates_at(cfg, s))
+        ts.consumed_valid_samples = evals * int(v.eval_iters) * int(v.eval_global_batch_size
+                                                                    or gbs)
+        scheduler.step(increment=(self.step - self.skips) * gbs)
+
+
+def train_rank(job: Any, plan: Any, out_dir: str, *, seed: int,
+               init_from: str | Path | None = None) -> dict[str, Any]:
+    """Collective over the world: build and train this rank; returns the per-step record.
+    ``out_dir``: the run directory (``nutp-bridge`` passes ``output.dir``): every rank's
+    ``bridge_rank<r>.json``, and rank 0's ``metrics.jsonl``, ``goodput.json`` and
+    ``training.png`` (``bridge_outputs``).
+    ``init_from``: start from the weights of this megatron-core checkpoint (NUTP's, Bridge's or
+    stock megatron's ``iter_N``; any layout) instead of NUTP's own initialisation."""
+    world = build_world(job, plan, seed=seed)
+    run = start_world(world, out_dir, init_from=init_from)
+    train_world(run)
+    run.outputs.finish()
+    out = rank_record(run, out_dir)
+    return {**out, "model": world.model[0], "groups": world.groups, "state": run.state,
+            "optimizer": world.optimizer, "saved": run.checkpoints.saved,
+            "loaded": run.checkpoints.loaded}

@@ -46,8 +46,8 @@ class BridgeZeroOptimizer(ZeroOptimizer):
 
     is_stub_optimizer = False
 
-    def __init__(self, model: Any, config: Any) -> None:
-        super().__init__(model, config)
+    def __init__(self, model: Any, config: Any, *, redundancy: bool = False) -> None:
+        super().__init__(model, config, redundancy=redundancy)
         self.clip_grad = float(config.clip_grad or 0.0)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -73,14 +73,16 @@ class BridgeZeroOptimizer(ZeroOptimizer):
         return True, norm, None
 
 
-def setup_zero_optimizer(cfg: Any, model: list[Any]) -> tuple[BridgeZeroOptimizer, Any]:
+def setup_zero_optimizer(cfg: Any, model: list[Any], *, redundancy: bool = False
+                         ) -> tuple[BridgeZeroOptimizer, Any]:
     """(NUTP's ZeRO-1 over the NUTP DDP ``model[0]``, Bridge's scheduler bound to it), what
     Bridge's ``setup_optimizer`` returns for a megatron optimizer. Only one model chunk
-    (``pp=1``, no virtual stages)."""
+    (``pp=1``, no virtual stages). ``redundancy``: ``recovery.live_redundancy`` (a copy of
+    each slice on the next replica, for live re-layouts)."""
     from megatron.bridge.training.optim import _get_scheduler
 
     if len(model) != 1:
         raise ValueError("optimizer.use_distributed_optimizer=True: one model chunk only "
                          "under NUTP (no virtual pipeline stages)")
-    optimizer = BridgeZeroOptimizer(model[0], cfg.optimizer)
+    optimizer = BridgeZeroOptimizer(model[0], cfg.optimizer, redundancy=redundancy)
     return optimizer, _get_scheduler(cfg.optimizer, cfg.scheduler, optimizer)

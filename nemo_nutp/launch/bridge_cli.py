@@ -66,18 +66,61 @@ def recovery_rank(argv: list[str], rank: int, world: int, job: Any, plan: Any, p
         _, bridge_job = _job(argv)
         bridge_job.nutp = job
         resume_at_save(bridge_job.bridge, int(env.get("NUTP_ATTEMPT", "0")))
+        if job.recovery.mode == "live":  # world 0 on the live control process's store
+            from nemo_nutp.integrations.bridge_live import train_rank_live
+            from nemo_nutp.train.worker import live_link
+
+            link = live_link(rank, world, "gloo", job)
+            train_rank_live(bridge_job, plan, job.output.dir, seed=job.train.seed, link=link)
+            _exit(0)  # abandoned worlds' groups are kept alive (live/backend.py)
         dist.init_process_group("gloo", rank=rank, world_size=world)
         train_rank(bridge_job, plan, job.output.dir, seed=job.train.seed)
         dist.destroy_process_group()
     except Exception as e:
-        if os.environ.get("NUTP_DEBUG") == "1":
-            raise
-        from nemo_nutp.train.worker import report_error
+        _failed(job, rank, e)
 
-        code = report_error(job.output.dir, rank, e)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+
+def join_rank(argv: list[str], slot: int, job: Any, old_plan: Any, gpu: int, gen: int,
+              env: dict[str, str]) -> None:
+    """A returning GPU's process under ``recovery.mode=live`` (grow back), started by the live
+    control process (``recovery.world.RankEntry.join``): joins world ``gen`` of the running
+    Bridge job with the state moved from the survivors."""
+    from nemo_nutp.recovery.world import enter
+
+    enter(env)
+    try:
+        from nemo_nutp.compat.bridge_cpu import apply_bridge_cpu_patches
+        from nemo_nutp.integrations.bridge_live import train_rank_live
+        from nemo_nutp.live.link import LiveRank, control_address
+
+        apply_bridge_cpu_patches()
+        _, bridge_job = _job(argv)
+        bridge_job.nutp = job
+        addr = control_address()
+        assert addr is not None, "a joiner is started by the live control process"
+        link = LiveRank(addr[0], addr[1], slot=slot, timeout_s=job.recovery.startup_timeout_s)
+        link.start(gen=gen)
+        train_rank_live(bridge_job, old_plan, job.output.dir, seed=job.train.seed, link=link,
+                        joining=gpu)
+        _exit(0)
+    except Exception as e:
+        _failed(job, slot, e)
+
+
+def _exit(code: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _failed(job: Any, rank: int, e: Exception) -> None:
+    """An error ends the rank as a ``nutp-train`` rank's does (one record; exit 2 for bad
+    input, else 1; ``NUTP_DEBUG=1``: raise)."""
+    if os.environ.get("NUTP_DEBUG") == "1":
+        raise e
+    from nemo_nutp.train.worker import report_error
+
+    _exit(report_error(job.output.dir, rank, e))
 
 
 BRIDGE_PRELOAD = ("nemo_nutp.integrations.bridge_preload", "nemo_nutp.health.watch",
@@ -95,7 +138,8 @@ def _supervise(job: Any, argv: list[str]) -> int:
     from nemo_nutp.recovery.world import RankEntry
 
     cfg = job.nutp  # output.dir: --output-dir's too
-    entry = RankEntry(partial(bridge_cli.recovery_rank, argv), BRIDGE_PRELOAD)
+    entry = RankEntry(partial(bridge_cli.recovery_rank, argv), BRIDGE_PRELOAD,
+                      partial(bridge_cli.join_rank, argv))
     return supervise(cfg, make_console(), entry=entry)
 
 

@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from ..config import JobConfig
     from ..layout import Plan
     from .hosts import Host
-    from .world import Attempt
+    from .world import Attempt, RankEntry
 
 POLL_S = 0.01  # while a re-layout waits for reports / the new world
 REPORT_TIMEOUT_S = 60.0
@@ -439,15 +439,18 @@ def _fell_back(w: World, back: frozenset[int], now: float
 
 def run_world(cfg: JobConfig, job: JobConfig, plan: Plan,
               failed: frozenset[int], attempt: int, rdir: Path,
-              console: Any, host: Host | None = None) -> Attempt:
+              console: Any, host: Host | None = None, entry: RankEntry | None = None
+              ) -> Attempt:
     """``supervisor._run_world`` for ``recovery.mode=live``: one world of processes through any
     number of live re-layouts; returns the supervisor's ``Attempt`` when the job ends or a
     failure falls back to the restart path. ``host`` (``hosts.py``) starts and stops the
-    processes: this machine's fork server (default) or a cluster's node agents."""
+    processes: this machine's fork server (default) or a cluster's node agents. ``entry``:
+    how this machine's fork server starts a rank and a joiner (``nutp-bridge``'s; default
+    ``nutp-train``'s)."""
     from .hosts import LocalHost
     from .world import HANG_POLL_S, Attempt
 
-    host = LocalHost() if host is None else host
+    host = LocalHost(entry) if host is None else host
     store, port = host_store()
     hb = rdir / f"heartbeats.{attempt}"
     hb.mkdir(parents=True, exist_ok=True)

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .world import PRELOAD, join_main, rank_main
+from .world import RankEntry
 
 if TYPE_CHECKING:
     from ..config import JobConfig
@@ -115,15 +115,18 @@ class LocalHost:
 
     address = "127.0.0.1"
 
-    def __init__(self) -> None:
+    def __init__(self, entry: RankEntry | None = None) -> None:
+        """``entry``: how a rank and a joiner start (default ``nutp-train``'s;
+        ``nutp-bridge`` passes its own)."""
         import multiprocessing as mp
 
+        self.entry = entry or RankEntry()
         self._ctx = mp.get_context("forkserver")
-        self._ctx.set_forkserver_preload(list(PRELOAD))
+        self._ctx.set_forkserver_preload(list(self.entry.preload))
 
     def start_world(self, job: JobConfig, plan: Plan, env: dict[str, str]) -> list[Proc]:
-        procs = [self._ctx.Process(target=rank_main, args=(r, plan.world_size, job, plan, 0,
-                                                            env))
+        procs = [self._ctx.Process(target=self.entry.target,
+                                   args=(r, plan.world_size, job, plan, 0, env))
                  for r in range(plan.world_size)]
         for p in procs:
             p.start()
@@ -131,7 +134,8 @@ class LocalHost:
 
     def start_joiner(self, slot: int, job: JobConfig, old_plan: Plan, gpu: int, gen: int,
                      env: dict[str, str]) -> Proc:
-        p = self._ctx.Process(target=join_main, args=(slot, job, old_plan, gpu, gen, env))
+        p = self._ctx.Process(target=self.entry.join,
+                              args=(slot, job, old_plan, gpu, gen, env))
         p.start()
         return LocalProc(p)
 

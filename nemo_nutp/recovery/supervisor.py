@@ -71,10 +71,10 @@ def _run_world(cfg: JobConfig, job: JobConfig, plan: Plan,
                console: Any, host: Host | None = None, entry: RankEntry | None = None
                ) -> Attempt:
     if job.recovery.mode == "live":  # survivors keep their processes (recovery/control.py)
-        assert entry is None, "live recovery starts nutp-train's ranks only"
+        assert entry is None or host is None, "a cluster's node agents start nutp-train's ranks"
         from .control import run_world
 
-        return run_world(cfg, job, plan, failed, attempt, rdir, console, host)
+        return run_world(cfg, job, plan, failed, attempt, rdir, console, host, entry)
     entry = entry or RankEntry()
     from ..common.ports import free_port
 

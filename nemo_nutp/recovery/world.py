@@ -83,6 +83,15 @@ def rank_main(rank: int, world: int, cfg: JobConfig, plan: Plan, port: int,
     run_rank(rank, world, rank if local is None else local, cfg, plan, port)
 
 
+def join_main(slot: int, cfg: JobConfig, old_plan: Plan, gpu: int, gen: int,
+               env: dict[str, str]) -> None:
+    """A returning GPU's process (live grow back): joins world ``gen`` of a running job."""
+    enter(env)
+    from ..train.worker import join_rank
+
+    join_rank(slot, cfg, old_plan, gpu, gen)
+
+
 @dataclass(frozen=True)
 class RankEntry:
     """How the restart path starts one rank: ``target(rank, world, job, plan, port, env)`` in a
@@ -91,15 +100,9 @@ class RankEntry:
 
     target: Callable[..., None] = rank_main
     preload: tuple[str, ...] = PRELOAD
-
-
-def join_main(slot: int, cfg: JobConfig, old_plan: Plan, gpu: int, gen: int,
-               env: dict[str, str]) -> None:
-    """A returning GPU's process (live grow back): joins world ``gen`` of a running job."""
-    enter(env)
-    from ..train.worker import join_rank
-
-    join_rank(slot, cfg, old_plan, gpu, gen)
+    join: Callable[..., None] = join_main
+    """A returning GPU's process under ``recovery.mode=live``: ``join(slot, job, old_plan,
+    gpu, gen, env)`` (default ``join_main``)."""
 
 
 def stop_procs(procs: list[Any]) -> None:

@@ -103,6 +103,20 @@ class MetricsWriter:
                 if row[k] is not None:
                     self.tb.add_scalar(f"train/{k}", row[k], row["step"])
 
+    def amend_last(self, update: dict[str, Any]) -> None:
+        """Add ``update`` to the newest row already written (a live re-layout's next world ran
+        the evaluation the stopped one owed that step): the file rewritten atomically, then
+        appended to as before."""
+        from ..layout.serialize import atomic_path
+
+        self.rows[-1].update(update)
+        lines = [json.dumps(r) + "\n" for r in self.rows]
+        self.file.close()
+        with atomic_path(self.partial) as tmp:
+            tmp.write_text("".join(lines))
+        self.file = self.partial.open("a")
+        self.fd = self.file.fileno()
+
     def close(self, *, final_goodput: float | None = None) -> None:
         """Rename the rows into place. ``final_goodput``: the run's goodput at its end (a save
         after the last step included) replaces the last row's, so the last row, the report and

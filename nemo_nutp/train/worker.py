@@ -134,7 +134,7 @@ def run_rank(rank: int, world: int, local_rank: int, cfg: JobConfig, plan: Plan,
     device = _rank_device(local_rank)
     backend = "gloo" if device is None else "nccl"
     try:
-        link = _live_link(rank, world, backend, cfg)
+        link = live_link(rank, world, backend, cfg)
         if link is None:
             dist.init_process_group(backend, rank=rank, world_size=world)
         from .loop import train_rank
@@ -173,7 +173,7 @@ def join_rank(slot: int, cfg: JobConfig, old_plan: Plan, gpu: int, gen: int) -> 
         _fail(cfg, slot, e)
 
 
-def _live_link(rank: int, world: int, backend: str, cfg: JobConfig) -> Any:
+def live_link(rank: int, world: int, backend: str, cfg: JobConfig) -> Any:
     """``recovery.mode=live`` under the supervisor: world 0 on the control process's store."""
     from ..live.link import LiveRank, control_address
 

@@ -109,9 +109,9 @@ def test_recovery_keys_are_nutp_keys_and_what_is_not_read_is_refused(
         monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
     """``recovery.*`` is NUTP's (Bridge's ``ConfigContainer`` has no such field); Bridge's
     ``checkpoint.save`` / ``save_interval`` are the job's checkpoint dir and interval under
-    recovery; recovery without them, ``recovery.mode=live``, ``recovery.*`` and ``nutp.*`` keys
-    nutp-bridge does not read, and recovery under torchrun are one line naming the field,
-    before any process group."""
+    recovery (live mode too: its fallback restarts); recovery without them, ``recovery.*``
+    and ``nutp.*`` keys nutp-bridge does not read, and recovery under torchrun are one line
+    naming the field, before any process group."""
     import dataclasses
     from types import SimpleNamespace
 
@@ -140,13 +140,14 @@ def test_recovery_keys_are_nutp_keys_and_what_is_not_read_is_refused(
     on = RecoveryConfig(enabled=True)
     assert recovery_keys(ck(None, None), RecoveryConfig()) == []  # recovery off: not mapped
     assert recovery_keys(ck("/c", 2), on) == ["checkpoint.dir=/c", "checkpoint.interval=2"]
+    live = RecoveryConfig(enabled=True, mode="live")  # its fallback is the restart path
+    assert recovery_keys(ck("/c", 2), live) == recovery_keys(ck("/c", 2), on)
+    with pytest.raises(ValueError, match=r"^checkpoint\.save=None: recovery\.enabled=true"):
+        recovery_keys(ck(None, None), live)
     bad = {"checkpoint.save_interval=None": (ck("/c", None), on),
            "checkpoint.save_interval=0": (ck("/c", 0), on),
-           "recovery.mode=live": (ck("/c", 2), RecoveryConfig(enabled=True, mode="live")),
            "recovery.rate_per_gpu_day=1.0": (ck("/c", 2), RecoveryConfig(rate_per_gpu_day=1.0)),
-           "recovery.probe_timeout_s=5.0": (ck("/c", 2), RecoveryConfig(probe_timeout_s=5.0)),
-           "recovery.live_redundancy=True": (ck("/c", 2),
-                                             RecoveryConfig(live_redundancy=True))}
+           "recovery.probe_timeout_s=5.0": (ck("/c", 2), RecoveryConfig(probe_timeout_s=5.0))}
     for field, (cfg, rec) in bad.items():
         with pytest.raises(ValueError) as e:
             recovery_keys(cfg, rec)

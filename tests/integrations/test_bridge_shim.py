@@ -403,7 +403,9 @@ def test_output_dir_is_one_setting(tmp_path: Path, capfd: pytest.CaptureFixture[
 
 @pytest.mark.parametrize("override, says", [
     ("recovery.mode=sometimes", "recovery.mode='sometimes': must be restart or live"),  # schema
-    ("recovery.live_redundancy=true", "recovery.live_redundancy=True: not read by nutp-bridge"),
+    # the schema's own rule (the recipe's optimizer.use_distributed_optimizer is off)
+    ("recovery.live_redundancy=true", "recovery.live_redundancy=True: needs "
+                                      "train.distributed_optimizer"),
 ])
 def test_recovery_keys_are_nutp_keys(override: str, says: str) -> None:
     with pytest.raises(ValueError) as e:
