@@ -51,10 +51,10 @@ def nutp_provider(provider: Any, plan: Plan, groups: NUTPGroups, *, seed: int = 
     class NUTPProvider(base):  # type: ignore[misc, valid-type]
         def provide(self, pre_process: Any = None, post_process: Any = None,
                     vp_stage: Any = None) -> Any:
-            if vp_stage not in (None, 0):
-                raise ValueError("virtual pipeline stages are not supported with NUTP yet")
+            # virtual pipeline stages: chunk ``vp_stage`` (Bridge's get_model asks for each)
             return build_gpt_model(plan, groups.ctx.rank, dims, groups.pgs, seed=seed,
-                                   precision=precision)
+                                   precision=precision,
+                                   vp_stage=vp_stage if plan.vp > 1 else None)
 
     out = copy.copy(provider)
     out.__class__ = NUTPProvider
@@ -63,9 +63,17 @@ def nutp_provider(provider: Any, plan: Plan, groups: NUTPGroups, *, seed: int = 
 
 def nutp_ddp(chunks: list[Any], ddp_config: Any, plan: Plan, groups: NUTPGroups) -> list[Any]:
     """Wrap model chunks (from ``provide_distributed_model(wrap_with_ddp=False)``) in the NUTP
-    DDP; ``ddp_config.overlap_grad_reduce`` must be on."""
+    DDP; ``ddp_config.overlap_grad_reduce`` must be on. Virtual pipeline stages: one DDP over
+    all of them (``model.ModelChunks``: one grad buffer and sync engine, every chunk's
+    parameters sync at the stage's degree), as ``nutp-train`` has them; Bridge's list of chunks
+    is then ``bridge_pipeline.chunk_views`` of it."""
+    from ..model import ModelChunks
     from ..sync import NUTPDistributedDataParallel
 
+    if len(chunks) > 1:
+        module = ModelChunks(chunks)
+        return [NUTPDistributedDataParallel(chunks[0].config, ddp_config, module, plan=plan,
+                                            groups=groups)]
     return [NUTPDistributedDataParallel(chunk.config, ddp_config, chunk, plan=plan,
                                         groups=groups) for chunk in chunks]
 

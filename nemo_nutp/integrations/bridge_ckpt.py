@@ -129,6 +129,7 @@ def session_of(model: Any, plan: Any, groups: Any, optimizer: Any) -> Any:
 
     from megatron.core.transformer.module import Float16Module
 
+    model = getattr(model, "nutp_ddp", model)  # virtual stages: Bridge's chunk views
     gpt = model.module
     if isinstance(gpt, Float16Module):  # bf16/fp16: Bridge's wrapper around the NUTP GPT
         gpt = gpt.module

@@ -366,4 +366,6 @@ def bridge_keys(cfg: Any) -> list[str]:
             f"train.lr={cfg.optimizer.lr}", f"train.weight_decay={weight_decay_of(cfg)}",
             f"train.precision={precision_of(cfg)}", f"train.distributed_optimizer={_value(zero)}",
             f"parallel.pp={int(cfg.model.pipeline_model_parallel_size)}",
+            "parallel.virtual_pipeline_model_parallel_size="
+            f"{_value(cfg.model.virtual_pipeline_model_parallel_size)}",
             f"parallel.sequence_parallel={_value(bool(cfg.model.sequence_parallel))}"]

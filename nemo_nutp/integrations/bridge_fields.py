@@ -66,6 +66,8 @@ TOKENIZER_VOCAB = ("tests/integrations/test_bridge_shim.py"
                    "::test_tokenizer_vocabulary_is_bridges_padded_size")
 PIPELINE = ("tests/integrations/test_bridge_pipeline.py"
             "::test_bridge_pipeline_matches_bridge_stock_run")
+VIRTUAL = ("tests/integrations/test_bridge_pipeline.py"
+           "::test_bridge_virtual_stages_match_bridge_stock_run")
 ROUNDING = "same math, other rounding"
 KERNELS = "same math, other kernels"
 SCHEDULING = "same math, other scheduling"
@@ -148,6 +150,7 @@ HONOURED: dict[str, str] = {  # the test that proves the effect
     "model.share_embeddings_and_output_weights": PARITY,
     "model.softmax_scale": SETTINGS,
     "model.tensor_model_parallel_size": BRIDGE_UNIFORM,
+    "model.virtual_pipeline_model_parallel_size": VIRTUAL,
     "model.vocab_size": BRIDGE_TRAIN,
     "model.window_attn_skip_freq": SETTINGS,
     "model.window_size": SETTINGS,
@@ -981,7 +984,6 @@ REFUSED: dict[str, Any] = {  # the NUTP model's value; any other is refused
     "model.use_mup": False,
     "model.v_head_dim": 128,
     "model.video_token_id": ABSENT,
-    "model.virtual_pipeline_model_parallel_size": None,
     "model.vision_config": ABSENT,
     "model.vision_end_token_id": ABSENT,
     "model.vision_start_token_id": ABSENT,

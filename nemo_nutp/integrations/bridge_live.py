@@ -53,7 +53,7 @@ class BridgeSession:
 
         self.world = world
         self.plan, self.groups = world.plan, world.groups
-        self.model = world.model[0]  # the NUTP DDP
+        self.model = world.ddp  # the NUTP DDP
         self.optimizer = world.optimizer
         gpt = self.model.module
         self.gpt = gpt.module if isinstance(gpt, Float16Module) else gpt

@@ -27,6 +27,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
+
 SUBSTITUTED: dict[str, str] = {
     "megatron.bridge.training.train":
         "p2p_communicator = P2PCommunicator(pp_group=pg_collection.pp, config=model_config)",
@@ -85,3 +87,43 @@ class PipelineFinish:
             chunk.finish_grad_sync()
         if self.finalizer is not None:
             self.finalizer.finish(0.0)  # the loss is shared by the recording (bridge_run)
+
+
+def chunk_views(ddp: Any) -> list[Any]:
+    """Bridge's list of model chunks for virtual pipeline stages: one ``ChunkView`` per chunk
+    of the one NUTP DDP (``bridge.nutp_ddp``). Bridge's ``train()`` and megatron's interleaved
+    schedule call each entry's forward and its DDP methods; the grad buffer, its zeroing and
+    the sync are the DDP's, done once (by the first view)."""
+    return [ChunkView(ddp, i) for i in range(len(ddp.module.chunks))]
+
+
+class ChunkView(torch.nn.Module):
+    """Virtual stage ``index`` of the NUTP DDP ``ddp`` as Bridge sees a model chunk."""
+
+    nutp_ddp: Any
+
+    def __init__(self, ddp: Any, index: int) -> None:
+        super().__init__()
+        self.module = ddp.module.chunks[index]
+        self.__dict__["nutp_ddp"] = ddp  # not a submodule: its parameters are the chunks'
+        self.index = index
+        self.config = ddp.config
+        self.ddp_config = ddp.ddp_config
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def _first(self, name: str) -> Any:
+        return getattr(self.nutp_ddp, name)() if self.index == 0 else None
+
+    def zero_grad_buffer(self) -> None:
+        self._first("zero_grad_buffer")
+
+    def start_grad_sync(self) -> None:
+        self._first("start_grad_sync")
+
+    def finish_grad_sync(self) -> None:
+        self._first("finish_grad_sync")
+
+    def no_sync(self) -> Any:
+        return self.nutp_ddp.no_sync()

@@ -11,7 +11,8 @@ through Bridge's data pipeline with this replica's share of every global batch
 ``bridge_eval``'s callbacks), and then calls ``megatron.bridge.training.train.train``.
 With ``pp > 1`` the stages run at their plan's degrees: Bridge's ``train()`` and
 ``evaluate()`` get NUTP's stage communicator through ``bridge_pipeline``'s one substitution
-point, and the step's finalisation covers every stage (no virtual stages yet).
+point, and the step's finalisation covers every stage. Virtual pipeline stages: Bridge gets
+``bridge_pipeline.chunk_views`` of the one NUTP DDP over the rank's chunks.
 """
 
 from __future__ import annotations
@@ -311,7 +312,8 @@ class BridgeWorld:
     plan: Any
     groups: Any
     cfg: Any  # this world's ConfigContainer
-    model: list[Any]
+    model: list[Any]  # what Bridge's train() gets (virtual stages: bridge_pipeline.ChunkView)
+    ddp: Any  # the NUTP DDP (every chunk of this rank)
     optimizer: Any
     scheduler: Any
     raw_step: Any  # the optimizer's step before any wrapper (a live re-layout's completion)
@@ -358,7 +360,7 @@ def build_world(job: Any, plan: Any, *, seed: int) -> BridgeWorld:
     from ..compat.bridge_cpu import apply_bridge_cpu_patches
     from ..parallel import build_groups
     from .bridge import exact_grad_norm, nutp_ddp, nutp_provider
-    from .bridge_pipeline import PipelineFinish
+    from .bridge_pipeline import PipelineFinish, chunk_views
     from .bridge_zero import setup_zero_optimizer, wants_zero
 
     apply_bridge_cpu_patches()
@@ -384,23 +386,24 @@ def build_world(job: Any, plan: Any, *, seed: int) -> BridgeWorld:
         ddp_config=cfg.ddp, wrap_with_ddp=False, pg_collection=groups.pgs,
         use_cpu_initialization=True)  # bf16/fp16: Bridge's default Float16Module wrapper
     cfg.ddp.overlap_grad_reduce = True
-    model = nutp_ddp(chunks, cfg.ddp, plan, groups)
+    (ddp,) = nutp_ddp(chunks, cfg.ddp, plan, groups)
+    model = chunk_views(ddp) if plan.vp > 1 else [ddp]
     if zero:
         optimizer, scheduler = setup_zero_optimizer(
-            cfg, model, redundancy=job.nutp.recovery.live_redundancy)
+            cfg, [ddp], redundancy=job.nutp.recovery.live_redundancy)
     else:
         optimizer, scheduler = setup_optimizer(
-            optimizer_config=cfg.optimizer, scheduler_config=cfg.scheduler, model=model,
+            optimizer_config=cfg.optimizer, scheduler_config=cfg.scheduler, model=[ddp],
             use_gloo_process_groups=False, pg_collection=groups.pgs)
-        exact_grad_norm(optimizer, model[0])
-    mc = model[0].config
-    mc.no_sync_func = model[0].no_sync
-    mc.finalize_model_grads_func = PipelineFinish(plan, groups, model[0])
+        exact_grad_norm(optimizer, ddp)
+    mc = ddp.config
+    mc.no_sync_func = ddp.no_sync
+    mc.finalize_model_grads_func = PipelineFinish(plan, groups, ddp)
     mc.grad_scale_func = optimizer.scale_loss
     mbs = cfg.train.micro_batch_size
     destroy_num_microbatches_calculator()
     init_num_microbatches_calculator(ctx.rank, None, ctx.microbatches * mbs, mbs, 1)
-    return BridgeWorld(job, plan, groups, cfg, model, optimizer, scheduler, optimizer.step)
+    return BridgeWorld(job, plan, groups, cfg, model, ddp, optimizer, scheduler, optimizer.step)
 
 
 def start_world(world: BridgeWorld, out_dir: str | Path, *,
@@ -431,7 +434,7 @@ def start_world(world: BridgeWorld, out_dir: str | Path, *,
     cfg.model.timers = state.timers
     cfg.optimizer.timers = state.timers
     if init_from is not None:
-        load_weights(model[0], plan, groups, optimizer, init_from)
+        load_weights(world.ddp, plan, groups, optimizer, init_from)
     checkpoints = NUTPBridgeCheckpointManager(cfg.checkpoint, plan=plan, groups=groups)
     if resume is None:
         # checkpoint.load: before the scheduler and optimizer wrappers below (the scheduler's
@@ -484,9 +487,9 @@ def start_world(world: BridgeWorld, out_dir: str | Path, *,
                                shared=from_last_stage if plan.pp > 1 else None)
     # heartbeats, the injected fault (the run's first world only), resumed
     recovery_callbacks(callbacks, job.nutp, plan, checkpoints, fault=resume is None)
-    outputs = BridgeOutputs(job.nutp, plan, groups, model[0], out_dir, record=record,
+    outputs = BridgeOutputs(job.nutp, plan, groups, world.ddp, out_dir, record=record,
                             evals=evals, start_step=first_step, ledger=ledger)
-    outputs.attach(callbacks, optimizer, checkpoints, model[0].config)
+    outputs.attach(callbacks, optimizer, checkpoints, world.ddp.config)
     if callbacks_extra is not None:
         callbacks_extra(callbacks, state)
     return BridgeRun(world, state, checkpoints, callbacks, data, valid, recorded_forward,
@@ -571,6 +574,6 @@ def train_rank(job: Any, plan: Any, out_dir: str, *, seed: int,
     train_world(run)
     run.outputs.finish()
     out = rank_record(run, out_dir)
-    return {**out, "model": world.model[0], "groups": world.groups, "state": run.state,
+    return {**out, "model": world.ddp, "groups": world.groups, "state": run.state,
             "optimizer": world.optimizer, "saved": run.checkpoints.saved,
             "loaded": run.checkpoints.loaded}

@@ -77,12 +77,13 @@ def setup_zero_optimizer(cfg: Any, model: list[Any], *, redundancy: bool = False
                          ) -> tuple[BridgeZeroOptimizer, Any]:
     """(NUTP's ZeRO-1 over the NUTP DDP ``model[0]``, Bridge's scheduler bound to it), what
     Bridge's ``setup_optimizer`` returns for a megatron optimizer. Only one model chunk
-    (``pp=1``, no virtual stages). ``redundancy``: ``recovery.live_redundancy`` (a copy of
-    each slice on the next replica, for live re-layouts)."""
+    (virtual stages: the one NUTP DDP over all chunks). ``redundancy``:
+    ``recovery.live_redundancy`` (a copy of each slice on the next replica, for live
+    re-layouts)."""
     from megatron.bridge.training.optim import _get_scheduler
 
     if len(model) != 1:
         raise ValueError("optimizer.use_distributed_optimizer=True: one model chunk only "
-                         "under NUTP (no virtual pipeline stages)")
+                         "under NUTP (the one NUTP DDP over every chunk)")
     optimizer = BridgeZeroOptimizer(model[0], cfg.optimizer, redundancy=redundancy)
     return optimizer, _get_scheduler(cfg.optimizer, cfg.scheduler, optimizer)

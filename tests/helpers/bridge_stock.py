@@ -32,15 +32,19 @@ def _have_te() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
-def save_initial(model: Any, root: Path, pgs: Any) -> Path:
-    """Bridge's model state (``{"model": sharded_state_dict}``) as ``root/iter_0000000``."""
+def save_initial(model: list[Any], root: Path, pgs: Any) -> Path:
+    """Bridge's model state (``{"model": sharded_state_dict}``) as ``root/iter_0000000``.
+    Virtual pipeline stages: every chunk's sharded state under ``model`` (megatron's sharded
+    keys carry each chunk's global layer offsets, so the chunks fill one tensor per key)."""
     from megatron.core import dist_checkpointing
 
     path = root / "iter_0000000"
     if dist.get_rank() == 0:
         path.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    state = model.module.sharded_state_dict(metadata={"dp_cp_group": pgs.dp_cp})
+    meta = {"dp_cp_group": pgs.dp_cp}
+    state = model[0].module.sharded_state_dict(metadata=meta) if len(model) == 1 else {
+        f"chunk{i}": m.module.sharded_state_dict(metadata=meta) for i, m in enumerate(model)}
     dist_checkpointing.save({"model": state}, str(path))
     if dist.get_rank() == 0:
         (root / "latest_checkpointed_iteration.txt").write_text("0")
@@ -100,7 +104,7 @@ def stock_rank(job: Any, out_dir: str, init_root: Path) -> list[dict[str, float]
         use_gloo_process_groups=False, pg_collection=pgs)
     _update_model_config_funcs(model, cfg.model, cfg.ddp, optimizer,
                                align_grad_reduce=cfg.dist.align_grad_reduce, pg_collection=pgs)
-    save_initial(model[0], init_root, pgs)
+    save_initial(model, init_root, pgs)
     dp = pgs.dp.size()
     mbs = cfg.train.micro_batch_size
     destroy_num_microbatches_calculator()

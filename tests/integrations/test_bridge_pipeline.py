@@ -74,10 +74,11 @@ def test_stage_communicator_substitution_is_pinned() -> None:
         assert m.P2PCommunicator is P2PCommunicator
 
 
-def _stock_then_nutp(precision: list[str], tmp_path: Path) -> tuple[Any, Any, list[Any]]:
+def _stock_then_nutp(precision: list[str], tmp_path: Path, nutp_only: tuple[str, ...] = ()
+                     ) -> tuple[Any, Any, list[Any]]:
     """Bridge's stock TP2xPP2xDP2 run (8 ranks), then ``nutp-bridge`` at [[2,1],[2,2]] (7 ranks)
-    from its initial weights: (a last-stage stock rank's steps, its evaluations, every NUTP
-    rank's record)."""
+    from its initial weights (``nutp_only``: its own further overrides): (a last-stage stock
+    rank's steps, its evaluations, every NUTP rank's record)."""
     from tests.helpers.bridge_pipeline_jobs import nutp_worker, stock_worker
     from tests.helpers.dist import spawn
 
@@ -88,7 +89,7 @@ def _stock_then_nutp(precision: list[str], tmp_path: Path) -> tuple[Any, Any, li
     stock_evals = next(e for e in evals if e and not math.isnan(e[0]["val_loss"]))
     init = str(tmp_path / "stock_init" / "iter_0000000")
     nutp_overrides = [*precision, "model.sequence_parallel=true", "nutp.replicas=[[2,1],[2,2]]",
-                      "failures=none"]
+                      "failures=none", *nutp_only]
     spawn(nutp_worker, 7, (nutp_overrides, init), tmp_path)
     ranks = [json.loads((tmp_path / f"pipeline_rank{r}.json").read_text()) for r in range(7)]
     print(json.dumps({"stock": stock, "stock_evals": stock_evals, "nutp": ranks[0]}))
@@ -138,3 +139,26 @@ def test_bridge_pipeline_bf16_matches_bridge_stock_run(tmp_path: Path) -> None:
     optimizer)."""
     stock, stock_evals, ranks = _stock_then_nutp([], tmp_path)
     _check(stock, stock_evals, ranks, BF16_TOL)
+
+
+@pytest.mark.bench
+@pytest.mark.skipif(os.environ.get("NUTP_BENCH") != "1",
+                    reason="bench tier (about 3 min on 2 cores): make bench, or NUTP_BENCH=1")
+@pytest.mark.timeout(1500)
+def test_bridge_virtual_stages_match_bridge_stock_run(tmp_path: Path) -> None:
+    """Virtual pipeline stages (``model.virtual_pipeline_model_parallel_size=2``: one layer per
+    chunk, megatron's interleaved schedule), fp32: every rank's chunks are one NUTP DDP seen by
+    Bridge as ``bridge_pipeline.ChunkView``s, and the stage communicator carries the
+    interleaved exchanges between stages of different degree. The reference is Bridge's stock
+    run without virtual stages (the same math: the same layers per stage, another order of
+    micro-batches). Bridge's stock run *with* virtual stages was tried as the reference and
+    is not one on CPU/gloo: from its own initial weights (checked: each chunk's layers at the
+    global index megatron's checkpoint gives them) its step 0 differs from NUTP's (loss 5e-4,
+    grad norm 14%), while NUTP's runs with and without virtual stages from those weights agree
+    to the last printed digit, and NUTP without them equals Bridge's stock run without them
+    (the test above). Not investigated further."""
+    from tests.helpers.bridge_pipeline_jobs import FP32
+
+    stock, stock_evals, ranks = _stock_then_nutp(
+        FP32, tmp_path, nutp_only=("model.virtual_pipeline_model_parallel_size=2",))
+    _check(stock, stock_evals, ranks, TOL)
