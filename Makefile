@@ -34,7 +34,7 @@ TESTS_BRIDGE ?= tests/integrations/test_bridge_shim.py tests/integrations/test_b
 	tests/integrations/test_bridge_zero.py tests/integrations/test_bridge_pipeline.py \
 	tests/integrations/test_bridge_uniform.py tests/integrations/test_bridge_eval.py \
 	tests/integrations/test_bridge_readme.py tests/integrations/test_bridge_recovery.py \
-	tests/integrations/test_bridge_live.py \
+	tests/integrations/test_bridge_live.py tests/integrations/test_bridge_stragglers.py \
 	tests/integrations/test_recipe_coverage.py tests/integrations/test_gemma_hf_parity.py \
 	tests/model/test_gemma_reference.py
 

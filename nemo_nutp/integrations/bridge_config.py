@@ -137,7 +137,7 @@ def load_bridge_job(recipe: str, config_file: str | None, overrides: list[str], 
     # and run on the whole job below, as does the degree
     early = load_nutp([*RECIPE_STAND_INS, *(o for o in nutp if not o.lstrip("+~")
                                             .startswith("nutp.replicas="))], tp=1)
-    check_nutp_unused(early.nutp)
+    check_nutp_unused(early.nutp, early.recovery)
     from ..compat.bridge_cpu import install_import_shim
 
     install_import_shim()
@@ -191,25 +191,16 @@ RECOVERY_UNUSED = {"rate_per_gpu_day": "checkpoint.interval=auto of nutp-train (
 """``recovery.*`` keys ``nutp-bridge`` does not read: refused by name when set."""
 
 
-NUTP_UNUSED = ("rebalance", "rebalance_smoothing", "rebalance_hysteresis", "rebalance_max_shift",
-               "rebalance_warmup", "straggler_probe_interval", "straggler_threshold",
-               "straggler_window", "exclude_stragglers")
-"""``nutp.*`` keys of ``nutp-train``'s own loop (micro-batch rebalancing, straggler probes and
-their exclusion by the supervisor), not built into Bridge's ``train()``: refused by name when
-set."""
-
-
-def check_nutp_unused(nutp: Any) -> None:
-    """One-line ``ValueError`` naming the first ``NUTP_UNUSED`` key set to other than its
-    default."""
-    from ..config.schema import NutpConfig
-
-    default = NutpConfig()
-    for name in NUTP_UNUSED:
-        if getattr(nutp, name) != getattr(default, name):
-            raise ValueError(f"nutp.{name}={getattr(nutp, name)}: not read by nutp-bridge "
-                             "(nutp-train's loop only: rebalancing and straggler handling are "
-                             "not built into Bridge's train())")
+def check_nutp_unused(nutp: Any, recovery: Any) -> None:
+    """``nutp.*`` keys of ``nutp-train``'s loop that ``nutp-bridge`` runs only in part:
+    ``nutp.exclude_stragglers=true`` needs ``recovery.mode=live`` (the live re-layout excludes
+    the straggler at a step boundary; the restart path's save-and-stop inside Bridge's
+    ``train()`` is not built): one-line ``ValueError`` naming it otherwise. Rebalancing
+    (``nutp.rebalance*``) and the straggler probe (``nutp.straggler_*``) run under Bridge's
+    ``train()`` (``bridge_run.balance_callbacks``)."""
+    if nutp.exclude_stragglers and not (recovery.enabled and recovery.mode == "live"):
+        raise ValueError("nutp.exclude_stragglers=True: nutp-bridge excludes a straggler by a "
+                         "live re-layout only (set recovery.enabled=true recovery.mode=live)")
 
 
 def recovery_keys(cfg: Any, rec: Any) -> list[str]:

@@ -39,7 +39,12 @@ from typing import Any
 
 
 class Boundary(Exception):
-    """The vote agreed to stop after this step (GPUs are back): leave ``train()``."""
+    """The vote agreed to stop after this step (GPUs are back), or a straggler is to be
+    excluded (``slow``: its GPU -> relative speed): leave ``train()``."""
+
+    def __init__(self, slow: dict[int, float] | None = None) -> None:
+        super().__init__("step boundary")
+        self.slow = slow
 
 
 class BridgeSession:
@@ -99,17 +104,21 @@ class BridgeLiveRun:
     """``live.manager.Run`` of one world: Bridge's objects, rank 0's metrics, the ledger."""
 
     def __init__(self, trainer: BridgeTrainer, job: Any, plan: Any, session: BridgeSession, *,
-                 start: int | None, ledger: Any) -> None:
+                 start: int | None, ledger: Any, same_world: bool = False,
+                 balance: Any = None) -> None:
         from .bridge_run import ResumeAt, StepHooks, start_world
 
         self.trainer, self.cfg, self.plan = trainer, job, plan
         self.session: BridgeSession | None = session
         hooks = StepHooks(before=self._before, after=self._after)
-        self.eval_pending = start is not None and ResumeAt.evaluates_at(
-            session.world.cfg, start) and not _done_anywhere(trainer.evaluated >= start)
-        resume = None if start is None else ResumeAt(start, session.skips, self.eval_pending)
+        resume = None
+        if start is not None:  # owed: due at ``start`` and seen done by no rank (a joiner
+            cfg = session.world.cfg  # sees nothing; the same world has not run it)
+            owed = ResumeAt.evaluates_at(cfg, start) and (
+                same_world or not _done_anywhere(trainer.evaluated >= start))
+            resume = ResumeAt(start, session.skips, same_world=same_world, eval_pending=owed)
         self.run = start_world(session.world, trainer.out_dir, resume=resume, ledger=ledger,
-                               hooks=hooks, callbacks_extra=self._callbacks)
+                               hooks=hooks, balance=balance, callbacks_extra=self._callbacks)
         self.start = self.run.first_step
 
     @property
@@ -146,9 +155,10 @@ class BridgeLiveRun:
         def begin(ctx: Any) -> None:
             manager.begin(int(ctx.state.train_state.step))
 
-        def end(ctx: Any) -> None:  # after the outputs' row (registered before this)
-            if manager.boundary_due(None) and int(ctx.state.train_state.step) + 1 < iters:
-                raise Boundary
+        def end(ctx: Any) -> None:  # after the outputs' row and the shares (registered
+            slow = self.run.balance.exclusion()  # before this)
+            if manager.boundary_due(slow) and int(ctx.state.train_state.step) + 1 < iters:
+                raise Boundary(slow)
 
         callbacks.register("on_train_step_start", begin)
         callbacks.register("on_train_step_end", end)
@@ -156,38 +166,28 @@ class BridgeLiveRun:
     def train(self) -> None:
         from .bridge_run import train_world
 
-        if self.eval_pending:
-            self._owed_evaluation()
         train_world(self.run)
 
-    def _owed_evaluation(self) -> None:
-        """The evaluation Bridge's ``train()`` runs right after step ``start - 1``, which the
-        stopped world did not complete: Bridge's own ``evaluate_and_print_results`` with this
-        run's callbacks; rank 0 adds its loss to that step's row."""
-        from megatron.bridge.training.eval import evaluate_and_print_results
+    def reshared(self) -> BridgeLiveRun:
+        """The same world re-entered at its new shares from the next step (``Reshare``)."""
+        self.run.outputs.suspend()
+        self._seen()
+        assert self.session is not None
+        return BridgeLiveRun(self.trainer, self.cfg, self.plan, self.session,
+                             start=self.run.next_step(), ledger=self.ledger, same_world=True,
+                             balance=self.run.balance)
 
-        from .bridge_pipeline import stage_communicator
-
-        run, w = self.run, self.run.world
-        self.eval_pending = False
-        with stage_communicator(w.plan, w.groups):
-            evaluate_and_print_results(run.state, f"iteration {self.start}", run.forward,
-                                       run.valid, w.model, w.model[0].config, verbose=False,
-                                       write_to_tensorboard=False,
-                                       callback_manager=run.callbacks)
-        out = self.out
-        if out is not None and run.evals and run.evals[-1]["step"] == self.start and \
-                out.rows and out.rows[-1]["step"] == self.start - 1:
-            out.amend_last({"val_loss": run.evals[-1]["val_loss"]})
+    def _seen(self) -> None:
+        if self.run.evals:
+            self.trainer.evaluated = max(self.trainer.evaluated,
+                                         int(self.run.evals[-1]["step"]))
 
     def close(self) -> None:
         """The world stopped: rank 0's pending row (a step whose end callback ran) is written
         before the manager closes the metrics file; which evaluations this process saw
         complete (the next world runs one the stopped world owed)."""
         self.run.outputs._flush()
-        if self.run.evals:
-            self.trainer.evaluated = max(self.trainer.evaluated,
-                                         int(self.run.evals[-1]["step"]))
+        self._seen()
 
 
 class BridgeTrainer:
@@ -229,7 +229,7 @@ def train_rank_live(job: Any, plan: Any, out_dir: str | Path, *, seed: int, link
     world's). Rank 0 of the last world writes the outputs; every rank of it its
     ``bridge_rank<r>.json`` (steps of that world)."""
     from ..live.manager import LiveManager
-    from .bridge_run import rank_record
+    from .bridge_run import Reshare, rank_record
 
     trainer = BridgeTrainer(job, out_dir, seed=seed)
     # BridgeSession is RankSession's face, not a subclass: the manager's Run protocol names
@@ -242,18 +242,24 @@ def train_rank_live(job: Any, plan: Any, out_dir: str | Path, *, seed: int, link
     else:
         run = trainer.make_run(job.nutp, plan, trainer.build(job.nutp, plan))
         manager.attach(run)
+    runs = [run]  # this world's (its shares changed between them)
     while True:
         try:
             run.train()
             break
-        except Boundary:
+        except Reshare:
+            run = run.reshared()
+            runs.append(run)
+            continue
+        except Boundary as b:
             run.close()
-            run, _ = manager.relayout(run, None)
+            run, _ = manager.relayout(run, None, slow=b.slow)
         except Exception as e:
             if not manager.is_stop(e):
                 raise
             run.close()
             run, _ = manager.relayout(run, e)
+        runs = [run]
     manager.final_check(run)  # tests only (NUTP_LIVE_DIGEST)
     run.run.outputs.finish()
-    rank_record(run.run, out_dir)
+    rank_record([r.run for r in runs], out_dir)

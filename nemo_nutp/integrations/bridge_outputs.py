@@ -48,11 +48,14 @@ class BridgeOutputs:
 
     ``record``/``evals``: ``bridge_run``'s per-step record and ``bridge_eval``'s evaluations
     (lists that fill while Bridge trains); ``model``: this rank's NUTP DDP model; ``ledger``:
-    the goodput ledger to continue (a live re-layout's next world)."""
+    the goodput ledger to continue (a live re-layout's next world); ``inside()``: per replica
+    its slowest rank's speed relative to its peers (the straggler probe's; goodput's
+    "straggler inside a replica")."""
 
     def __init__(self, job: Any, plan: Any, groups: Any, model: Any, out_dir: str | Path, *,
                  record: list[dict[str, float]], evals: list[dict[str, float]],
-                 start_step: int = 0, ledger: GoodputLedger | None = None) -> None:
+                 start_step: int = 0, ledger: GoodputLedger | None = None,
+                 inside: Any = None) -> None:
         from ..config.schema import OutputConfig
         from ..train.loop import MetricsWriter, replica_gpus
 
@@ -69,6 +72,8 @@ class BridgeOutputs:
         self.tokens = job.train.global_batch_size * job.model.seq_length
         self.replica_tp = [list(r.tp) for r in plan.replicas]
         self.pending: dict[str, Any] | None = None
+        self.inside = inside  # per replica, its slowest rank's relative speed (or None)
+        self.last_reps: list[Any] = []  # the newest step's per-replica times (gather_times)
         self.t0 = self.t_eval = 0.0
         self.sync_s = self.optimizer_s = 0.0
 
@@ -117,7 +122,9 @@ class BridgeOutputs:
         compute_s = max(0.0, step_s - self.sync_s - self.optimizer_s)
         times = {"compute_s": compute_s, "sync_s": self.sync_s, "optimizer_s": self.optimizer_s}
         step_s, reps = gather_times(self.session, times, step_s, self.gpus)  # collective
-        step_goodput = self.ledger.add_step(step_s, reps)
+        self.last_reps = reps
+        inside = self.inside() if self.inside is not None else None
+        step_goodput = self.ledger.add_step(step_s, reps, inside=inside)
         if self.out is None:
             return
         rec = self.record[-1]  # this step's (bridge_run.recording: the optimizer step)
@@ -146,6 +153,13 @@ class BridgeOutputs:
         if self.pending is not None and self.out is not None:
             self.out.write(self.pending)
         self.pending = None
+
+    def suspend(self) -> None:
+        """Rank 0: the pending row written and the file closed, left ``.partial`` (the same
+        world re-enters ``train()``: the next run's outputs continue it)."""
+        self._flush()
+        if self.out is not None:
+            self.out.file.close()
 
     # ---- end of run ---------------------------------------------------------------------
     def finish(self, *, restarts: list[dict[str, Any]] | None = None) -> None:

@@ -317,6 +317,8 @@ class BridgeWorld:
     optimizer: Any
     scheduler: Any
     raw_step: Any  # the optimizer's step before any wrapper (a live re-layout's completion)
+    finish: Any  # the model config's finalize_model_grads_func before any wrapper
+    datasets: Any = None  # the recipe's (train, valid, test) datasets, built by the first run
 
 
 @dataclass
@@ -335,6 +337,12 @@ class BridgeRun:
     eval_parts: list[tuple[float, float]]
     outputs: Any
     first_step: int
+    balance: Any  # train.rebalance.LiveBalance
+    eval_pending: bool = False  # the evaluation owed at first_step (ResumeAt.eval_pending)
+
+    def next_step(self) -> int:
+        """The step after the one whose end left ``train()`` (Bridge counts it after)."""
+        return int(self.state.train_state.step) + 1
 
 
 @dataclass
@@ -352,10 +360,6 @@ def build_world(job: Any, plan: Any, *, seed: int) -> BridgeWorld:
     (module docstring), from ``job.bridge`` (validated and adjusted for this plan here)."""
     from megatron.bridge.training.optim import setup_optimizer
     from megatron.core import parallel_state, tensor_parallel
-    from megatron.core.num_microbatches_calculator import (
-        destroy_num_microbatches_calculator,
-        init_num_microbatches_calculator,
-    )
 
     from ..compat.bridge_cpu import apply_bridge_cpu_patches
     from ..parallel import build_groups
@@ -398,27 +402,34 @@ def build_world(job: Any, plan: Any, *, seed: int) -> BridgeWorld:
         exact_grad_norm(optimizer, ddp)
     mc = ddp.config
     mc.no_sync_func = ddp.no_sync
-    mc.finalize_model_grads_func = PipelineFinish(plan, groups, ddp)
+    mc.finalize_model_grads_func = finish = PipelineFinish(plan, groups, ddp)
     mc.grad_scale_func = optimizer.scale_loss
-    mbs = cfg.train.micro_batch_size
-    destroy_num_microbatches_calculator()
-    init_num_microbatches_calculator(ctx.rank, None, ctx.microbatches * mbs, mbs, 1)
-    return BridgeWorld(job, plan, groups, cfg, model, ddp, optimizer, scheduler, optimizer.step)
+    return BridgeWorld(job, plan, groups, cfg, model, ddp, optimizer, scheduler, optimizer.step,
+                       finish)
 
 
 def start_world(world: BridgeWorld, out_dir: str | Path, *,
                 init_from: str | Path | None = None, resume: ResumeAt | None = None,
-                ledger: Any = None, hooks: StepHooks | None = None,
+                ledger: Any = None, hooks: StepHooks | None = None, balance: Any = None,
                 callbacks_extra: Callable[[Any, Any], None] | None = None) -> BridgeRun:
     """Collective over the world: the training state, data, callbacks and outputs of a world.
     ``resume=None``: the run's first world (``init_from`` weights, else Bridge's
     ``checkpoint.load``); else a live re-layout's next world, whose state was moved in and
     which starts at ``resume`` (the schedule's clock, the data position). ``ledger``: the goodput
-    ledger to continue; ``hooks``: around the optimizer step; ``callbacks_extra(callbacks,
-    state)``: more of Bridge's callbacks, registered last."""
+    ledger to continue; ``hooks``: around the optimizer step; ``balance``: the
+    world's ``train.rebalance.LiveBalance`` to keep (a re-entry of the same world after its
+    shares changed; None: a new one: ``nutp.rebalance``, the straggler probe, the injected
+    slowdown); ``callbacks_extra(callbacks, state)``: more of Bridge's callbacks, registered
+    last. Wrappers of an earlier run of the same world are dropped first."""
     from megatron.bridge.training.checkpointing import CheckpointLoadContext
     from megatron.bridge.training.state import GlobalState
+    from megatron.core.num_microbatches_calculator import (
+        destroy_num_microbatches_calculator,
+        init_num_microbatches_calculator,
+    )
 
+    from ..checkpoint.faults import Fault
+    from ..train.rebalance import LiveBalance
     from ..train.step import reduce_replica_loss
     from .bridge_ckpt import NUTPBridgeCheckpointManager
     from .bridge_data import datasets, train_iterator, valid_iterator
@@ -428,7 +439,18 @@ def start_world(world: BridgeWorld, out_dir: str | Path, *,
 
     job, plan, groups, cfg = world.job, world.plan, world.groups, world.cfg
     model, optimizer, scheduler = world.model, world.optimizer, world.scheduler
-    ctx = groups.ctx
+    first = resume is None or resume.same_world  # the world's first run, or its re-entry
+    fault = Fault.from_env_or_config(job.nutp) if first else None
+    if balance is None:  # the shares (nutp.rebalance), the straggler probe, a slowdown
+        balance = LiveBalance(job.nutp, balance_view(world), fault=fault, rank=groups.ctx.rank)
+    ctx = groups.ctx  # (after a rebalance: this replica's new share)
+    for obj in (optimizer, scheduler):  # an earlier run's wrappers (a re-entry)
+        vars(obj).pop("step", None)
+    mc = world.ddp.config
+    mc.finalize_model_grads_func = world.finish
+    mbs = cfg.train.micro_batch_size
+    destroy_num_microbatches_calculator()
+    init_num_microbatches_calculator(ctx.rank, None, ctx.microbatches * mbs, mbs, 1)
     state = GlobalState()
     state.cfg = cfg
     cfg.model.timers = state.timers
@@ -473,12 +495,13 @@ def start_world(world: BridgeWorld, out_dir: str | Path, *,
     eval_parts: list[tuple[float, float]] = []
     record, recorded_forward = recording(optimizer, reduce, report_share=1.0 / ctx.degree,
                                          eval_parts=eval_parts, hooks=hooks)
-    mbs = cfg.train.micro_batch_size
     global_samples(optimizer, scheduler, state, cfg.train.global_batch_size,
                    counted=groups.pgs.dp.size() * mbs * ctx.microbatches)
     share = {"num_microbatches": plan.request.global_batch, "offset": ctx.microbatch_offset,
              "count": ctx.microbatches}
-    train_ds, valid_ds, _ = datasets(cfg, groups.pgs)
+    if world.datasets is None:  # (a re-entry of the same world reuses them)
+        world.datasets = datasets(cfg, groups.pgs)
+    train_ds, valid_ds, _ = world.datasets
     data = train_iterator(cfg, state.train_state, groups.pgs, dataset=train_ds, **share)
     valid = valid_iterator(cfg, state.train_state, valid_ds, **share)
     evals: list[dict[str, float]] = []
@@ -486,39 +509,137 @@ def start_world(world: BridgeWorld, out_dir: str | Path, *,
                                dp_size=groups.pgs.dp.size(), record=evals,
                                shared=from_last_stage if plan.pp > 1 else None)
     # heartbeats, the injected fault (the run's first world only), resumed
-    recovery_callbacks(callbacks, job.nutp, plan, checkpoints, fault=resume is None)
+    recovery_callbacks(callbacks, job.nutp, plan, checkpoints, fault=first)
     outputs = BridgeOutputs(job.nutp, plan, groups, world.ddp, out_dir, record=record,
-                            evals=evals, start_step=first_step, ledger=ledger)
-    outputs.attach(callbacks, optimizer, checkpoints, world.ddp.config)
+                            evals=evals, start_step=first_step, ledger=ledger,
+                            inside=balance.inside_speeds)
+    outputs.attach(callbacks, optimizer, checkpoints, mc)
+    balance_callbacks(callbacks, balance, outputs, mc, iters=int(cfg.train.train_iters))
     if callbacks_extra is not None:
         callbacks_extra(callbacks, state)
     return BridgeRun(world, state, checkpoints, callbacks, data, valid, recorded_forward,
-                     record, evals, eval_parts, outputs, first_step)
+                     record, evals, eval_parts, outputs, first_step, balance,
+                     resume is not None and resume.eval_pending)
+
+
+def reshared(run: BridgeRun, out_dir: str | Path) -> BridgeRun:
+    """The same world re-entered after its shares changed (``Reshare``), from the next step:
+    rank 0's metrics continued, the goodput ledger and the balance kept, the evaluation Bridge
+    would have run after the step owed. Collective."""
+    run.outputs.suspend()
+    nxt = run.next_step()
+    resume = ResumeAt(nxt, same_world=True,
+                      eval_pending=ResumeAt.evaluates_at(run.world.cfg, nxt))
+    return start_world(run.world, out_dir, resume=resume, ledger=run.outputs.ledger,
+                       balance=run.balance)
+
+
+class Reshare(Exception):
+    """The replicas' shares changed after this step (``nutp.rebalance``): leave ``train()``;
+    the same world re-enters it at the next step with them."""
+
+
+def balance_view(world: BridgeWorld) -> Any:
+    """What ``train.rebalance`` reads of a ``nutp-train`` session, for a Bridge world."""
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.module import Float16Module
+
+    from ..train.step import StepOptions
+
+    gpt = world.ddp.module
+    return SimpleNamespace(plan=world.plan, groups=world.groups, model=world.ddp,
+                           gpt=gpt.module if isinstance(gpt, Float16Module) else gpt,
+                           opts=StepOptions())
+
+
+def balance_callbacks(callbacks: Any, balance: Any, outputs: Any, mc: Any, *,
+                      iters: int) -> None:
+    """Around each of Bridge's steps, what ``nutp-train``'s loop does around its own
+    (``train.rebalance.LiveBalance``): the injected slowdown (``NUTP_FAULT=slow:...``: this
+    rank's compute x factor, slept before the gradient finalisation, outside the sync's timing,
+    so that it is compute), the straggler probe and the shares from the step's per-replica
+    compute times (``outputs.last_reps``); changed shares leave ``train()`` (``Reshare``) after
+    the step's row (rank 0's row records the shares the step ran with)."""
+    import time
+
+    t0 = [0.0]
+    finish = mc.finalize_model_grads_func
+
+    def slowed_finish(*args: Any, **kwargs: Any) -> Any:
+        f = balance.session.opts.slow_factor
+        if f > 1.0:
+            time.sleep((f - 1.0) * (time.perf_counter() - t0[0]))
+        return finish(*args, **kwargs)
+
+    mc.finalize_model_grads_func = slowed_finish
+
+    def start(ctx: Any) -> None:
+        balance.before_step(int(ctx.state.train_state.step))
+        t0[0] = time.perf_counter()
+
+    def end(ctx: Any) -> None:
+        step = int(ctx.state.train_state.step)
+        used = balance.after_step(step, outputs.last_reps)
+        if outputs.pending is not None:
+            outputs.pending["microbatches"] = used
+        if balance.shares != used and step + 1 < iters:
+            raise Reshare
+
+    callbacks.register("on_train_step_start", start)
+    callbacks.register("on_train_step_end", end)
 
 
 def train_world(run: BridgeRun) -> None:
-    """Bridge's own ``train()`` from ``run``'s step to ``train.train_iters`` (collective)."""
+    """Bridge's own ``train()`` from ``run``'s step to ``train.train_iters`` (collective),
+    after the evaluation the run owes, if any."""
     from megatron.bridge.training import train as bridge_train
 
     from .bridge_pipeline import stage_communicator
 
     w = run.world
     with stage_communicator(w.plan, w.groups):
+        if run.eval_pending:
+            owed_evaluation(run)
         bridge_train.train(run.forward, w.model, w.optimizer, w.scheduler, run.data, run.valid,
                            run.state, run.checkpoints, w.groups.pgs,
                            callback_manager=run.callbacks)
 
 
-def rank_record(run: BridgeRun, out_dir: str | Path) -> dict[str, Any]:
-    """This rank's per-step record (numbered from the world's first step) and evaluations,
-    written to ``bridge_rank<r>.json`` (atomic)."""
+def owed_evaluation(run: BridgeRun) -> None:
+    """The evaluation Bridge's ``train()`` runs right after step ``first_step - 1``, which the
+    run that stopped there did not reach (it left ``train()`` at the step's end, or its world
+    stopped): Bridge's own ``evaluate_and_print_results`` with this run's callbacks; rank 0
+    adds its loss to that step's row. Collective."""
+    from megatron.bridge.training.eval import evaluate_and_print_results
+
+    run.eval_pending = False
+    w = run.world
+    evaluate_and_print_results(run.state, f"iteration {run.first_step}", run.forward, run.valid,
+                               w.model, w.ddp.config, verbose=False, write_to_tensorboard=False,
+                               callback_manager=run.callbacks)
+    out = run.outputs.out
+    if out is not None and run.evals and run.evals[-1]["step"] == run.first_step and \
+            out.rows and out.rows[-1]["step"] == run.first_step - 1:
+        out.amend_last({"val_loss": run.evals[-1]["val_loss"]})
+
+
+def rank_record(runs: list[BridgeRun], out_dir: str | Path) -> dict[str, Any]:
+    """This rank's per-step record (each run's numbered from its first step) and evaluations
+    over ``runs`` (one world: its runs between share changes), written to
+    ``bridge_rank<r>.json`` (atomic)."""
     from ..layout.serialize import write_json_atomic
 
-    ctx = run.world.groups.ctx
-    for i, row in enumerate(run.record):
-        row["step"] = run.first_step + i
-    out = {"rank": ctx.rank, "replica": ctx.replica, "steps": run.record, "evals": run.evals,
-           "eval_parts": run.eval_parts}
+    ctx = runs[-1].world.groups.ctx
+    steps, evals, parts = [], [], []
+    for run in runs:
+        for i, row in enumerate(run.record):
+            row["step"] = run.first_step + i
+        steps += run.record
+        evals += run.evals
+        parts += run.eval_parts
+    out = {"rank": ctx.rank, "replica": ctx.replica, "steps": steps, "evals": evals,
+           "eval_parts": parts}
     write_json_atomic(out, Path(out_dir, f"bridge_rank{ctx.rank}.json"))
     return out
 
@@ -530,6 +651,7 @@ class ResumeAt:
 
     step: int
     skips: int = 0
+    same_world: bool = False  # a re-entry of the world that stopped (its shares changed)
     eval_pending: bool = False  # the evaluation due at ``step`` did not complete: run it
     # before training (the validation data then starts where it would have)
 
@@ -558,7 +680,8 @@ class ResumeAt:
         evals = sum(1 for s in range(1, last + 1) if self.evaluates_at(cfg, s))
         ts.consumed_valid_samples = evals * int(v.eval_iters) * int(v.eval_global_batch_size
                                                                     or gbs)
-        scheduler.step(increment=(self.step - self.skips) * gbs)
+        if not self.same_world:  # (a re-entry's scheduler is already there)
+            scheduler.step(increment=(self.step - self.skips) * gbs)
 
 
 def train_rank(job: Any, plan: Any, out_dir: str, *, seed: int,
@@ -571,9 +694,16 @@ def train_rank(job: Any, plan: Any, out_dir: str, *, seed: int,
     stock megatron's ``iter_N``; any layout) instead of NUTP's own initialisation."""
     world = build_world(job, plan, seed=seed)
     run = start_world(world, out_dir, init_from=init_from)
-    train_world(run)
+    runs = [run]
+    while True:
+        try:
+            train_world(run)
+            break
+        except Reshare:  # the same world at its new shares, from the next step
+            run = reshared(run, out_dir)
+            runs.append(run)
     run.outputs.finish()
-    out = rank_record(run, out_dir)
+    out = rank_record(runs, out_dir)
     return {**out, "model": world.ddp, "groups": world.groups, "state": run.state,
             "optimizer": world.optimizer, "saved": run.checkpoints.saved,
             "loaded": run.checkpoints.loaded}

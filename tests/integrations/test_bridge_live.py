@@ -30,109 +30,19 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 if sys.version_info < (3, 12):  # the 3.11 env has no Bridge
     pytest.skip("Megatron-Bridge: Python 3.12 env", allow_module_level=True)
 
-TOL = 1e-5
-END = 7  # train_iters
-SCHEDULE = ["scheduler.lr_warmup_iters=1", "scheduler.lr_decay_style=cosine",
-            f"scheduler.lr_decay_iters={END}", "optimizer.lr=0.01", "optimizer.min_lr=0.001",
-            f"train.train_iters={END}", "validation.eval_interval=2", "validation.eval_iters=1",
-            "dataset.data_sharding=false"]
+from tests.helpers.bridge_live_jobs import JOB_TIMEOUT_S, LIVE, bridge_job
+
 CLUSTER = ["cluster.num_gpus=4", "cluster.domain_size=2", "cluster.gpus_per_node=4",
            "failures.failed_gpus=[3]", "nutp.replicas=null", "model.tensor_model_parallel_size=2"]
-FAULTS = "kill:3:3:vote:1,kill:1:5:optimizer:2"
-JOB_TIMEOUT_S = 480
-
-
-def _rel(a: float, b: float) -> float:
-    return abs(a - b) / max(abs(b), 1e-30)
-
-
-def _live_job(tmp_path: Path, overrides: list[str], faults: str, *, grow: bool
-              ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], Path]:
-    """One supervised ``nutp-bridge`` live job (``grow``: GPU 3 reported back as it starts)
-    and the uninterrupted run of the same recipe (one process) beside it: (the job's metrics
-    rows, after checking every step and validation loss against the uninterrupted run's;
-    its recovery events; its output dir)."""
-    from nemo_nutp.common.procs import kill_session
-    from tests.helpers.bridge_jobs import PARITY, RECIPE, TINY, run_worker
-    from tests.helpers.dist import spawn
-    from tests.helpers.live import metric_rows, read_events
-
-    out, ckpt, ref_dir = tmp_path / "run", tmp_path / "ckpt", tmp_path / "ref"
-    ref_dir.mkdir()
-    log = tmp_path / "run.log"
-    cmd = [sys.executable, "-m", "nemo_nutp.launch.bridge_cli", "--recipe", RECIPE,
-           "--config-file", str(TINY), "--output-dir", str(out), *PARITY, *SCHEDULE,
-           *overrides, "recovery.enabled=true", "recovery.mode=live", f"checkpoint.save={ckpt}",
-           "checkpoint.save_interval=1000"]
-    env = {**os.environ, "NUTP_LIVE_FAULT": faults, "NUTP_LIVE_DIGEST": "1"}
-    with log.open("w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True, env=env)
-    try:
-        if grow:
-            _report_back(out, proc, log)
-        # the uninterrupted run (one process, megatron's own optimizer) beside the live job
-        spawn(run_worker, 1, ([*SCHEDULE, "model.tensor_model_parallel_size=1",
-                               "nutp.replicas=[1]"],), ref_dir)
-        rc = proc.wait(timeout=JOB_TIMEOUT_S)
-    finally:
-        kill_session(proc.pid)
-        proc.wait()
-    text = log.read_text()
-    assert rc == 0, text[-6000:]
-    want = json.loads((ref_dir / "run_result.json").read_text())
-    assert len({row["lr"] for row in want}) == END  # a schedule that moves every step
-    rows = metric_rows(out)  # every step, no gap
-    assert len(rows) == END
-    for r, w in zip(rows, want, strict=True):
-        assert _rel(r["lr"], w["lr"]) <= 1e-12, (r, w)
-        assert _rel(r["loss"], w["loss"]) <= TOL, (r, w)
-        assert _rel(r["grad_norm"], w["grad_norm"]) <= TOL, (r, w)
-    ref_evals = json.loads((ref_dir / "bridge_rank0.json").read_text())["evals"]
-    assert [e["step"] for e in ref_evals] == list(range(2, END + 1, 2)), ref_evals
-    got_evals = {r["step"] + 1: r["val_loss"] for r in rows if "val_loss" in r}
-    assert sorted(got_evals) == [e["step"] for e in ref_evals], got_evals
-    for e in ref_evals:
-        assert _rel(got_evals[e["step"]], e["val_loss"]) <= TOL, (got_evals, e)
-    ev = read_events(out)
-    names = [e["event"] for e in ev]
-    assert "resumed" not in names and "failure" not in names and "live_fallback" not in names
-    assert names.count("start") == 1, "a live re-layout restarted"
-    lives = [e for e in ev if e["event"] == "live_relayout"]
-    for e in lives:  # nothing lost, nothing read back
-        assert e["lost_steps"] == 0 and e["recomputed_steps"] <= 1, e
-        assert e["resume_step"] == e["committed_step"] + 1, e
-        assert e["checkpoint_bytes_read"] == 0, e
-    assert not list(ckpt.glob("iter_*")) or all(  # no save before the end: nothing to read
-        int(p.name[5:]) == END for p in ckpt.glob("iter_*"))
-    assert (out / "goodput.json").is_file() and (out / "training.png").is_file()
-    return rows, ev, out
-
-
-def _report_back(out: Path, proc: subprocess.Popen[str], log: Path) -> None:
-    """Once the first world is up (its ranks still building): GPU 3 is healthy again."""
-    events = out / "recovery" / "events.jsonl"
-    deadline = time.monotonic() + JOB_TIMEOUT_S
-    while "live_world" not in (events.read_text() if events.exists() else ""):
-        assert proc.poll() is None, log.read_text()[-6000:]
-        assert time.monotonic() < deadline, "no world within the job timeout"
-        time.sleep(0.05)
-    health = out / "recovery" / "health.json"
-    assert json.loads(health.read_text())["failed_gpus"] == [3]
-    tmp = health.with_suffix(".test-tmp")
-    tmp.write_text(json.dumps({"failed_gpus": []}))
-    os.replace(tmp, health)
+LIVE_ENV = {"NUTP_LIVE_FAULT": "kill:3:3:vote:1,kill:1:5:optimizer:2", "NUTP_LIVE_DIGEST": "1"}
 
 
 @pytest.mark.timeout(JOB_TIMEOUT_S + 240)
@@ -140,7 +50,7 @@ def test_grow_and_two_kills_live_inside_bridge_equal_the_uninterrupted_run(tmp_p
                                                                             ) -> None:
     from tests.helpers.live import replica_digests
 
-    rows, ev, out = _live_job(tmp_path, CLUSTER, FAULTS, grow=True)
+    rows, ev, out = bridge_job(tmp_path, [*CLUSTER, *LIVE], LIVE_ENV, grow=True)
     grow, vote, opt = lives = [e for e in ev if e["event"] == "live_relayout"]
     k = grow["resume_step"]
     assert (grow["cause"], grow["joiners"], grow["replica_tp"]) == ("gpu_back", [3], [[2], [2]])
@@ -178,8 +88,8 @@ def test_pipeline_and_distributed_optimizer_live_with_redundancy(tmp_path: Path)
             "failures.failed_gpus=[7]", "nutp.replicas=null",
             "model.tensor_model_parallel_size=2", "model.pipeline_model_parallel_size=2",
             "optimizer.use_distributed_optimizer=true", "recovery.live_redundancy=true"]
-    rows, ev, _ = _live_job(tmp_path, over, "kill:1:2:gather:0,kill:4:4:backward:1",
-                            grow=False)
+    faults = "kill:1:2:gather:0,kill:4:4:backward:1"
+    rows, ev, _ = bridge_job(tmp_path, [*over, *LIVE], {**LIVE_ENV, "NUTP_LIVE_FAULT": faults})
     gather, back = [e for e in ev if e["event"] == "live_relayout"]
     assert rows[0]["replica_tp"] == [[2, 2], [2, 1]], rows[0]
     assert (gather["committed_step"], gather["recomputed_steps"]) == (2, 0), gather

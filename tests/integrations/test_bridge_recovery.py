@@ -152,12 +152,14 @@ def test_recovery_keys_are_nutp_keys_and_what_is_not_read_is_refused(
         with pytest.raises(ValueError) as e:
             recovery_keys(cfg, rec)
         assert str(e.value).startswith(field + ":") and "\n" not in str(e.value), e.value
-    # nutp-train's loop's own keys (rebalancing, stragglers): not read by Bridge's train()
-    with pytest.raises(ValueError, match=r"^nutp\.rebalance=True: not read by nutp-bridge"):
-        load(["nutp.rebalance=true", "model.tensor_model_parallel_size=2"])
-    check_nutp_unused(NutpConfig())
-    with pytest.raises(ValueError, match=r"^nutp\.straggler_probe_interval=2: not read"):
-        check_nutp_unused(NutpConfig(straggler_probe_interval=2))
+    # straggler exclusion under Bridge: by a live re-layout only
+    with pytest.raises(ValueError, match=r"^nutp\.exclude_stragglers=True: nutp-bridge "):
+        load(["nutp.exclude_stragglers=true", "nutp.straggler_probe_interval=1",
+              "model.tensor_model_parallel_size=2"])
+    check_nutp_unused(NutpConfig(), RecoveryConfig())
+    check_nutp_unused(NutpConfig(exclude_stragglers=True),
+                      RecoveryConfig(enabled=True, mode="live"))
+    assert load(["nutp.rebalance=true", "model.tensor_model_parallel_size=2"]).nutp.nutp.rebalance
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "3")
     assert main(["--recipe", RECIPE, "--config-file", str(TINY), "recovery.enabled=true",
