@@ -27,7 +27,14 @@ dropped by function identity; vision-language and diffusion recipes excluded by 
   (on ``configs/cluster/dgx_h100.yaml``, H100 nodes, as many GPUs as the recipe's name says,
   at least one node),
   then ``RUNTIME_PENDING`` (what the NeMo-path issue #33 has not built under NUTP's Bridge path
-  yet); ``refused`` with ``as_shipped_field`` naming the setting.
+  yet); ``refused`` with ``as_shipped_field`` naming the setting. ``--train``: each recipe
+  accepted as shipped also trains 3 steps in the same world with its own switches
+  (``SHIPPED_RUNTIME``: the shrunk model, a CPU layout, the CPU substitutions; its mixed
+  precision by name, distributed optimizer, sequence parallelism, recompute, schedule kind and
+  evaluation kept) -> ``as_shipped: trains`` when every loss and grad norm is finite and the
+  replicas end bitwise equal (correctness of each runtime switch is the Bridge tests'
+  business: bf16, the distributed optimizer, evaluation, pipeline stages against Bridge's
+  stock runs), else ``mismatch``, or ``error`` with the one-line reason.
 
 HF configs: recipes that read one (``AutoBridge.from_hf_pretrained``) get the committed stand-in
 under ``configs/hf/hub`` (a Hugging Face cache layout, ``HF_HUB_OFFLINE=1``; see its README);
@@ -43,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import sys
@@ -180,6 +188,37 @@ cross entropy's kernel ``te`` substituted by megatron's ``native`` one and the f
 fusion needs Transformer Engine, which Bridge's ``validate()`` asserts); deterministic mode
 off (it asserts NCCL settings; CPU fp32 runs are deterministic) and the precision-aware
 optimizer off (it needs the distributed optimizer, which the parity runs turn off)."""
+
+
+SHIPPED_RUNTIME = ["model.tensor_model_parallel_size=2", "model.pipeline_model_parallel_size=1",
+                   "model.virtual_pipeline_model_parallel_size=null",
+                   "model.context_parallel_size=1", "model.cross_entropy_fusion_impl=native",
+                   "comm_overlap=null", "model.apply_rope_fusion=false",
+                   "model.gradient_accumulation_fusion=false",
+                   "model.bias_activation_fusion=false", "model.masked_softmax_fusion=false",
+                   "model.bias_dropout_fusion=false", "model.persist_layer_norm=false",
+                   "model.deterministic_mode=false", "checkpoint.load=null",
+                   "checkpoint.save=null", "logger.tensorboard_dir=null",
+                   "tokenizer.use_tokenizer_vocab_size=false",
+                   "tokenizer.tokenizer_type=NullTokenizer", "tokenizer.tokenizer_model=null",
+                   "tokenizer.vocab_size=256", "dataset.num_workers=0", "dataset.seq_length=32",
+                   "train.train_iters=3", "train.global_batch_size=6", "train.micro_batch_size=1",
+                   "scheduler.lr_warmup_iters=1", "scheduler.lr_decay_iters=3",
+                   "validation.eval_interval=2", "validation.eval_iters=1",
+                   f"nutp.replicas={json.dumps(LAYOUT)}"]
+"""The as-shipped training run around the shrunk model (issue #33's "shrinking for CPU"): the
+layout replaced by a CPU one (TP2 beside TP1, no PP / VPP / CP), 3 steps of 6 micro-batches
+with the schedule's warmup and decay cut to them and an evaluation every 2 steps, Bridge's
+NullTokenizer and mock data, and the CPU substitutions (the fused cross entropy's kernel
+``native`` for ``te``, the fusions and TP comm overlap off, deterministic mode off). Every
+other switch is the recipe's own: its mixed precision by name, its distributed optimizer, its
+sequence parallelism and recompute, its optimizer, clipping, weight decay and decay style."""
+
+
+def shipped_overrides(spec: str) -> list[str]:
+    from nemo_nutp.integrations.bridge_config import load_recipe
+
+    return [*shrink(load_recipe(spec).model), *SHIPPED_RUNTIME]
 
 
 def model_overrides(spec: str) -> list[str]:
@@ -347,10 +386,26 @@ def train_half(rows: list[dict[str, Any]], jobs: dict[str, Any], tmp: Path) -> N
         cases.append(type(case)(**{**case.__dict__, "name": r["name"]}))
         runs.append((r["name"], r["spec"], r["overrides"]))
     run_references(cases, tmp)
+    shipped = [r for r in todo if r["as_shipped"] == "accepted"]
+    for r in shipped:  # the same world, after the model runs
+        runs.append((f"shipped_{r['name']}", r["spec"], shipped_overrides(r["spec"])))
     try:
         spawn(recipe_worker, sum(LAYOUT), (runs,), tmp)
     except Exception as e:  # the rows not written below are errors
         print(f"train world failed: {type(e).__name__}: {e}")
+    for r in shipped:
+        path = tmp / f"nutp_shipped_{r['name']}.pt"
+        if not path.exists():
+            err = path.with_suffix(".err")
+            why = " ".join(err.read_text().split())[:300] if err.exists() else \
+                "train world failed before it"
+            r.update(as_shipped="error", as_shipped_reason=why)
+            continue
+        got = torch.load(path)
+        values = [v for st in got["steps"] for v in (st["loss"], st["grad_norm"])]
+        finite = all(math.isfinite(v) for v in values)
+        r["as_shipped_steps"] = got["steps"]
+        r["as_shipped"] = "trains" if finite and got["equal"] else "mismatch"
     for r in todo:
         path = tmp / f"nutp_{r['name']}.pt"
         if not path.exists():

@@ -267,9 +267,15 @@ def recipe_worker(rank: int, world: int, port: int, runs: list[tuple[str, str, l
 
         offline_hf()
         for name, spec, overrides in runs:
-            job = load_bridge_job(spec, None, overrides)
-            plan = build_plan(plan_request(job.nutp))
-            got = train_rank(job, plan, outdir, seed=job.nutp.train.seed)
+            try:  # (a failure every rank sees alike: recorded, the next recipe runs)
+                job = load_bridge_job(spec, None, overrides)
+                plan = build_plan(plan_request(job.nutp))
+                got = train_rank(job, plan, outdir, seed=job.nutp.train.seed)
+            except Exception as e:
+                if rank == 0:
+                    Path(outdir, f"nutp_{name}.err").write_text(f"{type(e).__name__}: {e}")
+                dist.barrier()
+                continue
             reps = _gather_replicas(SimpleNamespace(groups=got["groups"], model=got["model"],
                                                     plan=plan))
             if rank == 0:
