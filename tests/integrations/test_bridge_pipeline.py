@@ -162,3 +162,15 @@ def test_bridge_virtual_stages_match_bridge_stock_run(tmp_path: Path) -> None:
     stock, stock_evals, ranks = _stock_then_nutp(
         FP32, tmp_path, nutp_only=("model.virtual_pipeline_model_parallel_size=2",))
     _check(stock, stock_evals, ranks, TOL)
+
+
+@pytest.mark.bench
+@pytest.mark.skipif(os.environ.get("NUTP_BENCH") != "1",
+                    reason="bench tier (about 3 min on 2 cores): make bench, or NUTP_BENCH=1")
+@pytest.mark.timeout(1500)
+def test_bridge_virtual_stages_bf16_match_bridge_stock_run(tmp_path: Path) -> None:
+    """The same with the recipe's own ``bf16_mixed``: within the pipeline bf16 case's
+    tolerance."""
+    stock, stock_evals, ranks = _stock_then_nutp(
+        [], tmp_path, nutp_only=("model.virtual_pipeline_model_parallel_size=2",))
+    _check(stock, stock_evals, ranks, BF16_TOL)
