@@ -157,7 +157,7 @@ def test_recovery_keys_are_nutp_keys_and_what_is_not_read_is_refused(
         load(["nutp.exclude_stragglers=true", "nutp.straggler_probe_interval=1",
               "model.tensor_model_parallel_size=2"])
     check_nutp_unused(NutpConfig(), RecoveryConfig())
-    check_nutp_unused(NutpConfig(exclude_stragglers=True),
+    check_nutp_unused(NutpConfig(exclude_stragglers=True, straggler_probe_interval=1),
                       RecoveryConfig(enabled=True, mode="live"))
     assert load(["nutp.rebalance=true", "model.tensor_model_parallel_size=2"]).nutp.nutp.rebalance
     monkeypatch.setenv("RANK", "0")
