@@ -145,6 +145,7 @@ def save_checkpoint(session: RankSession, root: str | Path, *, step: int,
     if isinstance(made, str):
         raise CheckpointError(made)
     tmp = Path(made)
+    _settle(session.optimizer, "checkpoint")  # a step's deferred parameter gather
     model = _model_state(session)
     state: dict[str, Any] = {"model": model,
                              "optimizer": session.optimizer.sharded_state_dict(model)}
@@ -376,6 +377,7 @@ def _load(session: RankSession, path: Path, marker: dict[str, Any] | None, *,
           load_optimizer: bool) -> dict[str, Any]:
     from megatron.core import dist_checkpointing
 
+    _settle(session.optimizer, "load", publish=False)  # the parameters are about to be loaded
     model = _model_state(session)
     # Extra state is not read back (model/te_names.py: local <-> TE checkpoints interchange).
     state: dict[str, Any] = {"model": {k: v for k, v in model.items() if read_back_on_load(k)}}
@@ -416,6 +418,15 @@ def _load(session: RankSession, path: Path, marker: dict[str, Any] | None, *,
         session.counted_through = step - 1
     return {"step": step, "saved_step": step, "extra": train["extra"] if train else {},
             "marker": marker, "rng": rng, "optimizer": load_optimizer}
+
+
+def _settle(optimizer: Any, where: str, *, publish: bool = True) -> None:
+    """NUTP's distributed optimizer with ``overlap_param_gather``: complete the parameter
+    all-gathers its last step launched before the parameters are read or overwritten
+    (``sync/zero.py``, ``settle``; collective). Other optimizers: nothing."""
+    settle = getattr(optimizer, "settle", None)
+    if settle is not None:
+        settle(where, publish=publish)
 
 
 def _refresh_master_weights(optimizer: Any) -> None:

@@ -98,6 +98,7 @@ HONOURED: dict[str, str] = {  # the test that proves the effect
     "dataset.split_matrix": BRIDGE_UNIFORM,
     "dataset.tokenizer": BRIDGE_UNIFORM,
     "ddp.grad_reduce_in_fp32": PARITY,
+    "ddp.overlap_param_gather": ZERO,
     "ddp.use_distributed_optimizer": ZERO,
     "mixed_precision": BF16_BY_NAME,
     "mixed_precision.bf16": PARITY,
@@ -655,8 +656,6 @@ SUBSTITUTED: dict[str, tuple[Any, str]] = {
     "comm_overlap.tp_comm_overlap": (False, f"no TP communication overlap ({SCHEDULING})"),
     "comm_overlap.tp_comm_overlap_cfg": (None, f"no TP communication overlap ({SCHEDULING})"),
     "ddp.average_in_collective": (False, f"NUTP's weighted reduction divides ({ROUNDING})"),
-    "ddp.overlap_param_gather": (False, "the distributed optimizer gathers the parameters at "
-                                 f"the end of its step, not in the next forward ({SCHEDULING})"),
     "dist.disable_jit_fuser": (False, f"torch's jit fuser as it is ({KERNELS})"),
     "model.apply_rope_fusion": (False, f"RoPE unfused ({ROUNDING})"),
     "model.attention_backend": ("auto", f"the NUTP model's core attention ({KERNELS})"),

@@ -365,7 +365,7 @@ def build_world(job: Any, plan: Any, *, seed: int) -> BridgeWorld:
     from ..parallel import build_groups
     from .bridge import exact_grad_norm, nutp_ddp, nutp_provider
     from .bridge_pipeline import PipelineFinish, chunk_views
-    from .bridge_zero import setup_zero_optimizer, wants_zero
+    from .bridge_zero import overlap_param_gather, setup_zero_optimizer, wants_zero
 
     apply_bridge_cpu_patches()
     cfg = job.bridge
@@ -380,10 +380,12 @@ def build_world(job: Any, plan: Any, *, seed: int) -> BridgeWorld:
     tensor_parallel.model_parallel_cuda_manual_seed(seed, tp_rank=ctx.tp_rank, ep_rank=0,
                                                     etp_rank=0)
     zero = wants_zero(cfg)
+    overlap = False
     if zero:  # NUTP's ZeRO-1 over the usual NUTP DDP, never megatron's buffers (bridge_zero)
         cfg.ddp.use_distributed_optimizer = False
-        # ddp.overlap_param_gather: gathered at the end of step() (bridge_fields.SUBSTITUTED);
-        # off, so that Bridge's loop does not toggle megatron's forward pre-hooks
+        overlap = overlap_param_gather(cfg, job.nutp.recovery)
+        # NUTP's own forward pre-hooks complete the gather (bridge_zero): off on the config,
+        # so that Bridge's loop does not toggle megatron's
         cfg.ddp.overlap_param_gather = cfg.optimizer.overlap_param_gather = False
     provider = nutp_provider(cfg.model, plan, groups, seed=seed)
     chunks = provider.provide_distributed_model(
@@ -394,7 +396,7 @@ def build_world(job: Any, plan: Any, *, seed: int) -> BridgeWorld:
     model = chunk_views(ddp) if plan.vp > 1 else [ddp]
     if zero:
         optimizer, scheduler = setup_zero_optimizer(
-            cfg, [ddp], redundancy=job.nutp.recovery.live_redundancy)
+            cfg, [ddp], redundancy=job.nutp.recovery.live_redundancy, overlap=overlap)
     else:
         optimizer, scheduler = setup_optimizer(
             optimizer_config=cfg.optimizer, scheduler_config=cfg.scheduler, model=[ddp],
@@ -604,6 +606,9 @@ def train_world(run: BridgeRun) -> None:
         bridge_train.train(run.forward, w.model, w.optimizer, w.scheduler, run.data, run.valid,
                            run.state, run.checkpoints, w.groups.pgs,
                            callback_manager=run.callbacks)
+    settle = getattr(w.optimizer, "settle", None)
+    if settle is not None:  # the last step's deferred parameter gather (bridge_zero)
+        settle("end")
 
 
 def owed_evaluation(run: BridgeRun) -> None:

@@ -18,10 +18,17 @@ grad norm of the NUTP sync, clipping of the slices with megatron's
 parameter all-gather (``step_with_ready_grads``). ``num_zeros`` is None
 (``optimizer.log_num_zeros_in_grad`` shows nothing under the distributed optimizer).
 
-``ddp.overlap_param_gather`` (Bridge's recipes' default with the distributed optimizer): the
-parameters are all-gathered at the end of ``step()``, not during the next forward — the same
-math, other scheduling (``bridge_fields.SUBSTITUTED``; ``bridge_run`` turns it off on the
-config so that Bridge's loop does not toggle megatron's forward pre-hooks).
+``ddp.overlap_param_gather`` (Bridge's recipes' default with the distributed optimizer) is
+honoured: ``step()`` updates the slices, launches the parameter all-gathers (the first staging
+window of buckets) and returns; NUTP's forward pre-hooks on every module with parameters
+complete them at the first forward that follows (``ZeroOptimizer.settle``: the rest of the
+buckets, then the return path to the TP holders), and so do a checkpoint save or load and the
+end of ``train()``. The gathers overlap what Bridge does between two steps (logging, callbacks,
+the next batch); megatron's hooks go further, bucket by bucket through the forward, which
+NUTP's one return exchange per step does not allow. ``bridge_run`` turns the field off on the
+config so that Bridge's loop does not toggle megatron's forward pre-hooks (the NUTP hooks are
+always on). Under ``recovery.mode=live`` the gather completes within ``step()`` (substituted,
+with a notice): the vote's boundary needs the parameters settled before the next step.
 """
 
 from __future__ import annotations
@@ -46,15 +53,17 @@ class BridgeZeroOptimizer(ZeroOptimizer):
 
     is_stub_optimizer = False
 
-    def __init__(self, model: Any, config: Any, *, redundancy: bool = False) -> None:
-        super().__init__(model, config, redundancy=redundancy)
+    def __init__(self, model: Any, config: Any, *, redundancy: bool = False,
+                 overlap_param_gather: bool = False) -> None:
+        super().__init__(model, config, redundancy=redundancy,
+                         overlap_param_gather=overlap_param_gather)
         self.clip_grad = float(config.clip_grad or 0.0)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss  # fp32 / bf16: no loss scale (fp16 is refused)
 
     def prepare_model_params_for_param_sync(self) -> None:
-        return None  # the parameters are gathered in step()
+        return None  # gathered in step() or by NUTP's forward pre-hooks (module docstring)
 
     def grad_norm(self) -> float:
         """The exact single-process grad norm of this step (after ``prepare_grads``)."""
@@ -73,17 +82,34 @@ class BridgeZeroOptimizer(ZeroOptimizer):
         return True, norm, None
 
 
-def setup_zero_optimizer(cfg: Any, model: list[Any], *, redundancy: bool = False
-                         ) -> tuple[BridgeZeroOptimizer, Any]:
+def overlap_param_gather(cfg: Any, recovery: Any) -> bool:
+    """``ddp.overlap_param_gather`` as NUTP's ZeRO runs it: honoured, except under
+    ``recovery.mode=live`` (module docstring), where a notice says so."""
+    if not cfg.ddp.overlap_param_gather:
+        return False
+    if recovery.enabled and recovery.mode == "live":
+        from torch import distributed as dist
+
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print("nutp-bridge: ddp.overlap_param_gather=true: the parameters are gathered "
+                  "within the optimizer step under recovery.mode=live (the vote's step "
+                  "boundary needs them settled)", flush=True)
+        return False
+    return True
+
+
+def setup_zero_optimizer(cfg: Any, model: list[Any], *, redundancy: bool = False,
+                         overlap: bool = False) -> tuple[BridgeZeroOptimizer, Any]:
     """(NUTP's ZeRO-1 over the NUTP DDP ``model[0]``, Bridge's scheduler bound to it), what
     Bridge's ``setup_optimizer`` returns for a megatron optimizer. Only one model chunk
     (virtual stages: the one NUTP DDP over all chunks). ``redundancy``:
     ``recovery.live_redundancy`` (a copy of each slice on the next replica, for live
-    re-layouts)."""
+    re-layouts); ``overlap``: ``ddp.overlap_param_gather`` (``overlap_param_gather``)."""
     from megatron.bridge.training.optim import _get_scheduler
 
     if len(model) != 1:
         raise ValueError("optimizer.use_distributed_optimizer=True: one model chunk only "
                          "under NUTP (the one NUTP DDP over every chunk)")
-    optimizer = BridgeZeroOptimizer(model[0], cfg.optimizer, redundancy=redundancy)
+    optimizer = BridgeZeroOptimizer(model[0], cfg.optimizer, redundancy=redundancy,
+                                    overlap_param_gather=overlap)
     return optimizer, _get_scheduler(cfg.optimizer, cfg.scheduler, optimizer)

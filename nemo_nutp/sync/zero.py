@@ -127,8 +127,8 @@ class ZeroOptimizer:
 
     nutp_zero = True
 
-    def __init__(self, model: Any, config: OptimizerConfig, *, redundancy: bool = False
-                 ) -> None:
+    def __init__(self, model: Any, config: OptimizerConfig, *, redundancy: bool = False,
+                 overlap_param_gather: bool = False) -> None:
         engine: GradSyncEngine | None = getattr(model, "nutp_engine", None)
         if engine is None:
             raise ValueError("train.distributed_optimizer=true needs the NUTP DDP "
@@ -172,6 +172,16 @@ class ZeroOptimizer:
         self.before_publish: Callable[[], None] | None = None  # after the update, before the
         # parameters are gathered (live fault injection's ``gather`` phase)
         self._ready: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+        # overlap_param_gather: the step launches its parameter all-gathers and returns; they
+        # complete (``settle``) at the first forward pre-hook of any module with parameters,
+        # or before anything else reads the parameters. ``settled``: where they completed.
+        self.overlap_param_gather = overlap_param_gather
+        self._inflight: Iterator[tuple[int, torch.Tensor]] | None = None
+        self.settled: dict[str, int] = {}
+        self._hooks = [m.register_forward_pre_hook(self._pre_forward)
+                       for m in model.module.modules()
+                       if next(m.parameters(recurse=False), None) is not None
+                       ] if overlap_param_gather else []
         # Pipeline stages with tied embeddings: the finalizer (pipeline/finalize.py) adds the
         # other stage's embedding gradient into main_grad after the sync, so the gradients are
         # taken from main_grad (holders -> owners, as the parameters) instead of the buckets.
@@ -251,6 +261,29 @@ class ZeroOptimizer:
             m.grad = None
 
     @torch.no_grad()
+    def _pre_forward(self, module: Any, args: Any) -> None:
+        del module, args
+        if self._inflight is not None:
+            self.settle("forward")
+
+    @torch.no_grad()
+    def settle(self, where: str = "read", *, publish: bool = True) -> None:
+        """Complete the parameter all-gathers a step launched (``overlap_param_gather``): wait
+        for them bucket by bucket and reshard the parameters to their holders (``publish=False``:
+        wait only, the parameters were just loaded from elsewhere). Collective over the stage's
+        sync groups; a no-op when none is in flight."""
+        if self._inflight is None:
+            return
+        gathered, self._inflight = self._inflight, None
+        if publish:
+            self._publish(gathered)
+        else:
+            for _ in gathered:
+                pass
+            if not self.keep_masters:
+                self._free_masters()
+        self.settled[where] = self.settled.get(where, 0) + 1
+
     def before_vote(self) -> None:
         """Every collective the update needs, done before the live vote (``session.step``),
         so that after it a rank completes the step from data it holds (``health/commit.py``):
@@ -259,6 +292,7 @@ class ZeroOptimizer:
         predecessor's reduced chunk of every bucket (one ring exchange). Idempotent per step."""
         if self._ready is not None:
             return
+        self.settle()  # (a step with no forward since the last one)
         if not self.keep_masters:
             self._load_masters()
         eng = self.engine
@@ -305,6 +339,9 @@ class ZeroOptimizer:
             return True
         if self.before_publish is not None:
             self.before_publish()  # slices updated, parameters not yet gathered
+        if self.overlap_param_gather:  # launched now, completed by ``settle``
+            self._inflight = self._gathered(self.masters, self.param_dtype)
+            return True
         self.publish_params()
         return True
 
@@ -313,8 +350,11 @@ class ZeroOptimizer:
         """The parameters from the masters: all-gather per bucket (in the parameter dtype),
         reshard to holders; collective. Bucket by bucket within the engine's staging window:
         never a full param-dtype copy of all buckets at once."""
-        self.mover.from_gathered(self._gathered(self.masters, self.param_dtype),
-                                 [p.data for p in self.params])
+        self.settle()
+        self._publish(self._gathered(self.masters, self.param_dtype))
+
+    def _publish(self, gathered: Iterator[tuple[int, torch.Tensor]]) -> None:
+        self.mover.from_gathered(gathered, [p.data for p in self.params])
         if not self.keep_masters:
             self._free_masters()
 
@@ -401,36 +441,10 @@ class ZeroOptimizer:
 
     def _gathered(self, flats: Sequence[torch.Tensor], dtype: torch.dtype
                   ) -> Iterator[tuple[int, torch.Tensor]]:
-        """``_gather`` with at most the engine's staging window (``staging_bytes``, or one
-        bucket) of all-gathers in flight: yields (bucket index, buffer) in bucket order, each
-        once gathered; the oldest is waited for before the next would exceed the window.
-        Only launched all-gathers are waited for, launched in the one canonical bucket order,
-        so members never wait on each other in a cycle."""
-        per_bucket: list[list[_Segment]] = [[] for _ in self.slices]
-        for s in self.segments:
-            per_bucket[s.bucket].append(s)
-        pending: deque[tuple[int, torch.Tensor, Any]] = deque()
-        live = 0
-        window = self.engine.staging_bytes
-        for i, (segs, sl) in enumerate(zip(per_bucket, self.slices, strict=True)):
-            size = sl.chunk * sl.size * dtype.itemsize
-            while pending and live + size > window:
-                j, out, work = pending.popleft()
-                work.wait()
-                live -= out.numel() * out.element_size()
-                yield j, out[:self.engine.buckets[j].spec.numel]
-            mine = torch.zeros(sl.chunk, dtype=dtype, device=self._dev())
-            for s in segs:
-                mine[s.a - sl.start:s.z - sl.start].copy_(flats[s.group][s.offset:
-                                                                          s.offset + s.z - s.a])
-            out = torch.empty(sl.chunk * sl.size, dtype=dtype, device=self._dev())
-            pending.append((i, out, dist.all_gather_into_tensor(out, mine, group=sl.group,
-                                                                async_op=True)))
-            live += size
-        while pending:
-            j, out, work = pending.popleft()
-            work.wait()
-            yield j, out[:self.engine.buckets[j].spec.numel]
+        """Every bucket assembled from its members' slices, within the engine's staging window
+        (``_Gather``): the first window's all-gathers are launched now; iterating yields
+        (bucket index, buffer) in bucket order."""
+        return iter(_Gather(self, flats, dtype))
 
     def _take(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor],
                                                           list[torch.Tensor]]:
@@ -446,6 +460,7 @@ class ZeroOptimizer:
         """Masters from the model's current parameters (after a weights-only load; fp32 models
         take them at every step anyway); collective."""
         del state_dict
+        self.settle("load", publish=False)
         if self.keep_masters:
             self._load_masters()
 
@@ -489,6 +504,7 @@ class ZeroOptimizer:
         )
 
         del metadata
+        self.settle("checkpoint")
         index = {id(p): i for i, p in enumerate(self.in_order)}
         full = {}
         for key in self._state_keys():
@@ -537,6 +553,7 @@ class ZeroOptimizer:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load what ``sharded_state_dict(..., is_loading=True)`` returned, filled; the model's
         parameters must already be loaded (fp32 masters are taken from them). Collective."""
+        self.settle("load", publish=False)
         opt = state_dict["optimizer"] if self.config.bf16 else state_dict
         step = opt["state"].pop("common_step", None)
         index = {id(p): i for i, p in enumerate(self.in_order)}
@@ -555,6 +572,53 @@ class ZeroOptimizer:
                 m.data.copy_(flat)
         else:
             self.reload_model_params()
+
+
+class _Gather:
+    """The parameter all-gathers of one step, at most the engine's staging window
+    (``staging_bytes``, or one bucket) in flight: the first window is launched at construction;
+    iterating waits for the oldest, launches what then fits, and yields (bucket index, buffer)
+    in bucket order, each once gathered. Only launched all-gathers are waited for, launched in
+    the one canonical bucket order, so members never wait on each other in a cycle. The slices
+    are copied out of ``flats`` at each launch: they must not change until the iteration ends."""
+
+    def __init__(self, opt: ZeroOptimizer, flats: Sequence[torch.Tensor], dtype: torch.dtype
+                 ) -> None:
+        self.opt, self.flats, self.dtype = opt, flats, dtype
+        self.per_bucket: list[list[_Segment]] = [[] for _ in opt.slices]
+        for s in opt.segments:
+            self.per_bucket[s.bucket].append(s)
+        self.pending: deque[tuple[int, torch.Tensor, Any]] = deque()
+        self.live = 0
+        self.next = 0
+        self._launch()
+
+    def _size(self, i: int) -> int:
+        sl = self.opt.slices[i]
+        return sl.chunk * sl.size * self.dtype.itemsize
+
+    def _launch(self) -> None:
+        opt, window = self.opt, self.opt.engine.staging_bytes
+        while self.next < len(opt.slices) and (
+                not self.pending or self.live + self._size(self.next) <= window):
+            i, sl = self.next, opt.slices[self.next]
+            mine = torch.zeros(sl.chunk, dtype=self.dtype, device=opt._dev())
+            for s in self.per_bucket[i]:
+                mine[s.a - sl.start:s.z - sl.start].copy_(
+                    self.flats[s.group][s.offset:s.offset + s.z - s.a])
+            out = torch.empty(sl.chunk * sl.size, dtype=self.dtype, device=opt._dev())
+            self.pending.append((i, out, dist.all_gather_into_tensor(
+                out, mine, group=sl.group, async_op=True)))
+            self.live += self._size(i)
+            self.next += 1
+
+    def __iter__(self) -> Iterator[tuple[int, torch.Tensor]]:
+        while self.pending:
+            j, out, work = self.pending.popleft()
+            work.wait()
+            self.live -= self._size(j)
+            self._launch()
+            yield j, out[:self.opt.engine.buckets[j].spec.numel]
 
 
 def ring_ops(slices: Sequence[_Slice], outs: Sequence[torch.Tensor],

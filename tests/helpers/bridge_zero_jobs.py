@@ -48,7 +48,9 @@ def zero_worker(rank: int, world: int, port: int, overrides: list[str], outdir: 
                 "state_numel": sum(int(t.numel()) for k, t in before.items()
                                    if k.startswith("exp_avg_sq")),
                 "group_wd": sorted({float(g["weight_decay"]) for g in opt.param_groups}),
-                "group_lr": sorted({float(g["lr"]) for g in opt.param_groups})}
+                "group_lr": sorted({float(g["lr"]) for g in opt.param_groups}),
+                # ddp.overlap_param_gather: where each step's deferred gather completed
+                "overlap": opt.overlap_param_gather, "settled": dict(opt.settled)}
         # Save -> load through the NUTP store (what Bridge's loop saved): the ZeRO state
         # returns bitwise into the slices.
         for t in opt.optimizer.state.values():

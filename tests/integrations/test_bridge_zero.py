@@ -6,8 +6,10 @@ single-process megatron-core run of the same model and data within 1e-5, the fin
 are within the project's Adam tolerance, the replicas are bitwise equal, the recipe's scheduler
 drives the ZeRO groups' lr and weight decay, the optimizer state is sharded (each element kept
 once in the world, not once per replica), and the checkpoint Bridge's loop saved reloads the
-sharded state bitwise. A ZeRO checkpoint of [2,1] resumes in [1,1,1] through ``checkpoint.load``
-as the uninterrupted run continues; half precision with it is refused by name (fp32 only)."""
+sharded state bitwise; ``ddp.overlap_param_gather`` is honoured (each step's parameter
+all-gather completes in the next forward's pre-hook, or at the checkpoint save). A ZeRO
+checkpoint of [2,1] resumes in [1,1,1] through ``checkpoint.load`` as the uninterrupted run
+continues; half precision with it is refused by name (fp32 only)."""
 
 from __future__ import annotations
 
@@ -78,6 +80,11 @@ def test_bridge_distributed_optimizer_is_nutp_zero_and_matches_stock_megatron(
         # non-distributed optimizer's (one per local parameter element) ...
         assert 0 < rank["state_numel"] < 0.6 * rank["local_numel"], rank
         assert rank["reload_bitwise"], rank
+        # ddp.overlap_param_gather honoured: every step's parameter all-gather was left in
+        # flight by step() and completed by the next forward's pre-hook, the last one by
+        # the checkpoint save that followed it
+        assert rank["overlap"], rank
+        assert rank["settled"] == {"forward": len(r["steps"]) - 1, "checkpoint": 1}, rank
     # ... and the world keeps every element's state once (the non-distributed optimizer:
     # once per replica, and the TP2 replica's replicated norms/biases on both of its ranks).
     assert sum(x["state_numel"] for x in r["ranks"]) == r["global_numel"]
@@ -98,7 +105,7 @@ def test_bridge_zero_checkpoint_resumes_in_another_layout(tmp_path: Path) -> Non
     schedule = ["scheduler.lr_warmup_iters=1", "scheduler.lr_decay_style=cosine",
                 f"scheduler.lr_decay_iters={end}", "optimizer.lr=0.01", "optimizer.min_lr=0.001",
                 f"train.train_iters={end}", "optimizer.use_distributed_optimizer=true",
-                "ddp.use_distributed_optimizer=true"]
+                "ddp.use_distributed_optimizer=true", "ddp.overlap_param_gather=true"]
     root = tmp_path / "ckpt"
     first = [*schedule, "model.tensor_model_parallel_size=2", "nutp.replicas=[2,1]",
              f"checkpoint.save={root}", f"checkpoint.save_interval={s}"]
