@@ -286,10 +286,24 @@ UNBLOCK: dict[str, str | tuple[str, ...]] = {"validation.eval_interval": "valida
 override, or several)."""
 
 
+SET_ASIDE: dict[str, tuple[str, str]] = {
+    "memory": (r"needs [0-9.]+ GiB per GPU", "cluster.hardware=null"),
+    "tokenizer": (r"tokenizer.use_tokenizer_vocab_size=True: .*could not be built here",
+                  "tokenizer.use_tokenizer_vocab_size=false"),
+}
+"""Refusals that are facts of the recipe's size or of this machine, not NUTP features, as
+(pattern of the one-line refusal, override that sets it aside): ``memory``, the planner's
+memory model on the recipe's named GPU count (the message has the per-GPU breakdown; set aside
+by planning without a hardware memory figure); ``tokenizer``, an HF tokenizer whose files
+cannot be fetched offline (the training half uses Bridge's NullTokenizer anyway). Recorded in
+``as_shipped_notes``; they leave ``as_shipped`` as the rest decides."""
+
+
 def as_shipped(spec: str) -> dict[str, Any]:
     """The recipe as shipped through the same checks and the planner, then
     ``RUNTIME_PENDING``: the first setting that refuses it (``as_shipped_field``) and, setting
-    run settings aside (``UNBLOCK``), every further one (``as_shipped_all``)."""
+    run settings aside (``UNBLOCK``), every further one (``as_shipped_all``). A refusal in
+    ``SET_ASIDE`` is noted (``as_shipped_notes``) and set aside without refusing."""
     from nemo_nutp.config import plan_request
     from nemo_nutp.integrations.bridge_config import load_bridge_job
     from nemo_nutp.layout import build_plan
@@ -297,6 +311,7 @@ def as_shipped(spec: str) -> dict[str, Any]:
     offline_hf()
     gpus = re.search(r"_(\d+)gpu_", spec)  # the GPU count a recipe is named for
     found: list[str] = []
+    notes: list[str] = []
     status, reason = "accepted", ""
     extra = ["cluster=dgx_h100", f"cluster.num_gpus={max(int(gpus[1]) if gpus else 8, 8)}"]
     while True:
@@ -311,6 +326,12 @@ def as_shipped(spec: str) -> dict[str, Any]:
             st, field, msg = "refused", key, f"{key}: not run on NUTP's Bridge path yet (#33)"
         except Exception as e:
             st, field, msg = classify(e)
+        aside = next((k for k, (pat, _) in SET_ASIDE.items()
+                      if st == "refused" and re.search(pat, msg)), None)
+        if aside is not None and len(notes) < len(SET_ASIDE):
+            notes.append(f"{aside}: {msg}")
+            extra.append(SET_ASIDE[aside][1])
+            continue
         if status == "accepted":
             status, reason = st, msg
         found.append(field or msg)
@@ -319,7 +340,7 @@ def as_shipped(spec: str) -> dict[str, Any]:
         unblock = UNBLOCK[field]
         extra.extend([unblock] if isinstance(unblock, str) else unblock)
     return {"as_shipped": status, "as_shipped_field": found[0] if found else "",
-            "as_shipped_reason": reason, "as_shipped_all": found}
+            "as_shipped_reason": reason, "as_shipped_all": found, "as_shipped_notes": notes}
 
 
 def reference_batches(spec: str, overrides: list[str], path: Path) -> Path:

@@ -346,6 +346,9 @@ def bridge_keys(cfg: Any) -> list[str]:
     model = model_config_of(cfg.model, vocab_size=int(vocab))
     t = cfg.train
     zero = bool(cfg.optimizer.use_distributed_optimizer or cfg.ddp.use_distributed_optimizer)
+    if cfg.optimizer.use_precision_aware_optimizer and not zero:  # megatron's own rule
+        raise ValueError("optimizer.use_precision_aware_optimizer=True: needs the distributed "
+                         "optimizer (optimizer.use_distributed_optimizer=true)")
     if zero and precision_of(cfg) == "fp16":  # NUTP's ZeRO-1 (integrations/bridge_zero.py)
         raise ValueError("optimizer.use_distributed_optimizer=True: not with fp16 under NUTP "
                          "(its ZeRO-1 keeps no loss scaler): use bf16 or fp32, or "
@@ -356,6 +359,9 @@ def bridge_keys(cfg: Any) -> list[str]:
             f"train.clip_grad={cfg.optimizer.clip_grad}", f"train.seed={cfg.rng.seed}",
             f"train.lr={cfg.optimizer.lr}", f"train.weight_decay={weight_decay_of(cfg)}",
             f"train.precision={precision_of(cfg)}", f"train.distributed_optimizer={_value(zero)}",
+            # the gradient buffer's bytes in the planner's memory model (the NUTP DDP gets
+            # Bridge's ddp config itself)
+            f"train.grad_reduce_in_fp32={_value(bool(cfg.ddp.grad_reduce_in_fp32))}",
             f"parallel.pp={int(cfg.model.pipeline_model_parallel_size)}",
             "parallel.virtual_pipeline_model_parallel_size="
             f"{_value(cfg.model.virtual_pipeline_model_parallel_size)}",

@@ -548,13 +548,9 @@ NOT_MATH: frozenset[str] = frozenset({
     "optimizer.adaptive_muon_moment2_method",
     "optimizer.barrier_with_L1_time",
     "optimizer.config_logger_dir",
-    "optimizer.exp_avg_dtype",
-    "optimizer.exp_avg_sq_dtype",
     "optimizer.lion_beta1",
     "optimizer.lion_beta2",
     "optimizer.log_num_zeros_in_grad",
-    "optimizer.main_grads_dtype",
-    "optimizer.main_params_dtype",
     "optimizer.muon_coefficient_type",
     "optimizer.muon_extra_scale_factor",
     "optimizer.muon_fp32_matmul_prec",
@@ -693,6 +689,9 @@ SUBSTITUTED: dict[str, tuple[Any, str]] = {
     "model.use_transformer_engine_op_fuser": (False, f"no TE op fuser ({KERNELS})"),
     "optimizer.overlap_param_gather_with_optimizer_step": (
         False, f"the parameters are gathered at the end of the optimizer step ({SCHEDULING})"),
+    "optimizer.use_precision_aware_optimizer": (
+        False, f"NUTP's distributed optimizer: torch's Adam on fp32 masters and moments, the "
+        f"dtypes the recipe gives, for TE's fused Adam ({KERNELS})"),
     "rng.te_rng_tracker": (False, f"megatron's RNG tracker ({DROPOUT_RNG})"),
 }
 
@@ -991,14 +990,17 @@ REFUSED: dict[str, Any] = {  # the NUTP model's value; any other is refused
     "optimizer.apply_wd_to_qk_layernorm": False,
     "optimizer.decoupled_lr": None,
     "optimizer.decoupled_min_lr": None,
+    "optimizer.exp_avg_dtype": "torch.float32",
+    "optimizer.exp_avg_sq_dtype": "torch.float32",
     "optimizer.fp8_recipe": None,
     "optimizer.grad_norm_skip_threshold": math.inf,
+    "optimizer.main_grads_dtype": "torch.float32",
+    "optimizer.main_params_dtype": "torch.float32",
     "optimizer.optimizer": 'adam',
     "optimizer.optimizer_cpu_offload": False,
     "optimizer.optimizer_offload_fraction": 0.0,
     "optimizer.reuse_grad_buf_for_mxfp8_param_ag": False,
     "optimizer.use_layer_wise_distributed_optimizer": False,
-    "optimizer.use_precision_aware_optimizer": False,
     "peft": None,
     "rerun_state_machine.error_injection_rate": 0,
     "rerun_state_machine.rerun_mode": 'disabled',
@@ -1021,6 +1023,10 @@ REFUSED: dict[str, Any] = {  # the NUTP model's value; any other is refused
 }
 
 ONLY_WITH: dict[str, str] = {  # refused field (or prefix) -> the switch it is read with
+    # Megatron FSDP's sharding; Bridge's recipes set it beside use_megatron_fsdp=False, where
+    # megatron's DDP and distributed optimizer never read it
+    "ddp.data_parallel_sharding_strategy": "ddp.use_megatron_fsdp",
+    "ddp.outer_dp_sharding_strategy": "ddp.use_megatron_fsdp",
     "mixed_precision.autocast_dtype": "mixed_precision.autocast_enabled",
     "mixed_precision.first_last_layers_bf16": "mixed_precision.fp8",
     "mixed_precision.fp4_": "mixed_precision.fp4",
@@ -1080,6 +1086,8 @@ def classification(name: str) -> str | None:
 
 
 def _plain(value: Any) -> Any:
+    if type(value).__name__ == "dtype" and type(value).__module__ == "torch":
+        return str(value)  # torch.float32 -> "torch.float32", without importing torch
     return value.name if isinstance(value, enum.Enum) else value
 
 

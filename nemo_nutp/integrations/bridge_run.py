@@ -293,6 +293,9 @@ def validate_as_uniform(cfg: Any, plan: Any | None) -> None:
     planner). ``plan=None``: one process reading the recipe's data (a reference), data-parallel
     size 1."""
     m = cfg.model
+    # optimizer.use_precision_aware_optimizer (bridge_fields.SUBSTITUTED): NUTP's distributed
+    # optimizer at the recipe's fp32 dtypes, not TE's fused Adam, which validate() would import
+    cfg.optimizer.use_precision_aware_optimizer = False
     if plan is None:
         cfg.data_parallel_size = 1
     elif len({tuple(r.tp) for r in plan.replicas}) != 1 or \

@@ -48,7 +48,8 @@ def test_bridge_distributed_optimizer_is_nutp_zero_and_matches_stock_megatron(
     overrides = ["model.tensor_model_parallel_size=2", "nutp.replicas=[2,1]",
                  "optimizer.use_distributed_optimizer=true",
                  "ddp.use_distributed_optimizer=true", "ddp.overlap_param_gather=true",
-                 f"checkpoint.save={root}"]
+                 # substituted: NUTP's ZeRO-1 at the recipe's fp32 dtypes (the defaults)
+                 "optimizer.use_precision_aware_optimizer=true", f"checkpoint.save={root}"]
     job = load(overrides)
     assert job.nutp.train.distributed_optimizer  # the plan counts ZeRO's memory
     assert job.bridge.optimizer.weight_decay != job.nutp.train.weight_decay == 0.033
@@ -145,3 +146,28 @@ def test_half_precision_with_the_distributed_optimizer() -> None:
     with pytest.raises(ValueError, match=r"^optimizer.use_distributed_optimizer=True: not with "
                                          r"fp16 under NUTP"):
         load([*zero, "model.fp16=true", "optimizer.fp16=true"])
+
+
+def test_the_precision_aware_optimizer_is_substituted_only_at_fp32() -> None:
+    """``optimizer.use_precision_aware_optimizer=true`` (TE's fused Adam keeping the masters
+    and moments in the dtypes given) runs as NUTP's ZeRO-1 with a notice when every dtype is
+    fp32 (the same Adam; the training case above runs it); any other dtype is refused by name,
+    and so is the switch without the distributed optimizer (megatron's own rule)."""
+    import torch
+
+    from nemo_nutp.integrations.bridge_fields import notices
+    from tests.helpers.bridge_jobs import load
+
+    zero = ["optimizer.use_distributed_optimizer=true", "ddp.use_distributed_optimizer=true"]
+    job = load([*zero, "optimizer.use_precision_aware_optimizer=true"])
+    assert any(n.startswith("optimizer.use_precision_aware_optimizer=True: NUTP's distributed")
+               for n in notices(job.bridge)), notices(job.bridge)
+    with pytest.raises(ValueError, match=r"^optimizer.use_precision_aware_optimizer=True: needs "
+                                         r"the distributed optimizer"):
+        load(["optimizer.use_precision_aware_optimizer=true"])
+    job = load(zero)
+    job.bridge.optimizer.exp_avg_dtype = torch.bfloat16
+    from nemo_nutp.integrations.bridge_fields import check_container
+
+    with pytest.raises(ValueError, match=r"optimizer.exp_avg_dtype=torch.bfloat16"):
+        check_container(job.bridge)
