@@ -182,5 +182,18 @@ def why_not(dims: ModelDims, t: int, spec: MemorySpec, *, pp: int, balance: str 
                     f"{m.weights / GIB:.1f}, grads {m.grads / GIB:.1f}, optimizer "
                     f"{m.optimizer / GIB:.1f}, activations {m.activations / GIB:.1f}, reserve "
                     f"{m.reserve / GIB:.1f}) > hardware.gpu_memory_gib={spec.gpu_memory_gib}; "
-                    f"change {', '.join(MEMORY_FIELDS)}")
+                    f"change {', '.join(remedies(spec))}")
     return ""
+
+
+def remedies(spec: MemorySpec) -> list[str]:
+    """``MEMORY_FIELDS`` less what ``spec`` already does (the distributed optimizer on, full
+    recompute, sequence parallelism); with the distributed optimizer on one replica, more
+    replicas (``cluster.num_gpus``) is what shards its state."""
+    done = {"train.distributed_optimizer=true": spec.distributed_optimizer,
+            "model.recompute_granularity=full": spec.recompute_granularity == "full",
+            "parallel.sequence_parallel": spec.sequence_parallel}
+    out = [f for f in MEMORY_FIELDS if not done.get(f, False)]
+    if spec.distributed_optimizer and spec.replicas == 1:
+        out.append("cluster.num_gpus (one replica: nothing to shard the optimizer state over)")
+    return out

@@ -23,7 +23,8 @@ live redundancy (``recovery.live_redundancy``): [[2,2],[2,1]] on 8 GPUs (GPU 7 f
 killed after its slices are updated and before the parameter all-gather (the step is committed;
 its update survives in the survivors' slices and the dead rank's copies), then rank 4 (of the new
 world) in its backward: the same comparison, and every slice's copy equal to its primary at the
-end.
+end. It also hangs a rank inside Bridge's backward: found by its silent heartbeat, blamed, laid
+out live.
 """
 
 from __future__ import annotations
@@ -102,3 +103,27 @@ def test_pipeline_and_distributed_optimizer_live_with_redundancy(tmp_path: Path)
     assert final["redundancy"] and final["backup_max_diff"] == 0.0, final
     print("live under Bridge, pp=2 + ZeRO (relayout_s):",
           [round(e["relayout_s"], 3) for e in (gather, back)])
+
+
+@pytest.mark.bench
+@pytest.mark.skipif(os.environ.get("NUTP_BENCH") != "1",
+                    reason="bench tier (about 1 min on 2 cores): make bench, or NUTP_BENCH=1")
+@pytest.mark.timeout(JOB_TIMEOUT_S + 240)
+def test_a_hung_rank_is_found_and_laid_out_live_inside_bridge(tmp_path: Path) -> None:
+    """Rank 2 (the TP1 replica) hangs in step 3's backward, inside Bridge's ``train()``: no
+    heartbeat for ``recovery.heartbeat_timeout_s``, so the live control blames it (its peers
+    wait in collectives), stops it, and the survivors re-lay out in their processes; step 3 is
+    recomputed, every loss equals the uninterrupted run's (``bridge_job``)."""
+    timeout_s = 6
+    rows, ev, out = bridge_job(tmp_path, [*CLUSTER, *LIVE,
+                                          f"recovery.heartbeat_timeout_s={timeout_s}"],
+                               {"NUTP_LIVE_FAULT": "hang:2:3:backward:0",
+                                "NUTP_LIVE_DIGEST": "1"})
+    (hang,) = [e for e in ev if e["event"] == "live_relayout"]
+    assert (hang["cause"], hang["ranks"], hang["replica_tp"]) == ("hang", [2], [[2]]), hang
+    assert (hang["committed_step"], hang["recomputed_steps"]) == (2, 1), hang
+    assert hang["processes_started"] == 0 and "hung" in hang["reason"], hang
+    (s,) = json.loads((out / "recovery" / "summary.json").read_text())
+    assert timeout_s - 1 <= s["detect_s"] < timeout_s + 10, s
+    assert [r["replica_tp"] for r in rows] == [[[2], [1]]] * 3 + [[[2]]] * 4
+    print(f"hang under Bridge: detect {s['detect_s']:.2f} s, re-layout {s['relayout_s']:.2f} s")

@@ -20,6 +20,7 @@ from nemo_nutp.layout.memory import (
     rank_params,
     stage_activation_bytes,
     stage_memory,
+    why_not,
 )
 from nemo_nutp.layout.plan import build_plan
 
@@ -112,6 +113,22 @@ def test_explicit_degrees_that_do_not_fit_name_the_fields() -> None:
     # what the message suggests works: the distributed optimizer makes TP2 fit
     plan = build_plan(_req(None, replicas=(4, 2), distributed_optimizer=True))
     assert [r.tp[0] for r in plan.replicas] == [4, 2]
+
+
+def test_the_remedies_named_are_the_ones_not_already_taken() -> None:
+    """A layout that does not fit names only what would still help: not the distributed
+    optimizer when it is on (on one replica it has nothing to shard over: more GPUs), not full
+    recompute or sequence parallelism when they are on."""
+    spec = dataclasses.replace(_req(None).memory, gpu_memory_gib=1.0)
+    text = why_not(LLAMA3_8B, 8, spec, pp=1)
+    assert "train.distributed_optimizer=true" in text and "cluster.num_gpus" not in text
+    zero1 = dataclasses.replace(spec, distributed_optimizer=True, replicas=1,
+                                recompute_granularity="full", sequence_parallel=True)
+    text = why_not(LLAMA3_8B, 8, zero1, pp=1)
+    for taken in ("train.distributed_optimizer", "recompute_granularity", "sequence_parallel"):
+        assert taken not in text, text
+    assert text.endswith("cluster.num_gpus (one replica: nothing to shard the optimizer state "
+                         "over)"), text
 
 
 def test_live_redundancy_doubles_the_distributed_optimizer_state() -> None:
