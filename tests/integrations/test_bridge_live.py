@@ -114,7 +114,7 @@ def test_a_hung_rank_is_found_and_laid_out_live_inside_bridge(tmp_path: Path) ->
     heartbeat for ``recovery.heartbeat_timeout_s``, so the live control blames it (its peers
     wait in collectives), stops it, and the survivors re-lay out in their processes; step 3 is
     recomputed, every loss equals the uninterrupted run's (``bridge_job``)."""
-    timeout_s = 6
+    timeout_s = 15  # (6 s: under a CPU hog a healthy TP2 step went 6 s without a heartbeat)
     rows, ev, out = bridge_job(tmp_path, [*CLUSTER, *LIVE,
                                           f"recovery.heartbeat_timeout_s={timeout_s}"],
                                {"NUTP_LIVE_FAULT": "hang:2:3:backward:0",
