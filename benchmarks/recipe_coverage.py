@@ -171,6 +171,8 @@ RUNTIME = ["model.tensor_model_parallel_size=2", "model.pipeline_model_parallel_
            "model.bias_activation_fusion=false", "model.masked_softmax_fusion=false",
            "model.bias_dropout_fusion=false", "model.deterministic_mode=false",
            "optimizer.use_precision_aware_optimizer=false",
+           "optimizer.exp_avg_dtype=float32", "optimizer.exp_avg_sq_dtype=float32",
+           "optimizer.main_grads_dtype=float32", "optimizer.main_params_dtype=float32",
            "ddp.use_distributed_optimizer=false",
            "ddp.overlap_param_gather=false", "ddp.data_parallel_sharding_strategy=no_shard",
            "checkpoint.load=null", "ddp.use_megatron_fsdp=false", "dist.use_megatron_fsdp=false",
@@ -265,6 +267,10 @@ def config_half(spec: str) -> tuple[dict[str, Any], Any]:
             "overrides": overrides}, job
 
 
+PRECISION_AWARE_DTYPES = ("optimizer.exp_avg_dtype", "optimizer.exp_avg_sq_dtype",
+                          "optimizer.main_grads_dtype", "optimizer.main_params_dtype")
+"""The precision-aware optimizer's dtypes: NUTP runs it at fp32 only (set aside together)."""
+
 UNBLOCK: dict[str, str | tuple[str, ...]] = {"validation.eval_interval": "validation.eval_iters=0",
            "model.pipeline_model_parallel_size": "model.pipeline_model_parallel_size=1",
            "model.virtual_pipeline_model_parallel_size":
@@ -281,7 +287,9 @@ UNBLOCK: dict[str, str | tuple[str, ...]] = {"validation.eval_interval": "valida
            "ddp.use_megatron_fsdp": "ddp.use_megatron_fsdp=false",
            "dist.use_megatron_fsdp": "dist.use_megatron_fsdp=false",
            "model.expert_model_parallel_size": "model.expert_model_parallel_size=1",
-           "tokenizer.use_tokenizer_vocab_size": "tokenizer.use_tokenizer_vocab_size=false"}
+           "tokenizer.use_tokenizer_vocab_size": "tokenizer.use_tokenizer_vocab_size=false",
+           **dict.fromkeys(PRECISION_AWARE_DTYPES, tuple(f"{k}=float32"
+                                                         for k in PRECISION_AWARE_DTYPES))}
 """Run settings (not the model's) that ``as_shipped`` sets aside to find the next refusal (an
 override, or several)."""
 
