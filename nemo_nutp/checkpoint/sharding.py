@@ -160,6 +160,16 @@ def layer_offset(model: torch.nn.Module) -> int:
     return int(layers[0].layer_number) - 1 if layers else 0
 
 
+_WRAPPER = re.compile(r"^(chunks\.\d+\.)?module\.")
+
+
+def state_key(name: str) -> str:
+    """The key ``megatron_sharded_state_dict`` gives a parameter of the rank's model named
+    ``name``: without the half-precision wrapper's ``module.``, which sits at the top or, with
+    virtual pipeline stages, inside each chunk (``chunks.<c>.module.``)."""
+    return _WRAPPER.sub(r"\1", name, count=1)
+
+
 def _chunks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """A ``model.ModelChunks``'s chunks (virtual pipeline stages)."""
     chunks: Any = model.chunks

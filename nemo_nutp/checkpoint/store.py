@@ -54,7 +54,7 @@ from .megatron_format import (
     write_atomic,
     write_tracker,
 )
-from .sharding import expected_global_shapes, megatron_sharded_state_dict
+from .sharding import expected_global_shapes, megatron_sharded_state_dict, state_key
 
 if TYPE_CHECKING:
     from ..layout import Plan
@@ -393,7 +393,7 @@ def _load(session: RankSession, path: Path, marker: dict[str, Any] | None, *,
     loaded = dist_checkpointing.load(state, str(path))
     with torch.no_grad():
         for name, p in session.gpt.named_parameters():
-            p.copy_(loaded["model"][name.removeprefix("module.")].view_as(p))
+            p.copy_(loaded["model"][state_key(name)].view_as(p))
     if load_optimizer:
         # A Bridge / Megatron-LM optimizer's groups carry its scheduler's keys (bridge_state)
         align_param_groups(list(session.optimizer.param_groups), loaded["optimizer"])
