@@ -171,9 +171,13 @@ def state_key(name: str) -> str:
 
 
 def _chunks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """A ``model.ModelChunks``'s chunks (virtual pipeline stages)."""
+    """A ``model.ModelChunks``'s chunks (virtual pipeline stages), each NUTP GPT itself: a
+    half-precision run wraps every chunk in megatron's ``Float16Module``, whose ``decoder`` is
+    its ``module``'s (without unwrapping, every chunk's layers would be keyed from layer 0)."""
+    from megatron.core.transformer.module import Float16Module
+
     chunks: Any = model.chunks
-    return list(chunks)
+    return [c.module if isinstance(c, Float16Module) else c for c in chunks]
 
 
 def megatron_sharded_state_dict(model: torch.nn.Module, dims: ModelDims, *, replica: int,
