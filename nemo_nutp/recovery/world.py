@@ -19,7 +19,6 @@ if TYPE_CHECKING:
     from ..config import JobConfig
     from ..layout import Plan
 
-HANG_POLL_S = 0.5  # heartbeats and stack watcher reports
 PRELOAD = ("nemo_nutp.recovery.world", "nemo_nutp.train.worker", "nemo_nutp.train.loop",
            "nemo_nutp.train.session", "nemo_nutp.checkpoint.hooks",
            "megatron.core.dist_checkpointing")

@@ -137,7 +137,12 @@ def blame_previous(record: dict[str, Any], exits: dict[int, dict[str, Any]],
     ``hang``: the watchdog's finding, if any. A hang names its ranks. Otherwise every plan rank
     without an exit record died without a word and is blamed; if none wrote one, nobody is
     blamed; if all did, the rank whose error record is earliest is blamed, and nobody if the
-    launcher or the control thread ended them all (the same layout restarts)."""
+    launcher or the control thread ended them all (the same layout restarts).
+
+    A post-mortem, not the running world's failure check (``health/check.py``): the attempt has
+    ended and its processes are gone, so it judges the exit records and the watchdog's hang
+    record they left on disk (written by workers, signal handlers and the aggregator, which
+    already polled for hangs), not live exit codes polled on a period."""
     gpus = record["rank_to_gpu"]
     if hang is not None and hang["ranks"]:
         return Failure(tuple(hang["ranks"]), hang["reason"])
