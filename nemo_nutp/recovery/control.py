@@ -40,6 +40,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..common.env import ATTEMPT, CONTROL, EVENTS, HEARTBEAT_DIR
 from ..common.events import log_event
 from ..health import watch
 from ..health.check import FailureCheck, hang_in
@@ -435,9 +436,8 @@ def run_world(cfg: JobConfig, job: JobConfig, plan: Plan,
     store, port = host_store()
     hb = rdir / f"heartbeats.{attempt}"
     hb.mkdir(parents=True, exist_ok=True)
-    env = {"NUTP_ATTEMPT": str(attempt), "NUTP_HEARTBEAT_DIR": str(hb),
-           "NUTP_EVENTS": str(rdir / "events.jsonl"),
-           "NUTP_CONTROL": f"{host.address}:{port}"}
+    env = {ATTEMPT: str(attempt), HEARTBEAT_DIR: str(hb), EVENTS: str(rdir / "events.jsonl"),
+           CONTROL: f"{host.address}:{port}"}
     procs = host.start_world(job, plan, env)
     log_event("live_world", file=rdir / "events.jsonl", attempt=attempt, gen=0,
               pids=[p.pid for p in procs])
@@ -445,7 +445,7 @@ def run_world(cfg: JobConfig, job: JobConfig, plan: Plan,
 
     def start_joiner(slot: int, old_plan: Plan, gpu: int, gen: int, hb: Path) -> Any:
         return host.start_joiner(slot, job, old_plan, gpu, gen,
-                                 {**env, "NUTP_HEARTBEAT_DIR": str(hb)})
+                                 {**env, HEARTBEAT_DIR: str(hb)})
 
     health_watch = watch.HealthWatch(cfg, job, plan, failed, rdir, console)
     started = next_health = time.time()

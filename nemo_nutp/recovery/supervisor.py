@@ -48,6 +48,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..common.env import ATTEMPT, EVENTS, HEARTBEAT_DIR
 from ..common.events import log_event, read_events
 from ..health import watch
 from ..health.check import FailureCheck, hang_in
@@ -74,8 +75,7 @@ def _run_world(cfg: JobConfig, job: JobConfig, plan: Plan,
 
     hb = rdir / f"heartbeats.{attempt}"
     hb.mkdir(parents=True, exist_ok=True)
-    env = {"NUTP_ATTEMPT": str(attempt), "NUTP_HEARTBEAT_DIR": str(hb),
-           "NUTP_EVENTS": str(rdir / "events.jsonl")}
+    env = {ATTEMPT: str(attempt), HEARTBEAT_DIR: str(hb), EVENTS: str(rdir / "events.jsonl")}
     # Ranks fork from one server that imported torch and megatron once (a clean interpreter,
     # no threads, no process group): a restart does not pay ~6 CPU-s of imports per rank.
     ctx = mp.get_context("forkserver")
