@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..common.env import ATTEMPT, FAULT
 from ..common.events import log_event
 
 if TYPE_CHECKING:
@@ -33,9 +34,9 @@ class Fault:
 
     @classmethod
     def from_env_or_config(cls, cfg: JobConfig) -> Fault | None:
-        if os.environ.get("NUTP_ATTEMPT", "0") not in ("", "0"):
+        if os.environ.get(ATTEMPT, "0") not in ("", "0"):
             return None
-        spec = os.environ.get("NUTP_FAULT")
+        spec = os.environ.get(FAULT)
         if spec:
             return cls.parse(spec)
         f = cfg.recovery.fault
@@ -56,7 +57,7 @@ class Fault:
                 return cls(kind, int(parts[1]), int(parts[3]) if len(parts) == 4 else 0, factor)
         except ValueError:
             pass
-        raise ValueError(f"NUTP_FAULT={spec!r}: must be kill|hang|save_crash:RANK:STEP or "
+        raise ValueError(f"{FAULT}={spec!r}: must be kill|hang|save_crash:RANK:STEP or "
                          "slow:RANK:FACTOR[:STEP] (FACTOR >= 1)")
 
     def slow_factor(self, rank: int, step: int) -> float:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
+from ..common.env import ATTEMPT, HEARTBEAT_DIR
 from ..common.events import log_event
 from .bridge_state import check_continuation
 from .faults import Fault
@@ -129,7 +130,7 @@ class CheckpointHooks:
         self.root = cfg.checkpoint_dir
         self.rank = dist.get_rank()
         self.fault = Fault.from_env_or_config(cfg)
-        hb = os.environ.get("NUTP_HEARTBEAT_DIR")
+        hb = os.environ.get(HEARTBEAT_DIR)
         self.heartbeat = Path(hb) / f"rank{self.rank}" if hb else None
         ck = cfg.checkpoint
         self.saving = self.root is not None and (ck.interval == "auto" or int(ck.interval) > 0)
@@ -197,7 +198,7 @@ class CheckpointHooks:
         saved = None if info["weights_only"] else info["extra"].get("ledger")
         if saved:
             ledger.restore(saved)  # any cluster size: earlier GPU-seconds are carried
-            if os.environ.get("NUTP_ATTEMPT", "0") not in ("", "0"):
+            if os.environ.get(ATTEMPT, "0") not in ("", "0"):
                 ledger.add_pause("restart", max(0.0, time.time() - saved["saved_at"]))
         what = ("loaded weights only (fresh optimizer) from" if info["weights_only"] else
                 "resumed" if info["optimizer"] else "resumed (no optimizer state saved) from")

@@ -12,11 +12,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .env import EVENTS
+
 
 def log_event(event: str, *, file: str | Path | None = None, **fields: Any
               ) -> dict[str, Any]:
     row = {"t": time.time(), "event": event, **fields}
-    target = file or os.environ.get("NUTP_EVENTS")
+    target = file or os.environ.get(EVENTS)
     if target:
         fd = os.open(target, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:

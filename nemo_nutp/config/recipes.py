@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ..common import env
 from .schema import JobConfig, config_dir, load_config
 
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
@@ -23,7 +24,7 @@ RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
 
 
 def recipes_dir() -> Path:
-    return Path(os.environ.get("NUTP_RECIPES_DIR", RECIPES_DIR))
+    return Path(os.environ.get(env.RECIPES_DIR, RECIPES_DIR))
 
 
 def list_recipes(directory: Path | None = None) -> list[str]:

@@ -17,6 +17,7 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from ..common import env
 from ..layout import ClusterSpec, HealthReport, ModelDims, ParallelSpec, PlanRequest
 from ..layout.cost import CostSpec
 from ..layout.memory import MemorySpec
@@ -880,7 +881,7 @@ def plan_request(cfg: JobConfig, *, world_size: int | None = None) -> PlanReques
 
 
 def config_dir() -> Path:
-    return Path(os.environ.get("NUTP_CONFIG_DIR", CONFIG_DIR))
+    return Path(os.environ.get(env.CONFIG_DIR, CONFIG_DIR))
 
 
 def _register_defaults() -> None:

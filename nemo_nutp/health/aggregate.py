@@ -40,6 +40,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from ..common.env import NODE_DIR
 from .decisions import Activity, Failure, Progress, blame_hang
 
 NODE_POLL_S = 0.5
@@ -58,7 +59,7 @@ def detail_key(node: int) -> str:
 def node_dir(run: str, attempt: int) -> Path:
     """This node's directory for its ranks' heartbeat and stack files of one attempt (node-local:
     ``/dev/shm`` where it exists, else the temporary directory; ``NUTP_NODE_DIR`` overrides)."""
-    base = os.environ.get("NUTP_NODE_DIR") or ("/dev/shm" if os.path.isdir("/dev/shm")
+    base = os.environ.get(NODE_DIR) or ("/dev/shm" if os.path.isdir("/dev/shm")
                                                else tempfile.gettempdir())
     return Path(base) / f"nutp-{run}" / f"a{attempt}"
 

@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..common.env import HEARTBEAT_DIR
+
 
 def recovery_callbacks(manager: Any, nutp: Any, plan: Any, checkpoints: Any, *,
                        fault: bool = True) -> None:
@@ -39,7 +41,7 @@ def recovery_callbacks(manager: Any, nutp: Any, plan: Any, checkpoints: Any, *,
 
     rank = dist.get_rank()
     injected = Fault.from_env_or_config(nutp) if fault else None
-    hb = os.environ.get("NUTP_HEARTBEAT_DIR")
+    hb = os.environ.get(HEARTBEAT_DIR)
     beat_file = Path(hb) / f"rank{rank}" if hb else None
 
     def beat(phase: str, step: int) -> None:

@@ -25,6 +25,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..common.env import ATTEMPT, DEBUG, HEARTBEAT_DIR
+
 
 def _rank(rank: int, world: int, port: int, argv: list[str], backend: str) -> None:
     import torch.distributed as dist
@@ -53,7 +55,7 @@ def recovery_rank(argv: list[str], rank: int, world: int, job: Any, plan: Any, p
     from nemo_nutp.recovery.world import enter
 
     enter(env)
-    watch.start_stack_watcher(Path(env["NUTP_HEARTBEAT_DIR"]) / f"rank{rank}.stack")
+    watch.start_stack_watcher(Path(env[HEARTBEAT_DIR]) / f"rank{rank}.stack")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
         import torch.distributed as dist
@@ -65,7 +67,7 @@ def recovery_rank(argv: list[str], rank: int, world: int, job: Any, plan: Any, p
         apply_bridge_cpu_patches()
         _, bridge_job = _job(argv)
         bridge_job.nutp = job
-        resume_at_save(bridge_job.bridge, int(env.get("NUTP_ATTEMPT", "0")))
+        resume_at_save(bridge_job.bridge, int(env.get(ATTEMPT, "0")))
         if job.recovery.mode == "live":  # world 0 on the live control process's store
             from nemo_nutp.integrations.bridge_live import train_rank_live
             from nemo_nutp.train.worker import live_link
@@ -116,7 +118,7 @@ def _exit(code: int) -> None:
 def _failed(job: Any, rank: int, e: Exception) -> None:
     """An error ends the rank as a ``nutp-train`` rank's does (one record; exit 2 for bad
     input, else 1; ``NUTP_DEBUG=1``: raise)."""
-    if os.environ.get("NUTP_DEBUG") == "1":
+    if os.environ.get(DEBUG) == "1":
         raise e
     from nemo_nutp.train.worker import report_error
 

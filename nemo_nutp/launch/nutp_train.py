@@ -212,8 +212,9 @@ def _spawn_local(cfg: JobConfig, plan: Plan) -> int:
 
     import torch.multiprocessing as mp
 
+    from ..common.env import PARENT_REPORTS
     from ..common.ports import free_port
-    from ..train.worker import PARENT_REPORTS, first_error, spawned
+    from ..train.worker import first_error, spawned
     from .local import start_ranks
 
     os.environ[PARENT_REPORTS] = "1"

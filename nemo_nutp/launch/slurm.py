@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..common.env import CONFIG_DIR
 from ..config.recipes import searchpath_override
 from ..layout.plan import Plan
 from ..layout.serialize import atomic_path
@@ -124,7 +125,7 @@ def train_command(overrides: list[str], *, config_name: str = "config",
     if recipe is not None:
         words += ["--config-name", shlex.quote(recipe),
                   f'"{searchpath_override("${NUTP_REPO}/configs")}"']
-        extra = 'export NUTP_CONFIG_DIR="${NUTP_REPO}/recipes"  # recipes/ is the primary dir\n'
+        extra = f'export {CONFIG_DIR}="${{NUTP_REPO}}/recipes"  # recipes/ is the primary dir\n'
     elif config_name != "config":
         words += ["--config-name", shlex.quote(config_name)]
     return words + [shlex.quote(o) for o in overrides], extra

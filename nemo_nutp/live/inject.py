@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..common.env import ATTEMPT, LIVE_FAULT
 from ..common.events import log_event
 
 if TYPE_CHECKING:
@@ -48,7 +49,7 @@ def parse(spec: str) -> list[PhaseFault]:
             out.append(PhaseFault(f[0], int(f[1]), int(f[2]), f[3],
                                   int(f[4]) if len(f) == 5 else 0))
         except ValueError:
-            raise ValueError(f"NUTP_LIVE_FAULT={spec!r}: each fault must be "
+            raise ValueError(f"{LIVE_FAULT}={spec!r}: each fault must be "
                              f"kill|hang:SLOT:STEP:PHASE[:GEN], PHASE in {PHASES}") from None
     return out
 
@@ -61,8 +62,8 @@ class Injector:
 
     @classmethod
     def from_env(cls, slot: int) -> Injector | None:
-        spec = os.environ.get("NUTP_LIVE_FAULT")
-        if not spec or os.environ.get("NUTP_ATTEMPT", "0") not in ("", "0"):
+        spec = os.environ.get(LIVE_FAULT)
+        if not spec or os.environ.get(ATTEMPT, "0") not in ("", "0"):
             return None  # like NUTP_FAULT: the first attempt only (a restart runs through)
         return cls(slot, parse(spec))
 

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 import torch.distributed as dist
 
+from ..common.env import CONTROL
 from ..health.commit import GROW, Report
 from . import backend
 
@@ -54,7 +55,7 @@ ABORT_WAIT_S = 30.0
 
 def control_address() -> tuple[str, int] | None:
     """``NUTP_CONTROL=host:port`` (set by the supervisor in live mode), or None."""
-    spec = os.environ.get("NUTP_CONTROL")
+    spec = os.environ.get(CONTROL)
     if not spec:
         return None
     host, port = spec.rsplit(":", 1)

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 import torch
 import torch.distributed as dist
 
+from ..common.env import HEARTBEAT_DIR, LIVE_DIGEST
 from ..health.commit import UNMOVABLE, renumber, replan
 from .link import Committed, LiveLink, is_stop, move, reduce_max
 
@@ -174,7 +175,7 @@ class LiveManager(Generic[R]):
             os._exit(0)
         rank = list(plan.rank_to_gpu).index(gpu)
         link.rejoin(rank=rank, world=plan.world_size, device=self.device)
-        os.environ["NUTP_HEARTBEAT_DIR"] = d["heartbeat_dir"]
+        os.environ[HEARTBEAT_DIR] = d["heartbeat_dir"]
         session = self.trainer.build(job, plan)
         rank_map = _rank_map(old.plan, plan, d)
         # gone: dead, or healthy but left out by the new plan (those exited above)
@@ -221,7 +222,7 @@ class LiveManager(Generic[R]):
         """``NUTP_LIVE_DIGEST=1`` (tests), at the end of the job: the replicas' digests and,
         under the distributed optimizer, the largest difference between an optimizer slice's
         copy and its primary (``live_final``; 0.0: bit for bit). Collective."""
-        if os.environ.get("NUTP_LIVE_DIGEST") != "1":
+        if os.environ.get(LIVE_DIGEST) != "1":
             return
         from ..common.events import log_event
 
@@ -270,7 +271,7 @@ class LiveManager(Generic[R]):
         new = self.trainer.make_run(job, plan, session, start=start, ledger=ledger)
         self._missing_row(new, d["step"])
         self.attach(new)
-        if os.environ.get("NUTP_LIVE_DIGEST") == "1":
+        if os.environ.get(LIVE_DIGEST) == "1":
             _digest(session, link.gen)
         mx = reduce_max([stats["received_bytes"], stats["lower_bound_bytes"],
                          stats["peak_memory_ratio"], stats["move_s"]], self.device)

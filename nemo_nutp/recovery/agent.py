@@ -19,7 +19,7 @@ trains nothing and decides nothing. It connects to the control process's store
 
 Processes fork from one fork server per agent that imported torch and megatron once
 (``world.PRELOAD``), as the CPU supervisor's do; each rank drives local GPU ``gpu %
-gpus_per_node`` of its node, and ends with the agent (``world.AGENT_PID``: an agent that is
+gpus_per_node`` of its node, and ends with the agent (``common.env.AGENT_PID``: an agent that is
 killed leaves no rank behind, as a lost node would). If the control process's store stops
 answering, the agent kills its processes and exits 3 (nobody is left to re-plan).
 
@@ -40,8 +40,9 @@ from multiprocessing.connection import wait as wait_sentinels
 from pathlib import Path
 from typing import Any
 
+from ..common.env import AGENT_PID, EVENTS
 from .hosts import BEAT_S, agent_key, agent_store
-from .world import AGENT_PID, PRELOAD, join_main, rank_main
+from .world import PRELOAD, join_main, rank_main
 
 EXIT_LOST = 3  # the control process's store is gone
 
@@ -97,7 +98,7 @@ class Agent:
         p = self._ctx.Process(target=join_main, args=(op["slot"], job, old_plan, op["gpu"],
                                                        op["gen"], _env(op)))
         started = self._add(op["id"], p)
-        log_event("agent_join", file=op["env"]["NUTP_EVENTS"], node=self.node, gpu=op["gpu"],
+        log_event("agent_join", file=op["env"][EVENTS], node=self.node, gpu=op["gpu"],
                   slot=op["slot"], gen=op["gen"], pid=started[1])
         return [started]
 

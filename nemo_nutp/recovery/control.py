@@ -2,7 +2,7 @@
 
 Runs inside the CPU supervisor (``supervisor.py``). It hosts the one ``TCPStore`` every world
 of the job is built on (``world<gen>/`` prefixes; no rank hosts it, so rank 0 may die), watches
-the ranks as the restart path does (exit codes every ``POLL_S``, step heartbeats) and makes
+the ranks as the restart path does (``health/check.py``'s failure check) and makes
 every decision of a live re-layout; ranks only report and follow (``live.py``):
 
 1. failure found (a rank died, or hung: the hung rank is killed, it is not trusted to rejoin);
@@ -40,10 +40,12 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..common.env import ATTEMPT, CONTROL, EVENTS, HEARTBEAT_DIR
 from ..common.events import log_event
 from ..health import watch
+from ..health.check import FailureCheck, hang_in
 from ..health.commit import UNMOVABLE, Report, decide, live_blocker, renumber, replan
-from ..health.decisions import Failure, blame_exits, blame_hang, job_for, next_failed
+from ..health.decisions import Failure, blame_exits, job_for, next_failed
 
 if TYPE_CHECKING:
     from ..config import JobConfig
@@ -377,26 +379,6 @@ def handle_grow(store: Any, cfg: JobConfig, w: World, back: frozenset[int], *, r
     return nw
 
 
-def find_failure(w: World, *, now: float, started: float, rec: Any, agg: Any = None
-                 ) -> tuple[Failure | None, str]:
-    """A dead or hung rank of the running world (the restart path's rules). ``agg``: the
-    host's hang aggregator over node digests (``hosts.AgentHost.watch``), else the ranks'
-    files are read here."""
-    codes = {r: p.exitcode for r, p in enumerate(w.procs)}
-    failure = blame_exits(codes)
-    if failure is not None:
-        return failure, "exit"
-    if agg is not None:
-        return agg.poll(now), "hang"
-    first = w.gen == 0  # stack watcher files are named by world-0 rank
-    n = w.plan.world_size
-    hb0 = w.hb
-    return blame_hang(watch.read_progress(w.hb, n), now=now, timeout_s=rec.heartbeat_timeout_s,
-                      started_at=started, startup_timeout_s=rec.startup_timeout_s,
-                      activity=watch.read_activity(hb0, n) if first else None,
-                      collectives=watch.read_collectives(hb0, n) if first else None), "hang"
-
-
 def handle(store: Any, cfg: JobConfig, w: World, failure: Failure, cause: str, *, detected: float,
            rdir: Path, attempt: int, console: Any) -> World | str:
     """A failure of the running world: the next world (live) or the fallback reason."""
@@ -448,15 +430,14 @@ def run_world(cfg: JobConfig, job: JobConfig, plan: Plan,
     how this machine's fork server starts a rank and a joiner (``nutp-bridge``'s; default
     ``nutp-train``'s)."""
     from .hosts import LocalHost
-    from .world import HANG_POLL_S, Attempt
+    from .world import Attempt
 
     host = LocalHost(entry) if host is None else host
     store, port = host_store()
     hb = rdir / f"heartbeats.{attempt}"
     hb.mkdir(parents=True, exist_ok=True)
-    env = {"NUTP_ATTEMPT": str(attempt), "NUTP_HEARTBEAT_DIR": str(hb),
-           "NUTP_EVENTS": str(rdir / "events.jsonl"),
-           "NUTP_CONTROL": f"{host.address}:{port}"}
+    env = {ATTEMPT: str(attempt), HEARTBEAT_DIR: str(hb), EVENTS: str(rdir / "events.jsonl"),
+           CONTROL: f"{host.address}:{port}"}
     procs = host.start_world(job, plan, env)
     log_event("live_world", file=rdir / "events.jsonl", attempt=attempt, gen=0,
               pids=[p.pid for p in procs])
@@ -464,29 +445,42 @@ def run_world(cfg: JobConfig, job: JobConfig, plan: Plan,
 
     def start_joiner(slot: int, old_plan: Plan, gpu: int, gen: int, hb: Path) -> Any:
         return host.start_joiner(slot, job, old_plan, gpu, gen,
-                                 {**env, "NUTP_HEARTBEAT_DIR": str(hb)})
+                                 {**env, HEARTBEAT_DIR: str(hb)})
 
     health_watch = watch.HealthWatch(cfg, job, plan, failed, rdir, console)
-    started = next_hang = next_health = time.time()
+    started = next_health = time.time()
+    check = FailureCheck(started)
     seen: frozenset[int] = frozenset()
     watched: tuple[World | None, Any] = (None, None)  # the world the hang aggregator follows
+
+    def hang(now: float) -> Failure | None:
+        """The running world's hang: the host's aggregator over node digests
+        (``hosts.AgentHost.watch``), else the ranks' files are read here."""
+        nonlocal watched
+        if watched[0] is not w:  # a new world: the host's node watchdogs follow it
+            watched = (w, host.watch(w, started=started, rec=job.recovery))
+        if watched[1] is not None:
+            return watched[1].poll(now)
+        return hang_in(w.hb, w.plan.world_size, now=now, started=started, rec=job.recovery,
+                       stacks=w.gen == 0)
+
+    def planned(now: float) -> watch.ScaleUp | None:
+        """GPUs back under the distributed optimizer (no live moves of its slices yet): a
+        planned restart, from world 0 only."""
+        return health_watch.poll(now) if w.gen == 0 else None
+
     while True:
         time.sleep(0.05)
         now = time.time()
-        if all(p.exitcode == 0 for p in w.procs):
+        v = check.poll({r: p.exitcode for r, p in enumerate(w.procs)}, now=now, hang=hang,
+                       health=planned if job.train.distributed_optimizer else None)
+        if v.done:
             return Attempt(True, None, None, None, now, None, tuple(w.plan.rank_to_gpu), {},
                            0.0)
-        failure, cause = blame_exits({r: p.exitcode for r, p in enumerate(w.procs)}), "exit"
-        if failure is None and now >= next_hang:
-            next_hang = now + HANG_POLL_S
-            if watched[0] is not w:  # a new world: the host's node watchdogs follow it
-                watched = (w, host.watch(w, started=started, rec=job.recovery))
-            failure, cause = find_failure(w, now=now, started=started, rec=job.recovery,
-                                          agg=watched[1])
-        scale, fell_back = None, False  # fell_back: a boundary re-layout fell back
-        if failure is None and job.train.distributed_optimizer:  # no live moves of its slices
-            scale = health_watch.poll(now) if w.gen == 0 else None  # yet: planned restart
-        elif failure is None and store.check([f"boundary{w.gen}"]):  # a straggler
+        failure, cause, scale = v.failure, v.cause, v.scale_up
+        fell_back = False  # a boundary re-layout fell back
+        grows = failure is None and not job.train.distributed_optimizer  # live, at a boundary
+        if grows and store.check([f"boundary{w.gen}"]):  # a straggler
             res = handle_grow(store, cfg, w, frozenset(), rdir=rdir, attempt=attempt,
                               console=console, start_joiner=start_joiner)
             if res is None or isinstance(res, World):
@@ -496,7 +490,7 @@ def run_world(cfg: JobConfig, job: JobConfig, plan: Plan,
             # the window is a failure: its GPU is marked failed)
             fell_back, cause = True, "exit"
             failure, scale = _fell_back(w, frozenset(), now)
-        elif failure is None and now >= next_health:
+        elif grows and now >= next_health:
             next_health = now + watch.HEALTH_POLL_S
             back, why = gpus_back(cfg, w, rdir)
             if back and back != seen and why is not None:
@@ -516,6 +510,7 @@ def run_world(cfg: JobConfig, job: JobConfig, plan: Plan,
             continue
         detected = time.time()
         if failure is not None and not fell_back:
+            assert cause is not None  # the check names the cause of every failure
             res = handle(store, cfg, w, failure, cause, detected=detected, rdir=rdir,
                          attempt=attempt, console=console)
             if isinstance(res, World):

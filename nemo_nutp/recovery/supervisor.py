@@ -48,17 +48,12 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..common.env import ATTEMPT, EVENTS, HEARTBEAT_DIR
 from ..common.events import log_event, read_events
 from ..health import watch
-from ..health.decisions import (
-    blame_exits,
-    blame_hang,
-    job_for,
-    lost_steps,
-    next_failed,
-    straggler_relayout,
-)
-from .world import HANG_POLL_S, Attempt, RankEntry, stop_procs
+from ..health.check import FailureCheck, hang_in
+from ..health.decisions import job_for, lost_steps, next_failed, straggler_relayout
+from .world import Attempt, RankEntry, stop_procs
 
 if TYPE_CHECKING:
     from ..config import JobConfig
@@ -80,8 +75,7 @@ def _run_world(cfg: JobConfig, job: JobConfig, plan: Plan,
 
     hb = rdir / f"heartbeats.{attempt}"
     hb.mkdir(parents=True, exist_ok=True)
-    env = {"NUTP_ATTEMPT": str(attempt), "NUTP_HEARTBEAT_DIR": str(hb),
-           "NUTP_EVENTS": str(rdir / "events.jsonl")}
+    env = {ATTEMPT: str(attempt), HEARTBEAT_DIR: str(hb), EVENTS: str(rdir / "events.jsonl")}
     # Ranks fork from one server that imported torch and megatron once (a clean interpreter,
     # no threads, no process group): a restart does not pay ~6 CPU-s of imports per rank.
     ctx = mp.get_context("forkserver")
@@ -95,24 +89,15 @@ def _run_world(cfg: JobConfig, job: JobConfig, plan: Plan,
         p.start()
     rec = job.recovery
     health_watch = watch.HealthWatch(cfg, job, plan, failed, rdir, console)
-    failure, cause, scale, next_hang = None, None, None, started
+    check = FailureCheck(started)
     while True:
         time.sleep(POLL_S)
         now = time.time()
-        codes = {r: p.exitcode for r, p in enumerate(procs)}
-        failure, cause = blame_exits(codes), "exit"
-        if failure is None and all(c == 0 for c in codes.values()):
-            break
-        if failure is None and now >= next_hang:
-            next_hang = now + HANG_POLL_S
-            failure, cause = blame_hang(
-                watch.read_progress(hb, world), now=now, timeout_s=rec.heartbeat_timeout_s,
-                started_at=started, startup_timeout_s=rec.startup_timeout_s,
-                activity=watch.read_activity(hb, world),
-                collectives=watch.read_collectives(hb, world)), "hang"
-        if failure is None:
-            scale = health_watch.poll(now)
-        if failure is not None or scale is not None:
+        v = check.poll({r: p.exitcode for r, p in enumerate(procs)}, now=now,
+                       hang=lambda t: hang_in(hb, world, now=t, started=started, rec=rec),
+                       health=health_watch.poll)
+        failure, cause, scale = v.failure, v.cause, v.scale_up
+        if v.done or failure is not None or scale is not None:
             break
     detected = time.time()
     where = {r: watch.read_where(hb, r) for r in (failure.ranks if failure is not None else ())}

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..common.env import AGENT_PID, HEARTBEAT_DIR
 from ..health import watch
 from ..health.decisions import Failure
 
@@ -19,7 +20,6 @@ if TYPE_CHECKING:
     from ..config import JobConfig
     from ..layout import Plan
 
-HANG_POLL_S = 0.5  # heartbeats and stack watcher reports
 PRELOAD = ("nemo_nutp.recovery.world", "nemo_nutp.train.worker", "nemo_nutp.train.loop",
            "nemo_nutp.train.session", "nemo_nutp.checkpoint.hooks",
            "megatron.core.dist_checkpointing")
@@ -39,13 +39,11 @@ class Attempt:
     stop_s: float  # time taken to kill and reap the world
 
 
-AGENT_PID = "NUTP_AGENT_PID"
-"""Set by a node agent to its pid: its ranks end (SIGKILL to their process group) when the agent
-dies, so an agent that dies leaves no rank behind. (Not ``PR_SET_PDEATHSIG``: a rank's parent is
-the agent's fork server, which stays up while any process it forked lives.)"""
-
-
 def _die_with(pid: int) -> None:
+    """``AGENT_PID``, set by a node agent to its pid: its ranks end (SIGKILL to their process
+    group) when the agent dies, so an agent that dies leaves no rank behind. (Not
+    ``PR_SET_PDEATHSIG``: a rank's parent is the agent's fork server, which stays up while any
+    process it forked lives.)"""
     import select
     import threading
 
@@ -77,7 +75,7 @@ def rank_main(rank: int, world: int, cfg: JobConfig, plan: Plan, port: int,
     """``local``: the rank's device index on its node (a node agent's ranks; default: the
     rank, every rank on this machine)."""
     enter(env)
-    watch.start_stack_watcher(Path(env["NUTP_HEARTBEAT_DIR"]) / f"rank{rank}.stack")
+    watch.start_stack_watcher(Path(env[HEARTBEAT_DIR]) / f"rank{rank}.stack")
     from ..train.worker import run_rank
 
     run_rank(rank, world, rank if local is None else local, cfg, plan, port)

@@ -52,6 +52,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..common.env import ATTEMPT, DEBUG, EVENTS, HEARTBEAT_DIR, NODE_INDEX
 from ..common.events import log_event, read_events
 from ..health import aggregate, watch
 from ..health.decisions import Failure, job_for, lost_steps, next_failed
@@ -87,13 +88,13 @@ def gpu_slot(env: dict[str, str], world: int, local_rank: int, gpus_per_node: in
     if not 0 <= local_rank < gpus_per_node:
         raise ValueError(f"LOCAL_RANK={local_rank}: must be < cluster.gpus_per_node="
                          f"{gpus_per_node} (one worker per GPU)")
-    for key in ("NUTP_NODE_INDEX", "SLURM_NODEID"):
+    for key in (NODE_INDEX, "SLURM_NODEID"):
         if key in env:
             if not env[key].isdigit():
                 raise ValueError(f"{key}={env[key]!r}: must be the node index (0, 1, ...)")
             return int(env[key]) * gpus_per_node + local_rank
     if world > gpus_per_node:
-        raise ValueError(f"WORLD_SIZE={world} spans several nodes: set NUTP_NODE_INDEX (or run "
+        raise ValueError(f"WORLD_SIZE={world} spans several nodes: set {NODE_INDEX} (or run "
                          "under Slurm, which sets SLURM_NODEID) so GPU slots stay the same "
                          "physical GPUs across restarts")
     return local_rank
@@ -102,7 +103,7 @@ def gpu_slot(env: dict[str, str], world: int, local_rank: int, gpus_per_node: in
 def attempt_number(env: dict[str, str]) -> int:
     """The launcher's restart count: torchrun/ft_launcher's, else ours (``NUTP_ATTEMPT``, set by
     the srun loop of ``nutp sbatch``). A requeued Slurm job is a new allocation: attempt 0."""
-    for key in ("TORCHELASTIC_RESTART_COUNT", "NUTP_ATTEMPT"):
+    for key in ("TORCHELASTIC_RESTART_COUNT", ATTEMPT):
         if env.get(key, "").isdigit():
             return int(env[key])
     return 0
@@ -137,7 +138,12 @@ def blame_previous(record: dict[str, Any], exits: dict[int, dict[str, Any]],
     ``hang``: the watchdog's finding, if any. A hang names its ranks. Otherwise every plan rank
     without an exit record died without a word and is blamed; if none wrote one, nobody is
     blamed; if all did, the rank whose error record is earliest is blamed, and nobody if the
-    launcher or the control thread ended them all (the same layout restarts)."""
+    launcher or the control thread ended them all (the same layout restarts).
+
+    A post-mortem, not the running world's failure check (``health/check.py``): the attempt has
+    ended and its processes are gone, so it judges the exit records and the watchdog's hang
+    record they left on disk (written by workers, signal handlers and the aggregator, which
+    already polled for hangs), not live exit codes polled on a period."""
     gpus = record["rank_to_gpu"]
     if hang is not None and hang["ranks"]:
         return Failure(tuple(hang["ranks"]), hang["reason"])
@@ -493,7 +499,7 @@ def run_worker(cfg: JobConfig, env: LauncherEnv, console: Any) -> int:
             if sorted(probes) != list(range(env.world)):
                 slots = sorted(w["slot"] for w in posts)
                 decision = {"error": f"workers' GPU slots {slots} are not 0..{env.world - 1} "
-                                     "once each: set NUTP_NODE_INDEX per node (or SLURM_NODEID/"
+                                     f"once each: set {NODE_INDEX} per node (or SLURM_NODEID/"
                                      "GROUP_RANK must be the node index)",
                             "failed_gpus": []}
             else:
@@ -537,8 +543,8 @@ def run_worker(cfg: JobConfig, env: LauncherEnv, console: Any) -> int:
         # Heartbeat and stack files on this node's own disk (tmpfs), read by the node watchdog
         hb_dir = aggregate.node_dir(str(int(decision["t"] * 1000)), env.attempt)
         hb_dir.mkdir(parents=True, exist_ok=True)
-        os.environ.update(NUTP_ATTEMPT=str(env.attempt), NUTP_HEARTBEAT_DIR=str(hb_dir),
-                          NUTP_EVENTS=str(rdir / "events.jsonl"))
+        os.environ.update({ATTEMPT: str(env.attempt), HEARTBEAT_DIR: str(hb_dir),
+                           EVENTS: str(rdir / "events.jsonl")})
         if prank == 0:
             from ..common.plan_report import replicas_table
 
@@ -589,7 +595,7 @@ def run_worker(cfg: JobConfig, env: LauncherEnv, console: Any) -> int:
         exits.write("error", f"{type(e).__name__}: {e}")
         if control is not None:
             control.abort(f"slot {env.slot}: {type(e).__name__}")
-        if not isinstance(e, Exception) or os.environ.get("NUTP_DEBUG") == "1":
+        if not isinstance(e, Exception) or os.environ.get(DEBUG) == "1":
             raise
         from .worker import report_error
 

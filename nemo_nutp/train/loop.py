@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from ..common.env import EVENTS
 from ..goodput.accounting import GoodputLedger
 
 if TYPE_CHECKING:
@@ -348,5 +349,5 @@ def _restarts() -> list[dict[str, Any]]:
     from ..common.events import read_events
     from ..health.watch import summary
 
-    path = os.environ.get("NUTP_EVENTS")
+    path = os.environ.get(EVENTS)
     return summary(read_events(path)) if path else []

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..common.env import EVENTS
 from ..common.events import log_event
 
 if TYPE_CHECKING:
@@ -134,7 +135,7 @@ class LiveBalance:
             list(self.shares), smoothing=n.rebalance_smoothing,
             hysteresis=n.rebalance_hysteresis, max_shift=n.rebalance_max_shift,
             warmup=n.rebalance_warmup) if n.rebalance else None
-        self.events = os.environ.get("NUTP_EVENTS") or str(Path(cfg.output.dir) / "events.jsonl")
+        self.events = os.environ.get(EVENTS) or str(Path(cfg.output.dir) / "events.jsonl")
         self.detector = None
         if n.straggler_probe_interval > 0:
             from .stragglers import StragglerDetector

@@ -23,13 +23,11 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..common.env import DEBUG, PARENT_REPORTS
+
 if TYPE_CHECKING:
     from ..config import JobConfig
     from ..layout import Plan
-
-PARENT_REPORTS = "NUTP_PARENT_REPORTS"
-"""Set by a launcher that prints its ranks' error records itself (the local spawn)."""
-
 
 def error_code(e: BaseException) -> int:
     """2 for bad input (config values, data or checkpoint files), 1 for a runtime failure."""
@@ -119,7 +117,7 @@ def _exit(code: int) -> None:
 def _fail(cfg: JobConfig, rank: int, e: Exception) -> None:
     """A rank's error: one record for the launcher (``report_error``), then exit with its code
     (``NUTP_DEBUG=1``: raise instead)."""
-    if os.environ.get("NUTP_DEBUG") == "1":
+    if os.environ.get(DEBUG) == "1":
         raise e
     _exit(report_error(cfg.output.dir, rank, e))
 
