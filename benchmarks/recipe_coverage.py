@@ -298,13 +298,21 @@ SET_ASIDE: dict[str, tuple[str, str]] = {
     "memory": (r"needs [0-9.]+ GiB per GPU", "cluster.hardware=null"),
     "tokenizer": (r"tokenizer.use_tokenizer_vocab_size=True: .*could not be built here",
                   "tokenizer.use_tokenizer_vocab_size=false"),
+    "template": (r"^model.num_layers=0: must be a positive integer", "<the shrunk sizes>"),
 }
 """Refusals that are facts of the recipe's size or of this machine, not NUTP features, as
 (pattern of the one-line refusal, override that sets it aside): ``memory``, the planner's
 memory model on the recipe's named GPU count (the message has the per-GPU breakdown; set aside
 by planning without a hardware memory figure); ``tokenizer``, an HF tokenizer whose files
-cannot be fetched offline (the training half uses Bridge's NullTokenizer anyway). Recorded in
-``as_shipped_notes``; they leave ``as_shipped`` as the rest decides."""
+cannot be fetched offline (the training half uses Bridge's NullTokenizer anyway); ``template``,
+a recipe that ships without a model (the vanilla GPT one: ``num_layers``, ``hidden_size`` and
+the heads at megatron's 0, to be given on the command line), checked at the shrunk model's
+sizes, which the training half uses for every recipe. Recorded in ``as_shipped_notes``; they
+leave ``as_shipped`` as the rest decides."""
+
+SIZES = ("num_layers", "hidden_size", "num_attention_heads", "kv_channels", "ffn_hidden_size")
+"""A template's size fields (``SET_ASIDE``'s ``template``; its vocabulary stays the
+tokenizer's, as shipped)."""
 
 
 def as_shipped(spec: str) -> dict[str, Any]:
@@ -338,7 +346,13 @@ def as_shipped(spec: str) -> dict[str, Any]:
                       if st == "refused" and re.search(pat, msg)), None)
         if aside is not None and len(notes) < len(SET_ASIDE):
             notes.append(f"{aside}: {msg}")
-            extra.append(SET_ASIDE[aside][1])
+            if aside == "template":
+                from nemo_nutp.integrations.bridge_config import load_recipe
+
+                extra.extend(o for o in shrink(load_recipe(spec).model)
+                             if o.split("=")[0].removeprefix("model.") in SIZES)
+            else:
+                extra.append(SET_ASIDE[aside][1])
             continue
         if status == "accepted":
             status, reason = st, msg
