@@ -271,7 +271,10 @@ def node_ranks(rank_to_gpu: Sequence[int], gpus_per_node: int, node: int) -> lis
 
 def spawn(*, host: str, port: int, prefix: str, rdir: Path, attempt: int, world: int,
           nodes: int, timeout_s: float, startup_timeout_s: float) -> Any:
-    """Start the aggregator process (``main``) as a child of this worker."""
+    """Start the aggregator process (``main``) as a child of this worker. Its output goes to
+    ``rdir/aggregate.<attempt>.log``, never to the launcher's stdout/stderr: a process that
+    holds a launcher's pipes keeps whoever reads them waiting (a CI run's ``communicate()`` on
+    torchrun waited 800 s for an attempt-0 aggregator after the job itself had exited 0)."""
     import subprocess
     import sys
 
@@ -279,7 +282,32 @@ def spawn(*, host: str, port: int, prefix: str, rdir: Path, attempt: int, world:
             str(port), "--prefix", prefix, "--rdir", str(rdir), "--attempt", str(attempt),
             "--world", str(world), "--nodes", str(nodes), "--timeout", str(timeout_s),
             "--startup-timeout", str(startup_timeout_s), "--parent", str(os.getpid())]
-    return subprocess.Popen(args, stdin=subprocess.DEVNULL)
+    Path(rdir).mkdir(parents=True, exist_ok=True)
+    with open(Path(rdir) / f"aggregate.{attempt}.log", "ab") as log:
+        return subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT)
+
+
+ORPHAN_GRACE_S = 10.0
+"""How long an aggregator outlives its parent worker: the loop's last look and progress
+record take well under a second; past this, a store call blocked on a torn-down attempt
+must not keep the process (``_exit_when_orphaned``)."""
+
+
+def _exit_when_orphaned(parent: int) -> None:
+    """A daemon thread that ends the process ``ORPHAN_GRACE_S`` after its parent is gone,
+    whatever the main loop is blocked in (a store call waits up to the store's timeout)."""
+    def watch() -> None:
+        gone = None
+        while True:
+            time.sleep(0.5)
+            if os.getppid() == parent:
+                continue
+            gone = gone or time.monotonic()
+            if time.monotonic() - gone > ORPHAN_GRACE_S:
+                os._exit(0)
+
+    threading.Thread(target=watch, daemon=True, name="nutp-orphan-watch").start()
 
 
 def _die_with_parent() -> None:
@@ -345,6 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--startup-timeout", type=float, required=True)
     a = ap.parse_args(argv)
     _die_with_parent()
+    _exit_when_orphaned(a.parent)
     import gc
 
     import torch.distributed as dist

@@ -159,3 +159,32 @@ def test_a_group_entered_but_not_reached_counts_zero() -> None:
     assert log.entered == {"3": 2} and log.counts() == {"3": 0}
     device.progress = 2
     assert log.counts() == {"3": 2}
+
+
+def test_an_orphaned_aggregator_ends_and_never_holds_the_launchers_pipes(tmp_path: Path) -> None:
+    """A CI run's torchrun job exited 0, but an attempt-0 aggregator outlived its worker with
+    the launcher's stdout open, so the test's ``communicate()`` waited 800 s. Now ``spawn``
+    writes the aggregator's output to ``rdir/aggregate.<attempt>.log``, and an aggregator
+    whose parent is gone ends within ``ORPHAN_GRACE_S`` even while blocked in a store call:
+    here it waits to connect to a store nobody serves, its ``--parent`` not its parent."""
+    import subprocess
+    import sys
+
+    from nemo_nutp.common.ports import free_port
+
+    args = [sys.executable, "-m", "nemo_nutp.health.aggregate", "--host", "127.0.0.1",
+            "--port", str(free_port()), "--prefix", "p/", "--rdir", str(tmp_path),
+            "--attempt", "0", "--world", "2", "--nodes", "1", "--timeout", "60",
+            "--startup-timeout", "300", "--parent", "1"]
+    t0 = time.monotonic()
+    proc = subprocess.run(args, capture_output=True, timeout=120, check=False)
+    took = time.monotonic() - t0
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert aggregate.ORPHAN_GRACE_S <= took < aggregate.ORPHAN_GRACE_S + 60, took
+    # spawn: the child's output goes to the attempt's log, not to this process's pipes
+    child = aggregate.spawn(host="127.0.0.1", port=free_port(), prefix="p/", rdir=tmp_path,
+                            attempt=3, world=2, nodes=1, timeout_s=60, startup_timeout_s=300)
+    child.kill()
+    child.wait()
+    assert child.stdout is None and child.stderr is None
+    assert (tmp_path / "aggregate.3.log").exists()
