@@ -329,10 +329,17 @@ def run_aggregator(store: Any, agg: Aggregator, *, rdir: Path, attempt: int, par
     from ..layout.serialize import write_json_atomic
 
     progress = rdir / f"progress.{attempt}.json"
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    # A flag, not a threading.Event: a handler that takes the Event's lock while the loop's own
+    # wait holds it deadlocks for good (an orphaned aggregator was found in that futex wait an
+    # hour after its SIGTERM, PR_SET_PDEATHSIG's, with SIGTERM no longer able to end it).
+    stop = [False]
+
+    def _on_term(*_: Any) -> None:
+        stop[0] = True
+
+    signal.signal(signal.SIGTERM, _on_term)
     written = None
-    while not stop.is_set():
+    while not stop[0]:
         now = time.time()
         try:
             failure = agg.poll(now)
@@ -353,7 +360,7 @@ def run_aggregator(store: Any, agg: Aggregator, *, rdir: Path, attempt: int, par
             return 0
         if ended or os.getppid() != parent:
             break
-        stop.wait(NODE_POLL_S)
+        time.sleep(NODE_POLL_S)
     try:  # a last look (a step finished since the last period counts as done)
         agg.poll(time.time())
     except Exception:

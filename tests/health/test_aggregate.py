@@ -188,3 +188,4 @@ def test_an_orphaned_aggregator_ends_and_never_holds_the_launchers_pipes(tmp_pat
     child.wait()
     assert child.stdout is None and child.stderr is None
     assert (tmp_path / "aggregate.3.log").exists()
+
