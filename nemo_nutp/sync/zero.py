@@ -420,24 +420,8 @@ class ZeroOptimizer:
     def _gather(self, flats: Sequence[torch.Tensor], dtype: torch.dtype
                 ) -> list[torch.Tensor | None]:
         """Every bucket assembled from its members' slices (``flats``: per param group, this
-        rank's flat slice values), launched in the canonical bucket order."""
-        per_bucket: list[list[_Segment]] = [[] for _ in self.slices]
-        for s in self.segments:
-            per_bucket[s.bucket].append(s)
-        works = []
-        for segs, sl in zip(per_bucket, self.slices, strict=True):
-            mine = torch.zeros(sl.chunk, dtype=dtype, device=self._dev())
-            for s in segs:
-                mine[s.a - sl.start:s.z - sl.start].copy_(flats[s.group][s.offset:
-                                                                          s.offset + s.z - s.a])
-            out = torch.empty(sl.chunk * sl.size, dtype=dtype, device=self._dev())
-            works.append((out, dist.all_gather_into_tensor(out, mine, group=sl.group,
-                                                           async_op=True)))
-        bufs: list[torch.Tensor | None] = []
-        for (out, work), b in zip(works, self.engine.buckets, strict=True):
-            work.wait()  # type: ignore[union-attr]
-            bufs.append(out[:b.spec.numel])
-        return bufs
+        rank's flat slice values), all kept (checkpoints: ``mover.from_buckets``)."""
+        return [buf for _, buf in self._gathered(flats, dtype)]
 
     def _gathered(self, flats: Sequence[torch.Tensor], dtype: torch.dtype
                   ) -> Iterator[tuple[int, torch.Tensor]]:
