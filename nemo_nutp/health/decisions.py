@@ -9,6 +9,7 @@ on the answers; ``tests/health/test_decisions.py`` covers them.
 from __future__ import annotations
 
 import dataclasses
+import signal
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -47,21 +48,61 @@ class Failure:
     bad_input: bool = False  # ranks exited 2: the job's input is wrong, a restart cannot help
 
 
+LOST = -(2**15)
+"""Exit codes at or below this: the process's node agent was lost (``lost_code``); never a
+signal number (those are small)."""
+
+
+def lost_code(node: int) -> int:
+    """The exit code of a process on ``node`` whose node agent was lost (``hosts.AgentHost``)."""
+    return LOST - node
+
+
+def exit_words(code: int) -> str:
+    """One exit code in words: ``killed by signal 9 (SIGKILL)``, ``node agent 2 lost``,
+    ``exit code 1``. A lost agent's code is never printed as a signal."""
+    if code <= LOST:
+        return f"node agent {LOST - code} lost"
+    if code < 0:
+        try:
+            return f"killed by signal {-code} ({signal.Signals(-code).name})"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _ranks_words(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def exits_reason(codes: Mapping[int, int], *, ranks: bool = False) -> str:
+    """The exits of ``codes`` (rank -> code) in words: one phrase when they all say the same
+    (``killed by signal 9 (SIGKILL)``) and ``ranks`` is false, else one per kind, with its
+    ranks (``rank 1: killed by signal 9 (SIGKILL); ranks 4, 5: node agent 1 lost``)."""
+    by: dict[str, list[int]] = {}
+    for r in sorted(codes):
+        by.setdefault(exit_words(codes[r]), []).append(r)
+    if len(by) == 1 and not ranks:
+        return next(iter(by))
+    return "; ".join(f"{_ranks_words(rs)}: {why}" for why, rs in by.items())
+
+
 def blame_exits(exit_codes: dict[int, int | None]) -> Failure | None:
-    """Ranks that exited abnormally. A rank killed by a signal (negative code) is the cause;
-    ranks that then failed with an error (peers lost their connection) are not blamed. Ranks
-    that all exited 2 (bad input, ``train/worker.py``) make a ``bad_input`` failure: the job
-    stops instead of restarting on fewer GPUs."""
+    """Ranks that exited abnormally. A rank killed by a signal (negative code) or lost with its
+    node's agent (``lost_code``) is the cause; ranks that then failed with an error (peers lost
+    their connection) are not blamed. Ranks that all exited 2 (bad input, ``train/worker.py``)
+    make a ``bad_input`` failure: the job stops instead of restarting on fewer GPUs. The reason
+    says each exit in words (``exits_reason``)."""
     bad = {r: c for r, c in exit_codes.items() if c not in (None, 0)}
     if not bad:
         return None
-    signalled = tuple(sorted(r for r, c in bad.items() if c is not None and c < 0))
+    signalled = {r: c for r, c in bad.items() if c is not None and c < 0}
     if signalled:
-        return Failure(signalled, "killed by signal " + ",".join(
-            str(-(bad[r] or 0)) for r in signalled))
+        return Failure(tuple(sorted(signalled)), exits_reason(signalled))
     if all(c == 2 for c in bad.values()):  # train/worker.py: bad config, data or checkpoint
         return Failure(tuple(sorted(bad)), "exited with an input error", bad_input=True)
-    return Failure(tuple(sorted(bad)), "exited with error")
+    return Failure(tuple(sorted(bad)), exits_reason({r: c for r, c in bad.items()
+                                                     if c is not None}))
 
 
 def is_comm_wait(filename: str, line: str) -> bool:

@@ -4,7 +4,8 @@
 (SIGKILL) or hang (sleep forever); ``SLOT`` the process's rank in world 0 (its identity through
 re-layouts); ``PHASE`` one of ``PHASES``; ``GEN`` the world (0: the first, 1: after one live
 re-layout, ...; default 0). ``relayout`` fires inside the re-layout that leaves world ``GEN``
-(after the rank's report, before it joins the next world), whatever ``STEP``. Each fault fires
+(after the control process's decision, before the rank joins the next world: a second
+failure), whatever ``STEP``. Each fault fires
 once, in the supervisor's first attempt only (a restart runs through). ``NUTP_FAULT``
 (``checkpoint/faults.py``: start of a step, or inside a save) keeps working in world 0.
 """

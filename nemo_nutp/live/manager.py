@@ -148,11 +148,11 @@ class LiveManager(Generic[R]):
             link.boundary()
         else:
             link.stop(error)
-        if link.injector is not None:
-            link.injector.fire("relayout", step=link.step, gen=link.gen)
         d = link.decision()
         if d["action"] != "live":
             os._exit(EXIT_FALLBACK)  # the control process stops every rank and restarts the job
+        if link.injector is not None:  # a death while the new world is built
+            link.injector.fire("relayout", step=link.step, gen=link.gen)
         old = run.session
         assert old is not None
         if link.slot in d["apply"]:

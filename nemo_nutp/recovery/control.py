@@ -27,8 +27,10 @@ window is a failure for the restart path (no live recovery inside a re-layout).
 
 Fallbacks (each logged as ``live_fallback`` with its reason, then the restart path): the
 ``live_blocker`` reasons (distributed optimizer, ...), a survivor that does not report within
-``REPORT_TIMEOUT_S``, a second failure during the re-layout, a broken commit invariant, no
-valid plan for the survivors (the restart path then stops with the planner's one-line error).
+``REPORT_TIMEOUT_S``, a second failure while the new world is built (ranks that die before
+the decision is posted, ``FOLD_S`` at the earliest, join the first failure), a broken commit
+invariant, no valid plan for the survivors (the restart path then stops with the planner's
+one-line error).
 """
 
 from __future__ import annotations
@@ -45,7 +47,14 @@ from ..common.events import log_event
 from ..health import watch
 from ..health.check import FailureCheck, hang_in
 from ..health.commit import UNMOVABLE, Report, decide, live_blocker, renumber, replan
-from ..health.decisions import Failure, blame_exits, job_for, next_failed
+from ..health.decisions import (
+    Failure,
+    blame_exits,
+    exit_words,
+    exits_reason,
+    job_for,
+    next_failed,
+)
 
 if TYPE_CHECKING:
     from ..config import JobConfig
@@ -55,6 +64,11 @@ if TYPE_CHECKING:
 
 POLL_S = 0.01  # while a re-layout waits for reports / the new world
 REPORT_TIMEOUT_S = 60.0
+FOLD_S = 0.5
+"""A failure's decision is posted no earlier than this after it was detected: ranks that die
+until then (the rest of a node, a second rank killed within a poll or two) are folded into it,
+one re-layout; a rank that dies after the decision, while the new world is built, is a second
+failure (the restart path)."""
 START_TIMEOUT_S = 300.0
 
 
@@ -108,37 +122,80 @@ def _wait_keys(store: Any, keys: list[str], w: World, watched: list[int], timeou
                     why = json.loads(store.get(unmovable))["reason"]
                     raise Fallback(f"the state cannot move live: {why}")
                 raise Fallback(f"second failure during the re-layout: rank {r} exited "
-                               f"({w.procs[r].exitcode}) while {what}")
+                               f"({exit_words(w.procs[r].exitcode)}) while {what}")
         if time.monotonic() > deadline:
             raise Fallback(f"timed out after {timeout_s:.0f} s while {what}")
+        time.sleep(POLL_S)
+
+
+def _died(w: World, ranks: list[int]) -> dict[int, int]:
+    """Exit codes of the ranks of ``ranks`` that have exited."""
+    return {r: c for r in ranks if (c := w.procs[r].exitcode) is not None}
+
+
+def _fold(failure: Failure, late: dict[int, int]) -> Failure:
+    """``failure`` with the ranks that died while it was handled (``late``: rank -> exit code)
+    folded in: one failure, never a second one. The reason says when each was found."""
+    if not late:
+        return failure
+    return Failure(tuple(sorted({*failure.ranks, *late})),
+                   f"{failure.reason}; while handling it, {exits_reason(late, ranks=True)}")
+
+
+def _reports(store: Any, w: World, failure: Failure) -> tuple[Failure, dict[int, Any]]:
+    """Every survivor's report (``report<gen>/<slot>``). A rank that dies meanwhile, before or
+    after its report, is folded into the failure (``_fold``): ranks of one node, or killed
+    within one poll of each other, die a few milliseconds apart, and the poll that found the
+    first saw the rest alive. Returns the failure and the survivors' reports."""
+    deadline = time.monotonic() + REPORT_TIMEOUT_S
+    late: dict[int, int] = {}
+    unmovable = f"{UNMOVABLE}{w.gen}"
+    while True:
+        rest = [r for r in range(len(w.procs)) if r not in failure.ranks]
+        late.update(_died(w, rest))
+        survivors = [r for r in rest if r not in late]
+        if not survivors:
+            raise Fallback("no survivor left to re-lay out")
+        keys = [f"report{w.gen}/{w.slots[r]}" for r in survivors]
+        if store.check(keys):
+            posts = {r: json.loads(store.get(k)) for r, k in zip(survivors, keys, strict=True)}
+            return _fold(failure, late), posts
+        if late and store.check([unmovable]):
+            raise Fallback(f"the state cannot move live: "
+                           f"{json.loads(store.get(unmovable))['reason']}")
+        if time.monotonic() > deadline:
+            raise Fallback(f"timed out after {REPORT_TIMEOUT_S:.0f} s while waiting for "
+                           "survivors' reports")
         time.sleep(POLL_S)
 
 
 def relayout(store: Any, cfg: JobConfig, w: World, failure: Failure, *, detected: float,
              rdir: Path, attempt: int) -> tuple[World, dict[str, Any]]:
     """Steps 2-4 of the module docstring. Returns the new world and the event's fields;
-    raises ``Fallback``."""
+    raises ``Fallback``. Ranks that die before the decision is posted (at least ``FOLD_S``
+    after ``detected``) join the failure (``_reports``); one that dies after it, while the new
+    world is built, is a second failure (the restart path)."""
     for r in failure.ranks:  # a hung rank is not trusted to rejoin
         _kill(w.procs[r])
-    survivors = [r for r in w.alive() if r not in failure.ranks]
-    if not survivors:
-        raise Fallback("no survivor left to re-lay out")
     store.set(f"abort{w.gen}", failure.reason)
-    keys = [f"report{w.gen}/{w.slots[r]}" for r in survivors]
-    _wait_keys(store, keys, w, survivors, REPORT_TIMEOUT_S, "waiting for survivors' reports")
-    posts = {r: json.loads(store.get(k)) for r, k in zip(survivors, keys, strict=True)}
-    out_at = max(p["out_at"] for p in posts.values())
-    try:
-        dec = decide({r: Report(p["step"], p["phase"]) for r, p in posts.items()})
-    except RuntimeError as e:
-        raise Fallback(str(e)) from None
-    gpus = tuple(w.plan.rank_to_gpu[r] for r in failure.ranks)
-    failed = next_failed(w.failed, gpus, watch.read_health(rdir / "health.json"))
-    job = job_for(cfg, failed, w.slow)
-    try:
-        plan = replan(w.plan, job)
-    except ValueError as e:
-        raise Fallback(f"no valid plan for the survivors: {e}") from None
+    while True:
+        failure, posts = _reports(store, w, failure)
+        survivors = sorted(posts)
+        out_at = max(p["out_at"] for p in posts.values())
+        try:
+            dec = decide({r: Report(p["step"], p["phase"]) for r, p in posts.items()})
+        except RuntimeError as e:
+            raise Fallback(str(e)) from None
+        gpus = tuple(w.plan.rank_to_gpu[r] for r in failure.ranks)
+        failed = next_failed(w.failed, gpus, watch.read_health(rdir / "health.json"))
+        job = job_for(cfg, failed, w.slow)
+        try:
+            plan = replan(w.plan, job)
+        except ValueError as e:
+            raise Fallback(f"no valid plan for the survivors: {e}") from None
+        time.sleep(max(0.0, detected + FOLD_S - time.time()))
+        if not _died(w, survivors):  # else: fold the late deaths, decide again
+            break
     from ..relayout.plan import plan_move
 
     rank_map = {o: n for o, n in renumber(tuple(w.plan.rank_to_gpu),
@@ -197,8 +254,8 @@ def _wait_boundary(store: Any, keys: list[str], w: World, timeout_s: float) -> N
             raise Finished()
         bad = [r for r, c in enumerate(codes) if c not in (None, 0)]
         if bad:
-            raise Fallback(f"rank {bad[0]} exited ({codes[bad[0]]}) before the grow-back "
-                           "boundary")
+            raise Fallback(f"rank {bad[0]} exited ({exit_words(codes[bad[0]] or 0)}) before "
+                           "the grow-back boundary")
         if time.monotonic() > deadline:
             raise Fallback(f"timed out after {timeout_s:.0f} s waiting for the grow-back "
                            "boundary")
@@ -394,7 +451,7 @@ def handle(store: Any, cfg: JobConfig, w: World, failure: Failure, cause: str, *
         else:
             log_event("live_relayout", file=events, cause=cause, **fields)
             console.print(f"[yellow]recovery:[/] ranks {fields['ranks']} (GPUs "
-                          f"{fields['gpus']}) failed: {failure.reason}; live re-layout to "
+                          f"{fields['gpus']}) failed: {fields['reason']}; live re-layout to "
                           f"{fields['replica_tp']} in {fields['relayout_s']:.2f} s (unblock "
                           f"{fields['unblock_s']:.2f} s), continuing at step "
                           f"{fields['resume_step']}")

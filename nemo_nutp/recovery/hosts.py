@@ -17,7 +17,13 @@ every process through the same small handle (``pid``, ``exitcode``, ``kill()``,
   counter ``exits_n``: the control process reads it only when the counter moved, one request
   per poll, O(1)) and each agent's liveness beat (``agent<n>/beat``, read with one
   ``multi_get`` per ``BEAT_CHECK_S``, O(nodes)): an agent silent for ``AGENT_LOST_S``
-  lost its node, whose processes then count as dead (exit code ``LOST``).
+  lost its node, whose processes then count as dead (exit code ``decisions.lost_code(node)``,
+  reported as "node agent <node> lost", never as a signal).
+
+Detection bound: a lost node's processes count as dead at most ``AGENT_LOST_S + BEAT_CHECK_S``
+(plus one poll) after its agent's last beat; that is well inside the survivors' wait for the
+abort (``live.link.ABORT_WAIT_S``), so a whole node lost at once is one live re-layout, not a
+survivor giving up (``tests/recovery/test_hosts.py`` checks the two against each other).
 
 Guarantees: a handle's ``exitcode`` is None until its process ended (or its node was lost),
 then stays fixed; ``kill`` is idempotent; ``stop`` returns when every handle has an exit code
@@ -36,14 +42,14 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Protocol
 
+from ..health.decisions import lost_code
 from .world import RankEntry
 
 if TYPE_CHECKING:
     from ..config import JobConfig
     from ..layout import Plan
 
-LOST = -(2**15)  # exit code of a process whose node agent was lost
-AGENT_LOST_S = 30.0
+AGENT_LOST_S = 5.0  # five missed beats: the node is lost
 BEAT_S = 1.0  # an agent's liveness beat
 BEAT_CHECK_S = 1.0
 STOP_TIMEOUT_S = 60.0
@@ -328,7 +334,7 @@ class AgentHost:
             for node in self._lost_nodes():
                 for p in self._live.values():
                     if p.node == node:
-                        self._exits.setdefault(p.id, LOST)
+                        self._exits.setdefault(p.id, lost_code(node))
 
     def _lost_nodes(self) -> set[int]:
         """Nodes whose agent's beat (a counter) did not move for ``AGENT_LOST_S`` of this

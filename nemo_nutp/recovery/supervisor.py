@@ -155,6 +155,8 @@ def supervise(cfg: JobConfig, console: Any, host: Host | None = None,
     machine. The Slurm control process (``launch/control.py``) passes its node agents.
     ``entry`` (restart path): how a rank starts; default ``nutp-train``'s (``world.RankEntry``;
     ``nutp-bridge`` passes Bridge's)."""
+    from rich.markup import escape
+
     from ..common.plan_report import replicas_table
     from ..config import plan_request
     from ..layout import build_plan
@@ -170,7 +172,15 @@ def supervise(cfg: JobConfig, console: Any, host: Host | None = None,
     while True:
         failed = next_failed(failed, (), watch.read_health(health))
         job = job_for(cfg, failed, slow)
-        plan = build_plan(plan_request(job))
+        try:
+            plan = build_plan(plan_request(job))
+        except ValueError as e:  # too few GPUs left for any layout: one line, not a traceback
+            if not attempt:
+                raise  # the job's own input: the caller prints it (exit 2)
+            log_event("finished", file=events, attempt=attempt, error=str(e))
+            console.print(f"[red]recovery:[/] no layout can run on the GPUs left, stopping: "
+                          f"{escape(str(e))}")
+            return 1
         if attempt:
             console.print(replicas_table(plan))
         log_event("start", file=events, attempt=attempt, failed_gpus=sorted(failed),

@@ -17,9 +17,11 @@ from nemo_nutp.health.decisions import (
     Progress,
     blame_exits,
     blame_hang,
+    exit_words,
     hang_roots,
     is_comm_wait,
     job_for,
+    lost_code,
     lost_steps,
     next_failed,
     returned_gpus,
@@ -273,3 +275,17 @@ def test_straggler_relayout_and_job_for_keep_the_health_report() -> None:
     job = job_for(cfg, frozenset({7}), {1: 0.25})
     assert dict(job.failures.health().slow_gpus) == {1: 0.25, 2: 0.5}
     assert job.failures.health().failed_gpus == (7,) and job.nutp.replicas is None
+
+
+def test_exit_reasons_are_words_and_a_lost_agent_is_not_a_signal() -> None:
+    """Issue 35: every rank of a lost node was reported "killed by signal 32768" (the lost
+    sentinel printed as a signal)."""
+    f = blame_exits({0: None, 1: lost_code(2), 2: lost_code(2), 3: 1})
+    assert f is not None and f.ranks == (1, 2) and f.reason == "node agent 2 lost"
+    assert "signal" not in f.reason
+    f = blame_exits({0: -9, 1: lost_code(0)})
+    assert f is not None and f.ranks == (0, 1)
+    assert f.reason == "rank 0: killed by signal 9 (SIGKILL); rank 1: node agent 0 lost"
+    f = blame_exits({0: 1, 1: 3, 2: None})
+    assert f is not None and f.reason == "rank 0: exit code 1; rank 1: exit code 3"
+    assert exit_words(-15) == "killed by signal 15 (SIGTERM)" and exit_words(7) == "exit code 7"

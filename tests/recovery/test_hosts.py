@@ -14,11 +14,25 @@ import time
 import pytest
 
 from nemo_nutp.common.ports import free_port
-from nemo_nutp.recovery import agent, hosts
+from nemo_nutp.health.decisions import exit_words, lost_code
+from nemo_nutp.live import link
+from nemo_nutp.recovery import agent, control, hosts
 
 
 def _store(port: int, master: bool):
     return hosts.agent_store("127.0.0.1", port, is_master=master, timeout_s=30)
+
+
+def test_a_lost_node_is_found_well_inside_the_survivors_abort_wait() -> None:
+    """A node lost with its agent reports no exits: the control process learns of it only
+    from the agent's silent beat. It must act (set the abort) before the survivors, whose step
+    already failed, stop waiting for the abort (``link.ABORT_WAIT_S``) and exit: else the
+    re-layout sees their exits as a second failure and falls back to a restart. The bound:
+    ``AGENT_LOST_S`` + one beat check + the control loop's poll, with half the wait to spare
+    (a loaded host)."""
+    bound = hosts.AGENT_LOST_S + hosts.BEAT_CHECK_S + 0.05 + control.POLL_S
+    assert bound <= link.ABORT_WAIT_S / 2, (bound, link.ABORT_WAIT_S)
+    assert hosts.AGENT_LOST_S >= 3 * hosts.BEAT_S  # a late beat or two is not a lost node
 
 
 def test_exit_log_and_lost_node(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -42,7 +56,8 @@ def test_exit_log_and_lost_node(monkeypatch: pytest.MonkeyPatch) -> None:
         peer.add(hosts.agent_key(0, "beat"), 1)
         assert time.monotonic() < deadline, "a silent agent's node was never found lost"
         time.sleep(0.05)
-    assert (a.exitcode, b.exitcode, c.exitcode) == (None, -9, hosts.LOST)
+    assert (a.exitcode, b.exitcode, c.exitcode) == (None, -9, lost_code(1))
+    assert exit_words(c.exitcode) == "node agent 1 lost"  # never a signal
     h.kill([a, c])  # the lost node gets no request
     assert peer.check([hosts.agent_key(0, "cmd0")])
     assert not peer.check([hosts.agent_key(1, "cmd0")])
