@@ -103,7 +103,12 @@ class World:
 
 
 class Fallback(Exception):
-    """This failure goes to the restart path (the message is the reason)."""
+    """This failure goes to the restart path (the message is the reason). ``failure``: the
+    failure as it stood then, with the ranks that died while it was handled (``_fold``)."""
+
+    def __init__(self, reason: str, failure: Failure | None = None) -> None:
+        super().__init__(reason)
+        self.failure = failure
 
 
 def _kill(p: Any) -> None:
@@ -155,17 +160,17 @@ def _reports(store: Any, w: World, failure: Failure) -> tuple[Failure, dict[int,
         late.update(_died(w, rest))
         survivors = [r for r in rest if r not in late]
         if not survivors:
-            raise Fallback("no survivor left to re-lay out")
+            raise Fallback("no survivor left to re-lay out", _fold(failure, late))
         keys = [f"report{w.gen}/{w.slots[r]}" for r in survivors]
         if store.check(keys):
             posts = {r: json.loads(store.get(k)) for r, k in zip(survivors, keys, strict=True)}
             return _fold(failure, late), posts
         if late and store.check([unmovable]):
             raise Fallback(f"the state cannot move live: "
-                           f"{json.loads(store.get(unmovable))['reason']}")
+                           f"{json.loads(store.get(unmovable))['reason']}", _fold(failure, late))
         if time.monotonic() > deadline:
             raise Fallback(f"timed out after {REPORT_TIMEOUT_S:.0f} s while waiting for "
-                           "survivors' reports")
+                           "survivors' reports", _fold(failure, late))
         time.sleep(POLL_S)
 
 
@@ -178,8 +183,18 @@ def relayout(store: Any, cfg: JobConfig, w: World, failure: Failure, *, detected
     for r in failure.ranks:  # a hung rank is not trusted to rejoin
         _kill(w.procs[r])
     store.set(f"abort{w.gen}", failure.reason)
+    folded = [failure]  # the failure with its late deaths, for a Fallback raised below
+    try:
+        return _relayout(store, cfg, w, folded, detected=detected, rdir=rdir, attempt=attempt)
+    except Fallback as e:
+        raise Fallback(str(e), e.failure or folded[0]) from None
+
+
+def _relayout(store: Any, cfg: JobConfig, w: World, folded: list[Failure], *, detected: float,
+              rdir: Path, attempt: int) -> tuple[World, dict[str, Any]]:
     while True:
-        failure, posts = _reports(store, w, failure)
+        failure, posts = _reports(store, w, folded[0])
+        folded[0] = failure
         survivors = sorted(posts)
         out_at = max(p["out_at"] for p in posts.values())
         try:
@@ -437,8 +452,9 @@ def handle_grow(store: Any, cfg: JobConfig, w: World, back: frozenset[int], *, r
 
 
 def handle(store: Any, cfg: JobConfig, w: World, failure: Failure, cause: str, *, detected: float,
-           rdir: Path, attempt: int, console: Any) -> World | str:
-    """A failure of the running world: the next world (live) or the fallback reason."""
+           rdir: Path, attempt: int, console: Any) -> World | Failure:
+    """A failure of the running world: the next world (live), or the failure the restart path
+    takes (with the ranks that died while it was handled: their GPUs are marked failed too)."""
     events = rdir / "events.jsonl"
     reason = live_blocker(w.job, failure, survivors=len(w.alive()) - len(failure.ranks),
                           replicas=len(w.plan.replicas))
@@ -447,7 +463,7 @@ def handle(store: Any, cfg: JobConfig, w: World, failure: Failure, cause: str, *
             nw, fields = relayout(store, cfg, w, failure, detected=detected, rdir=rdir,
                                   attempt=attempt)
         except Fallback as e:
-            reason = str(e)
+            reason, failure = str(e), e.failure or failure
         else:
             log_event("live_relayout", file=events, cause=cause, **fields)
             console.print(f"[yellow]recovery:[/] ranks {fields['ranks']} (GPUs "
@@ -462,7 +478,7 @@ def handle(store: Any, cfg: JobConfig, w: World, failure: Failure, cause: str, *
                   ranks=list(failure.ranks), reason=reason)
         console.print(f"[yellow]recovery:[/] live re-layout not possible ({reason}): "
                       "restarting from the newest checkpoint")
-    return reason
+    return failure
 
 
 def _fell_back(w: World, back: frozenset[int], now: float
@@ -568,11 +584,12 @@ def run_world(cfg: JobConfig, job: JobConfig, plan: Plan,
         detected = time.time()
         if failure is not None and not fell_back:
             assert cause is not None  # the check names the cause of every failure
-            res = handle(store, cfg, w, failure, cause, detected=detected, rdir=rdir,
+            out = handle(store, cfg, w, failure, cause, detected=detected, rdir=rdir,
                          attempt=attempt, console=console)
-            if isinstance(res, World):
-                w, started = res, time.time()
+            if isinstance(out, World):
+                w, started = out, time.time()
                 continue
+            failure = out
         where = {r: watch.read_where(hb, w.slots[r])
                  for r in (failure.ranks if failure is not None else ())}
         last = watch.last_done(w.hb, w.plan.world_size)

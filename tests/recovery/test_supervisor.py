@@ -331,3 +331,22 @@ def test_gpu_back_restarts_on_the_full_layout_at_the_next_checkpoint(
     print(f"GPU back test: report -> stop {s['detect_s']:.2f} s (waiting for the checkpoint), "
           f"restart {s['restart_s']:.2f} s, lost steps {s['lost_steps']}, resumed at step "
           f"{s['resume_step']} (newest checkpoint at the report: {base})")
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(600)
+def test_no_layout_left_after_a_failure_is_one_line_not_a_traceback(tmp_path: Path) -> None:
+    """Issue 35: when the GPUs left after a failure fit no layout (here one TP2 replica and
+    parallel.min_tp=2: a lost rank leaves one GPU), the supervisor stops with one line naming
+    why, exit 1, instead of the planner's ValueError traceback."""
+    out = tmp_path / "none_left"
+    rc, log = _train(out, "cluster.num_gpus=2", "cluster.domain_size=2",
+                     "cluster.gpus_per_node=2", "failures=none",
+                     "parallel.tp_base=2", "parallel.min_tp=2", "checkpoint.interval=1",
+                     "recovery.enabled=true", "recovery.fault.kind=kill",
+                     "recovery.fault.rank=1", "recovery.fault.step=1", steps=3)
+    assert rc == 1, log[-6000:]
+    assert "Traceback" not in log, log[-6000:]
+    text = " ".join(log.split())
+    assert "no layout can run on the GPUs left, stopping:" in text, log[-3000:]
+    assert "parallel.min_tp" in text, log[-3000:]
