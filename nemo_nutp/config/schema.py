@@ -479,7 +479,9 @@ class TrainConfig:
     precision: str = "fp32"
     """'fp32' | 'bf16' | 'fp16' (fp16: megatron's dynamic loss scaler)."""
     grad_reduce_in_fp32: bool = True
-    """Accumulate and reduce gradients across replicas in fp32 (megatron main_grad)."""
+    """Accumulate and reduce gradients across replicas in fp32 (megatron's main_grad and DDP
+    ``grad_reduce_in_fp32``); false: in bf16 (needs ``precision=bf16``; fp32 parameters
+    always reduce in fp32). Was also ``sync.grad_reduce_dtype`` (deprecated)."""
     initial_loss_scale: float = 4294967296.0
     """fp16: starting dynamic loss scale."""
     min_loss_scale: float = 1.0
@@ -729,33 +731,42 @@ class SyncConfig:
     """Elements per communication bucket, per sync owner group; fixed (never grows with the
     world), so large jobs keep their chances to overlap backward."""
     grad_reduce_dtype: str | None = None
-    """'fp32' or 'bf16': dtype gradients are accumulated and reduced in. The same knob as
-    ``train.grad_reduce_in_fp32`` (megatron's name): null follows it; set, it wins and
-    ``train.grad_reduce_in_fp32`` is rewritten to match. bf16 needs ``train.precision=bf16``."""
+    """Deprecated: ``train.grad_reduce_in_fp32`` (megatron's name; fp32 -> true, bf16 -> false),
+    mapped at load time. Removed in the next release."""
 
     def __post_init__(self) -> None:
         check_positive("sync.bucket_size", self.bucket_size)
-        if self.grad_reduce_dtype not in (None, *GRAD_REDUCE_DTYPES):
+        if self.grad_reduce_dtype is not None:
             raise bad_value("sync.grad_reduce_dtype", self.grad_reduce_dtype,
-                            f"must be one of {GRAD_REDUCE_DTYPES} "
-                            "(or null: train.grad_reduce_in_fp32)")
+                            "deprecated: set train.grad_reduce_in_fp32 (load_config maps it)")
 
 
-def _resolve_grad_reduce(train: TrainConfig, sync: SyncConfig) -> None:
-    """One knob, two names: set ``sync.grad_reduce_dtype`` and ``train.grad_reduce_in_fp32``
-    both to the effective value (an explicit ``sync`` value wins; fp32 parameters always reduce
-    in fp32; an explicit contradiction is an error)."""
+def resolve_grad_reduce(node: Any) -> None:
+    """Before the dataclasses are built, on the merged config: the deprecated
+    ``sync.grad_reduce_dtype`` becomes ``train.grad_reduce_in_fp32`` (one warning line naming
+    both; set both inconsistently: an error naming both), and fp32 parameters reduce in fp32
+    whatever it says (megatron's rule)."""
+    import warnings
+
+    sync, train = node.sync, node.train
     dt = sync.grad_reduce_dtype
-    if dt is None:
-        dt = "fp32" if train.grad_reduce_in_fp32 or train.precision == "fp32" else "bf16"
-    elif dt == "fp32" and not train.grad_reduce_in_fp32 and train.precision != "fp32":
-        raise bad_value("sync.grad_reduce_dtype", dt, "contradicts train.grad_reduce_in_fp32=false "
-                        "(the same setting; set one of them)")
-    if dt == "bf16" and train.precision != "bf16":
-        raise bad_value("sync.grad_reduce_dtype", dt,
-                        f"needs train.precision=bf16 (got {train.precision!r})")
-    object.__setattr__(sync, "grad_reduce_dtype", dt)
-    object.__setattr__(train, "grad_reduce_in_fp32", dt == "fp32")
+    if dt is not None:
+        if dt not in GRAD_REDUCE_DTYPES:
+            raise bad_value("sync.grad_reduce_dtype", dt, f"must be one of {GRAD_REDUCE_DTYPES} "
+                            "(deprecated: use train.grad_reduce_in_fp32)")
+        if dt == "fp32" and not train.grad_reduce_in_fp32 and train.precision != "fp32":
+            raise bad_value("sync.grad_reduce_dtype", dt, "contradicts train.grad_reduce_in_fp32="
+                            "false (its deprecated name: set train.grad_reduce_in_fp32 only)")
+        if dt == "bf16" and train.precision != "bf16":
+            raise bad_value("sync.grad_reduce_dtype", dt,
+                            f"needs train.precision=bf16 (got {train.precision!r})")
+        warnings.warn("sync.grad_reduce_dtype is deprecated: use train.grad_reduce_in_fp32 "
+                      "(megatron's name); the old name goes in the next release",
+                      FutureWarning, stacklevel=3)
+        train.grad_reduce_in_fp32 = dt == "fp32"
+        sync.grad_reduce_dtype = None
+    if train.precision == "fp32":
+        train.grad_reduce_in_fp32 = True
 
 
 @dataclass(frozen=True)
@@ -774,7 +785,6 @@ class JobConfig:
     sync: SyncConfig = field(default_factory=SyncConfig)
 
     def __post_init__(self) -> None:
-        _resolve_grad_reduce(self.train, self.sync)
         _check_layout(self)
         if self.recovery.live_redundancy and not self.train.distributed_optimizer:
             raise bad_value("recovery.live_redundancy", True, "needs train.distributed_optimizer="
@@ -858,7 +868,8 @@ def memory_spec(cfg: JobConfig) -> MemorySpec | None:
         replicas = p.dp or max(1, slices_of(cfg.cluster, p.tp_base) // p.pp)
     return MemorySpec(
         gpu_memory_gib=hw.gpu_memory_gib, param_bytes=4 if t.precision == "fp32" else 2,
-        grad_bytes=4 if t.grad_reduce_in_fp32 else 2, optimizer=t.optimizer,
+        grad_bytes=4 if t.grad_reduce_in_fp32 or t.precision == "fp32" else 2,
+        optimizer=t.optimizer,
         distributed_optimizer=t.distributed_optimizer, replicas=replicas,
         zero_redundancy=cfg.recovery.live_redundancy,
         micro_batch_size=t.micro_batch_size, sequence_parallel=p.sequence_parallel,
@@ -918,6 +929,7 @@ def load_config(overrides: list[str] | None = None, *, config_name: str = "confi
         base = OmegaConf.structured(JobConfig)
         writable_dir_check(base)
         merged = OmegaConf.merge(base, raw)
+        resolve_grad_reduce(merged)
         return OmegaConf.to_object(merged)  # type: ignore[return-value]
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or "config"
