@@ -9,7 +9,8 @@ from .schema import (
     TrainConfig,
     load_config,
     plan_request,
+    schema_keys,
 )
 
 __all__ = ["FailuresConfig", "JobConfig", "ModelConfig", "NutpConfig", "OutputConfig",
-           "TrainConfig", "load_config", "plan_request"]
+           "TrainConfig", "load_config", "plan_request", "schema_keys"]
