@@ -56,6 +56,25 @@ def test_primary_job_config_loads(path: Path) -> None:
     assert isinstance(validate_yaml_file(path), JobConfig)
 
 
+@pytest.mark.parametrize("path", PRIMARY, ids=_rel(PRIMARY))
+def test_primary_job_config_sets_only_deviations(path: Path) -> None:
+    """A primary config holds group picks and what differs from the dataclass defaults, nothing
+    that repeats a default (docs/config.md documents the keys)."""
+    defaults = OmegaConf.to_container(OmegaConf.structured(JobConfig))
+    same: list[str] = []
+
+    def walk(node: dict, ref: dict, prefix: str) -> None:
+        for key, value in node.items():
+            if isinstance(value, dict) and isinstance(ref.get(key), dict):
+                walk(value, ref[key], f"{prefix}{key}.")
+            elif key in ref and ref[key] == value:
+                same.append(f"{prefix}{key}")
+
+    text = OmegaConf.to_container(OmegaConf.load(path))
+    walk({k: v for k, v in text.items() if k != "defaults"}, defaults, "")
+    assert not same, f"{path.name} repeats the default of {same}"
+
+
 @pytest.mark.parametrize("path", JOB_GROUP_FILES, ids=_rel(JOB_GROUP_FILES))
 def test_group_option_loads_into_job_config(path: Path) -> None:
     group = path.parent.name
