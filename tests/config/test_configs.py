@@ -13,8 +13,9 @@ import pytest
 from omegaconf import OmegaConf
 
 from nemo_nutp.config import JobConfig, load_config, plan_request
+from nemo_nutp.config.loading import validate_yaml_file
 from nemo_nutp.config.recipes import RECIPES_DIR, list_recipes, load_job, load_recipe
-from nemo_nutp.config.schema import CONFIG_DIR, validate_yaml_file
+from nemo_nutp.config.schema import CONFIG_DIR
 from nemo_nutp.goodput.config import HardwareSpec, SimConfig, load_sim_config, load_yaml_strict
 from nemo_nutp.layout import HealthReport, build_plan
 
@@ -73,6 +74,15 @@ def test_primary_job_config_sets_only_deviations(path: Path) -> None:
     text = OmegaConf.to_container(OmegaConf.load(path))
     walk({k: v for k, v in text.items() if k != "defaults"}, defaults, "")
     assert not same, f"{path.name} repeats the default of {same}"
+
+
+def test_config_dataclasses_are_never_rewritten() -> None:
+    """The loader normalises before a dataclass is built; no frozen config is patched after."""
+    import nemo_nutp.config as pkg
+
+    patched = [p.name for p in sorted(Path(pkg.__file__).parent.glob("*.py"))
+               if "object.__setattr__" in p.read_text()]
+    assert not patched, f"object.__setattr__ on a frozen config in {patched}"
 
 
 @pytest.mark.parametrize("path", JOB_GROUP_FILES, ids=_rel(JOB_GROUP_FILES))
