@@ -38,7 +38,7 @@ TESTS_BRIDGE ?= tests/integrations/test_bridge_shim.py tests/integrations/test_b
 	tests/integrations/test_recipe_coverage.py tests/integrations/test_gemma_hf_parity.py \
 	tests/model/test_gemma_reference.py
 
-.PHONY: demo test test-311 test-312 test-bridge lint venv bench sim clean gpu-check-prepare \
+.PHONY: demo config-docs test test-311 test-312 test-bridge lint venv bench sim clean gpu-check-prepare \
 	gpu-check
 
 $(STAMP): setup.py
@@ -70,6 +70,10 @@ demo: $(STAMP)
 
 plan-demo: $(STAMP)
 	$(BIN)/nutp plan cluster=node_pair parallel.tp_base=8 failures=one_gpu model=llama3_8b train.global_batch_size=64 train.micro_batch_size=1 --json runs/plan_demo.json
+
+# docs/config.md from the schema's field docstrings (tests/docs/test_config_docs.py: not stale)
+config-docs: $(STAMP)
+	$(BIN)/python -m nemo_nutp.config.docs > docs/config.md
 
 lint: $(STAMP)
 	$(BIN)/ruff check nemo_nutp tests benchmarks

@@ -1,15 +1,22 @@
-"""Job configuration: dataclass schema + Hydra YAML tree (``configs/``) + CLI overrides."""
+"""Job configuration: dataclass schema (``schema``) + Hydra YAML tree (``configs/``) + CLI
+overrides (``loading``); what is computed from a config (``derived``). Every key:
+``docs/config.md``, generated from the schema (``docs``)."""
 
+from .derived import cost_spec, fit_cpu_cluster, memory_spec, plan_request
+from .loading import compose_config, load_config, schema_keys, validate_yaml_file
 from .schema import (
+    CheckpointConfig,
     FailuresConfig,
     JobConfig,
     ModelConfig,
     NutpConfig,
     OutputConfig,
+    RecoveryConfig,
+    SyncConfig,
     TrainConfig,
-    load_config,
-    plan_request,
 )
 
-__all__ = ["FailuresConfig", "JobConfig", "ModelConfig", "NutpConfig", "OutputConfig",
-           "TrainConfig", "load_config", "plan_request"]
+__all__ = ["CheckpointConfig", "FailuresConfig", "JobConfig", "ModelConfig", "NutpConfig",
+           "OutputConfig", "RecoveryConfig", "SyncConfig", "TrainConfig", "compose_config",
+           "cost_spec", "fit_cpu_cluster", "load_config", "memory_spec", "plan_request",
+           "schema_keys", "validate_yaml_file"]

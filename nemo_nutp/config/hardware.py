@@ -1,6 +1,6 @@
 """GPU hardware files (``configs/sim/hardware/*.yaml``) and strict YAML loading.
 
-Shared by the planner's stage cost model (``config.schema.plan_request`` via ``cost_spec``) and
+Shared by the planner's stage cost model (``config.derived.plan_request`` via ``cost_spec``) and
 the goodput simulator (``goodput.config``); depends only on ``layout`` and OmegaConf, so neither
 of those packages imports the other.
 """

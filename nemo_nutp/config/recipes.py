@@ -17,7 +17,8 @@ import os
 from pathlib import Path
 
 from ..common import env
-from .schema import JobConfig, config_dir, load_config
+from .loading import load_config
+from .schema import JobConfig, config_dir
 
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
 """The shipped recipes (repository layout); ``NUTP_RECIPES_DIR`` overrides it."""

@@ -1,9 +1,9 @@
-"""The dataclasses are the schema; YAML overlays them; Hydra-syntax overrides go on top.
+"""The job config's schema: the dataclasses, each field with its docstring (``docs/config.md``
+is generated from them), and their value checks.
 
-``load_config(overrides)`` composes ``configs/config.yaml`` (or another primary config) with the
-Hydra compose API, merges it onto ``OmegaConf.structured(JobConfig)`` — unknown keys and wrong
-types fail there, naming the full key — and converts it to dataclasses, whose ``__post_init__``
-checks values. Nothing here creates a process group.
+``__post_init__`` checks values and never rewrites them: the loader (``config/loading.py``) maps
+deprecated names and normalises spellings before a dataclass is built; values derived from a
+config are in ``config/derived.py``. Nothing here creates a process group.
 """
 
 from __future__ import annotations
@@ -14,17 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
-
 from ..common import env
-from ..layout import ClusterSpec, HealthReport, ModelDims, ParallelSpec, PlanRequest
-from ..layout.cost import CostSpec
-from ..layout.memory import MemorySpec
-from ..layout.plan import fit_cluster, slices_of
+from ..layout import ClusterSpec, HealthReport, ModelDims, ParallelSpec
 from ..layout.specs import bad_value, check_positive, normalize_replicas
-from .hardware import cost_spec as hardware_cost_spec
-from .hardware import hardware_spec, writable_dir_check
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 """The shipped YAML tree (repository layout); ``NUTP_CONFIG_DIR`` overrides it."""
@@ -34,7 +26,7 @@ CORE_ATTENTIONS = ("auto", "sdpa", "megatron")
 RENAMED = {"gated_mlp": "gated_linear_unit", "add_bias": "add_bias_linear",
            "position_embedding": "position_embedding_type"}
 """``model.*`` names of the previous release -> megatron-core's (accepted with a warning for
-one release; a checkpoint's marker may still hold the old ones)."""
+one release, mapped by the loader; a checkpoint's marker may still hold the old ones)."""
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 POSITION_EMBEDDINGS = ("rope", "yarn", "learned_absolute", "none")
@@ -164,7 +156,7 @@ class ModelConfig(ModelDims):
     """With full: layers per recompute chunk (uniform) or recomputed layers per stage (block)."""
 
     def __post_init__(self) -> None:
-        self._rename_deprecated()
+        self._check_deprecated()
         super().__post_init__()
         self._check_impl()
         if self.normalization not in ("RMSNorm", "LayerNorm"):
@@ -194,33 +186,23 @@ class ModelConfig(ModelDims):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise bad_value(f"model.{name}", getattr(self, name), "must be in [0, 1)")
 
-    def _rename_deprecated(self) -> None:
-        """The previous release's names: one warning each, the value moved to megatron's name
-        (both set: an error naming them)."""
-        import warnings
-
+    def _check_deprecated(self) -> None:
+        """The previous release's names are mapped by the loader (``config/loading.py``);
+        given here, they would be ignored."""
         for old, new in RENAMED.items():
-            value = getattr(self, old)
-            if value is None:
-                continue
-            default = type(self).__dataclass_fields__[new].default
-            if getattr(self, new) != default and getattr(self, new) != value:
-                raise bad_value(f"model.{old}", value, f"deprecated name of model.{new}, which "
-                                f"is also set ({getattr(self, new)!r}): set model.{new} only")
-            warnings.warn(f"model.{old} is deprecated: use model.{new} (megatron-core's name); "
-                          "the old name goes in the next release", FutureWarning, stacklevel=4)
-            object.__setattr__(self, new, value)
-            object.__setattr__(self, old, None)
+            if getattr(self, old) is not None:
+                raise bad_value(f"model.{old}", getattr(self, old),
+                                f"deprecated: set model.{new} (load_config maps the old name)")
 
     def _check_window(self) -> None:
         w = self.window_size
         if w is not None:
-            if len(w) != 2 or any(isinstance(x, bool) or not isinstance(x, int) or x < 0
-                                  for x in w):
+            # a tuple (the loader turns YAML's list into one): the config stays hashable
+            # (layout caches by model dims)
+            if not isinstance(w, tuple) or len(w) != 2 or any(
+                    isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in w):
                 raise bad_value("model.window_size", list(w),
                                 "must be [left, right] with integers >= 0 (or null)")
-            # OmegaConf hands a list; the config stays hashable (layout caches by model dims)
-            object.__setattr__(self, "window_size", (int(w[0]), int(w[1])))
         f = self.window_attn_skip_freq
         if f is not None:
             if w is None:
@@ -479,7 +461,9 @@ class TrainConfig:
     precision: str = "fp32"
     """'fp32' | 'bf16' | 'fp16' (fp16: megatron's dynamic loss scaler)."""
     grad_reduce_in_fp32: bool = True
-    """Accumulate and reduce gradients across replicas in fp32 (megatron main_grad)."""
+    """Accumulate and reduce gradients across replicas in fp32 (megatron's main_grad and DDP
+    ``grad_reduce_in_fp32``); false: in bf16 (needs ``precision=bf16``; fp32 parameters
+    always reduce in fp32). Was also ``sync.grad_reduce_dtype`` (deprecated)."""
     initial_loss_scale: float = 4294967296.0
     """fp16: starting dynamic loss scale."""
     min_loss_scale: float = 1.0
@@ -632,21 +616,17 @@ class CheckpointConfig:
     """A newest checkpoint that fails verification is an error, not a fallback to an older one."""
 
     def __post_init__(self) -> None:
-        iv = self.interval
-        if isinstance(iv, str) and iv.strip().lower() == "auto":
-            object.__setattr__(self, "interval", "auto")
-        elif isinstance(iv, bool) or not isinstance(iv, int) or iv < 0:
+        iv = self.interval  # "auto" in any case and true/false resume: the loader's spellings
+        if iv != "auto" and (isinstance(iv, bool) or not isinstance(iv, int) or iv < 0):
             raise bad_value("checkpoint.interval", iv, "must be an integer >= 0 or auto")
         if self.interval_min < 1:
             raise bad_value("checkpoint.interval_min", self.interval_min, "must be >= 1")
         if self.interval_max < self.interval_min:
             raise bad_value("checkpoint.interval_max", self.interval_max,
                             f"must be >= checkpoint.interval_min ({self.interval_min})")
-        mode = RESUME_ALIASES.get(str(self.resume).lower(), str(self.resume).lower())
-        if mode not in ("auto", "required", "never"):
+        if self.resume not in ("auto", "required", "never"):
             raise bad_value("checkpoint.resume", self.resume,
                             "must be auto, required or never (true/false: auto/never)")
-        object.__setattr__(self, "resume", mode)
 
     @property
     def saves(self) -> bool:
@@ -729,33 +709,14 @@ class SyncConfig:
     """Elements per communication bucket, per sync owner group; fixed (never grows with the
     world), so large jobs keep their chances to overlap backward."""
     grad_reduce_dtype: str | None = None
-    """'fp32' or 'bf16': dtype gradients are accumulated and reduced in. The same knob as
-    ``train.grad_reduce_in_fp32`` (megatron's name): null follows it; set, it wins and
-    ``train.grad_reduce_in_fp32`` is rewritten to match. bf16 needs ``train.precision=bf16``."""
+    """Deprecated: ``train.grad_reduce_in_fp32`` (megatron's name; fp32 -> true, bf16 -> false),
+    mapped at load time. Removed in the next release."""
 
     def __post_init__(self) -> None:
         check_positive("sync.bucket_size", self.bucket_size)
-        if self.grad_reduce_dtype not in (None, *GRAD_REDUCE_DTYPES):
+        if self.grad_reduce_dtype is not None:
             raise bad_value("sync.grad_reduce_dtype", self.grad_reduce_dtype,
-                            f"must be one of {GRAD_REDUCE_DTYPES} "
-                            "(or null: train.grad_reduce_in_fp32)")
-
-
-def _resolve_grad_reduce(train: TrainConfig, sync: SyncConfig) -> None:
-    """One knob, two names: set ``sync.grad_reduce_dtype`` and ``train.grad_reduce_in_fp32``
-    both to the effective value (an explicit ``sync`` value wins; fp32 parameters always reduce
-    in fp32; an explicit contradiction is an error)."""
-    dt = sync.grad_reduce_dtype
-    if dt is None:
-        dt = "fp32" if train.grad_reduce_in_fp32 or train.precision == "fp32" else "bf16"
-    elif dt == "fp32" and not train.grad_reduce_in_fp32 and train.precision != "fp32":
-        raise bad_value("sync.grad_reduce_dtype", dt, "contradicts train.grad_reduce_in_fp32=false "
-                        "(the same setting; set one of them)")
-    if dt == "bf16" and train.precision != "bf16":
-        raise bad_value("sync.grad_reduce_dtype", dt,
-                        f"needs train.precision=bf16 (got {train.precision!r})")
-    object.__setattr__(sync, "grad_reduce_dtype", dt)
-    object.__setattr__(train, "grad_reduce_in_fp32", dt == "fp32")
+                            "deprecated: set train.grad_reduce_in_fp32 (load_config maps it)")
 
 
 @dataclass(frozen=True)
@@ -774,7 +735,6 @@ class JobConfig:
     sync: SyncConfig = field(default_factory=SyncConfig)
 
     def __post_init__(self) -> None:
-        _resolve_grad_reduce(self.train, self.sync)
         _check_layout(self)
         if self.recovery.live_redundancy and not self.train.distributed_optimizer:
             raise bad_value("recovery.live_redundancy", True, "needs train.distributed_optimizer="
@@ -804,7 +764,8 @@ local processes, so it grows to fit explicit ``nutp.replicas``."""
 
 def _check_layout(cfg: JobConfig) -> None:
     """Layout checks that need several sections, before any plan or process: explicit replicas
-    have ``parallel.pp`` per-stage degrees; the CPU default cluster grows to fit them."""
+    have ``parallel.pp`` per-stage degrees (``derived.fit_cpu_cluster`` grows the CPU default
+    cluster to fit them)."""
     p, m = cfg.parallel, cfg.model
     if m.num_layers % p.pp:
         raise bad_value("parallel.pp", p.pp, f"must divide model.num_layers={m.num_layers}")
@@ -832,135 +793,8 @@ def _check_layout(cfg: JobConfig) -> None:
                         "for the interleaved schedule; not built yet)")
     if cfg.nutp.replicas is None:
         return
-    reps = normalize_replicas(cfg.nutp.replicas, p.pp)
-    if cfg.cluster.name == CPU_CLUSTER:
-        object.__setattr__(cfg, "cluster", fit_cluster(cfg.cluster, p.tp_base, len(reps) * p.pp))
-
-
-def cost_spec(cluster: ClusterSpec) -> CostSpec | None:
-    """The stage cost model's constants for ``cluster.hardware`` (None: compute only), from the
-    hardware files in ``configs/sim/hardware`` (``NUTP_CONFIG_DIR``'s first)."""
-    dirs = [d / "sim" / "hardware" for d in dict.fromkeys((config_dir(), CONFIG_DIR))]
-    return hardware_cost_spec(cluster.hardware, dirs)
-
-
-def memory_spec(cfg: JobConfig) -> MemorySpec | None:
-    """The planner's memory model inputs (``layout.memory``), or None when the cluster's
-    hardware file gives no ``gpu_memory_gib`` (CPU runs)."""
-    dirs = [d / "sim" / "hardware" for d in dict.fromkeys((config_dir(), CONFIG_DIR))]
-    hw = hardware_spec(cfg.cluster.hardware, dirs)
-    if hw is None or hw.gpu_memory_gib is None:
-        return None
-    m, t, p = cfg.model, cfg.train, cfg.parallel
-    if cfg.nutp.replicas is not None:
-        replicas = len(cfg.nutp.replicas)
-    else:
-        replicas = p.dp or max(1, slices_of(cfg.cluster, p.tp_base) // p.pp)
-    return MemorySpec(
-        gpu_memory_gib=hw.gpu_memory_gib, param_bytes=4 if t.precision == "fp32" else 2,
-        grad_bytes=4 if t.grad_reduce_in_fp32 else 2, optimizer=t.optimizer,
-        distributed_optimizer=t.distributed_optimizer, replicas=replicas,
-        zero_redundancy=cfg.recovery.live_redundancy,
-        micro_batch_size=t.micro_batch_size, sequence_parallel=p.sequence_parallel,
-        flash_attention=m.core_attention != "megatron" or m.transformer_impl ==
-        "transformer_engine", dropout=m.hidden_dropout > 0 or m.attention_dropout > 0,
-        recompute_granularity=m.recompute_granularity, recompute_method=m.recompute_method,
-        recompute_num_layers=m.recompute_num_layers or 1, vp=p.vp)
-
-
-def plan_request(cfg: JobConfig, *, world_size: int | None = None) -> PlanRequest:
-    """The planner's input for a job."""
-    return PlanRequest(
-        cluster=cfg.cluster, model=cfg.model, parallel=cfg.parallel,
-        health=cfg.failures.health(), policy=cfg.nutp.policy,
-        replicas=None if cfg.nutp.replicas is None else tuple(cfg.nutp.replicas),
-        global_batch=cfg.train.num_microbatches, world_size=world_size,
-        micro_batch_size=cfg.train.micro_batch_size, cost=cost_spec(cfg.cluster),
-        memory=memory_spec(cfg),
-    )
+    normalize_replicas(cfg.nutp.replicas, p.pp)  # the loader grows the CPU cluster to fit them
 
 
 def config_dir() -> Path:
     return Path(os.environ.get(env.CONFIG_DIR, CONFIG_DIR))
-
-
-def _register_defaults() -> None:
-    """Every schema key with its default, as the config ``nutp_defaults`` that primary configs
-    list first: Hydra then accepts an override of any schema key (not only those a YAML file
-    mentions). Types are enforced after composition, by the structured merge."""
-    from hydra.core.config_store import ConfigStore
-
-    defaults = OmegaConf.to_container(OmegaConf.structured(JobConfig))
-    ConfigStore.instance().store(name="nutp_defaults", node=defaults)
-
-
-def compose_config(config_name: str, overrides: list[str], directory: Path) -> Any:
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    GlobalHydra.instance().clear()
-    _register_defaults()
-    with initialize_config_dir(config_dir=str(directory.resolve()), version_base="1.3"):
-        return compose(config_name=config_name, overrides=overrides)
-
-
-def load_config(overrides: list[str] | None = None, *, config_name: str = "config",
-                directory: Path | None = None) -> JobConfig:
-    """Compose YAML + overrides and validate into a ``JobConfig``.
-
-    Raises ``ValueError`` naming the key for unknown keys, wrong types and bad values.
-    """
-    directory = directory or config_dir()
-    try:
-        raw = compose_config(config_name, list(overrides or []), directory)
-        OmegaConf.set_struct(raw, False)
-        raw.pop("hydra", None)
-        base = OmegaConf.structured(JobConfig)
-        writable_dir_check(base)
-        merged = OmegaConf.merge(base, raw)
-        return OmegaConf.to_object(merged)  # type: ignore[return-value]
-    except OmegaConfBaseException as e:
-        key = getattr(e, "full_key", None) or "config"
-        raise ValueError(f"{key}: {str(e).splitlines()[0]}") from None
-    except Exception as e:  # hydra's own override/config errors
-        if type(e).__module__.startswith("hydra"):
-            raise ValueError(_hydra_message(str(e))) from None
-        raise
-
-
-def _hydra_message(text: str) -> str:
-    """One line for a Hydra error. Hydra suggests ``+key=value`` for an unknown key, which the
-    schema then rejects anyway: say the key is unknown and name the closest schema keys."""
-    import difflib
-    import re
-
-    m = re.match(r"Could not override '([^']+)'", text)
-    if m is None:
-        return "config: " + " ".join(text.split())
-    key = m.group(1)
-    if key in schema_keys():  # a primary config without the nutp_defaults default
-        return (f"{key}: not in this config's composition (its defaults list must start with "
-                "nutp_defaults, as configs/config.yaml and recipes/base_pretrain.yaml do)")
-    close = difflib.get_close_matches(key, schema_keys(), n=3, cutoff=0.6)
-    hint = f"; did you mean {' or '.join(close)}?" if close else ""
-    return f"{key}: unknown key (not in nemo_nutp/config/schema.py){hint}"
-
-
-def schema_keys() -> list[str]:
-    """Every dotted key of the schema (``train.steps``, ``recovery.fault.kind``, ...)."""
-    out: list[str] = []
-
-    def walk(node: Any, prefix: str) -> None:
-        for k, v in node.items():
-            if isinstance(v, dict):
-                walk(v, f"{prefix}{k}.")
-            else:
-                out.append(f"{prefix}{k}")
-
-    walk(OmegaConf.to_container(OmegaConf.structured(JobConfig)), "")
-    return out
-
-
-def validate_yaml_file(path: Path) -> JobConfig:
-    """Load one YAML file (a full job or a recipe) strictly into ``JobConfig``."""
-    return load_config([], config_name=path.stem, directory=path.parent)

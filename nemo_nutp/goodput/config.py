@@ -22,7 +22,8 @@ from ..config.hardware import (
     _strict,
     load_yaml_strict,
 )
-from ..config.schema import ModelConfig, compose_config, config_dir
+from ..config.loading import compose_config
+from ..config.schema import ModelConfig, config_dir
 from ..layout.specs import bad_value, check_positive
 
 POLICIES = ("drop", "drop-live", "drop+spares", "uniform-reduce", "nutp-restart", "nutp-live",

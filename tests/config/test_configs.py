@@ -13,8 +13,9 @@ import pytest
 from omegaconf import OmegaConf
 
 from nemo_nutp.config import JobConfig, load_config, plan_request
+from nemo_nutp.config.loading import validate_yaml_file
 from nemo_nutp.config.recipes import RECIPES_DIR, list_recipes, load_job, load_recipe
-from nemo_nutp.config.schema import CONFIG_DIR, validate_yaml_file
+from nemo_nutp.config.schema import CONFIG_DIR
 from nemo_nutp.goodput.config import HardwareSpec, SimConfig, load_sim_config, load_yaml_strict
 from nemo_nutp.layout import HealthReport, build_plan
 
@@ -54,6 +55,34 @@ def test_every_yaml_file_is_covered() -> None:
 def test_primary_job_config_loads(path: Path) -> None:
     assert isinstance(load_config([], config_name=path.stem), JobConfig)
     assert isinstance(validate_yaml_file(path), JobConfig)
+
+
+@pytest.mark.parametrize("path", PRIMARY, ids=_rel(PRIMARY))
+def test_primary_job_config_sets_only_deviations(path: Path) -> None:
+    """A primary config holds group picks and what differs from the dataclass defaults, nothing
+    that repeats a default (docs/config.md documents the keys)."""
+    defaults = OmegaConf.to_container(OmegaConf.structured(JobConfig))
+    same: list[str] = []
+
+    def walk(node: dict, ref: dict, prefix: str) -> None:
+        for key, value in node.items():
+            if isinstance(value, dict) and isinstance(ref.get(key), dict):
+                walk(value, ref[key], f"{prefix}{key}.")
+            elif key in ref and ref[key] == value:
+                same.append(f"{prefix}{key}")
+
+    text = OmegaConf.to_container(OmegaConf.load(path))
+    walk({k: v for k, v in text.items() if k != "defaults"}, defaults, "")
+    assert not same, f"{path.name} repeats the default of {same}"
+
+
+def test_config_dataclasses_are_never_rewritten() -> None:
+    """The loader normalises before a dataclass is built; no frozen config is patched after."""
+    import nemo_nutp.config as pkg
+
+    patched = [p.name for p in sorted(Path(pkg.__file__).parent.glob("*.py"))
+               if "object.__setattr__" in p.read_text()]
+    assert not patched, f"object.__setattr__ on a frozen config in {patched}"
 
 
 @pytest.mark.parametrize("path", JOB_GROUP_FILES, ids=_rel(JOB_GROUP_FILES))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from nemo_nutp.config import load_config
-from nemo_nutp.config.schema import plan_request
+from nemo_nutp.config.derived import plan_request
 from nemo_nutp.launch.nutp_train import check_launch
 from nemo_nutp.layout import build_plan
 

@@ -10,8 +10,8 @@ import re
 
 import pytest
 
+from nemo_nutp.config.derived import memory_spec, plan_request
 from nemo_nutp.config.recipes import load_recipe
-from nemo_nutp.config.schema import memory_spec, plan_request
 from nemo_nutp.layout import ClusterSpec, HealthReport, ModelDims, ParallelSpec, PlanRequest
 from nemo_nutp.layout.memory import (
     GIB,

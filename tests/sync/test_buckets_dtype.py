@@ -5,7 +5,7 @@ variant, the same weights and batches:
   (``bucket_size`` = 50 elements) give the same synchronised gradients and grad-norm bits as one
   bucket per group and one message per peer (two replicas: every element is one commutative
   sum, so the packing cannot change a bit);
-* ``grad_reduce_in_fp32=False`` (``sync.grad_reduce_dtype=bf16``) really reduces in bf16
+* ``grad_reduce_in_fp32=False`` really reduces in bf16
   (``main_grad`` and the buckets are bf16), replicas stay bitwise identical, and the gradients
   are within the bf16 tolerance of the fp32-reduced ones (which tests/train/test_parity.py
   checks against stock megatron).

@@ -18,8 +18,8 @@ import pytest
 import yaml
 
 from nemo_nutp.config import load_config
+from nemo_nutp.config.derived import plan_request
 from nemo_nutp.config.recipes import list_recipes, load_recipe
-from nemo_nutp.config.schema import plan_request
 from nemo_nutp.layout import ClusterSpec, ParallelSpec, Plan, PlanRequest, build_plan
 from tests.helpers.pair_replay import (
     Recorder,

@@ -151,7 +151,7 @@ def test_straggler_detected_excluded_and_resumed(tmp_path: Path) -> None:
     import torch
 
     from nemo_nutp.config import load_config
-    from nemo_nutp.config.schema import plan_request
+    from nemo_nutp.config.derived import plan_request
     from nemo_nutp.layout import build_plan
     from tests.helpers.parity import Case, run_references
 

@@ -1,0 +1,182 @@
+"""Loading a job config: Hydra composes YAML + overrides, the schema checks them.
+
+``load_config(overrides)`` composes ``configs/config.yaml`` (or another primary config) with the
+Hydra compose API and merges it onto ``OmegaConf.structured(JobConfig)`` — unknown keys and wrong
+types fail there, naming the full key. ``normalise`` then maps deprecated names to the surviving
+ones (one warning line each) and spellings to their canonical form on the plain dict, before any
+dataclass is built; the dataclasses' ``__post_init__`` check values (``config/schema.py``).
+Nothing here creates a process group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from ..layout.specs import bad_value
+from .derived import fit_cpu_cluster
+from .hardware import writable_dir_check
+from .schema import GRAD_REDUCE_DTYPES, RENAMED, RESUME_ALIASES, JobConfig, ModelConfig, config_dir
+
+
+def normalise(data: dict[str, Any]) -> None:
+    """The merged config as plain data, in place: deprecated names mapped, spellings made
+    canonical, so that the dataclasses only check."""
+    _model_names(data["model"])
+    _grad_reduce(data["train"], data["sync"])
+    ck = data["checkpoint"]
+    iv = ck["interval"]
+    if isinstance(iv, str) and iv.strip().lower() == "auto":
+        ck["interval"] = "auto"
+    mode = str(ck["resume"]).lower()
+    if mode in RESUME_ALIASES or mode in ("auto", "required", "never"):
+        ck["resume"] = RESUME_ALIASES.get(mode, mode)
+
+
+def _model_names(model: dict[str, Any]) -> None:
+    """The previous release's ``model.*`` names: one warning each, the value moved to
+    megatron's name (both set differently: an error naming them). YAML's list
+    ``window_size`` becomes a tuple (the config stays hashable)."""
+    for old, new in RENAMED.items():
+        value = model[old]
+        if value is None:
+            continue
+        default = ModelConfig.__dataclass_fields__[new].default
+        if model[new] != default and model[new] != value:
+            raise bad_value(f"model.{old}", value, f"deprecated name of model.{new}, which "
+                            f"is also set ({model[new]!r}): set model.{new} only")
+        warnings.warn(f"model.{old} is deprecated: use model.{new} (megatron-core's name); "
+                      "the old name goes in the next release", FutureWarning, stacklevel=4)
+        model[new], model[old] = value, None
+    if isinstance(model["window_size"], list):
+        model["window_size"] = tuple(model["window_size"])
+
+
+def _grad_reduce(train: dict[str, Any], sync: dict[str, Any]) -> None:
+    """The deprecated ``sync.grad_reduce_dtype`` becomes ``train.grad_reduce_in_fp32`` (one
+    warning line naming both; both set inconsistently: an error naming both); fp32 parameters
+    reduce in fp32 whatever it says (megatron's rule)."""
+    dt = sync["grad_reduce_dtype"]
+    if dt is not None:
+        if dt not in GRAD_REDUCE_DTYPES:
+            raise bad_value("sync.grad_reduce_dtype", dt, f"must be one of {GRAD_REDUCE_DTYPES} "
+                            "(deprecated: use train.grad_reduce_in_fp32)")
+        if dt == "fp32" and not train["grad_reduce_in_fp32"] and train["precision"] != "fp32":
+            raise bad_value("sync.grad_reduce_dtype", dt, "contradicts train.grad_reduce_in_fp32="
+                            "false (its deprecated name: set train.grad_reduce_in_fp32 only)")
+        if dt == "bf16" and train["precision"] != "bf16":
+            raise bad_value("sync.grad_reduce_dtype", dt,
+                            f"needs train.precision=bf16 (got {train['precision']!r})")
+        warnings.warn("sync.grad_reduce_dtype is deprecated: use train.grad_reduce_in_fp32 "
+                      "(megatron's name); the old name goes in the next release",
+                      FutureWarning, stacklevel=4)
+        train["grad_reduce_in_fp32"] = dt == "fp32"
+        sync["grad_reduce_dtype"] = None
+    if train["precision"] == "fp32":
+        train["grad_reduce_in_fp32"] = True
+
+
+def _build(cls: type, data: dict[str, Any]) -> Any:
+    """A dataclass from plain data, nested sections first (their checks run in field order)."""
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in data:
+            continue
+        value = data[f.name]
+        if isinstance(value, dict) and f.default_factory is not dataclasses.MISSING:
+            proto = f.default_factory()
+            if dataclasses.is_dataclass(proto):
+                value = _build(type(proto), value)
+        kwargs[f.name] = value
+    return cls(**kwargs)
+
+
+def _register_defaults() -> None:
+    """Every schema key with its default, as the config ``nutp_defaults`` that primary configs
+    list first: Hydra then accepts an override of any schema key (not only those a YAML file
+    mentions). Types are enforced after composition, by the structured merge."""
+    from hydra.core.config_store import ConfigStore
+
+    defaults = OmegaConf.to_container(OmegaConf.structured(JobConfig))
+    ConfigStore.instance().store(name="nutp_defaults", node=defaults)
+
+
+def compose_config(config_name: str, overrides: list[str], directory: Path) -> Any:
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    _register_defaults()
+    with initialize_config_dir(config_dir=str(directory.resolve()), version_base="1.3"):
+        return compose(config_name=config_name, overrides=overrides)
+
+
+def load_config(overrides: list[str] | None = None, *, config_name: str = "config",
+                directory: Path | None = None) -> JobConfig:
+    """Compose YAML + overrides, normalise (``normalise``) and validate into a ``JobConfig``.
+
+    Raises ``ValueError`` naming the key for unknown keys, wrong types and bad values.
+    """
+    directory = directory or config_dir()
+    try:
+        raw = compose_config(config_name, list(overrides or []), directory)
+        OmegaConf.set_struct(raw, False)
+        raw.pop("hydra", None)
+        base = OmegaConf.structured(JobConfig)
+        writable_dir_check(base)
+        merged = OmegaConf.merge(base, raw)
+        data = OmegaConf.to_container(merged, resolve=True, throw_on_missing=True)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or "config"
+        raise ValueError(f"{key}: {str(e).splitlines()[0]}") from None
+    except Exception as e:  # hydra's own override/config errors
+        if type(e).__module__.startswith("hydra"):
+            raise ValueError(_hydra_message(str(e))) from None
+        raise
+    assert isinstance(data, dict)
+    job: dict[str, Any] = {str(k): v for k, v in data.items()}
+    normalise(job)
+    return fit_cpu_cluster(_build(JobConfig, job))
+
+
+def _hydra_message(text: str) -> str:
+    """One line for a Hydra error. Hydra suggests ``+key=value`` for an unknown key, which the
+    schema then rejects anyway: say the key is unknown and name the closest schema keys."""
+    import difflib
+    import re
+
+    m = re.match(r"Could not override '([^']+)'", text)
+    if m is None:
+        return "config: " + " ".join(text.split())
+    key = m.group(1)
+    if key in schema_keys():  # a primary config without the nutp_defaults default
+        return (f"{key}: not in this config's composition (its defaults list must start with "
+                "nutp_defaults, as configs/config.yaml and recipes/base_pretrain.yaml do)")
+    close = difflib.get_close_matches(key, schema_keys(), n=3, cutoff=0.6)
+    hint = f"; did you mean {' or '.join(close)}?" if close else ""
+    return f"{key}: unknown key (not in nemo_nutp/config/schema.py){hint}"
+
+
+def schema_keys() -> list[str]:
+    """Every dotted key of the schema (``train.steps``, ``recovery.fault.kind``, ...)."""
+    out: list[str] = []
+
+    def walk(node: Any, prefix: str) -> None:
+        for k, v in node.items():
+            if isinstance(v, dict):
+                walk(v, f"{prefix}{k}.")
+            else:
+                out.append(f"{prefix}{k}")
+
+    walk(OmegaConf.to_container(OmegaConf.structured(JobConfig)), "")
+    return out
+
+
+def validate_yaml_file(path: Path) -> JobConfig:
+    """Load one YAML file (a full job or a recipe) strictly into ``JobConfig``."""
+    return load_config([], config_name=path.stem, directory=path.parent)
