@@ -60,10 +60,17 @@ def test_live_script_keeps_peers_alive_and_runs_control_outside_the_ranks(tmp_pa
     assert subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0
     assert "#SBATCH --nodes=2\n" in text and "#SBATCH --ntasks-per-node=1\n" in text
     assert "#SBATCH --no-kill\n" in text
-    srun = [x for x in text.splitlines() if x.startswith("srun ")]
+    srun = [x for x in text.split("\n\n")[-1].replace("\\\n", " ").splitlines()
+            if x.startswith("srun ")]
     assert len(srun) == 2, srun  # the control process and the agents: nothing per attempt
     assert "--overlap" in srun[0] and "--ntasks=1" in srun[0]
-    assert "--kill-on-bad-exit=0 --wait=0" in text and "nemo_nutp.recovery.agent" in text
+    # Real Slurm (22.05) refuses --gres=none inside a --gpus-per-node job ("Invalid Trackable
+    # RESource (TRES) specification"); --gpus-per-node=0 is accepted.
+    assert "--gpus-per-node=0" in srun[0] and not any("--gres" in x for x in srun)
+    # The job's --no-kill does not keep a running step's other nodes: the agents' step has its
+    # own, so a lost node ends only its own agent.
+    assert "--kill-on-bad-exit=0 --wait=0 --no-kill" in srun[1]
+    assert "nemo_nutp.recovery.agent" in srun[1]
     assert "nemo_nutp.launch.control" in text and "for attempt in" not in text
 
 
