@@ -38,8 +38,13 @@ TESTS_BRIDGE ?= tests/integrations/test_bridge_shim.py tests/integrations/test_b
 	tests/integrations/test_recipe_coverage.py tests/integrations/test_gemma_hf_parity.py \
 	tests/model/test_gemma_reference.py
 
-.PHONY: demo config-docs test test-311 test-312 test-bridge lint venv bench sim clean gpu-check-prepare \
-	gpu-check
+# The real Slurm the tests start (tests/helpers/slurm_cluster.py: munged, slurmctld, 3 slurmd on
+# loopback; tests/launch runs the scripts `nutp sbatch` renders on it): Debian's Slurm 22.05 and
+# munge, apt-installed (root) when not there yet; gcc builds the container-flags SPANK plugin.
+SLURM_PKGS ?= slurmctld slurmd slurm-client munge libslurm-dev
+
+.PHONY: demo config-docs test test-311 test-312 test-bridge lint venv bench sim clean \
+	gpu-check-prepare gpu-check slurm
 
 $(STAMP): setup.py
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -65,6 +70,25 @@ $(STAMPBRIDGE): $(STAMP312) requirements-bridge.txt
 
 venv: $(STAMP)
 
+slurm:
+	@if command -v slurmctld >/dev/null && test -f /usr/include/slurm/spank.h; then \
+	  echo "slurm: $$(slurmctld -V) installed"; \
+	else \
+	  test "$$(id -u)" = 0 || { echo "make test: the Slurm test cluster needs root (apt-get \
+	install $(SLURM_PKGS), munged and slurmd run as root)" >&2; exit 1; }; \
+	  command -v apt-get >/dev/null || { echo "make test: apt-get not found; install \
+	$(SLURM_PKGS) (Slurm 22.05 + munge) for the Slurm test cluster" >&2; exit 1; }; \
+	  echo "slurm: apt-get install $(SLURM_PKGS)"; \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get install -y -q --no-install-recommends $(SLURM_PKGS) >/dev/null || \
+	  { apt-get update -q >/dev/null && \
+	    apt-get install -y -q --no-install-recommends $(SLURM_PKGS) >/dev/null; } || \
+	  { echo "make test: apt-get install $(SLURM_PKGS) failed" >&2; exit 1; }; \
+	  echo "slurm: $$(slurmctld -V) installed"; \
+	fi
+	@command -v gcc >/dev/null || { echo "make test: gcc not found (the Slurm test cluster \
+	builds a SPANK plugin with it)" >&2; exit 1; }
+
 demo: $(STAMP)
 	$(BIN)/nutp-train
 
@@ -81,7 +105,7 @@ lint: $(STAMP)
 
 test: lint test-311 test-312 test-bridge
 
-test-311: $(STAMP)
+test-311: $(STAMP) slurm
 	$(BIN)/python -m pytest -q --durations=20
 
 test-312: $(STAMP312)

@@ -67,6 +67,9 @@ class SbatchOptions:
     """Optional ``--nodelist`` pinning the hosts in plan node order."""
     repo: str = "/opt/nemo_nutp"
     """Where the Dockerfile installed nemo_nutp inside the image (configs/ and recipes/)."""
+    requeue: bool = False
+    """``#SBATCH --requeue``: Slurm may requeue the job (node failure, preemption); the
+    requeued job starts the script again from the top."""
 
     def __post_init__(self) -> None:
         if self.launcher not in LAUNCHERS:
@@ -204,6 +207,8 @@ def _header(plan: Plan, opts: SbatchOptions, nodes: int, command: str,
     ]
     if live:  # a lost node must not end the job: the control process re-plans around it
         lines.append("#SBATCH --no-kill")
+    if opts.requeue:
+        lines.append("#SBATCH --requeue")
     if opts.nodelist:
         lines.append(f"#SBATCH --nodelist={opts.nodelist}")
     return "\n".join(lines) + "\n"
@@ -332,9 +337,10 @@ _LIVE_DOC = """\
 #    restart fallback); it trains nothing. Its exit code is the job's.
 # 2. One node agent per node (all of the node's GPUs): starts, kills and reports the node's
 #    rank processes for the control process, including a returning GPU's new process.
-# A dead rank (or agent) ends no peer: --kill-on-bad-exit=0, --wait=0, and --no-kill above
-# for a lost node. Slurm node id k is taken to be cluster node k: pin hosts with --nodelist
-# when GPU ids must match nodes. output.dir must be on a filesystem every node shares.
+# A dead rank (or agent) ends no peer: --kill-on-bad-exit=0, --wait=0, and --no-kill (the
+# job's above and the agents' step's below) for a lost node. Slurm node id k is taken to be
+# cluster node k: pin hosts with --nodelist when GPU ids must match nodes. output.dir must
+# be on a filesystem every node shares.
 """
 
 
@@ -348,13 +354,17 @@ def _launch_live(opts: SbatchOptions, train: list[str], recovery: Any) -> str:
         'if [[ -n "$NUTP_MOUNTS" ]]; then NUTP_SRUN+=(--container-mounts="$NUTP_MOUNTS"); fi',
         f"NUTP_LIVE=({' '.join(live)})",
         'NUTP_CONTROL="$NUTP_MASTER_ADDR:$NUTP_MASTER_PORT"',
-        "srun --nodes=1 --ntasks=1 --nodelist=\"$NUTP_MASTER_ADDR\" --overlap --gres=none \\",
+        "# --gpus-per-node=0: no GPU (Slurm refuses --gres=none inside a --gpus-per-node job).",
+        "srun --nodes=1 --ntasks=1 --nodelist=\"$NUTP_MASTER_ADDR\" --overlap \\",
+        "  --gpus-per-node=0 \\",
         '  "${NUTP_SRUN[@]}" "${NUTP_LIVE[@]}" --listen="$NUTP_MASTER_PORT" \\',
         '  --address="$NUTP_MASTER_ADDR" &',
         "NUTP_CONTROL_PID=$!",
         "# One agent per node; its task gets every CPU of the node (srun's default is one).",
+        "# --no-kill: a lost node ends its own agent only (the job's --no-kill does not protect",
+        "# a running step's other nodes).",
         'srun --ntasks-per-node=1 --cpus-per-task="${SLURM_CPUS_ON_NODE:-1}" \\',
-        "  --kill-on-bad-exit=0 --wait=0 \\",
+        "  --kill-on-bad-exit=0 --wait=0 --no-kill \\",
         '  "${NUTP_SRUN[@]}" python -m nemo_nutp.recovery.agent --control="$NUTP_CONTROL" \\',
         f"  --timeout={recovery.startup_timeout_s:g} &",
         "NUTP_AGENTS_PID=$!",
@@ -464,7 +474,7 @@ def run(args: argparse.Namespace) -> int:
                              mounts=tuple(m for arg in args.mounts for m in arg.split(",") if m),
                              time=args.time, job_name=args.job_name, launcher=args.launcher,
                              master_port=args.master_port, nodelist=args.nodelist,
-                             repo=args.repo)
+                             repo=args.repo, requeue=args.requeue)
         text = render_sbatch(plan, opts, overrides=overrides, config_name=args.config_name,
                              recipe=recipe,
                              recovery=cfg.recovery if cfg.recovery.enabled else None)
@@ -500,4 +510,6 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--master-port", type=int, default=29500, help="rank 0's store port")
     p.add_argument("--nodelist", help="pin the hosts, in plan node order")
     p.add_argument("--repo", default="/opt/nemo_nutp", help="nemo_nutp's path in the image")
+    p.add_argument("--requeue", action="store_true",
+                   help="#SBATCH --requeue: Slurm may requeue the job (node failure, preemption)")
     p.set_defaults(func=run)

@@ -17,7 +17,8 @@ k-th). What the ``srun`` stand-in honours, as Slurm documents it:
 
 Accepted and ignored, because a CPU machine has nothing to do with them: the pyxis container
 options (``--container-image/-workdir/-mounts``, ``--no-container-mount-home``: tasks run on
-the host), ``--overlap`` and ``--gres=none`` (no resources are counted). Any other option is an
+the host), ``--overlap`` and ``--gpus-per-node=0`` (no resources are counted), ``--no-kill``
+(no node is lost here). Any other option is an
 error (exit 2, naming it): a script that relies on a flag this stand-in does not implement fails
 here instead of passing for the wrong reason. Every job step is appended to
 ``$NUTP_FAKE_SLURM_LOG`` (one JSON line: argv, tasks), so tests can count job steps.
@@ -32,7 +33,7 @@ from pathlib import Path
 SRUN = r'''#!{python}
 import json, os, signal, subprocess, sys, time
 IGNORED_VALUE = ("--container-image", "--container-workdir", "--container-mounts")
-IGNORED_FLAG = ("--no-container-mount-home", "--overlap")
+IGNORED_FLAG = ("--no-container-mount-home", "--overlap", "--no-kill")
 args = sys.argv[1:]
 opt = {{}}
 while args and args[0].startswith("-"):
@@ -42,7 +43,7 @@ while args and args[0].startswith("-"):
         continue
     if key in IGNORED_VALUE and value:
         continue
-    if key == "--gres" and value == "none":
+    if key == "--gpus-per-node" and value == "0":
         continue
     if key in ("--nodes", "--ntasks", "--ntasks-per-node", "--wait",
                "--cpus-per-task") and value.isdigit():

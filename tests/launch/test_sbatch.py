@@ -154,6 +154,17 @@ def test_cli_writes_atomically(tmp_path: Path) -> None:
     assert out.read_text() == text  # a failed render leaves the old script alone
 
 
+def test_requeue_flag(tmp_path: Path) -> None:
+    out = tmp_path / "job.sbatch"
+    for extra in ([], ["recovery.enabled=true", "checkpoint.interval=2"],
+                  ["recovery.enabled=true", "recovery.mode=live",
+                   "checkpoint.interval=2"]):
+        assert main(["sbatch", *extra, "--out", str(out)]) == 0
+        assert "#SBATCH --requeue" not in out.read_text()
+        assert main(["sbatch", *extra, "--requeue", "--out", str(out)]) == 0
+        assert re.findall(r"^#SBATCH --requeue$", out.read_text(), re.M) == ["#SBATCH --requeue"]
+
+
 def test_plan_accepts_recipe(tmp_path: Path) -> None:
     out = tmp_path / "plan.json"
     assert main(["plan", "--recipe", "llama3_8b_h100", "cluster=node_pair", "--json",

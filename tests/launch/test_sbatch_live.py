@@ -1,15 +1,20 @@
-"""Issue 24 item 4: ``nutp sbatch ... recovery.mode=live`` (Slurm), run under the CPU srun stand-in.
+"""Issue 24 item 4 / issue 35: ``nutp sbatch ... recovery.mode=live`` run on a real Slurm.
 
-The end-to-end test renders the live-mode script for the default tiny job on two "nodes" of
-four GPUs (GPU 7 failed: TP4+TP3 on 7 ranks) and runs it with ``bash`` and the stand-ins of
-``tests/helpers/slurm_standin.py`` (which implement the srun options the script relies on and
-reject any other). The script starts two job steps: the control process and one node agent per
-node. Rank 1 (node 0) is SIGKILLed in its forward at step 1: a live re-layout to TP3+TP3 in the
-same processes, no new job step; a failure inside the grow back that follows takes the restart
+The end-to-end test renders the live-mode script for the default tiny job on two nodes of four
+GPUs (GPU 7 failed: TP4+TP3 on 7 ranks) and submits it with ``sbatch``, as rendered, to the
+test cluster of ``tests/helpers/slurm_cluster.py`` (Debian's Slurm 22.05 on this machine: three
+slurmd with four fake GPUs each, a SPANK plugin accepting pyxis's ``--container-*`` options).
+The script starts two job steps: the control process and one node agent per node. Rank 1
+(node 0) is SIGKILLed in its forward at step 1: a live re-layout to TP3+TP3 in the same
+processes, no new job step; a failure inside the grow back that follows takes the restart
 fallback inside the same two steps, and a second grow back succeeds (the returning GPU's
-process started by its node's agent). Every step's loss and grad norm is
-compared with an uninterrupted single-process run of *stock* megatron-core (clipping on),
-computed here; replicas are bitwise equal after each move.
+process started by its node's agent). Every step's loss and grad norm is compared with an
+uninterrupted single-process run of *stock* megatron-core (clipping on), computed here;
+replicas are bitwise equal after each move.
+
+The CPU ``srun`` stand-in (``tests/helpers/slurm_standin.py``) is kept only for what this file
+checks of the stand-in itself (it still runs the restart-mode srun loop of
+``tests/train/test_elastic.py``).
 """
 
 from __future__ import annotations
@@ -19,12 +24,12 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from nemo_nutp.common.ports import free_port
-from nemo_nutp.common.procs import kill_session
 from nemo_nutp.launch import control as standalone
 from nemo_nutp.launch.slurm import SbatchOptions, render_sbatch
 from tests.helpers.launch import run_train
@@ -37,9 +42,11 @@ from tests.helpers.live import (
     replica_digests,
     stock_reference,
 )
-from tests.helpers.slurm_standin import install, job_steps
+from tests.helpers.slurm_cluster import PARTITION, SlurmCluster
+from tests.helpers.slurm_standin import install
 
-NODES = ("127.0.0.1", "localhost")  # Slurm node ids 0 and 1, both this machine
+NODES = ("127.0.0.1", "localhost")  # the stand-in's Slurm node ids 0 and 1, both this machine
+REPO = Path(__file__).resolve().parents[2]
 LIVE = ("cluster.gpus_per_node=4", "checkpoint.interval=2")
 
 
@@ -60,10 +67,17 @@ def test_live_script_keeps_peers_alive_and_runs_control_outside_the_ranks(tmp_pa
     assert subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0
     assert "#SBATCH --nodes=2\n" in text and "#SBATCH --ntasks-per-node=1\n" in text
     assert "#SBATCH --no-kill\n" in text
-    srun = [x for x in text.splitlines() if x.startswith("srun ")]
+    srun = [x for x in text.split("\n\n")[-1].replace("\\\n", " ").splitlines()
+            if x.startswith("srun ")]
     assert len(srun) == 2, srun  # the control process and the agents: nothing per attempt
     assert "--overlap" in srun[0] and "--ntasks=1" in srun[0]
-    assert "--kill-on-bad-exit=0 --wait=0" in text and "nemo_nutp.recovery.agent" in text
+    # Real Slurm (22.05) refuses --gres=none inside a --gpus-per-node job ("Invalid Trackable
+    # RESource (TRES) specification"); --gpus-per-node=0 is accepted.
+    assert "--gpus-per-node=0" in srun[0] and not any("--gres" in x for x in srun)
+    # The job's --no-kill does not keep a running step's other nodes: the agents' step has its
+    # own, so a lost node ends only its own agent.
+    assert "--kill-on-bad-exit=0 --wait=0 --no-kill" in srun[1]
+    assert "nemo_nutp.recovery.agent" in srun[1]
     assert "nemo_nutp.launch.control" in text and "for attempt in" not in text
 
 
@@ -115,12 +129,12 @@ def test_srun_standin_refuses_flags_it_does_not_implement(tmp_path: Path) -> Non
     assert r.returncode == 3  # 4 tasks (2 nodes x 2): a bad exit ends no peer; max code
 
 
-def _wait_event(out: Path, name: str, proc: subprocess.Popen, deadline: float) -> None:
+def _wait_event(out: Path, name: str, running: Callable[[], bool], deadline: float) -> None:
     events = out / "recovery" / "events.jsonl"
     while f'"event": "{name}"' not in (events.read_text() if events.exists() else ""):
-        assert proc.poll() is None, f"the job ended before {name}"
+        assert running(), f"the job ended before {name}"
         assert time.monotonic() < deadline, f"no {name} within the job timeout"
-        time.sleep(0.05)
+        time.sleep(0.1)
 
 
 def _report_back(out: Path, failed: list[int], now: list[int]) -> None:
@@ -142,52 +156,56 @@ def _gone(pid: int) -> bool:
 
 @pytest.mark.dist
 @pytest.mark.timeout(JOB_TIMEOUT_S + 120)
-def test_sbatch_live_under_srun_standin(tmp_path: Path) -> None:
-    """Attempt 0: rank 1 (node 0) killed in its forward at step 1 -> live TP3+TP3; GPU 1
-    reported back -> node 0's agent starts its process, but slot 4 (node 1) dies inside that
-    grow -> the restart fallback: the agents kill the new process and the world and start
-    attempt 1 (GPU 4 failed, GPU 1 back) from the newest checkpoint -- still the same two job
-    steps. Attempt 1: GPU 4 reported back -> node 1's agent starts its process, live grow
-    back to TP4+TP3."""
+def test_sbatch_live_on_slurm(slurm: SlurmCluster, tmp_path: Path) -> None:
+    """The rendered live-mode script, submitted with ``sbatch`` as rendered to the real Slurm
+    test cluster (3 nodes x 4 fake GPUs; the job takes 2). Attempt 0: rank 1 (node 0) killed in
+    its forward at step 1 -> live TP3+TP3; GPU 1 reported back -> node 0's agent starts its
+    process, but slot 4 (node 1) dies inside that grow -> the restart fallback: the agents kill
+    the new process and the world and start attempt 1 (GPU 4 failed, GPU 1 back) from the
+    newest checkpoint -- still the same two job steps (counted from the slurmds' logs). Attempt
+    1: GPU 4 reported back -> node 1's agent starts its process, live grow back to TP4+TP3."""
     steps = 12
     out = tmp_path / "out"
     over = (*BASE, *LIVE, f"train.steps={steps}", f"output.dir={out}")
-    bindir = tmp_path / "bin"
-    install(bindir)
     script = tmp_path / "job.sbatch"
-    script.write_text(_script(over, master_port=free_port()))
-    steps_log = tmp_path / "steps.jsonl"
-    env = {**os.environ, "NUTP_LIVE_FAULT": "kill:1:1:forward:0,kill:4:0:relayout:1",
-           "NUTP_LIVE_DIGEST": "1",
-           "PATH": os.pathsep.join([str(bindir), str(Path(sys.executable).parent),
-                                    os.environ["PATH"]]),
-           "SLURM_JOB_ID": "1", "SLURM_JOB_NODELIST": ",".join(NODES),
-           "SLURM_JOB_NUM_NODES": "2", "SLURM_CPUS_ON_NODE": "1",
-           "NUTP_FAKE_SLURM_LOG": str(steps_log)}
-    log = tmp_path / "job.log"
-    with log.open("w") as f:
-        proc = subprocess.Popen(["bash", str(script)], stdout=f, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True, env=env, cwd=tmp_path)
-        try:
-            deadline = time.monotonic() + JOB_TIMEOUT_S
-            _wait_event(out, "live_relayout", proc, deadline)
-            _report_back(out, [1, 7], [7])
-            _wait_event(out, "failure", proc, deadline)  # the grow fell back
-            while [e["event"] for e in read_events(out)].count("live_world") < 2:
-                assert proc.poll() is None and time.monotonic() < deadline, "no attempt 1"
-                time.sleep(0.05)
-            _report_back(out, [4, 7], [7])
-            rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-            ev = read_events(out)
-            (first_join, second_join) = [e for e in ev if e["event"] == "agent_join"]
-            assert _gone(first_join["pid"]), "the fallback left the new process running"
-        finally:
-            kill_session(proc.pid)
-            proc.wait()
-    text = log.read_text()
-    assert rc == 0, text[-6000:]
-    # Two job steps for the whole job: the control process and the node agents.
-    assert sorted(s["tasks"] for s in job_steps(steps_log)) == [1, 2]
+    script.write_text(_script(over, master_port=free_port(), partition=PARTITION,
+                              account="nutp", repo=str(REPO), job_name="nutp-live"))
+    # sbatch passes this environment to the job (--export=ALL): the fault, the digests, this
+    # interpreter first on PATH.
+    env = slurm.env(NUTP_LIVE_FAULT="kill:1:1:forward:0,kill:4:0:relayout:1",
+                    NUTP_LIVE_DIGEST="1",
+                    PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]))
+    r = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True,
+                       env=env, cwd=tmp_path, timeout=60)
+    assert r.returncode == 0, r.stderr
+    job = r.stdout.strip().split(";")[0]
+    state: dict[str, str] = {}
+
+    def running() -> bool:
+        state.update(slurm.job(job))
+        return state["JobState"] in ("PENDING", "CONFIGURING", "RUNNING")
+
+    try:
+        deadline = time.monotonic() + JOB_TIMEOUT_S
+        _wait_event(out, "live_relayout", running, deadline)
+        _report_back(out, [1, 7], [7])
+        _wait_event(out, "failure", running, deadline)  # the grow fell back
+        while [e["event"] for e in read_events(out)].count("live_world") < 2:
+            assert running() and time.monotonic() < deadline, "no attempt 1"
+            time.sleep(0.1)
+        _report_back(out, [4, 7], [7])
+        while running():
+            assert time.monotonic() < deadline, "the job did not end within the job timeout"
+            time.sleep(0.2)
+        ev = read_events(out)
+        (first_join, second_join) = [e for e in ev if e["event"] == "agent_join"]
+        assert _gone(first_join["pid"]), "the fallback left the new process running"
+    finally:
+        slurm.run("scancel", job, check=False)
+    text = (tmp_path / f"nutp-live-{job}.out").read_text()
+    assert (state["JobState"], state["ExitCode"]) == ("COMPLETED", "0:0"), text[-6000:]
+    # Two job steps for the whole job: the control process (0) and the node agents (1).
+    assert slurm.job_steps(job) == [0, 1]
     ref = stock_reference(over, steps, tmp_path)
     rows = check_steps(out, ref, TOL)  # every step, no gap
     layouts = [r["replica_tp"] for r in rows]
@@ -212,6 +230,6 @@ def test_sbatch_live_under_srun_standin(tmp_path: Path) -> None:
     assert sorted(digests) == sorted({kill["gen"], grow["gen"]}), digests
     summary = json.loads((out / "recovery" / "summary.json").read_text())
     assert [x["mode"] for x in summary] == ["live", "restart", "live"], summary
-    print(f"srun live: kill relayout_s {kill['relayout_s']:.2f} (unblock "
+    print(f"slurm live: kill relayout_s {kill['relayout_s']:.2f} (unblock "
           f"{kill['unblock_s']:.3f}), gpu back relayout_s {grow['relayout_s']:.2f}, restart "
           f"resumed at step {fail['resume_step']}")
