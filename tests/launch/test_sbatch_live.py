@@ -157,7 +157,8 @@ def test_sbatch_live_under_srun_standin(tmp_path: Path) -> None:
     script = tmp_path / "job.sbatch"
     script.write_text(_script(over, master_port=free_port()))
     steps_log = tmp_path / "steps.jsonl"
-    env = {**os.environ, "NUTP_LIVE_FAULT": "kill:1:1:forward:0,kill:4:0:relayout:1",
+    env = {**os.environ,
+           "NUTP_FAULT": "kill:rank=1:step=1:phase=forward,kill:rank=4:phase=relayout:gen=1",
            "NUTP_LIVE_DIGEST": "1",
            "PATH": os.pathsep.join([str(bindir), str(Path(sys.executable).parent),
                                     os.environ["PATH"]]),
