@@ -1,7 +1,7 @@
 """Straggler benchmark on CPU/gloo: live micro-batch rebalancing vs static shares.
 
 Two equal replicas; one rank is slowed ``--factor`` x by fault injection (the ``slow`` fault of
-``checkpoint/faults.py``: it sleeps ``factor - 1`` times each micro-batch's measured
+``common/faults.py``: it sleeps ``factor - 1`` times each micro-batch's measured
 forward/backward). One spawned world builds two sessions of the same plan — (a) static shares
 (the plan's), (b) live rebalancing (``train/rebalance.py``: the controller and share updates
 ``nutp.rebalance=true`` uses) — and alternates their steps, so both see the same machine noise.

@@ -187,7 +187,7 @@ def _run_kill_or_hang(event: str, opts: Options, out: Path) -> None:
     over = [*JOB, f"train.steps={opts.steps}"]
     if event == "hang":
         over.append(f"recovery.heartbeat_timeout_s={opts.hang_timeout_s}")
-    with Job(out, over, env={"NUTP_FAULT": f"{event}:1:{opts.fault_step}"}) as job:
+    with Job(out, over, env={"NUTP_FAULT": f"{event}:rank=1:step={opts.fault_step}"}) as job:
         job.wait()
 
 
@@ -217,7 +217,7 @@ def _run_straggler(opts: Options, out: Path, *extra: str, slow_from: int | None 
     over = [*JOB, f"train.steps={opts.steps}", "nutp.straggler_probe_interval=1",
             "nutp.straggler_window=3", "nutp.exclude_stragglers=true", *extra]
     start = opts.fault_step if slow_from is None else slow_from
-    with Job(out, over, env={"NUTP_FAULT": f"slow:1:4:{start}"}) as job:
+    with Job(out, over, env={"NUTP_FAULT": f"slow:rank=1:factor=4:step={start}"}) as job:
         job.wait()
 
 
@@ -297,7 +297,7 @@ def live(event: str, opts: Options) -> dict[str, Any] | None:
     over = [*JOB, "recovery.mode=live", f"train.steps={opts.steps}"]
     if event == "hang":
         over.append(f"recovery.heartbeat_timeout_s={opts.hang_timeout_s}")
-    with Job(out, over, env={"NUTP_FAULT": f"{event}:1:{opts.fault_step}"}) as job:
+    with Job(out, over, env={"NUTP_FAULT": f"{event}:rank=1:step={opts.fault_step}"}) as job:
         job.wait()
     return _live_entry(out)
 
@@ -315,7 +315,7 @@ def live_zero(event: str, opts: Options) -> dict[str, Any] | None:
             "recovery.live_redundancy=true", f"train.steps={opts.steps}"]
     if event == "hang":
         over.append(f"recovery.heartbeat_timeout_s={opts.hang_timeout_s}")
-    with Job(out, over, env={"NUTP_FAULT": f"{event}:1:{opts.fault_step}"}) as job:
+    with Job(out, over, env={"NUTP_FAULT": f"{event}:rank=1:step={opts.fault_step}"}) as job:
         job.wait()
     return _live_entry(out)
 

@@ -27,8 +27,8 @@ import torch.distributed as dist
 
 from ..common.env import ATTEMPT, HEARTBEAT_DIR
 from ..common.events import log_event
+from ..common.faults import Faults
 from .bridge_state import check_continuation
-from .faults import Fault
 from .interval import AutoInterval
 from .megatron_format import describe, restore_asides, sources
 from .store import CheckpointError, load_newest_valid, save_checkpoint
@@ -129,7 +129,7 @@ class CheckpointHooks:
         self.lr_at = lr_at
         self.root = cfg.checkpoint_dir
         self.rank = dist.get_rank()
-        self.fault = Fault.from_env_or_config(cfg)
+        self.fault = Faults.from_env_or_config(cfg)
         hb = os.environ.get(HEARTBEAT_DIR)
         self.heartbeat = Path(hb) / f"rank{self.rank}" if hb else None
         ck = cfg.checkpoint

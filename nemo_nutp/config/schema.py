@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..common import env
+from ..common.faults import configured
 from ..layout import ClusterSpec, HealthReport, ModelDims, ParallelSpec
 from ..layout.specs import bad_value, check_positive, normalize_replicas
 
@@ -636,24 +637,26 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class FaultConfig:
-    """Fault injection for tests and demos (env ``NUTP_FAULT=kind:rank:step`` overrides)."""
+    """One injected fault for tests and demos (``common/faults.py``: the grammar, when each
+    fires; env ``NUTP_FAULT`` wins)."""
 
     kind: str | None = None
     """None, 'kill' (SIGKILL), 'hang' (sleep forever), 'save_crash' (die inside a save) or
     'slow' (compute ``factor`` x slower from ``step`` on: a straggler)."""
     rank: int = 0
-    """Global rank that fails."""
+    """Global rank that fails (a phase fault: the process's rank in world 0, its slot)."""
     step: int = 0
-    """Step (0-based) at whose start the fault fires (first attempt only)."""
+    """Step (0-based) at whose start (or in whose ``phase``) the fault fires (first attempt
+    only)."""
+    phase: str | None = None
+    """kill/hang under ``recovery.mode=live``: the phase of the step (forward, backward, sync,
+    vote, optimizer, gather, relayout); None: the step's start."""
+    gen: int = 0
+    """A phase fault's world (0: the first, 1: after one live re-layout, ...)."""
     factor: float = 3.0
     """kind 'slow': wall-time multiplier of the rank's forward/backward (>= 1)."""
-
-    def __post_init__(self) -> None:
-        if self.kind not in (None, "kill", "hang", "save_crash", "slow"):
-            raise bad_value("recovery.fault.kind", self.kind,
-                            "must be null, kill, hang, save_crash or slow")
-        if not 1.0 <= self.factor < 1e6:
-            raise bad_value("recovery.fault.factor", self.factor, "must be >= 1")
+    until: int | None = None
+    """kind 'slow': the step it ends at (not slowed from there on); None: never."""
 
 
 @dataclass(frozen=True)
@@ -680,13 +683,16 @@ class RecoveryConfig:
     of its sync group (ring), updated in the same step, so a live re-layout survives one rank's
     loss (``sync/zero.py``); doubles the optimizer state per rank. Off: such a failure restarts."""
     fault: FaultConfig = field(default_factory=FaultConfig)
-    """Fault injection."""
+    """Fault injection: one fault (``kind: null``: none)."""
+    faults: list[FaultConfig] = field(default_factory=list)
+    """More faults, the same mappings (``recovery.faults=[{kind:kill,rank:1,step:2},...]``)."""
     rate_per_gpu_day: float = 419 / (54 * 16384)
     """Expected failures per GPU-day (the simulator's ``sim.failures.rate_per_gpu_day``: Llama 3
     405B's 419 in 54 days on 16,384 GPUs); ``checkpoint.interval=auto`` scales it by the job's
     GPU count."""
 
     def __post_init__(self) -> None:
+        configured(self)  # each fault valid: ValueError naming recovery.fault(s)...
         if not self.rate_per_gpu_day >= 0:
             raise bad_value("recovery.rate_per_gpu_day", self.rate_per_gpu_day, "must be >= 0")
         if self.max_restarts < 0:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..common.events import log_event
+from ..common.faults import FATAL_EVENT
 from ..layout.serialize import write_json_atomic
 from .decisions import (
     Activity,
@@ -311,7 +312,7 @@ def summary(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     fault_t = None
     for e in events:
-        if e["event"] == "fault":
+        if e["event"] == FATAL_EVENT:  # a slowdown's SLOW_EVENT starts no timer
             fault_t = e["t"]
         elif e["event"] == "failure":
             t = e.get("detected_at", e["t"])

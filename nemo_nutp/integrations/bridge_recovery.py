@@ -6,8 +6,8 @@ rank's step heartbeats and the job's events, as it does for ``nutp-train``'s ran
 Bridge's own loop they come from its callback events (``recovery_callbacks``):
 
 * ``on_train_step_start``: heartbeat ``start <step>`` (``$NUTP_HEARTBEAT_DIR/rank<r>``), then the
-  injected fault of ``recovery.fault.*`` / ``NUTP_FAULT`` (``checkpoint/faults.py``: first
-  attempt only) at its step;
+  injected faults of ``recovery.fault``/``recovery.faults`` or ``NUTP_FAULT``
+  (``common/faults.py``: first attempt only) at their step;
 * ``on_train_step_end``: heartbeat ``done <step>``;
 * ``on_train_start``: rank 0 logs ``resumed`` (step, checkpoint, layout) when the run loaded a
   checkpoint through ``checkpoint.load`` (the supervisor's restart time and resume step).
@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..common.env import HEARTBEAT_DIR
+from ..common.faults import Faults
 
 
 def recovery_callbacks(manager: Any, nutp: Any, plan: Any, checkpoints: Any, *,
@@ -36,11 +37,10 @@ def recovery_callbacks(manager: Any, nutp: Any, plan: Any, checkpoints: Any, *,
     world: the fault was the first world's)."""
     import torch.distributed as dist
 
-    from ..checkpoint.faults import Fault
     from ..common.events import log_event
 
     rank = dist.get_rank()
-    injected = Fault.from_env_or_config(nutp) if fault else None
+    injected = Faults.from_env_or_config(nutp) if fault else None
     hb = os.environ.get(HEARTBEAT_DIR)
     beat_file = Path(hb) / f"rank{rank}" if hb else None
 

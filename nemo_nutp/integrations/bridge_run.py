@@ -433,7 +433,7 @@ def start_world(world: BridgeWorld, out_dir: str | Path, *,
         init_num_microbatches_calculator,
     )
 
-    from ..checkpoint.faults import Fault
+    from ..common.faults import Faults
     from ..train.rebalance import LiveBalance
     from ..train.step import reduce_replica_loss
     from .bridge_ckpt import NUTPBridgeCheckpointManager
@@ -445,7 +445,7 @@ def start_world(world: BridgeWorld, out_dir: str | Path, *,
     job, plan, groups, cfg = world.job, world.plan, world.groups, world.cfg
     model, optimizer, scheduler = world.model, world.optimizer, world.scheduler
     first = resume is None or resume.same_world  # the world's first run, or its re-entry
-    fault = Fault.from_env_or_config(job.nutp) if first else None
+    fault = Faults.from_env_or_config(job.nutp) if first else None
     if balance is None:  # the shares (nutp.rebalance), the straggler probe, a slowdown
         balance = LiveBalance(job.nutp, balance_view(world), fault=fault, rank=groups.ctx.rank)
     ctx = groups.ctx  # (after a rebalance: this replica's new share)
@@ -561,7 +561,7 @@ def balance_view(world: BridgeWorld) -> Any:
 def balance_callbacks(callbacks: Any, balance: Any, outputs: Any, mc: Any, *,
                       iters: int) -> None:
     """Around each of Bridge's steps, what ``nutp-train``'s loop does around its own
-    (``train.rebalance.LiveBalance``): the injected slowdown (``NUTP_FAULT=slow:...``: this
+    (``train.rebalance.LiveBalance``): the injected slowdown (``common/faults.py`` kind slow: this
     rank's compute x factor, slept before the gradient finalisation, outside the sync's timing,
     so that it is compute), the straggler probe and the shares from the step's per-replica
     compute times (``outputs.last_reps``); changed shares leave ``train()`` (``Reshare``) after

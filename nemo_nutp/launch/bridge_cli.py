@@ -101,7 +101,7 @@ def join_rank(argv: list[str], slot: int, job: Any, old_plan: Any, gpu: int, gen
         addr = control_address()
         assert addr is not None, "a joiner is started by the live control process"
         link = LiveRank(addr[0], addr[1], slot=slot, timeout_s=job.recovery.startup_timeout_s)
-        link.start(gen=gen)
+        link.start(gen=gen, cfg=job)
         train_rank_live(bridge_job, old_plan, job.output.dir, seed=job.train.seed, link=link,
                         joining=gpu)
         _exit(0)

@@ -70,13 +70,21 @@ def preflight(cfg: JobConfig, plan: Plan | None = None) -> None:
 def check_inputs(cfg: JobConfig, plan: Plan | None = None) -> None:
     """The part of ``preflight`` a dry run does too: combinations no runtime can run, the data
     path, the checkpoint to resume from (``plan``: fault injection must name a planned rank)."""
-    fault = cfg.recovery.fault
+    rec = cfg.recovery
+    faults = [("recovery.fault", rec.fault),
+              *((f"recovery.faults[{i}]", f) for i, f in enumerate(rec.faults))]
     if plan is not None and cfg.recovery.live_redundancy and len(plan.replicas) < 2:
         raise ValueError(f"recovery.live_redundancy=true: the plan has {len(plan.replicas)} "
                          "replica; the copy of an optimizer slice needs another replica's rank")
-    if plan is not None and fault.kind is not None and fault.rank >= plan.world_size:
-        raise ValueError(f"recovery.fault.rank={fault.rank}: the plan has {plan.world_size} "
-                         f"ranks (0..{plan.world_size - 1})")
+    for key, fault in faults:
+        if fault.kind is None:
+            continue
+        if plan is not None and fault.rank >= plan.world_size:
+            raise ValueError(f"{key}.rank={fault.rank}: the plan has {plan.world_size} "
+                             f"ranks (0..{plan.world_size - 1})")
+        if fault.phase is not None and rec.mode != "live":
+            raise ValueError(f"{key}.phase={fault.phase!r}: a phase fault fires under "
+                             "recovery.mode=live only")
     from ..data.indexed import IndexedTokenSource
 
     for key in ("data_path", "valid_data_path"):

@@ -6,8 +6,8 @@
   the abort watch, the per-step vote).
 * ``backend``: the one place that knows gloo from NCCL: abortable waits, abandoning a world,
   joining the next.
-* ``inject``: phase faults for tests (``NUTP_LIVE_FAULT``).
 
 The control process's side is ``recovery/control.py``; the protocol's rules are
-``health/commit.py``.
+``health/commit.py``; faults injected at a phase of a step (tests, demos) are
+``common/faults.py``'s, fired through ``LiveRank.injector``.
 """

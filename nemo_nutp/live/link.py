@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from ..common.env import CONTROL
+from ..common.faults import Faults
 from ..health.commit import GROW, Report
 from . import backend
 
@@ -90,7 +91,7 @@ class LiveLink(Protocol):
     committed: Committed  # the newest committed step as this rank knows it
     store: Any
     timeout_s: float
-    injector: Any  # phase faults (tests), or None
+    injector: Faults | None  # injected faults (common/faults.py; phase faults fire here)
     old_replica_tp: Any  # the stopped world's replicas (its missing metrics row)
     grow_agreed: bool  # the last vote asked every rank to stop after this step
 
@@ -134,19 +135,18 @@ class LiveRank:
     loss: float = float("nan")
     committed: Committed = field(default_factory=Committed)
     store: Any = None
-    injector: Any = None  # live/inject.py (NUTP_LIVE_FAULT), tests
+    injector: Faults | None = None  # injected faults (tests, demos): phase faults fire here
     old_replica_tp: Any = None  # the stopped world's replicas (its missing metrics row)
     grow_agreed: bool = False  # the last vote asked every rank to stop after this step
     _grow: threading.Event = field(default_factory=threading.Event)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _rejoined: threading.Event = field(default_factory=threading.Event)
 
-    def start(self, *, gen: int = 0) -> None:
-        """Connect; ``gen``: the first world this process joins (a joiner: not 0)."""
-        from .inject import Injector
-
+    def start(self, *, gen: int = 0, cfg: Any = None) -> None:
+        """Connect; ``gen``: the first world this process joins (a joiner: not 0); ``cfg``: the
+        job's config (its ``recovery.fault(s)``; None: ``NUTP_FAULT`` only)."""
         self.gen = gen
-        self.injector = Injector.from_env(self.slot)
+        self.injector = Faults.from_env_or_config(cfg)
         backend.install()
         self.store = connect(self.host, self.port, self.timeout_s)
         watcher = connect(self.host, self.port, self.timeout_s)

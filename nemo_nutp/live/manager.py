@@ -101,13 +101,13 @@ class LiveManager(Generic[R]):
         session.listener = self
         inj = self.link.injector
         if inj is not None:
-            inj.arm(session, lambda: (self.link.step, self.link.gen))
+            inj.arm(session, self.link.slot, lambda: (self.link.step, self.link.gen))
 
     def vote(self, loss: float) -> None:
         """``StepListener.vote``: the commit vote (faults: the ``vote`` phase first)."""
         link = self.link
         if link.injector is not None:
-            link.injector.fire("vote", step=link.step, gen=link.gen)
+            link.injector.fire("vote", rank=link.slot, step=link.step, gen=link.gen)
         link.vote(loss)
 
     def stepped(self, result: StepResult) -> None:
@@ -115,10 +115,10 @@ class LiveManager(Generic[R]):
         self.link.stepped(None if result.skipped else result.grad_norm)
 
     def phase(self, name: str) -> None:
-        """``StepListener.phase``: test faults of that phase (``NUTP_LIVE_FAULT``)."""
+        """``StepListener.phase``: injected faults of that phase (``common/faults.py``)."""
         link = self.link
         if link.injector is not None:
-            link.injector.fire(name, step=link.step, gen=link.gen)
+            link.injector.fire(name, rank=link.slot, step=link.step, gen=link.gen)
 
     def begin(self, step: int) -> None:
         self.link.begin(step)
@@ -152,7 +152,7 @@ class LiveManager(Generic[R]):
         if d["action"] != "live":
             os._exit(EXIT_FALLBACK)  # the control process stops every rank and restarts the job
         if link.injector is not None:  # a death while the new world is built
-            link.injector.fire("relayout", step=link.step, gen=link.gen)
+            link.injector.fire("relayout", rank=link.slot, step=link.step, gen=link.gen)
         old = run.session
         assert old is not None
         if link.slot in d["apply"]:

@@ -201,7 +201,7 @@ class Run:
                                 rank=dist.get_rank())
         if start is None:
             start = self.hooks.resume(self.ledger)
-        else:  # live re-layout: NUTP_FAULT is for the first world only
+        else:  # live re-layout: start-of-step faults are the first world's only
             self.hooks.fault = None
         self.start = start
         self.out = MetricsWriter(cfg, plan, start_step=start) if self.rank0 else None

@@ -123,7 +123,7 @@ def apply_shares(session: RankSession, shares: Sequence[int]) -> None:
 
 class LiveBalance:
     """What the training loop calls around each step: the injected slowdown of this rank
-    (``NUTP_FAULT=slow:...``), with ``nutp.rebalance`` the share updates, with
+    (``common/faults.py`` kind slow), with ``nutp.rebalance`` the share updates, with
     ``nutp.straggler_probe_interval`` the straggler detector (``train/stragglers.py``)."""
 
     def __init__(self, cfg: JobConfig, session: RankSession, *, fault: Any = None,

@@ -48,7 +48,7 @@ class StepOptions:
     check_for_nan_in_grad: bool = True
     large_grad_factor: float = 0.0
     large_grad_window: int = 20
-    slow_factor: float = 1.0  # injected straggler (checkpoint/faults.py kind slow): compute x f
+    slow_factor: float = 1.0  # injected straggler (common/faults.py kind slow): compute x f
 
 
 def step_options(train: Any) -> StepOptions:

@@ -162,7 +162,7 @@ def join_rank(slot: int, cfg: JobConfig, old_plan: Plan, gpu: int, gen: int) -> 
         addr = control_address()
         assert addr is not None, "a joiner is started by the live control process"
         link = LiveRank(addr[0], addr[1], slot=slot, timeout_s=cfg.recovery.startup_timeout_s)
-        link.start(gen=gen)
+        link.start(gen=gen, cfg=cfg)
         from .loop import train_rank
 
         train_rank(cfg, old_plan, device=device, link=link, joining=gpu)
@@ -181,7 +181,7 @@ def live_link(rank: int, world: int, backend: str, cfg: JobConfig) -> Any:
     from ..live import backend as live_backend
 
     link = LiveRank(addr[0], addr[1], slot=rank, timeout_s=cfg.recovery.startup_timeout_s)
-    link.start()
+    link.start(cfg=cfg)
     live_backend.join(link.store, gen=0, rank=rank, world=world, backend=backend,
                       timeout_s=1800.0)
     return link

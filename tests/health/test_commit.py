@@ -11,11 +11,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from nemo_nutp.common.faults import parse
 from nemo_nutp.config import load_config
 from nemo_nutp.health.commit import Decision, Report, decide, live_blocker, renumber
 from nemo_nutp.health.decisions import Failure
 from nemo_nutp.live import backend
-from nemo_nutp.live.inject import parse
 
 
 def test_decide_discards_a_step_nobody_committed() -> None:
@@ -122,11 +122,11 @@ def test_renumber_follows_gpus() -> None:
 
 
 def test_fault_spec() -> None:
-    (f, g) = parse("kill:3:4:vote,hang:0:0:relayout:2")
-    assert (f.kind, f.slot, f.step, f.phase, f.gen) == ("kill", 3, 4, "vote", 0)
+    (f, g) = parse("kill:rank=3:step=4:phase=vote,hang:rank=0:phase=relayout:gen=2")
+    assert (f.kind, f.rank, f.step, f.phase, f.gen) == ("kill", 3, 4, "vote", 0)
     assert (g.kind, g.phase, g.gen) == ("hang", "relayout", 2)
-    with pytest.raises(ValueError, match="NUTP_LIVE_FAULT"):
-        parse("kill:3:4:lunch")
+    with pytest.raises(ValueError, match="NUTP_FAULT"):
+        parse("kill:rank=3:step=4:phase=lunch")
 
 
 def test_abortable_wait_unblocks_a_blocked_collective() -> None:

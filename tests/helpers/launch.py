@@ -3,7 +3,7 @@ console script's module) with Hydra overrides, run to the end (``run_train``) or
 session of its own with its output in a log file (``start_train``: for tests that watch, kill
 or time out a job; ``kill_session(proc.pid)`` ends it and every rank it spawned).
 
-``env`` adds variables to this process's environment (``NUTP_FAULT``, ``NUTP_LIVE_FAULT``,
+``env`` adds variables to this process's environment (``NUTP_FAULT``, ``NUTP_LIVE_DIGEST``,
 torchrun's ``RANK``...), ``unset`` removes some; ``launcher`` puts a launcher's arguments between
 the interpreter and ``-m nemo_nutp.train`` (``("-m", "torch.distributed.run", ...)``)."""
 

@@ -43,7 +43,8 @@ from tests.helpers.bridge_live_jobs import JOB_TIMEOUT_S, LIVE, bridge_job
 
 CLUSTER = ["cluster.num_gpus=4", "cluster.domain_size=2", "cluster.gpus_per_node=4",
            "failures.failed_gpus=[3]", "nutp.replicas=null", "model.tensor_model_parallel_size=2"]
-LIVE_ENV = {"NUTP_LIVE_FAULT": "kill:3:3:vote:1,kill:1:5:optimizer:2", "NUTP_LIVE_DIGEST": "1"}
+LIVE_ENV = {"NUTP_FAULT": "kill:rank=3:step=3:phase=vote:gen=1,"
+                          "kill:rank=1:step=5:phase=optimizer:gen=2", "NUTP_LIVE_DIGEST": "1"}
 
 
 @pytest.mark.timeout(JOB_TIMEOUT_S + 240)
@@ -89,8 +90,8 @@ def test_pipeline_and_distributed_optimizer_live_with_redundancy(tmp_path: Path)
             "failures.failed_gpus=[7]", "nutp.replicas=null",
             "model.tensor_model_parallel_size=2", "model.pipeline_model_parallel_size=2",
             "optimizer.use_distributed_optimizer=true", "recovery.live_redundancy=true"]
-    faults = "kill:1:2:gather:0,kill:4:4:backward:1"
-    rows, ev, _ = bridge_job(tmp_path, [*over, *LIVE], {**LIVE_ENV, "NUTP_LIVE_FAULT": faults})
+    faults = "kill:rank=1:step=2:phase=gather,kill:rank=4:step=4:phase=backward:gen=1"
+    rows, ev, _ = bridge_job(tmp_path, [*over, *LIVE], {**LIVE_ENV, "NUTP_FAULT": faults})
     gather, back = [e for e in ev if e["event"] == "live_relayout"]
     assert rows[0]["replica_tp"] == [[2, 2], [2, 1]], rows[0]
     assert (gather["committed_step"], gather["recomputed_steps"]) == (2, 0), gather
@@ -117,7 +118,7 @@ def test_a_hung_rank_is_found_and_laid_out_live_inside_bridge(tmp_path: Path) ->
     timeout_s = 15  # (6 s: under a CPU hog a healthy TP2 step went 6 s without a heartbeat)
     rows, ev, out = bridge_job(tmp_path, [*CLUSTER, *LIVE,
                                           f"recovery.heartbeat_timeout_s={timeout_s}"],
-                               {"NUTP_LIVE_FAULT": "hang:2:3:backward:0",
+                               {"NUTP_FAULT": "hang:rank=2:step=3:phase=backward",
                                 "NUTP_LIVE_DIGEST": "1"})
     (hang,) = [e for e in ev if e["event"] == "live_relayout"]
     assert (hang["cause"], hang["ranks"], hang["replica_tp"]) == ("hang", [2], [[2]]), hang

@@ -74,7 +74,7 @@ def test_a_killed_rank_restarts_inside_bridge_and_the_schedule_continues(tmp_pat
     ref_dir.mkdir()
     with _BridgeCli(out, [*SCHEDULE, *CLUSTER, "recovery.enabled=true",
                           f"checkpoint.save={ckpt}", f"checkpoint.save_interval={SAVE}"],
-                    {"NUTP_FAULT": f"kill:1:{KILL}"}) as job:
+                    {"NUTP_FAULT": f"kill:rank=1:step={KILL}"}) as job:
         # the uninterrupted run (one process) while the supervised job runs
         spawn(run_worker, 1, ([*SCHEDULE, "model.tensor_model_parallel_size=1",
                                "nutp.replicas=[1]"],), ref_dir)

@@ -1,14 +1,14 @@
 """Stragglers under Bridge's own ``train()``: micro-batch rebalancing, and a straggler excluded
 by a live re-layout.
 
-The shrunk vanilla GPT recipe of ``test_bridge_live.py`` (fp32, warmup then cosine, evaluation
-every 2 steps, 7 steps), TP2 + TP1 replicas, with TP rank 0 of the TP2 replica slowed 4x by
-fault injection (``NUTP_FAULT=slow:0:4``: its compute sleeps 3x its own duration, before the
+The shrunk vanilla GPT recipe of ``test_bridge_live.py`` (fp32, warmup then cosine, evaluation every
+2 steps, 7 steps), TP2 + TP1 replicas, with TP rank 0 of the TP2 replica slowed 4x by fault
+injection (``NUTP_FAULT=slow:rank=0:factor=4``: its compute sleeps 3x its own duration, before the
 gradient finalisation). With ``nutp.rebalance=true`` the shares move mid-run to the TP1 replica
-(``train.rebalance.LiveBalance`` on the per-replica compute times Bridge's steps report; the
-same world leaves and re-enters ``train()`` at the next step with its new shares), and every
-step's lr, loss and grad norm and every validation loss equal the uninterrupted run's (one
-process) within 1e-5: the shares change which replica runs a micro-batch, never the step.
+(``train.rebalance.LiveBalance`` on the per-replica compute times Bridge's steps report; the same
+world leaves and re-enters ``train()`` at the next step with its new shares), and every step's lr,
+loss and grad norm and every validation loss equal the uninterrupted run's (one process) within
+1e-5: the shares change which replica runs a micro-batch, never the step.
 
 The bench tier adds the exclusion: TP2 + TP2, GPU 1 slowed 4x, the straggler probe names it
 after 3 probes, and ``nutp.exclude_stragglers`` with ``recovery.mode=live`` re-lays out around
@@ -35,7 +35,7 @@ REBALANCE = ["model.tensor_model_parallel_size=2", "nutp.rebalance=true",
 
 @pytest.mark.timeout(JOB_TIMEOUT_S + 240)
 def test_rebalanced_bridge_run_equals_the_uninterrupted_run(tmp_path: Path) -> None:
-    rows, ev, _ = bridge_job(tmp_path, REBALANCE, {"NUTP_FAULT": "slow:0:4"})
+    rows, ev, _ = bridge_job(tmp_path, REBALANCE, {"NUTP_FAULT": "slow:rank=0:factor=4"})
     shares = [r["microbatches"] for r in rows]
     assert all(sum(s) == 6 and min(s) >= 1 for s in shares), shares
     changed = [i for i in range(1, END) if shares[i] != shares[i - 1]]
@@ -57,7 +57,8 @@ def test_straggler_excluded_live_inside_bridge(tmp_path: Path) -> None:
             "nutp.straggler_probe_interval=1", "nutp.straggler_window=3",
             # 2.5x: the 4x slowed GPU is found, probe noise of 2 shared cores is not
             "nutp.straggler_threshold=2.5", "nutp.exclude_stragglers=true", *LIVE]
-    rows, ev, _ = bridge_job(tmp_path, over, {"NUTP_FAULT": "slow:1:4", "NUTP_LIVE_DIGEST": "1"})
+    rows, ev, _ = bridge_job(tmp_path, over,
+                             {"NUTP_FAULT": "slow:rank=1:factor=4", "NUTP_LIVE_DIGEST": "1"})
     names = [e["event"] for e in ev]
     assert names.count("straggler") == 1, names
     (excl,) = [e for e in ev if e["event"] == "live_relayout"]

@@ -172,7 +172,8 @@ def test_sbatch_live_on_slurm(slurm: SlurmCluster, tmp_path: Path) -> None:
                               account="nutp", repo=str(REPO), job_name="nutp-live"))
     # sbatch passes this environment to the job (--export=ALL): the fault, the digests, this
     # interpreter first on PATH.
-    env = slurm.env(NUTP_LIVE_FAULT="kill:1:1:forward:0,kill:4:0:relayout:1",
+    env = slurm.env(NUTP_FAULT="kill:rank=1:step=1:phase=forward,"
+                               "kill:rank=4:phase=relayout:gen=1",
                     NUTP_LIVE_DIGEST="1",
                     PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]))
     r = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True,

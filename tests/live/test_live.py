@@ -52,10 +52,12 @@ def test_live_relayout_tp4_tp3_phases_and_rank0(tmp_path: Path) -> None:
     inside the optimizer step (the survivors complete the step); one more in its forward."""
     steps = 8
     over = (*BASE, "checkpoint.interval=2", f"train.steps={steps}", *COSINE)
-    faults = ",".join(["kill:0:2:forward:1", "kill:4:3:vote:2", "kill:5:4:optimizer:3",
-                       "kill:6:6:forward:4"])
+    faults = ",".join(["save_crash:rank=1:step=2", "kill:rank=0:step=2:phase=forward:gen=1",
+                       "kill:rank=4:step=3:phase=vote:gen=2",
+                       "kill:rank=5:step=4:phase=optimizer:gen=3",
+                       "kill:rank=6:step=6:phase=forward:gen=4"])
     out = tmp_path / "phases"
-    rc, log = run_job(out, over, {"NUTP_FAULT": "save_crash:1:2", "NUTP_LIVE_FAULT": faults,
+    rc, log = run_job(out, over, {"NUTP_FAULT": faults,
                                "NUTP_LIVE_DIGEST": "1"})
     assert rc == 0, log[-6000:]
     ref = stock_reference(over, steps, tmp_path)
@@ -89,8 +91,9 @@ def test_live_relayout_pp2_bf16_sp_and_twice(tmp_path: Path) -> None:
     over = (*BASE, "parallel.pp=2", "parallel.tp_base=2", "parallel.sequence_parallel=true",
             "train.precision=bf16", "checkpoint.interval=2", f"train.steps={steps}")
     out = tmp_path / "pp2"
-    faults = "kill:1:1:backward:0,kill:4:3:sync:1,kill:6:0:relayout:1"
-    rc, log = run_job(out, over, {"NUTP_LIVE_FAULT": faults, "NUTP_LIVE_DIGEST": "1"})
+    faults = ("kill:rank=1:step=1:phase=backward,kill:rank=4:step=3:phase=sync:gen=1,"
+              "kill:rank=6:phase=relayout:gen=1")
+    rc, log = run_job(out, over, {"NUTP_FAULT": faults, "NUTP_LIVE_DIGEST": "1"})
     assert rc == 0, log[-6000:]
     ref = stock_reference(over, steps, tmp_path)
     rows = check_steps(out, ref, BF16_TOL)
@@ -114,7 +117,7 @@ def test_distributed_optimizer_falls_back_to_restart(tmp_path: Path) -> None:
             "checkpoint.interval=2", f"train.steps={steps}")  # synchronous: step 2's save is
     # complete before the fault at step 3 (an async write may still run then, under load)
     out = tmp_path / "zero"
-    rc, log = run_job(out, over, {"NUTP_LIVE_FAULT": "kill:1:3:forward:0"})
+    rc, log = run_job(out, over, {"NUTP_FAULT": "kill:rank=1:step=3:phase=forward"})
     assert rc == 0, log[-6000:]
     ref = stock_reference(over, steps, tmp_path)
     check_steps(out, ref, TOL)

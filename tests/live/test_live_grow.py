@@ -47,7 +47,8 @@ def test_grow_back_tp3_tp3_to_tp4_tp4_live(tmp_path: Path) -> None:
     out.mkdir()
     log = tmp_path / "grow.log"
     proc = start_train([f"output.dir={out}", *over], log=log,
-                       env={"NUTP_LIVE_DIGEST": "1", "NUTP_LIVE_FAULT": "kill:7:5:forward:1"})
+                       env={"NUTP_LIVE_DIGEST": "1",
+                            "NUTP_FAULT": "kill:rank=7:step=5:phase=forward:gen=1"})
     try:
         deadline = time.monotonic() + JOB_TIMEOUT_S
         events = out / "recovery" / "events.jsonl"
@@ -108,11 +109,11 @@ def test_grow_back_tp3_tp3_to_tp4_tp4_live(tmp_path: Path) -> None:
 @pytest.mark.dist
 @pytest.mark.timeout(JOB_TIMEOUT_S + 120)
 def test_straggler_excluded_and_returned_live(tmp_path: Path) -> None:
-    """Issue 24 acceptance 2: GPU 1 of a TP2+TP2 job slowed 4x (``NUTP_FAULT=slow:1:4``): the
-    probe names it, every rank stops at the same step boundary and the job continues at TP2+TP1
-    without it (its process exits, the others keep theirs); the operator then gives it back
-    (removes it from ``recovery/slow.json``): a new process for GPU 1 joins, TP2+TP2 again.
-    No restart, every step against stock megatron-core."""
+    """Issue 24 acceptance 2: GPU 1 of a TP2+TP2 job slowed 4x
+    (``NUTP_FAULT=slow:rank=1:factor=4``): the probe names it, every rank stops at the same step
+    boundary and the job continues at TP2+TP1 without it (its process exits, the others keep
+    theirs); the operator then gives it back (removes it from ``recovery/slow.json``): a new process
+    for GPU 1 joins, TP2+TP2 again. No restart, every step against stock megatron-core."""
     steps = 14
     over = (*BASE, "cluster.num_gpus=4", "cluster.domain_size=2", "cluster.gpus_per_node=4",
             "parallel.tp_base=2", "failures.failed_gpus=[]", "checkpoint.interval=1000",
@@ -126,7 +127,7 @@ def test_straggler_excluded_and_returned_live(tmp_path: Path) -> None:
     log = tmp_path / "slow.log"
     events = out / "recovery" / "events.jsonl"
     proc = start_train([f"output.dir={out}", *over], log=log,
-                       env={"NUTP_LIVE_DIGEST": "1", "NUTP_FAULT": "slow:1:4"})
+                       env={"NUTP_LIVE_DIGEST": "1", "NUTP_FAULT": "slow:rank=1:factor=4"})
     try:
         deadline = time.monotonic() + JOB_TIMEOUT_S
         while '"cause": "straggler"' not in (events.read_text() if events.exists() else ""):
@@ -191,7 +192,7 @@ def test_failure_during_grow_back_falls_back_to_restart(tmp_path: Path) -> None:
     log = tmp_path / "twice.log"
     events = out / "recovery" / "events.jsonl"
     proc = start_train([f"output.dir={out}", *over], log=log,
-                       env={"NUTP_LIVE_FAULT": "kill:0:0:relayout:0"})
+                       env={"NUTP_FAULT": "kill:rank=0:step=0:phase=relayout"})
     try:
         deadline = time.monotonic() + JOB_TIMEOUT_S
         while "live_world" not in (events.read_text() if events.exists() else ""):

@@ -42,8 +42,8 @@ def test_four_of_eight_ranks_killed_at_once_are_one_live_relayout(tmp_path: Path
     steps = 5
     over = (*BASE, *EIGHT, f"train.steps={steps}")
     out = tmp_path / "node"
-    faults = ",".join(f"kill:{s}:2:forward:0" for s in range(4))
-    rc, log = run_job(out, over, {"NUTP_LIVE_FAULT": faults, "NUTP_LIVE_DIGEST": "1"})
+    faults = ",".join(f"kill:rank={s}:step=2:phase=forward" for s in range(4))
+    rc, log = run_job(out, over, {"NUTP_FAULT": faults, "NUTP_LIVE_DIGEST": "1"})
     assert rc == 0, log[-6000:]
     assert "Traceback" not in log, log[-6000:]
     rows = check_steps(out, stock_reference(over, steps, tmp_path), TOL)

@@ -47,10 +47,11 @@ ZERO = (*BASE, "cluster.num_gpus=6", "cluster.domain_size=2", "cluster.gpus_per_
 def test_distributed_optimizer_live_with_redundancy(tmp_path: Path) -> None:
     steps = 7
     over = (*ZERO, f"train.steps={steps}")
-    faults = "kill:1:1:backward:0,kill:0:3:gather:1,kill:2:5:vote:2"
+    faults = ("kill:rank=1:step=1:phase=backward,kill:rank=0:step=3:phase=gather:gen=1,"
+              "kill:rank=2:step=5:phase=vote:gen=2")
     out = tmp_path / "zero_live"
     t0 = time.perf_counter()
-    rc, log = run_job(out, over, {"NUTP_LIVE_FAULT": faults, "NUTP_LIVE_DIGEST": "1"})
+    rc, log = run_job(out, over, {"NUTP_FAULT": faults, "NUTP_LIVE_DIGEST": "1"})
     job_s = time.perf_counter() - t0
     assert rc == 0, log[-6000:]
     ref = stock_reference(over, steps, tmp_path)

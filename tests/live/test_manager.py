@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from nemo_nutp.live.inject import Injector, PhaseFault
+from nemo_nutp.common.faults import Fault, Faults
 from nemo_nutp.live.link import Committed
 from nemo_nutp.live.manager import LiveManager
 
@@ -97,11 +97,11 @@ def test_faults_ride_on_hooks_not_on_replaced_methods() -> None:
     ``before_publish``; the model's and optimizer's methods stay the class's."""
     fired: list[str] = []
 
-    class Recording(Injector):
-        def fire(self, phase: str, *, step: int, gen: int) -> None:
+    class Recording(Faults):
+        def fire(self, phase: str, *, rank: int, step: int, gen: int) -> None:
             fired.append(phase)
 
-    link = StandInLink(injector=Recording(0, [PhaseFault("kill", 0, 0, "sync", 0)]))
+    link = StandInLink(injector=Recording([Fault("kill", 0, 0, "sync", 0)]))
     manager = LiveManager(SimpleNamespace(), link, SimpleNamespace(), device=None)  # type: ignore[arg-type]
     session = _session()
     before = {k: _methods(getattr(session, k)) for k in ("model", "optimizer")}

@@ -245,7 +245,7 @@ def test_hung_rank_is_blamed_not_its_blocked_peers(tmp_path: Path,
     out = tmp_path / "hang"
     rc, log = _train(out, f"checkpoint.interval={interval}", "recovery.enabled=true",
                      f"recovery.heartbeat_timeout_s={HEARTBEAT_S}",
-                     env={"NUTP_FAULT": f"hang:{hung}:{step}"})
+                     env={"NUTP_FAULT": f"hang:rank={hung}:step={step}"})
     assert rc == 0, log[-6000:]
     (s,) = _check(out, reference)
     assert s["cause"] == "hang" and "hung" in s["reason"], s

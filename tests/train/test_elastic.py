@@ -205,7 +205,7 @@ def test_torchrun_kill_recovers_at_reduced_tp(tmp_path: Path, reference: list[fl
                 "--max-restarts", "2", "--monitor-interval", "0.1")
     r = run_train([f"output.dir={out}", *COMMON, "checkpoint.interval=2",
                    "recovery.enabled=true"], launcher=torchrun,
-                  env={"NUTP_FAULT": "kill:1:5"}, timeout=800)
+                  env={"NUTP_FAULT": "kill:rank=1:step=5"}, timeout=800)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     s = _check_recovered(out, r.stdout, reference)
     print(f"torchrun kill test: detect {s['detect_s']:.2f} s, restart {s['restart_s']:.2f} s, "
@@ -232,7 +232,7 @@ def test_sbatch_srun_loop_recovers(tmp_path: Path, reference: list[float]) -> No
                        capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode == 0, r.stdout + r.stderr
     path = os.pathsep.join([str(bindir), str(Path(sys.executable).parent), os.environ["PATH"]])
-    env = {**os.environ, "PATH": path, "NUTP_FAULT": "kill:1:5", "SLURM_JOB_ID": "1",
+    env = {**os.environ, "PATH": path, "NUTP_FAULT": "kill:rank=1:step=5", "SLURM_JOB_ID": "1",
            "SLURM_JOB_NODELIST": "127.0.0.1", "SLURM_JOB_NUM_NODES": "1"}
     r = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=800,
                        check=False, env=env)
@@ -289,7 +289,7 @@ def test_ft_launcher_hang_then_gpu_back(tmp_path: Path, reference: list[float]) 
                    "--ft-initial-rank-heartbeat-timeout", "300")
     proc = start_train([f"output.dir={out}", *COMMON, "checkpoint.interval=2",
                         "recovery.enabled=true", "recovery.heartbeat_timeout_s=6"],
-                       log=log, launcher=ft_launcher, env={"NUTP_FAULT": "hang:5:3"})
+                       log=log, launcher=ft_launcher, env={"NUTP_FAULT": "hang:rank=5:step=3"})
     try:
         # Attempt 1 decided (health report written without GPU 5): report GPUs 5, 7 back.
         _wait_for(lambda: any(e["event"] == "start" and e["attempt"] == 1

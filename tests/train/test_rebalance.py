@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nemo_nutp.checkpoint.faults import Fault
+from nemo_nutp.common.faults import Fault, Faults, parse
 from nemo_nutp.layout.plan import apportion
 from nemo_nutp.train.rebalance import ShareController, makespan, propose
 from tests.helpers.launch import run_train
@@ -67,15 +67,16 @@ def test_controller_smoothing_hysteresis_and_bound() -> None:
 
 
 def test_slow_fault_spec() -> None:
-    f = Fault.parse("slow:3:2.5")
+    (f,) = parse("slow:rank=3:factor=2.5")
     assert (f.kind, f.rank, f.step, f.factor) == ("slow", 3, 0, 2.5)
     assert f.slow_factor(3, 0) == 2.5 and f.slow_factor(2, 0) == 1.0
-    g = Fault.parse("slow:1:3:4")
+    g = Faults(parse("slow:rank=1:factor=3:step=4"))
     assert g.slow_factor(1, 3) == 1.0 and g.slow_factor(1, 4) == 3.0
-    assert Fault.parse("kill:1:5") == Fault("kill", 1, 5)
-    for bad in ("slow:1", "slow:1:0.5", "slow:x:3", "slow:1:3:4:5", "kill:1:2.5", "melt:1:2"):
+    assert parse("kill:rank=1:step=5") == [Fault("kill", 1, 5)]
+    for bad in ("slow:rank=1:factor=0.5", "slow:rank=x:factor=3", "kill:rank=1:step=2.5",
+                "melt:rank=1:step=2"):
         with pytest.raises(ValueError, match="NUTP_FAULT"):
-            Fault.parse(bad)
+            parse(bad)
 
 
 def test_config_fields_validated() -> None:
@@ -118,7 +119,7 @@ def test_rebalanced_run_matches_stock_megatron(tmp_path: Path) -> None:
                  "train.clip_grad=0.05", "nutp.rebalance=true", "nutp.rebalance_smoothing=1.0",
                  "nutp.rebalance_hysteresis=0.0", "nutp.rebalance_max_shift=2"]
     out = tmp_path / "run"
-    r = _train(out, {"NUTP_FAULT": "slow:0:4"}, *overrides)
+    r = _train(out, {"NUTP_FAULT": "slow:rank=0:factor=4"}, *overrides)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     shares = [x["microbatches"] for x in rows]
@@ -163,7 +164,7 @@ def test_straggler_detected_excluded_and_resumed(tmp_path: Path) -> None:
                  # 2.5x: the 4x slowed GPU is found; probe noise of 2 shared cores is not (at
                  # the default 1.5x a clean-clone run once flagged GPU 3)
                  "nutp.straggler_threshold=2.5", "nutp.exclude_stragglers=true"]
-    r = _train(out, {"NUTP_FAULT": "slow:1:4"}, *overrides, "recovery.enabled=true")
+    r = _train(out, {"NUTP_FAULT": "slow:rank=1:factor=4"}, *overrides, "recovery.enabled=true")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     report = json.loads((out / "stragglers.json").read_text())
     assert list(report["slow_gpus"]) == ["1"] and report["slow_gpus"]["1"] < 0.5
