@@ -11,6 +11,7 @@ Nothing here creates a process group.
 from __future__ import annotations
 
 import dataclasses
+import typing
 import warnings
 from pathlib import Path
 from typing import Any
@@ -92,8 +93,21 @@ def _build(cls: type, data: dict[str, Any]) -> Any:
             proto = f.default_factory()
             if dataclasses.is_dataclass(proto):
                 value = _build(type(proto), value)
+        elif isinstance(value, list):  # a list of sections (``recovery.faults``)
+            item = _list_item(cls, f.name)
+            if item is not None:
+                value = [_build(item, v) if isinstance(v, dict) else v for v in value]
         kwargs[f.name] = value
     return cls(**kwargs)
+
+
+def _list_item(cls: type, name: str) -> type | None:
+    """The dataclass a ``list[...]`` field of ``cls`` holds, or None."""
+    hint = typing.get_type_hints(cls).get(name)
+    if typing.get_origin(hint) is not list:
+        return None
+    (arg,) = typing.get_args(hint)
+    return arg if isinstance(arg, type) and dataclasses.is_dataclass(arg) else None
 
 
 def _register_defaults() -> None:
