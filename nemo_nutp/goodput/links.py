@@ -21,15 +21,20 @@ the reduction: the whole job's step becomes ``max(1, time[k, tp_base] + (s - 1) 
   gradient bytes and waits at the same reduction, so it loses what ``ignore`` loses (a slow
   pipeline send/recv over the NIC is not in the cost model).
 * ``sync-relayout`` (NIC-aware ownership): the slow GPU's cross-replica units move to its
-  ``tp_base - 1`` TP peers over NVLink; the math stays the same. Step:
-  ``time[k, tp_base] + (tp/(tp-1) - 1) x sync[k] + 2 x grads[k] / nvlink`` (the peers' NICs carry
-  ``tp/(tp-1)`` of their bytes; the slow GPU's gradient shard goes to its peers and the reduced
-  shard comes back over NVLink, exposed). Applied when it beats keeping the link, with a
-  planned live re-layout when the episode is localised and another when it ends.
+  ``tp_base - 1`` TP peers over NVLink; the math stays the same. Their NICs carry
+  ``tp/(tp-1)`` of their bytes; the NVLink hop (the slow GPU's gradient shard out, the reduced
+  shard back: ``reshard[k]``) is pipelined with the ring, bucket by bucket. Step:
+  ``time[k, tp_base] + max(tp/(tp-1) x sync[k], reshard[k]) - sync[k]``. Applied when it beats
+  keeping the link, with a planned live re-layout when the episode is localised and another
+  when it ends (the full ``planned_live_s``: an upper bound, only ownership moves).
 * ``exclude``: the replica runs stage ``k`` without the GPU at ``best[tp_base - 1]`` (a degraded
-  replica, as for stragglers; shares rebalanced): throughput ``(n - 1 + 1 / T_r) / n`` with
-  ``T_r`` its slowest stage; when it beats keeping the link, a planned live re-layout out and
-  one back.
+  replica, as for stragglers; shares rebalanced). Its ``tp - 1`` NICs carry the same
+  ``tp/(tp-1)`` of the (uniform-layout) sync as ``sync-relayout``'s, which every replica waits
+  for; the replica's own time ``T_r`` (its slowest stage, stage ``k``'s sync growth at the
+  lower degree taken out: it is in the job-wide term; at least the healthy step) costs its
+  share: throughput
+  ``1 / T_rl x (n - 1 + 1 / T_r) / n``. When it beats keeping the link, a planned live
+  re-layout out and one back.
 * ``restart``: a planned checkpoint-restart (``straggler_restart_s``) when the episode is
   localised, after which the job runs on healthy links (the restart leaves the bad link).
 
@@ -90,7 +95,8 @@ def link_step_times(ev: dict[str, np.ndarray], *, slice_of: np.ndarray, n_use: i
     d1 = int(best[tp_base - 1])
     others = np.array([time[np.arange(pp) != j, tp_base].max(initial=0.0) for j in range(pp)])
     if d1 > 0:  # the replica's own sync at d1 is the job-wide one above (t_rl), not its own
-        t_rep = np.maximum(others[k], time[k, d1] - (1 - dp_overlap) * (sync_d1[k] - sync[k]))
+        t_rep = np.maximum(np.maximum(healthy, others[k]),  # never faster than the others
+                           time[k, d1] - (1 - dp_overlap) * (sync_d1[k] - sync[k]))
         thr_ex = healthy / t_rl * (n_use - 1 + healthy / t_rep) / n_use
     else:
         thr_ex = np.full(len(k), (n_use - 1) / n_use)

@@ -90,6 +90,19 @@ def test_sync_relayout_beats_ignore_on_a_large_slowdown() -> None:
     assert loss == pytest.approx(_run(ctx, _one(9, 1.1, 1.0, 1.0 + d), "ignore", det)[0])
 
 
+def test_exclude_pays_the_relayout_sync_and_at_most_a_replica() -> None:
+    """Excluding the GPU: its replica's tp - 1 NICs carry the same tp/(tp - 1) of the sync as
+    the re-layout (every replica waits for it), and the replica's lost compute costs at most
+    its 1/n share; nothing before the link is localised."""
+    ctx = _ctx(tp=8)
+    n = ctx.clusters["nutp"].n_use  # type: ignore[attr-defined]
+    s, d = 8.0, 2.0
+    rl = _run(ctx, _one(9, s, 1.0, 1.0 + d), "sync-relayout", detect_s=0.0)
+    ex = _run(ctx, _one(9, s, 1.0, 1.0 + d), "exclude", detect_s=0.0)
+    assert rl[0] <= ex[0] <= rl[0] + d / HOURS / n
+    assert ex[1] == rl[1] > 0
+
+
 def test_restart_loses_the_restart_cost() -> None:
     """Restart: one planned restart when localised, healthy links after it."""
     ctx = _ctx()
