@@ -48,6 +48,11 @@ speed (``nutp.rebalance``); ``exclude``: per stage, keep the straggler (rebalanc
 stage at reduced TP without it, whichever is faster (the planner's choice), each exclusion and
 return a planned restart (``exclude-live``: a planned live re-layout); ``drop``: replicas a
 straggler slows leave (planned restarts)."""
+LINK_POLICIES = ("ignore", "rebalance", "sync-relayout", "exclude", "restart")
+"""Policies for a slow NIC (``goodput/links.py``): ``ignore`` and ``rebalance`` (micro-batch
+re-split) keep the layout; ``sync-relayout`` moves the slow GPU's cross-replica units to its
+TP peers (planned live re-layouts); ``exclude`` runs the replica without the GPU (planned live
+re-layouts); ``restart`` checkpoint-restarts off the bad link (one planned restart)."""
 
 
 def _frac(name: str, value: float, *, lo: float = 0.0, hi: float = 1.0) -> None:
@@ -160,7 +165,8 @@ class BoostConfig:
 
 @dataclass(frozen=True)
 class StragglerConfig:
-    """Straggler process: GPUs running slow (thermal throttling, a bad link) for a while."""
+    """Straggler process: GPUs running slow (thermal throttling, a bad link) for a while. A
+    slow scale-out link has its own model and policies: ``LinkConfig`` (``sim.links``)."""
 
     rate_per_gpu_day: float = 0.0
     """Straggler episodes per GPU-day (0: none); a Poisson process next to the failures."""
@@ -191,6 +197,43 @@ class StragglerConfig:
             if q not in STRAGGLER_POLICIES:
                 raise bad_value("sim.stragglers.policies", q,
                                 f"unknown; known: {STRAGGLER_POLICIES}")
+
+
+@dataclass(frozen=True)
+class LinkConfig:
+    """Link fail-slow process: one GPU's scale-out NIC slowed for a while (``goodput/links.py``;
+    calibration and sources in ``configs/sim/paper_32k.yaml``)."""
+
+    rate_per_gpu_day: float = 0.0
+    """Fail-slow episodes per GPU-day (0: none); a Poisson process next to the failures."""
+    min_slowdown: float = 2.0
+    """Smallest bandwidth divisor of the slow NIC (uniform in [min_slowdown, max_slowdown])."""
+    max_slowdown: float = 10.0
+    """Largest bandwidth divisor."""
+    duration_hours: float = 0.4
+    """Length of an episode (mean, if exponential)."""
+    duration_distribution: str = "exponential"
+    """'fixed' or 'exponential'."""
+    detect_s: float = 30.0
+    """Episode start -> slow link localised; every policy runs slow until then."""
+    policies: list[str] = field(default_factory=lambda: list(LINK_POLICIES))
+    """Link policies compared side by side."""
+
+    def __post_init__(self) -> None:
+        for k in ("rate_per_gpu_day", "detect_s"):
+            if not float(getattr(self, k)) >= 0:
+                raise bad_value(f"sim.links.{k}", getattr(self, k), "must be >= 0")
+        if not 1.0 <= self.min_slowdown <= self.max_slowdown:
+            raise bad_value("sim.links.min_slowdown", self.min_slowdown,
+                            f"need 1 <= min_slowdown <= max_slowdown={self.max_slowdown}")
+        if not self.duration_hours > 0:
+            raise bad_value("sim.links.duration_hours", self.duration_hours, "must be > 0")
+        if self.duration_distribution not in ("fixed", "exponential"):
+            raise bad_value("sim.links.duration_distribution", self.duration_distribution,
+                            "must be 'fixed' or 'exponential'")
+        for q in self.policies:
+            if q not in LINK_POLICIES:
+                raise bad_value("sim.links.policies", q, f"unknown; known: {LINK_POLICIES}")
 
 
 @dataclass(frozen=True)
@@ -354,6 +397,7 @@ class SimConfig:
     boost: BoostConfig = field(default_factory=BoostConfig)
     transitions: TransitionConfig = field(default_factory=TransitionConfig)
     stragglers: StragglerConfig = field(default_factory=StragglerConfig)
+    links: LinkConfig = field(default_factory=LinkConfig)
     output_dir: str = "runs/sim"
     """Where JSON and PNGs go."""
 

@@ -108,10 +108,17 @@ class CostModel:
         if cc.mode == "compute":
             return comp, 0.0
         tp = mb * tp_bytes(d, t, self.layers, tokens=tokens, act_bytes=2) / (hw.nvlink_gbps * 1e9)
-        dp_n = max(2, cfg.num_gpus // (cfg.tp_base * cfg.pp))
-        grads = cc.grad_bytes * max_rank_params(d, t, self.layers, stage == cfg.pp - 1)
-        dp = 2 * (dp_n - 1) / dp_n * grads / (hw.network_gbps * 1e9)
+        dp, _ = self.sync(stage, t)
         return comp, tp * (1 - cc.tp_overlap) + dp * (1 - cc.dp_overlap)
+
+    def sync(self, stage: int, t: int) -> tuple[float, float]:
+        """(seconds of the DP ring all-reduce before overlap, gradient bytes) of the slowest
+        rank of a stage at degree t (the scale-out NIC carries them; ``goodput/links.py``)."""
+        cfg = self.cfg
+        dp_n = max(2, cfg.num_gpus // (cfg.tp_base * cfg.pp))
+        grads = self.cc.grad_bytes * max_rank_params(self.dims, t, self.layers,
+                                                     stage == cfg.pp - 1)
+        return 2 * (dp_n - 1) / dp_n * grads / (self.hw.network_gbps * 1e9), grads
 
     def tables(self) -> StageTables:
         tb, pp = self.cfg.tp_base, self.cfg.pp

@@ -90,17 +90,19 @@ def blast_sensitivity(res: dict[str, Any], path: Path) -> Path:
     return _save(fig, path)
 
 
-def straggler_policies(res: dict[str, Any], path: Path) -> Path:
-    """Mean loss to stragglers per policy, p5-p95 as error bars."""
-    pols = res["stragglers"]["policies"]
+def straggler_policies(res: dict[str, Any], path: Path, key: str = "stragglers",
+                       what: str = "stragglers") -> Path:
+    """Mean loss to stragglers (``key='links'``: slow links) per policy, p5-p95 as error
+    bars."""
+    pols = res[key]["policies"]
     names = list(pols)
     mean = np.array([pols[p]["mean"] for p in names]) * 100
     lo = mean - np.array([pols[p]["p5"] for p in names]) * 100
     hi = np.array([pols[p]["p95"] for p in names]) * 100 - mean
     fig, ax = plt.subplots(figsize=(6, 3.6))
     ax.bar(names, mean, yerr=np.vstack([lo.clip(0), hi.clip(0)]), capsize=4, color="#4c72b0")
-    ax.set_ylabel("loss to stragglers % (throughput + transitions)")
-    ax.set_title(_title(res) + ": straggler policies", fontsize=9)
+    ax.set_ylabel(f"loss to {what} % (throughput + transitions)")
+    ax.set_title(_title(res) + f": {what} policies", fontsize=9)
     ax.grid(alpha=0.3, axis="y")
     return _save(fig, path)
 
@@ -135,4 +137,6 @@ def write_all(res: dict[str, Any], out_dir: Path) -> list[Path]:
         out.append(timeline_losses(res, out_dir / f"{name}_timeline.png"))
     if "stragglers" in res:
         out.append(straggler_policies(res, out_dir / f"{name}_stragglers.png"))
+    if "links" in res:
+        out.append(straggler_policies(res, out_dir / f"{name}_links.png", "links", "slow links"))
     return out

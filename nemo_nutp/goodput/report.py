@@ -113,6 +113,26 @@ def straggler_table(res: dict[str, Any]) -> Table:
     return t
 
 
+def link_table(res: dict[str, Any]) -> Table:
+    """Link (slow NIC) policies side by side: loss to slow links alone over the timeline."""
+    lk, s = res["links"], res["config"]["links"]
+    t = Table(title=f"Slow links: {s['rate_per_gpu_day']:g}/GPU-day, NIC "
+                    f"{s['min_slowdown']:g}-{s['max_slowdown']:g}x slower, "
+                    f"{s['duration_hours'] * 60:g} min ({s['duration_distribution']}), "
+                    f"found in {s['detect_s']:g} s; {lk['events']:,} episodes, "
+                    f"{lk['mean_slow_links']:.2f} at a time; DP sync "
+                    f"{lk['sync_s']:.2f} s")
+    for col in ("link policy", "throughput loss %", "transition loss %", "loss mean %",
+                "p5 %", "p95 %", "events / day", "s / event", "GPU-h lost", "$ lost"):
+        t.add_column(col, justify="right")
+    for pol, r in lk["policies"].items():
+        t.add_row(pol, _pct(r["throughput_loss"], 3), _pct(r["transition_loss"], 3),
+                  _pct(r["mean"], 3), _pct(r["p5"], 3), _pct(r["p95"], 3),
+                  f"{r['events_per_day']:.1f}", f"{r['mean_event_s']:.0f}",
+                  f"{r['gpu_hours_lost']:,.0f}", f"{r['usd_lost']:,.0f}")
+    return t
+
+
 def print_result(res: dict[str, Any], console: Console) -> None:
     c, st = res["config"], res["step_time"]
     speeds = ", ".join(f"TP{k}: {v:.3f}" for k, v in res["degraded_speed"].items())
@@ -130,6 +150,8 @@ def print_result(res: dict[str, Any], console: Console) -> None:
         console.print(batching_table(res))
     if "stragglers" in res:
         console.print(straggler_table(res))
+    if "links" in res:
+        console.print(link_table(res))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -12,7 +12,9 @@
   policy at its Young/Daly checkpoint interval; ``repair_batching``: the loss of every policy
   when repaired GPUs are taken back at once or in batches; ``transitions``: the costs used;
 * ``stragglers`` (with the timeline, when ``sim.stragglers.rate_per_gpu_day`` > 0): per
-  straggler policy the same statistics of the loss to slow GPUs alone (``stragglers.py``).
+  straggler policy the same statistics of the loss to slow GPUs alone (``stragglers.py``);
+* ``links`` (with the timeline, when ``sim.links.rate_per_gpu_day`` > 0): the same per link
+  policy for slow scale-out NICs alone (``links.py``).
 All randomness comes from ``numpy.random.default_rng(sim.seed)`` in a fixed order, so equal
 configs give equal results. Losses are ``1 - throughput``, throughput vs the fault-free job.
 """
@@ -332,4 +334,9 @@ def simulate(cfg: SimConfig, *, progress: Progress | None = None, sweep: bool = 
         from .stragglers import run_stragglers
 
         out["stragglers"] = run_stragglers(ctx, straggler_rng)
+    (link_rng,) = rng.spawn(1)  # a fourth stream: the three above are unchanged
+    if timeline and cfg.links.rate_per_gpu_day > 0:
+        from .links import run_links
+
+        out["links"] = run_links(ctx, link_rng)
     return out

@@ -85,9 +85,11 @@ def test_paper_scenario_straggler_policies() -> None:
     print_result(res, console)
     text = console.export_text()
     assert "straggler policy" in text and "rebalance" in text
+    assert "link policy" in text and "sync-relayout" in text  # slow NICs: test_links.py
     off = simulate(dataclasses.replace(cfg, stragglers=StragglerConfig()), sweep=False)
     assert "stragglers" not in off
     assert off["timeline"] == res["timeline"]  # the failure streams do not move
+    assert off["links"] == res["links"]
 
 
 def test_straggler_config_validated() -> None:
