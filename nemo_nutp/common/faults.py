@@ -199,7 +199,10 @@ def _value(field: str, text: str) -> Any:
 
 def from_config(fc: Any, key: str) -> Fault | None:
     """The fault of one ``recovery.fault``-shaped mapping (``config/schema.py``'s
-    ``FaultConfig``; kind None: none); ValueError ``key.field=value: why``."""
+    ``FaultConfig``; kind None: none); ValueError ``key.field=value: why`` (``factor``, which has
+    a default, is checked whatever the kind)."""
+    if not 1.0 <= fc.factor < 1e6:
+        raise ValueError(f"{key}.factor={fc.factor!r}: must be >= 1")
     if fc.kind is None:
         return None
     slow = fc.kind == "slow"
