@@ -456,7 +456,8 @@ def handle(store: Any, cfg: JobConfig, w: World, failure: Failure, cause: str, *
     """A failure of the running world: the next world (live), or the failure the restart path
     takes (with the ranks that died while it was handled: their GPUs are marked failed too)."""
     events = rdir / "events.jsonl"
-    reason = live_blocker(w.job, failure, survivors=len(w.alive()) - len(failure.ranks),
+    survivors = [r for r in w.alive() if r not in failure.ranks]  # a dead blamed rank is not alive
+    reason = live_blocker(w.job, failure, survivors=len(survivors),
                           replicas=len(w.plan.replicas))
     if reason is None:
         try:
