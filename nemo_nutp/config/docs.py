@@ -81,6 +81,21 @@ def _entries(obj: Any, prefix: str) -> list[str]:
     return lines
 
 
+def _deprecated(obj: Any, prefix: str) -> list[str]:
+    """``key: docstring`` of every field whose docstring starts with "Deprecated"."""
+    out: list[str] = []
+    docs = _field_docs(type(obj))
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            out += _deprecated(value, f"{prefix}{f.name}.")
+        elif docs[f.name][1].startswith("Deprecated"):
+            out += textwrap.wrap(f"- `{prefix}{f.name}`: {' '.join(docs[f.name][1].split())}",
+                                 width=100, subsequent_indent="  ", break_long_words=False,
+                                 break_on_hyphens=False)
+    return out
+
+
 def render() -> str:
     """The page's text."""
     job = JobConfig()
@@ -91,6 +106,10 @@ def render() -> str:
         out += [f"## `{f.name}`", "", " ".join(doc.split()), ""]
         out += _entries(section, f"{f.name}.")
         out.append("")
+    out += ["## Deprecated keys", "",
+            "Each is a second name of another key: accepted for one release, mapped to the "
+            "surviving", "name at load time with one warning line naming both (both set "
+            "differently: one error", "naming both).", "", *_deprecated(job, ""), ""]
     return "\n".join(out).rstrip("\n") + "\n"
 
 
