@@ -55,20 +55,15 @@ import numpy as np
 from . import transitions as trn
 from .config import LinkConfig
 from .cost import CostModel
+from .stragglers import episodes
 
 
 def link_events(s: LinkConfig, trials: int, n_gpus: int, hours: float, lead: float,
                 rng: np.random.Generator) -> dict[str, np.ndarray]:
     """Episodes of ``trials`` runs: trial, start, end (hours), gpu, slowdown."""
-    counts = rng.poisson(s.rate_per_gpu_day / 24.0 * n_gpus * (hours + lead), size=trials)
-    n = int(counts.sum())
-    trial = np.repeat(np.arange(trials, dtype=np.int64), counts)
-    start = rng.uniform(-lead, hours, size=n)
-    dur = (np.full(n, s.duration_hours) if s.duration_distribution == "fixed"
-           else rng.exponential(s.duration_hours, size=n))
-    gpu = rng.integers(0, n_gpus, size=n, dtype=np.int64)
-    slow = rng.uniform(s.min_slowdown, s.max_slowdown, size=n)
-    return {"trial": trial, "start": start, "end": start + dur, "gpu": gpu, "slowdown": slow}
+    ev = episodes(s, trials, n_gpus, hours, lead, rng)
+    ev["slowdown"] = rng.uniform(s.min_slowdown, s.max_slowdown, size=len(ev["gpu"]))
+    return ev
 
 
 def link_step_times(ev: dict[str, np.ndarray], *, slice_of: np.ndarray, n_use: int, pp: int,

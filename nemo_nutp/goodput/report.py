@@ -102,10 +102,15 @@ def straggler_table(res: dict[str, Any]) -> Table:
                     f"{s['min_speed']:g}-{s['max_speed']:g}, {s['duration_hours']:g} h "
                     f"({s['duration_distribution']}); {sg['events']:,} episodes, "
                     f"{_pct(sg['mean_slow_fraction'], 3)}% of GPUs slow")
-    for col in ("straggler policy", "throughput loss %", "transition loss %", "loss mean %",
+    return _episode_rows(t, "straggler policy", sg["policies"])
+
+
+def _episode_rows(t: Table, first: str, policies: dict[str, Any]) -> Table:
+    """The columns and one row per policy of an episode table (stragglers, slow links)."""
+    for col in (first, "throughput loss %", "transition loss %", "loss mean %",
                 "p5 %", "p95 %", "events / day", "s / event", "GPU-h lost", "$ lost"):
         t.add_column(col, justify="right")
-    for pol, r in sg["policies"].items():
+    for pol, r in policies.items():
         t.add_row(pol, _pct(r["throughput_loss"], 3), _pct(r["transition_loss"], 3),
                   _pct(r["mean"], 3), _pct(r["p5"], 3), _pct(r["p95"], 3),
                   f"{r['events_per_day']:.1f}", f"{r['mean_event_s']:.0f}",
@@ -122,15 +127,7 @@ def link_table(res: dict[str, Any]) -> Table:
                     f"found in {s['detect_s']:g} s; {lk['events']:,} episodes, "
                     f"{lk['mean_slow_links']:.2f} at a time; DP sync "
                     f"{lk['sync_s']:.2f} s")
-    for col in ("link policy", "throughput loss %", "transition loss %", "loss mean %",
-                "p5 %", "p95 %", "events / day", "s / event", "GPU-h lost", "$ lost"):
-        t.add_column(col, justify="right")
-    for pol, r in lk["policies"].items():
-        t.add_row(pol, _pct(r["throughput_loss"], 3), _pct(r["transition_loss"], 3),
-                  _pct(r["mean"], 3), _pct(r["p5"], 3), _pct(r["p95"], 3),
-                  f"{r['events_per_day']:.1f}", f"{r['mean_event_s']:.0f}",
-                  f"{r['gpu_hours_lost']:,.0f}", f"{r['usd_lost']:,.0f}")
-    return t
+    return _episode_rows(t, "link policy", lk["policies"])
 
 
 def print_result(res: dict[str, Any], console: Console) -> None:

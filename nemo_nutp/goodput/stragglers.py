@@ -43,9 +43,11 @@ from . import transitions as trn
 from .config import StragglerConfig
 
 
-def straggler_events(s: StragglerConfig, trials: int, n_gpus: int, hours: float, lead: float,
-                     rng: np.random.Generator) -> dict[str, np.ndarray]:
-    """Episodes of ``trials`` runs: trial, start, end (hours), gpu, speed."""
+def episodes(s: Any, trials: int, n_gpus: int, hours: float, lead: float,
+             rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Poisson episodes of ``trials`` runs at ``s.rate_per_gpu_day`` per GPU, lasting
+    ``s.duration_hours`` (fixed or exponential: ``s.duration_distribution``), each on one GPU:
+    trial, start, end (hours), gpu. Stragglers and slow links (``links.py``) alike."""
     counts = rng.poisson(s.rate_per_gpu_day / 24.0 * n_gpus * (hours + lead), size=trials)
     n = int(counts.sum())
     trial = np.repeat(np.arange(trials, dtype=np.int64), counts)
@@ -53,8 +55,15 @@ def straggler_events(s: StragglerConfig, trials: int, n_gpus: int, hours: float,
     dur = (np.full(n, s.duration_hours) if s.duration_distribution == "fixed"
            else rng.exponential(s.duration_hours, size=n))
     gpu = rng.integers(0, n_gpus, size=n, dtype=np.int64)
-    speed = rng.uniform(s.min_speed, s.max_speed, size=n)
-    return {"trial": trial, "start": start, "end": start + dur, "gpu": gpu, "speed": speed}
+    return {"trial": trial, "start": start, "end": start + dur, "gpu": gpu}
+
+
+def straggler_events(s: StragglerConfig, trials: int, n_gpus: int, hours: float, lead: float,
+                     rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Episodes of ``trials`` runs: trial, start, end (hours), gpu, speed."""
+    ev = episodes(s, trials, n_gpus, hours, lead, rng)
+    ev["speed"] = rng.uniform(s.min_speed, s.max_speed, size=len(ev["gpu"]))
+    return ev
 
 
 def active_at_steps(ev: dict[str, np.ndarray], n_steps: int, step_h: float
