@@ -199,10 +199,7 @@ def _value(field: str, text: str) -> Any:
 
 def from_config(fc: Any, key: str) -> Fault | None:
     """The fault of one ``recovery.fault``-shaped mapping (``config/schema.py``'s
-    ``FaultConfig``; kind None: none); ValueError ``key.field=value: why`` (``factor``, which has
-    a default, is checked whatever the kind)."""
-    if not 1.0 <= fc.factor < 1e6:
-        raise ValueError(f"{key}.factor={fc.factor!r}: must be >= 1")
+    ``FaultConfig``; kind None: none); ValueError ``key.field=value: why``."""
     if fc.kind is None:
         return None
     slow = fc.kind == "slow"
@@ -211,6 +208,12 @@ def from_config(fc: Any, key: str) -> Fault | None:
                      fc.until if slow else None)
     except ValueError as e:
         raise ValueError(f"{key}.{e}") from None
+
+
+def check_factor(fc: Any, key: str) -> None:
+    """``factor`` has a default, so it is checked whatever the kind (``config/schema.py``)."""
+    if not 1.0 <= fc.factor < 1e6:
+        raise ValueError(f"{key}.factor={fc.factor!r}: must be >= 1")
 
 
 def configured(recovery: Any) -> list[Fault]:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..common import env
-from ..common.faults import configured
+from ..common.faults import check_factor, configured
 from ..layout import ClusterSpec, HealthReport, ModelDims, ParallelSpec
 from ..layout.specs import bad_value, check_positive, normalize_replicas
 
@@ -692,6 +692,9 @@ class RecoveryConfig:
     GPU count."""
 
     def __post_init__(self) -> None:
+        check_factor(self.fault, "recovery.fault")
+        for i, fc in enumerate(self.faults):
+            check_factor(fc, f"recovery.faults[{i}]")
         configured(self)  # each fault valid: ValueError naming recovery.fault(s)...
         if not self.rate_per_gpu_day >= 0:
             raise bad_value("recovery.rate_per_gpu_day", self.rate_per_gpu_day, "must be >= 0")

@@ -88,7 +88,7 @@ def _through_hooks(root: Path) -> dict[str, Any]:
     ck = SimpleNamespace(resume="required", load_dir=None, strict=False, load_optimizer=True,
                          interval=0)
     cfg = SimpleNamespace(checkpoint=ck, checkpoint_dir=str(root),
-                          recovery=SimpleNamespace(fault=SimpleNamespace(kind=None)))
+                          recovery=SimpleNamespace(fault=SimpleNamespace(kind=None), faults=[]))
     ledger = SimpleNamespace(totals={}, wall_s=0.0, add_pause=lambda *a: None)
     s = _session(Job("tp2", (2,)))
     out = io.StringIO()
