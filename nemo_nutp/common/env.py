@@ -8,6 +8,7 @@ ATTEMPT = "NUTP_ATTEMPT"  # the supervisor's (or the sbatch srun loop's) attempt
 HEARTBEAT_DIR = "NUTP_HEARTBEAT_DIR"  # a rank's directory for step heartbeats and stack files
 EVENTS = "NUTP_EVENTS"  # the recovery event log (recovery/events.jsonl) ranks append to
 CONTROL = "NUTP_CONTROL"  # host:port of the live control process's store (recovery.mode=live)
+SLURM_NODE_NAME = "SLURMD_NODENAME"  # Slurm's name of the node a job step's task runs on
 AGENT_PID = "NUTP_AGENT_PID"  # a node agent's pid: its ranks die with it (recovery/world.py)
 PARENT_REPORTS = "NUTP_PARENT_REPORTS"  # "1": the local launcher prints its ranks' errors
 DEBUG = "NUTP_DEBUG"  # "1": a rank's error is raised with its traceback, not reported in a line

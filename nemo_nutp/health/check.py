@@ -16,7 +16,7 @@ previous attempt) is not this check: it judges an attempt that already ended.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -60,12 +60,14 @@ class FailureCheck:
 
     def poll(self, codes: dict[int, int | None], *, now: float,
              hang: Callable[[float], Failure | None],
-             health: Callable[[float], watch.ScaleUp | None] | None = None) -> Verdict:
+             health: Callable[[float], watch.ScaleUp | None] | None = None,
+             nodes: Sequence[str] = ()) -> Verdict:
         """``codes``: each rank's exit code (None: running). ``hang(now)`` is called only when
-        a hang check is due, ``health(now)`` only when no rank failed."""
+        a hang check is due, ``health(now)`` only when no rank failed. ``nodes``: the host's
+        node names (a lost node's agent is named by them)."""
         if all(c == 0 for c in codes.values()):
             return Verdict(done=True)
-        failure = blame_exits(codes)
+        failure = blame_exits(codes, nodes)
         if failure is not None:
             return Verdict(failure=failure, cause="exit")
         if now >= self.next_hang:

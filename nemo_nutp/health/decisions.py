@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import signal
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -58,11 +58,13 @@ def lost_code(node: int) -> int:
     return LOST - node
 
 
-def exit_words(code: int) -> str:
-    """One exit code in words: ``killed by signal 9 (SIGKILL)``, ``node agent 2 lost``,
-    ``exit code 1``. A lost agent's code is never printed as a signal."""
+def exit_words(code: int, nodes: Sequence[str] = ()) -> str:
+    """One exit code in words: ``killed by signal 9 (SIGKILL)``, ``node agent n2 lost``,
+    ``exit code 1``. A lost agent's code is never printed as a signal; ``nodes`` names the
+    nodes by index (``hosts.AgentHost.node_names``; a node it does not name: its index)."""
     if code <= LOST:
-        return f"node agent {LOST - code} lost"
+        node = LOST - code
+        return f"node agent {nodes[node] if node < len(nodes) else node} lost"
     if code < 0:
         try:
             return f"killed by signal {-code} ({signal.Signals(-code).name})"
@@ -75,34 +77,36 @@ def _ranks_words(ranks: list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
-def exits_reason(codes: Mapping[int, int], *, ranks: bool = False) -> str:
+def exits_reason(codes: Mapping[int, int], *, ranks: bool = False,
+                 nodes: Sequence[str] = ()) -> str:
     """The exits of ``codes`` (rank -> code) in words: one phrase when they all say the same
     (``killed by signal 9 (SIGKILL)``) and ``ranks`` is false, else one per kind, with its
     ranks (``rank 1: killed by signal 9 (SIGKILL); ranks 4, 5: node agent 1 lost``)."""
     by: dict[str, list[int]] = {}
     for r in sorted(codes):
-        by.setdefault(exit_words(codes[r]), []).append(r)
+        by.setdefault(exit_words(codes[r], nodes), []).append(r)
     if len(by) == 1 and not ranks:
         return next(iter(by))
     return "; ".join(f"{_ranks_words(rs)}: {why}" for why, rs in by.items())
 
 
-def blame_exits(exit_codes: dict[int, int | None]) -> Failure | None:
+def blame_exits(exit_codes: dict[int, int | None], nodes: Sequence[str] = ()
+                ) -> Failure | None:
     """Ranks that exited abnormally. A rank killed by a signal (negative code) or lost with its
     node's agent (``lost_code``) is the cause; ranks that then failed with an error (peers lost
     their connection) are not blamed. Ranks that all exited 2 (bad input, ``train/worker.py``)
     make a ``bad_input`` failure: the job stops instead of restarting on fewer GPUs. The reason
-    says each exit in words (``exits_reason``)."""
+    says each exit in words (``exits_reason``; ``nodes`` names the nodes)."""
     bad = {r: c for r, c in exit_codes.items() if c not in (None, 0)}
     if not bad:
         return None
     signalled = {r: c for r, c in bad.items() if c is not None and c < 0}
     if signalled:
-        return Failure(tuple(sorted(signalled)), exits_reason(signalled))
+        return Failure(tuple(sorted(signalled)), exits_reason(signalled, nodes=nodes))
     if all(c == 2 for c in bad.values()):  # train/worker.py: bad config, data or checkpoint
         return Failure(tuple(sorted(bad)), "exited with an input error", bad_input=True)
     return Failure(tuple(sorted(bad)), exits_reason({r: c for r, c in bad.items()
-                                                     if c is not None}))
+                                                     if c is not None}, nodes=nodes))
 
 
 def is_comm_wait(filename: str, line: str) -> bool:

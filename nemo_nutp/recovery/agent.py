@@ -33,6 +33,7 @@ import json
 import os
 import pickle
 import signal
+import socket
 import threading
 import time
 from datetime import timedelta
@@ -40,7 +41,7 @@ from multiprocessing.connection import wait as wait_sentinels
 from pathlib import Path
 from typing import Any
 
-from ..common.env import AGENT_PID, EVENTS
+from ..common.env import AGENT_PID, EVENTS, SLURM_NODE_NAME
 from .hosts import BEAT_S, agent_key, agent_store
 from .world import PRELOAD, join_main, rank_main
 
@@ -58,6 +59,8 @@ class Agent:
         import multiprocessing as mp
 
         self.node = node
+        # how the reasons name this node: Slurm's node name (several slurmd may share a host)
+        self.name = os.environ.get(SLURM_NODE_NAME) or socket.gethostname()
         self.cmds = agent_store(host, port, is_master=False, timeout_s=timeout_s)
         self.reports = agent_store(host, port, is_master=False, timeout_s=timeout_s)
         self._report_lock = threading.Lock()
@@ -157,6 +160,7 @@ class Agent:
             try:
                 if op["op"] == "start":
                     reply["pids"] = self._start(op)
+                    reply["host"] = self.name
                 elif op["op"] == "join":
                     reply["pids"] = self._join(op)
                 elif op["op"] == "kill":

@@ -97,6 +97,7 @@ class World:
     hb: Path  # heartbeat directory of this world
     next_slot: int = 0  # the slot a joiner gets (slots: process identities, never reused)
     slow: dict[int, float] = field(default_factory=dict)  # stragglers excluded (GPU -> speed)
+    nodes: tuple[str, ...] = ()  # the host's node names (``hosts.Host.node_names``): reasons
 
     def alive(self) -> list[int]:
         return [r for r, p in enumerate(self.procs) if p.exitcode is None]
@@ -127,7 +128,7 @@ def _wait_keys(store: Any, keys: list[str], w: World, watched: list[int], timeou
                     why = json.loads(store.get(unmovable))["reason"]
                     raise Fallback(f"the state cannot move live: {why}")
                 raise Fallback(f"second failure during the re-layout: rank {r} exited "
-                               f"({exit_words(w.procs[r].exitcode)}) while {what}")
+                               f"({exit_words(w.procs[r].exitcode, w.nodes)}) while {what}")
         if time.monotonic() > deadline:
             raise Fallback(f"timed out after {timeout_s:.0f} s while {what}")
         time.sleep(POLL_S)
@@ -138,13 +139,14 @@ def _died(w: World, ranks: list[int]) -> dict[int, int]:
     return {r: c for r in ranks if (c := w.procs[r].exitcode) is not None}
 
 
-def _fold(failure: Failure, late: dict[int, int]) -> Failure:
+def _fold(failure: Failure, late: dict[int, int], nodes: tuple[str, ...] = ()) -> Failure:
     """``failure`` with the ranks that died while it was handled (``late``: rank -> exit code)
     folded in: one failure, never a second one. The reason says when each was found."""
     if not late:
         return failure
+    why = exits_reason(late, ranks=True, nodes=nodes)
     return Failure(tuple(sorted({*failure.ranks, *late})),
-                   f"{failure.reason}; while handling it, {exits_reason(late, ranks=True)}")
+                   f"{failure.reason}; while handling it, {why}")
 
 
 def _reports(store: Any, w: World, failure: Failure) -> tuple[Failure, dict[int, Any]]:
@@ -160,17 +162,17 @@ def _reports(store: Any, w: World, failure: Failure) -> tuple[Failure, dict[int,
         late.update(_died(w, rest))
         survivors = [r for r in rest if r not in late]
         if not survivors:
-            raise Fallback("no survivor left to re-lay out", _fold(failure, late))
+            raise Fallback("no survivor left to re-lay out", _fold(failure, late, w.nodes))
         keys = [f"report{w.gen}/{w.slots[r]}" for r in survivors]
         if store.check(keys):
             posts = {r: json.loads(store.get(k)) for r, k in zip(survivors, keys, strict=True)}
-            return _fold(failure, late), posts
+            return _fold(failure, late, w.nodes), posts
         if late and store.check([unmovable]):
-            raise Fallback(f"the state cannot move live: "
-                           f"{json.loads(store.get(unmovable))['reason']}", _fold(failure, late))
+            why = json.loads(store.get(unmovable))["reason"]
+            raise Fallback(f"the state cannot move live: {why}", _fold(failure, late, w.nodes))
         if time.monotonic() > deadline:
             raise Fallback(f"timed out after {REPORT_TIMEOUT_S:.0f} s while waiting for "
-                           "survivors' reports", _fold(failure, late))
+                           "survivors' reports", _fold(failure, late, w.nodes))
         time.sleep(POLL_S)
 
 
@@ -233,7 +235,8 @@ def _relayout(store: Any, cfg: JobConfig, w: World, folded: list[Failure], *, de
         old = list(w.plan.rank_to_gpu).index(g)
         new_procs.append(w.procs[old])
         new_slots.append(w.slots[old])
-    nw = World(job, plan, new_procs, new_slots, failed, gen, hb, w.next_slot, dict(w.slow))
+    nw = World(job, plan, new_procs, new_slots, failed, gen, hb, w.next_slot, dict(w.slow),
+               w.nodes)
     _wait_keys(store, [f"started{gen}"], nw, list(range(len(new_procs))), START_TIMEOUT_S,
                "the new world was being built")
     started = json.loads(store.get(f"started{gen}"))
@@ -269,8 +272,8 @@ def _wait_boundary(store: Any, keys: list[str], w: World, timeout_s: float) -> N
             raise Finished()
         bad = [r for r, c in enumerate(codes) if c not in (None, 0)]
         if bad:
-            raise Fallback(f"rank {bad[0]} exited ({exit_words(codes[bad[0]] or 0)}) before "
-                           "the grow-back boundary")
+            why = exit_words(codes[bad[0]] or 0, w.nodes)
+            raise Fallback(f"rank {bad[0]} exited ({why}) before the grow-back boundary")
         if time.monotonic() > deadline:
             raise Fallback(f"timed out after {timeout_s:.0f} s waiting for the grow-back "
                            "boundary")
@@ -370,7 +373,7 @@ def grow(store: Any, cfg: JobConfig, w: World, why: str, *, detected: float, rdi
         procs.append(start_joiner(nxt, w.plan, plan.rank_to_gpu[n], gen, hb))
         slots.append(nxt)
         nxt += 1
-    nw = World(job, plan, procs, slots, failed, gen, hb, nxt, slow)
+    nw = World(job, plan, procs, slots, failed, gen, hb, nxt, slow, w.nodes)
     joined = [procs[n] for n in joiners]
     log_event("live_joiners", file=rdir / "events.jsonl", gen=gen, joiners=joiners,
               pids=[p.pid for p in joined])
@@ -487,7 +490,7 @@ def _fell_back(w: World, back: frozenset[int], now: float
     """A boundary re-layout (grow back, straggler) that fell back: the restart path re-plans.
     A rank that died in the window is a failure (its GPU is marked failed); else a planned
     restart that takes ``back`` in at the newest checkpoint."""
-    failure = blame_exits({r: p.exitcode for r, p in enumerate(w.procs)})
+    failure = blame_exits({r: p.exitcode for r, p in enumerate(w.procs)}, w.nodes)
     scale = None if failure is not None else watch.ScaleUp(
         tuple(sorted(back)), now, watch.resume_step(w.job.checkpoint_dir))
     return failure, scale
@@ -515,7 +518,8 @@ def run_world(cfg: JobConfig, job: JobConfig, plan: Plan,
     procs = host.start_world(job, plan, env)
     log_event("live_world", file=rdir / "events.jsonl", attempt=attempt, gen=0,
               pids=[p.pid for p in procs])
-    w = World(job, plan, procs, list(range(plan.world_size)), failed, 0, hb, plan.world_size)
+    w = World(job, plan, procs, list(range(plan.world_size)), failed, 0, hb, plan.world_size,
+              nodes=host.node_names)
 
     def start_joiner(slot: int, old_plan: Plan, gpu: int, gen: int, hb: Path) -> Any:
         return host.start_joiner(slot, job, old_plan, gpu, gen,
@@ -547,7 +551,8 @@ def run_world(cfg: JobConfig, job: JobConfig, plan: Plan,
         time.sleep(0.05)
         now = time.time()
         v = check.poll({r: p.exitcode for r, p in enumerate(w.procs)}, now=now, hang=hang,
-                       health=planned if job.train.distributed_optimizer else None)
+                       health=planned if job.train.distributed_optimizer else None,
+                       nodes=w.nodes)
         if v.done:
             return Attempt(True, None, None, None, now, None, tuple(w.plan.rank_to_gpu), {},
                            0.0)

@@ -18,7 +18,8 @@ every process through the same small handle (``pid``, ``exitcode``, ``kill()``,
   per poll, O(1)) and each agent's liveness beat (``agent<n>/beat``, read with one
   ``multi_get`` per ``BEAT_CHECK_S``, O(nodes)): an agent silent for ``AGENT_LOST_S``
   lost its node, whose processes then count as dead (exit code ``decisions.lost_code(node)``,
-  reported as "node agent <node> lost", never as a signal).
+  reported as "node agent <name> lost", the node's Slurm name from its agent, never as a
+  signal).
 
 Detection bound: a lost node's processes count as dead at most ``AGENT_LOST_S + BEAT_CHECK_S``
 (plus one poll) after its agent's last beat; that is well inside the survivors' wait for the
@@ -74,6 +75,10 @@ class Host(Protocol):
 
     address: str  # how the ranks reach the control process
 
+    @property
+    def node_names(self) -> tuple[str, ...]:
+        """Node id -> its name, for reasons (``node agent n2 lost``); () on one machine."""
+
     def start_world(self, job: JobConfig, plan: Plan, env: dict[str, str]) -> list[Proc]:
         """Start every rank of ``plan`` (rank r on GPU ``plan.rank_to_gpu[r]``)."""
 
@@ -120,6 +125,10 @@ class LocalHost:
     """Ranks forked on this machine (the CPU supervisor's live mode)."""
 
     address = "127.0.0.1"
+
+    @property
+    def node_names(self) -> tuple[str, ...]:
+        return ()  # one machine: no node is lost without this process
 
     def __init__(self, entry: RankEntry | None = None) -> None:
         """``entry``: how a rank and a joiner start (default ``nutp-train``'s;
@@ -206,6 +215,12 @@ class AgentHost:
     _live: dict[int, RemoteProc] = field(default_factory=dict)
     _lost: set[int] = field(default_factory=set)
     _beats: dict[int, tuple[bytes, float]] = field(default_factory=dict)  # last value, seen at
+    _names: dict[int, str] = field(default_factory=dict)  # node -> name, from its start reply
+
+    @property
+    def node_names(self) -> tuple[str, ...]:
+        """Each node's name as its agent reported it (its index until it did)."""
+        return tuple(self._names.get(n, str(n)) for n in range(self.nodes))
 
     # -- requests ---------------------------------------------------------------------
 
@@ -251,7 +266,8 @@ class AgentHost:
         self.store.set(key, pickle.dumps(job))
         common = {"op": "start", "key": key, "rank_to_gpu": list(plan.rank_to_gpu), "env": env}
         sent = {n: self._request(n, {**common, "ranks": ranks}) for n, ranks in by_node.items()}
-        for reply in self._replies(sent).values():
+        for n, reply in self._replies(sent).items():
+            self._names[n] = str(reply.get("host", n))
             for pid_of in reply["pids"]:
                 self._live[int(pid_of[0])].pid = int(pid_of[1])
         return list(procs)

@@ -289,3 +289,7 @@ def test_exit_reasons_are_words_and_a_lost_agent_is_not_a_signal() -> None:
     f = blame_exits({0: 1, 1: 3, 2: None})
     assert f is not None and f.reason == "rank 0: exit code 1; rank 1: exit code 3"
     assert exit_words(-15) == "killed by signal 15 (SIGTERM)" and exit_words(7) == "exit code 7"
+    # with the host's node names (the agents' Slurm names), the node is named
+    f = blame_exits({0: None, 1: lost_code(1), 2: lost_code(1)}, ("n1", "n2"))
+    assert f is not None and f.reason == "node agent n2 lost"
+    assert exit_words(lost_code(3), ("n1", "n2")) == "node agent 3 lost"  # unnamed: its index

@@ -22,16 +22,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from nemo_nutp.common.ports import free_port
 from nemo_nutp.launch import control as standalone
-from nemo_nutp.launch.slurm import SbatchOptions, render_sbatch
 from tests.helpers.launch import run_train
 from tests.helpers.live import (
     BASE,
@@ -43,20 +40,11 @@ from tests.helpers.live import (
     stock_reference,
 )
 from tests.helpers.slurm_cluster import PARTITION, SlurmCluster
+from tests.helpers.slurm_jobs import LIVE, REPO, Watch, gone, has_event, report_back, submit
+from tests.helpers.slurm_jobs import render as _script
 from tests.helpers.slurm_standin import install
 
 NODES = ("127.0.0.1", "localhost")  # the stand-in's Slurm node ids 0 and 1, both this machine
-REPO = Path(__file__).resolve().parents[2]
-LIVE = ("cluster.gpus_per_node=4", "checkpoint.interval=2")
-
-
-def _script(over: tuple[str, ...], **opts) -> str:
-    from nemo_nutp.config import load_config, plan_request
-    from nemo_nutp.layout import build_plan
-
-    cfg = load_config(list(over))
-    return render_sbatch(build_plan(plan_request(cfg)), SbatchOptions(image="img", **opts),
-                         overrides=list(over), recovery=cfg.recovery)
 
 
 def test_live_script_keeps_peers_alive_and_runs_control_outside_the_ranks(tmp_path: Path
@@ -129,31 +117,6 @@ def test_srun_standin_refuses_flags_it_does_not_implement(tmp_path: Path) -> Non
     assert r.returncode == 3  # 4 tasks (2 nodes x 2): a bad exit ends no peer; max code
 
 
-def _wait_event(out: Path, name: str, running: Callable[[], bool], deadline: float) -> None:
-    events = out / "recovery" / "events.jsonl"
-    while f'"event": "{name}"' not in (events.read_text() if events.exists() else ""):
-        assert running(), f"the job ended before {name}"
-        assert time.monotonic() < deadline, f"no {name} within the job timeout"
-        time.sleep(0.1)
-
-
-def _report_back(out: Path, failed: list[int], now: list[int]) -> None:
-    """The operator rewrites the health report: GPUs of ``failed`` not in ``now`` are back."""
-    health = out / "recovery" / "health.json"
-    assert json.loads(health.read_text())["failed_gpus"] == failed
-    tmp = health.with_suffix(".test-tmp")
-    tmp.write_text(json.dumps({"failed_gpus": now}))
-    os.replace(tmp, health)
-
-
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
-
-
 @pytest.mark.dist
 @pytest.mark.timeout(JOB_TIMEOUT_S + 120)
 def test_sbatch_live_on_slurm(slurm: SlurmCluster, tmp_path: Path) -> None:
@@ -170,39 +133,26 @@ def test_sbatch_live_on_slurm(slurm: SlurmCluster, tmp_path: Path) -> None:
     script = tmp_path / "job.sbatch"
     script.write_text(_script(over, master_port=free_port(), partition=PARTITION,
                               account="nutp", repo=str(REPO), job_name="nutp-live"))
-    # sbatch passes this environment to the job (--export=ALL): the fault, the digests, this
-    # interpreter first on PATH.
-    env = slurm.env(NUTP_FAULT="kill:rank=1:step=1:phase=forward,"
-                               "kill:rank=4:phase=relayout:gen=1",
-                    NUTP_LIVE_DIGEST="1",
-                    PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]))
-    r = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True,
-                       env=env, cwd=tmp_path, timeout=60)
-    assert r.returncode == 0, r.stderr
-    job = r.stdout.strip().split(";")[0]
-    state: dict[str, str] = {}
-
-    def running() -> bool:
-        state.update(slurm.job(job))
-        return state["JobState"] in ("PENDING", "CONFIGURING", "RUNNING")
-
+    # sbatch passes this environment to the job (--export=ALL): the fault, the digests.
+    job = submit(slurm, script, NUTP_FAULT="kill:rank=1:step=1:phase=forward,"
+                                           "kill:rank=4:phase=relayout:gen=1",
+                 NUTP_LIVE_DIGEST="1")
+    watch = Watch(slurm, job)
     try:
         deadline = time.monotonic() + JOB_TIMEOUT_S
-        _wait_event(out, "live_relayout", running, deadline)
-        _report_back(out, [1, 7], [7])
-        _wait_event(out, "failure", running, deadline)  # the grow fell back
-        while [e["event"] for e in read_events(out)].count("live_world") < 2:
-            assert running() and time.monotonic() < deadline, "no attempt 1"
-            time.sleep(0.1)
-        _report_back(out, [4, 7], [7])
-        while running():
-            assert time.monotonic() < deadline, "the job did not end within the job timeout"
-            time.sleep(0.2)
+        watch.until(has_event(out, "live_relayout"), deadline, "live_relayout")
+        report_back(out, [1, 7], [7])
+        watch.until(has_event(out, "failure"), deadline, "failure")  # the grow fell back
+        watch.until(lambda: [e["event"] for e in read_events(out)].count("live_world") >= 2,
+                    deadline, "attempt 1")
+        report_back(out, [4, 7], [7])
+        watch.finish(deadline)
         ev = read_events(out)
         (first_join, second_join) = [e for e in ev if e["event"] == "agent_join"]
-        assert _gone(first_join["pid"]), "the fallback left the new process running"
+        assert gone(first_join["pid"]), "the fallback left the new process running"
     finally:
         slurm.run("scancel", job, check=False)
+    state = watch.state
     text = (tmp_path / f"nutp-live-{job}.out").read_text()
     assert (state["JobState"], state["ExitCode"]) == ("COMPLETED", "0:0"), text[-6000:]
     # Two job steps for the whole job: the control process (0) and the node agents (1).

@@ -1,0 +1,79 @@
+"""Issue 35: a whole node lost under the scripts ``nutp sbatch`` renders, on the real Slurm test
+cluster (``tests/helpers/slurm_cluster.py``: three slurmd with four fake GPUs each).
+
+Live mode, the default tiny job on two nodes (GPU 7 failed: TP4 on n1's GPUs 0-3, TP3 on n2's
+GPUs 4-6). After step ``DOWN_AT`` the test sets the second node DOWN through ``scontrol``, as an
+operator or a health checker would: Slurm kills that node's part of the agents' job step (its
+agent and, with it, its ranks). The job's and the agents' ``--no-kill`` keep the other node's
+agent and ranks; the control process (on the batch host) learns of the lost agent within a few
+beats, blames only that node's GPUs, and the survivors are re-laid out live to one TP4 replica:
+one ``start`` event, no checkpoint read, every step equal to an uninterrupted single-process
+run of stock megatron-core within 1e-5.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from nemo_nutp.common.ports import free_port
+from tests.helpers.live import (
+    BASE,
+    JOB_TIMEOUT_S,
+    TOL,
+    check_live,
+    check_steps,
+    read_events,
+    stock_reference,
+)
+from tests.helpers.slurm_cluster import PARTITION, SlurmCluster
+from tests.helpers.slurm_jobs import LIVE, REPO, Watch, has_event, render, saved, submit
+
+DOWN_AT = 4  # after the checkpoint of this step (checkpoint.interval=2)
+STEPS = 40  # ~0.4 s each here: the loss lands well inside the run
+
+
+def _hosts(slurm: SlurmCluster, job: str) -> list[str]:
+    """The job's nodes in Slurm's order (node id 0 first)."""
+    return slurm.run("scontrol", "show", "hostnames", slurm.job(job)["NodeList"]).split()
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(JOB_TIMEOUT_S + 120)
+def test_live_node_set_down_is_relaid_out_live(slurm: SlurmCluster, tmp_path: Path) -> None:
+    steps = STEPS
+    out = tmp_path / "out"
+    over = (*BASE, *LIVE, f"train.steps={steps}", f"output.dir={out}")
+    script = tmp_path / "job.sbatch"
+    script.write_text(render(over, master_port=free_port(), partition=PARTITION,
+                             account="nutp", repo=str(REPO), job_name="nutp-down"))
+    job = submit(slurm, script, NUTP_LIVE_DIGEST="1")
+    watch = Watch(slurm, job)
+    down = None
+    try:
+        deadline = time.monotonic() + JOB_TIMEOUT_S
+        watch.until(saved(out, DOWN_AT), deadline, f"the checkpoint of step {DOWN_AT}")
+        down = _hosts(slurm, job)[1]
+        slurm.run("scontrol", "update", f"NodeName={down}", "State=DOWN", "Reason=nutp-test")
+        watch.until(has_event(out, "live_relayout"), deadline, "live_relayout")
+        watch.finish(deadline)
+    finally:
+        slurm.run("scancel", job, check=False)
+        if down is not None:
+            slurm.run("scontrol", "update", f"NodeName={down}", "State=RESUME", check=False)
+    text = (tmp_path / f"nutp-down-{job}.out").read_text()
+    assert (watch.state["JobState"], watch.state["ExitCode"]) == ("COMPLETED", "0:0"), \
+        text[-6000:]
+    assert "Traceback" not in text, text[-6000:]
+    ev = read_events(out)
+    (move,) = check_live(ev, relayouts=1)
+    assert move["gpus"] == [4, 5, 6], move  # only the lost node's GPUs are blamed
+    assert move["reason"] == f"node agent {down} lost", move  # in words, by its Slurm name
+    ref = stock_reference(over, steps, tmp_path)
+    rows = check_steps(out, ref, TOL)
+    layouts = [r["replica_tp"] for r in rows]
+    assert layouts[0] == [[4], [3]] and layouts[-1] == [[4]], layouts
+    print(f"slurm node down after step {DOWN_AT}: relayout_s {move['relayout_s']:.2f}, "
+          f"detected {move.get('detect_s')}")
