@@ -191,12 +191,8 @@ class SlurmCluster:
         while not (m / "munge.socket").exists():
             self._check_alive(deadline, "munged socket")
         self._spawn("slurmctld", [_sbin("slurmctld"), "-D", "-f", str(self.conf)])
-        hosts = self.root / "hosts"
-        for n in NODES:  # exec keeps the pid: unshare -> sh -> slurmd
-            self._spawn(f"slurmd-{n}", [
-                "unshare", "-m", "--propagation", "private", "sh", "-c",
-                f'mount --bind "{hosts}" /etc/hosts && exec "{_sbin("slurmd")}" -D -N {n} '
-                f'-f "{self.conf}"'])
+        for n in NODES:
+            self._spawn_slurmd(n)
         while True:
             r = _run(["sinfo", "-h", "-N", "-o", "%N %t"], env=self.env())
             idle = [x for x in r.stdout.split("\n") if x.endswith(" idle")]
@@ -229,6 +225,39 @@ class SlurmCluster:
         steps = {int(m.group(1)) for n in NODES
                  for m in pat.finditer((self.root / f"slurmd.{n}.log").read_text())}
         return sorted(steps)
+
+    def crash_node(self, node: str, job: str) -> list[int]:
+        """Node ``node`` fails as a machine does: its slurmd is SIGKILLed, then every process of
+        ``job``'s steps on it (their pids from ``scontrol listpids``, read first). Returns those
+        pids. slurmctld finds the node not responding after ``SlurmdTimeout``."""
+        out = self.run("scontrol", "listpids", job, node)
+        pids = [int(line.split()[0]) for line in out.splitlines()[1:] if line.strip()]
+        self.procs[f"slurmd-{node}"].kill()
+        self.procs[f"slurmd-{node}"].wait()
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return pids
+
+    def restart_node(self, node: str) -> None:
+        """Start ``node``'s slurmd again (after ``crash_node``) and wait until it is idle
+        (``ReturnToService=2``: a DOWN node returns when its slurmd registers)."""
+        self._spawn_slurmd(node)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            r = _run(["sinfo", "-h", "-n", node, "-o", "%t"], env=self.env())
+            if r.returncode == 0 and r.stdout.strip() == "idle":
+                return
+            self._check_alive(deadline, f"{node} idle again (sinfo: {r.stdout.strip()})")
+
+    def _spawn_slurmd(self, n: str) -> None:
+        hosts = self.root / "hosts"  # exec keeps the pid: unshare -> sh -> slurmd
+        self._spawn(f"slurmd-{n}", [
+            "unshare", "-m", "--propagation", "private", "sh", "-c",
+            f'mount --bind "{hosts}" /etc/hosts && exec "{_sbin("slurmd")}" -D -N {n} '
+            f'-f "{self.conf}"'])
 
     def stop(self) -> None:
         """Cancel every job, wait for their steps to end, then end the daemons started here."""

@@ -77,3 +77,52 @@ def test_live_node_set_down_is_relaid_out_live(slurm: SlurmCluster, tmp_path: Pa
     assert layouts[0] == [[4], [3]] and layouts[-1] == [[4]], layouts
     print(f"slurm node down after step {DOWN_AT}: relayout_s {move['relayout_s']:.2f}, "
           f"detected {move.get('detect_s')}")
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(JOB_TIMEOUT_S + 120)
+def test_live_node_of_rank_0_crashed_while_the_control_runs_elsewhere(
+        slurm: SlurmCluster, tmp_path: Path) -> None:
+    """Three nodes, the first one's GPUs reported failed: the batch host (n1, node 0) runs the
+    control process and an idle agent, rank 0 runs on the second node, the other replica on the
+    third. After step ``DOWN_AT`` the second node crashes as a machine does: its slurmd and
+    every process of the job on it are SIGKILLed (``SlurmCluster.crash_node``; slurmctld learns
+    of it only after ``SlurmdTimeout``, the control process from the agent's silence). The
+    survivors -- none of them rank 0 -- are re-laid out live to one TP4 replica, exactly."""
+    steps = STEPS
+    out = tmp_path / "out"
+    over = (*BASE, *LIVE, "cluster.num_gpus=12", "failures.failed_gpus=[0,1,2,3]",
+            f"train.steps={steps}", f"output.dir={out}")
+    script = tmp_path / "job.sbatch"
+    script.write_text(render(over, master_port=free_port(), partition=PARTITION,
+                             account="nutp", repo=str(REPO), job_name="nutp-crash"))
+    job = submit(slurm, script, NUTP_LIVE_DIGEST="1")
+    watch = Watch(slurm, job)
+    crashed = None
+    try:
+        deadline = time.monotonic() + JOB_TIMEOUT_S
+        watch.until(saved(out, DOWN_AT), deadline, f"the checkpoint of step {DOWN_AT}")
+        crashed = _hosts(slurm, job)[1]
+        assert slurm.crash_node(crashed, job), f"no process of the job on {crashed}"
+        watch.until(has_event(out, "live_relayout"), deadline, "live_relayout")
+        watch.finish(deadline)
+    finally:
+        slurm.run("scancel", job, check=False)
+        if crashed is not None:
+            slurm.restart_node(crashed)
+    text = (tmp_path / f"nutp-crash-{job}.out").read_text()
+    assert (watch.state["JobState"], watch.state["ExitCode"]) == ("COMPLETED", "0:0"), \
+        text[-6000:]
+    assert "Traceback" not in text, text[-6000:]
+    ev = read_events(out)
+    (start,) = [e for e in ev if e["event"] == "start"]
+    assert start["replica_tp"] == [[4], [4]] and start["failed_gpus"] == [0, 1, 2, 3], start
+    (move,) = check_live(ev, relayouts=1)
+    assert move["ranks"] == [0, 1, 2, 3] and move["gpus"] == [4, 5, 6, 7], move
+    assert move["reason"] == f"node agent {crashed} lost", move
+    ref = stock_reference(over, steps, tmp_path)
+    rows = check_steps(out, ref, TOL)
+    layouts = [r["replica_tp"] for r in rows]
+    assert layouts[0] == [[4], [4]] and layouts[-1] == [[4]], layouts
+    print(f"slurm node of rank 0 crashed after step {DOWN_AT}: relayout_s "
+          f"{move['relayout_s']:.2f}")
