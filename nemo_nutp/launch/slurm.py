@@ -205,7 +205,9 @@ def _header(plan: Plan, opts: SbatchOptions, nodes: int, command: str,
         "#SBATCH --exclusive",
         "#SBATCH --output=%x-%j.out",
     ]
-    if live:  # a lost node must not end the job: the control process re-plans around it
+    if live or (recovery is not None and opts.launcher == "srun"):
+        # a lost node must not end the job: the control process re-plans around it (live), or
+        # the next attempt runs on the nodes left (the srun loop)
         lines.append("#SBATCH --no-kill")
     if opts.requeue:
         lines.append("#SBATCH --requeue")
@@ -298,9 +300,19 @@ def _launch_recovery(opts: SbatchOptions, gpn: int, train: list[str], recovery: 
         lines += [
             "# A failed worker ends its attempt for all (store key abort); the loop restarts, and",
             "# stops for good when the workers found no plan for the failed GPUs (exit code 2).",
+            "# Each attempt runs on the nodes left in the allocation: Slurm removes a lost node",
+            "# from a --no-kill job, and its node ids then shift (the workers key GPUs by host",
+            "# name: health/nodes.py).",
             f"for attempt in $(seq 0 {recovery.max_restarts}); do",
             "  rc=0",
-            f'  srun --ntasks-per-node={gpn} "${{NUTP_SRUN[@]}}" \\',
+            '  NUTP_NODES="$(scontrol show job -o "$SLURM_JOB_ID" | tr " " "\\n" '
+            '| sed -n "s/^NodeList=//p")"',
+            '  NUTP_MASTER_ADDR="$(scontrol show hostnames "$NUTP_NODES" | sed -n 1p)"',
+            '  NUTP_NNODES="$(scontrol show hostnames "$NUTP_NODES" | wc -l)"',
+            # the batch environment's SLURM_NTASKS is the whole allocation's: say the count
+            '  srun --nodes="$NUTP_NNODES" --nodelist="$NUTP_NODES" '
+            f'--ntasks="$((NUTP_NNODES * {gpn}))" --ntasks-per-node={gpn} \\',
+            '    "${NUTP_SRUN[@]}" \\',
             '    bash -c "$NUTP_WORKER" nutp-worker "$attempt" "${NUTP_TRAIN[@]}" || rc=$?',
             "  if (( rc == 0 )); then exit 0; fi",
             '  if (( rc == 2 )); then echo "nutp: no plan for the failed GPUs" >&2; exit 2; fi',

@@ -52,9 +52,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..common.env import ATTEMPT, DEBUG, EVENTS, HEARTBEAT_DIR, NODE_INDEX
+from ..common.env import ATTEMPT, DEBUG, EVENTS, HEARTBEAT_DIR, NODE_INDEX, SLURM_NODE_NAME
 from ..common.events import log_event, read_events
-from ..health import aggregate, watch
+from ..health import aggregate, nodes, watch
 from ..health.decisions import Failure, job_for, lost_steps, next_failed
 from ..layout.serialize import write_json_atomic
 
@@ -110,12 +110,27 @@ def attempt_number(env: dict[str, str]) -> int:
 
 
 def check_world(cfg: JobConfig, world: int) -> None:
-    """One worker per GPU slot (before any process group exists)."""
-    if world != cfg.cluster.num_gpus:
+    """One worker per GPU slot of the nodes the launcher runs on (before any process group
+    exists). Fewer nodes than the cluster's are allowed: a lost node's GPUs count as failed
+    (``decide``, ``health/nodes.py``)."""
+    c = cfg.cluster
+    if world > c.num_gpus or world % c.gpus_per_node:
         raise ValueError(
             f"recovery.enabled=true under a launcher needs one worker per GPU slot: the launcher's "
-            f"WORLD_SIZE={world} but cluster.num_gpus={cfg.cluster.num_gpus} (start "
-            f"cluster.gpus_per_node workers per node on every node of the cluster)")
+            f"WORLD_SIZE={world} but cluster.num_gpus={c.num_gpus} with cluster.gpus_per_node="
+            f"{c.gpus_per_node} (start cluster.gpus_per_node workers per node, on at most "
+            f"{c.num_gpus // c.gpus_per_node} nodes)")
+
+
+def host_name(env: dict[str, str]) -> str:
+    """This worker's node as the node table keys it (``health/nodes.py``): Slurm's node name,
+    else ``node<k>`` of the launcher's node index (``gpu_slot``), else ``node0``."""
+    if env.get(SLURM_NODE_NAME):
+        return env[SLURM_NODE_NAME]
+    for key in (NODE_INDEX, "SLURM_NODEID"):
+        if env.get(key, "").isdigit():
+            return f"node{int(env[key])}"
+    return "node0"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -248,9 +263,44 @@ def probe_device(local_rank: int, timeout_s: float) -> str | None:
     return box[0]
 
 
-def decide(cfg: JobConfig, rdir: Path, attempt: int, probes: dict[int, str | None]
+def place_workers(cfg: JobConfig, rdir: Path, posts: list[dict[str, Any]]
+                  ) -> tuple[list[int], nodes.Placement]:
+    """Each worker's GPU slot (by launcher rank) from the node table: ``index(host) x GPUs per
+    node + local GPU``, so a slot names the same physical GPU whatever Slurm's node ids are
+    this attempt. Hosts are placed in Slurm's node order (the provisional slots)."""
+    gpn = cfg.cluster.gpus_per_node
+    first: dict[str, int] = {}
+    for w in posts:
+        first[w["host"]] = min(first.get(w["host"], w["slot"]), w["slot"])
+    present = sorted(first, key=first.__getitem__)
+    placed = nodes.place(nodes.read_table(rdir), present, cfg.cluster.num_gpus // gpn)
+    slots = [placed.index[w["host"]] * gpn + w["local"] for w in posts]
+    if len(set(slots)) != len(slots):
+        dup = next(s for s in slots if slots.count(s) > 1)
+        raise ValueError(f"two workers drive GPU slot {dup} (host "
+                         f"{placed.table[dup // gpn]!r}, local GPU {dup % gpn}): one worker "
+                         "per GPU (LOCAL_RANK) per node")
+    return slots, placed
+
+
+def lost_nodes(gpus: list[int], absent: tuple[int, ...], gpn: int, names: dict[int, str]
+               ) -> Failure | None:
+    """The previous attempt's failure when nodes it ran on are not in this allocation: their
+    ranks are blamed, with the node named -- not the peers whose collectives then failed."""
+    lost = set(absent)
+    ranks = tuple(r for r, g in enumerate(gpus) if g // gpn in lost)
+    if not ranks:
+        return None
+    hosts = sorted({names.get(gpus[r] // gpn, str(gpus[r] // gpn)) for r in ranks})
+    return Failure(ranks, f"node{'s' if len(hosts) > 1 else ''} {', '.join(hosts)} lost "
+                          "(not in this attempt's allocation)")
+
+
+def decide(cfg: JobConfig, rdir: Path, attempt: int, posts: list[dict[str, Any]]
            ) -> dict[str, Any]:
-    """Worker 0: the failed GPUs of this attempt; writes health report, record and events."""
+    """Worker 0: each worker's GPU slot and the failed GPUs of this attempt; writes the node
+    table, health report, record and events. ``posts``: by launcher rank, each worker's
+    ``host``, ``local`` GPU, provisional ``slot`` (Slurm's node id) and device ``probe``."""
     from ..config import plan_request
     from ..layout import build_plan
 
@@ -260,6 +310,15 @@ def decide(cfg: JobConfig, rdir: Path, attempt: int, probes: dict[int, str | Non
     gave_up = _read_json(rdir / "gave_up.json")
     if gave_up is not None:  # a later attempt of a job that has no plan: stay given up
         return gave_up
+    try:
+        where = place_workers(cfg, rdir, posts)
+    except ValueError as e:
+        return {"error": str(e), "failed_gpus": []}
+    slots, placed = where
+    probes = {slots[r]: w["probe"] for r, w in enumerate(posts)}
+    gpn = cfg.cluster.gpus_per_node
+    absent = nodes.node_gpus(placed.absent, gpn)
+    names = {i: h for i, h in enumerate(placed.table) if h is not None}
     # The newest attempt that decided (an attempt whose worker 0 died before deciding left
     # nothing; its predecessor's evidence is what ended the run of plans).
     prev_n = next((k for k in range(attempt - 1, -1, -1)
@@ -287,7 +346,8 @@ def decide(cfg: JobConfig, rdir: Path, attempt: int, probes: dict[int, str | Non
                       detected_at=scale["detected_at"], step=scale["step"],
                       lost_steps=lost_steps(last, resume), resume_step=resume)
         else:
-            failure = blame_previous(prev, exits, hang)
+            failure = lost_nodes(gpus, placed.absent, gpn, names) or \
+                blame_previous(prev, exits, hang)
             blamed = () if failure is None else tuple(gpus[r] for r in failure.ranks)
             detected = (hang["detected_at"] if hang is not None
                         else times[0] if times else time.time())
@@ -298,7 +358,9 @@ def decide(cfg: JobConfig, rdir: Path, attempt: int, probes: dict[int, str | Non
                       else failure.reason, lost_steps=lost_steps(last, resume),
                       resume_step=resume, where={} if hang is None else hang["where"])
     failed = next_failed(current, blamed, reported_set)
+    failed -= nodes.node_gpus(placed.replaced, gpn)  # a new machine in a gone one's place
     failed |= {g for g, why in probes.items() if why is not None}
+    failed |= absent  # not in this allocation: its GPUs cannot run
     job = job_for(cfg, frozenset(failed))
     try:
         plan = build_plan(plan_request(job))
@@ -309,7 +371,8 @@ def decide(cfg: JobConfig, rdir: Path, attempt: int, probes: dict[int, str | Non
         write_json_atomic(out, rdir / "gave_up.json")
         return out
     watch.write_health(health, frozenset(failed))
-    record = {"attempt": attempt, "failed_gpus": sorted(failed),
+    nodes.write_table(rdir, placed)
+    record = {"attempt": attempt, "failed_gpus": sorted(failed), "slots": slots,
               "rank_to_gpu": list(plan.rank_to_gpu), "t": time.time(),
               "probes": {str(g): why for g, why in probes.items() if why is not None}}
     write_json_atomic(record, rdir / f"attempt.{attempt}.json")
@@ -490,20 +553,14 @@ def run_worker(cfg: JobConfig, env: LauncherEnv, console: Any) -> int:
                           waiter=dist.PrefixStore(prefix, _client(timeout)))
         control.start()
         why = probe_device(env.local_rank, cfg.recovery.probe_timeout_s)
-        store.set(f"worker/{env.rank}", json.dumps({"slot": env.slot, "probe": why}))
+        store.set(f"worker/{env.rank}", json.dumps({
+            "slot": env.slot, "host": host_name(dict(os.environ)), "local": env.local_rank,
+            "probe": why}))
         if env.rank == 0:
             keys = [f"worker/{r}" for r in range(env.world)]
             store.wait(keys, timeout)
             posts = [json.loads(v) for v in store.multi_get(keys)]
-            probes = {w["slot"]: w["probe"] for w in posts}
-            if sorted(probes) != list(range(env.world)):
-                slots = sorted(w["slot"] for w in posts)
-                decision = {"error": f"workers' GPU slots {slots} are not 0..{env.world - 1} "
-                                     f"once each: set {NODE_INDEX} per node (or SLURM_NODEID/"
-                                     "GROUP_RANK must be the node index)",
-                            "failed_gpus": []}
-            else:
-                decision = decide(cfg, rdir, env.attempt, probes)
+            decision = decide(cfg, rdir, env.attempt, posts)
             if "error" not in decision:
                 aggregate.preset(store, cfg.cluster.num_gpus // cfg.cluster.gpus_per_node)
             store.set("decision", json.dumps(decision))
@@ -515,6 +572,8 @@ def run_worker(cfg: JobConfig, env: LauncherEnv, console: Any) -> int:
             control.leave()
             return 2
         failed = frozenset(decision["failed_gpus"])
+        slot = int(decision["slots"][env.rank])  # by host name (health/nodes.py)
+        exits.path = exits.path.with_name(f"gpu{slot}")
         job = job_for(cfg, failed)
         gpn = cfg.cluster.gpus_per_node
         if env.rank == 0:  # the job-level hang aggregator: its own process, off the ranks
@@ -524,10 +583,10 @@ def run_worker(cfg: JobConfig, env: LauncherEnv, console: Any) -> int:
 
         plan = build_plan(plan_request(job))
         if list(plan.rank_to_gpu) != decision["rank_to_gpu"]:
-            raise RuntimeError(f"GPU slot {env.slot} planned rank_to_gpu={list(plan.rank_to_gpu)}"
+            raise RuntimeError(f"GPU slot {slot} planned rank_to_gpu={list(plan.rank_to_gpu)}"
                                f" but worker 0 decided {decision['rank_to_gpu']} (same code and "
                                "config on every node?)")
-        if env.slot not in plan.rank_to_gpu:  # failed or unused GPU: wait for the end
+        if slot not in plan.rank_to_gpu:  # failed or unused GPU: wait for the end
             start_ft_heartbeats()
             while True:  # one blocking wait at a time, no polling
                 try:
@@ -539,7 +598,7 @@ def run_worker(cfg: JobConfig, env: LauncherEnv, console: Any) -> int:
             exits.write("ok", "idle")
             control.leave()
             return 0
-        prank = plan.rank_to_gpu.index(env.slot)
+        prank = plan.rank_to_gpu.index(slot)
         # Heartbeat and stack files on this node's own disk (tmpfs), read by the node watchdog
         hb_dir = aggregate.node_dir(str(int(decision["t"] * 1000)), env.attempt)
         hb_dir.mkdir(parents=True, exist_ok=True)
@@ -553,9 +612,9 @@ def run_worker(cfg: JobConfig, env: LauncherEnv, console: Any) -> int:
         # Watched from here on: a start-up that stalls (a peer never joins the process group, a
         # checkpoint load that hangs) is found like a hang inside training.
         watch.start_stack_watcher(hb_dir / f"rank{prank}.stack")
-        local = aggregate.node_ranks(plan.rank_to_gpu, gpn, env.slot // gpn)
+        local = aggregate.node_ranks(plan.rank_to_gpu, gpn, slot // gpn)
         if prank == local[0]:  # the node watchdog: this node's ranks -> one digest
-            aggregate.NodeWatch(hb_dir, local, env.slot // gpn,
+            aggregate.NodeWatch(hb_dir, local, slot // gpn,
                                 dist.PrefixStore(prefix, _client(timeout))).start()
         on_checkpoint = None
         if prank == 0:

@@ -12,15 +12,13 @@ process started by its node's agent). Every step's loss and grad norm is compare
 uninterrupted single-process run of *stock* megatron-core (clipping on), computed here;
 replicas are bitwise equal after each move.
 
-The CPU ``srun`` stand-in (``tests/helpers/slurm_standin.py``) is kept only for what this file
-checks of the stand-in itself (it still runs the restart-mode srun loop of
-``tests/train/test_elastic.py``).
+The restart-mode srun loop runs on the same cluster (``tests/launch/test_slurm_nodes.py``); the
+CPU srun stand-in that ran it before is gone: nothing here needs it any more.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import time
 from pathlib import Path
@@ -42,9 +40,6 @@ from tests.helpers.live import (
 from tests.helpers.slurm_cluster import PARTITION, SlurmCluster
 from tests.helpers.slurm_jobs import LIVE, REPO, Watch, gone, has_event, report_back, submit
 from tests.helpers.slurm_jobs import render as _script
-from tests.helpers.slurm_standin import install
-
-NODES = ("127.0.0.1", "localhost")  # the stand-in's Slurm node ids 0 and 1, both this machine
 
 
 def test_live_script_keeps_peers_alive_and_runs_control_outside_the_ranks(tmp_path: Path
@@ -104,17 +99,6 @@ def test_standalone_control_rejects_restart_mode(capsys: pytest.CaptureFixture[s
     err = capsys.readouterr()
     assert "recovery.mode='restart'" in err.err + err.out
     assert standalone.main(["--listen=80", *BASE]) == 2
-
-
-def test_srun_standin_refuses_flags_it_does_not_implement(tmp_path: Path) -> None:
-    install(tmp_path)
-    env = {**os.environ, "SLURM_JOB_NODELIST": ",".join(NODES)}
-    r = subprocess.run([str(tmp_path / "srun"), "--mpi=pmix", "true"], capture_output=True,
-                       text=True, env=env, timeout=60)
-    assert r.returncode != 0 and "unsupported option '--mpi=pmix'" in r.stderr
-    r = subprocess.run([str(tmp_path / "srun"), "--ntasks-per-node=2", "--kill-on-bad-exit=0",
-                        "sh", "-c", 'exit "$SLURM_PROCID"'], env=env, timeout=60)
-    assert r.returncode == 3  # 4 tasks (2 nodes x 2): a bad exit ends no peer; max code
 
 
 @pytest.mark.dist

@@ -126,3 +126,53 @@ def test_live_node_of_rank_0_crashed_while_the_control_runs_elsewhere(
     assert layouts[0] == [[4], [4]] and layouts[-1] == [[4]], layouts
     print(f"slurm node of rank 0 crashed after step {DOWN_AT}: relayout_s "
           f"{move['relayout_s']:.2f}")
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(JOB_TIMEOUT_S + 120)
+def test_restart_kill_then_node_set_down_continues_on_fewer_nodes(slurm: SlurmCluster,
+                                                                  tmp_path: Path) -> None:
+    """Restart mode (the script's srun loop), two nodes (GPU 7 failed: TP4+TP3). Attempt 0:
+    rank 1 is killed at step 1 -> attempt 1 re-plans TP3+TP3. After attempt 1 saved step
+    ``DOWN_AT``, the second node is set DOWN: Slurm removes it from the (``--no-kill``) job and
+    ends the attempt's step; attempt 2 runs on the one node left -- Slurm now numbers it alone,
+    but GPUs are keyed by host name, so GPU 1 stays the failed one, the lost node's GPUs are
+    failed and blamed as "node <name> lost" -- and resumes from the newest checkpoint at TP3.
+    Every step equals an uninterrupted single-process run of stock megatron-core."""
+    steps = STEPS
+    out = tmp_path / "out"
+    over = ("train.seed=7", "train.global_batch_size=12", "train.micro_batch_size=2",
+            "train.clip_grad=0.5", "recovery.enabled=true", *LIVE,
+            f"train.steps={steps}", f"output.dir={out}")
+    script = tmp_path / "job.sbatch"
+    script.write_text(render(over, master_port=free_port(), partition=PARTITION,
+                             account="nutp", repo=str(REPO), job_name="nutp-rdown"))
+    job = submit(slurm, script, NUTP_FAULT="kill:rank=1:step=1")
+    watch = Watch(slurm, job)
+    down = None
+    try:
+        deadline = time.monotonic() + JOB_TIMEOUT_S
+        watch.until(saved(out, DOWN_AT), deadline, f"the checkpoint of step {DOWN_AT}")
+        down = _hosts(slurm, job)[1]
+        slurm.run("scontrol", "update", f"NodeName={down}", "State=DOWN", "Reason=nutp-test")
+        watch.finish(deadline)
+    finally:
+        slurm.run("scancel", job, check=False)
+        if down is not None:
+            slurm.run("scontrol", "update", f"NodeName={down}", "State=RESUME", check=False)
+    text = (tmp_path / f"nutp-rdown-{job}.out").read_text()
+    assert (watch.state["JobState"], watch.state["ExitCode"]) == ("COMPLETED", "0:0"), \
+        text[-6000:]
+    assert "Traceback" not in text, text[-6000:]
+    ev = read_events(out)
+    starts = [e for e in ev if e["event"] == "start"]
+    assert [s["replica_tp"] for s in starts] == [[[4], [3]], [[3], [3]], [[3]]], starts
+    assert starts[2]["failed_gpus"] == [1, 4, 5, 6, 7], starts
+    kill, lost = [e for e in ev if e["event"] == "failure"]
+    assert kill["gpus"] == [1], kill
+    assert lost["gpus"] == [4, 5, 6], lost  # rank 3 on GPU 4 ... : only the lost node's
+    assert lost["reason"] == f"node {down} lost (not in this attempt's allocation)", lost
+    assert "attempt 1 failed" in text and "attempt 2 failed" not in text, text[-3000:]
+    ref = stock_reference(over, steps, tmp_path)
+    rows = check_steps(out, ref, TOL)
+    assert rows[-1]["replica_tp"] == [[3]], rows[-1]
