@@ -478,8 +478,8 @@ def load_sim_config(overrides: list[str] | None = None, *, directory: Path | Non
     try:
         return _strict(SimConfig, sim, "sim")  # type: ignore[no-any-return]
     except ValueError as e:  # the job's specs name ``cluster.<k>``/``parallel.<k>``
-        raise ValueError(re.sub(r"(?<![\w.])(cluster|parallel)\.", r"sim.\1.", str(e))) \
-            from None
+        message = re.sub(r"(?<![\w.])(cluster|parallel)\.", r"sim.\1.", str(e))
+        raise ValueError(message) from None
 
 
 def _deprecated(old: str) -> None:
