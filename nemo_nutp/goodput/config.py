@@ -369,8 +369,8 @@ UNMODELLED = {"cluster": ("name",),
 """Keys of the job's specs the simulator does not model: a value other than the default is an
 error (never silently ignored)."""
 SIM_RENAMED = {"num_gpus": "cluster.num_gpus", "domain_size": "cluster.domain_size",
-           "gpus_per_node": "cluster.gpus_per_node", "hardware": "cluster.hardware",
-           "tp_base": "parallel.tp_base", "pp": "parallel.pp", "min_tp": "parallel.min_tp"}
+               "gpus_per_node": "cluster.gpus_per_node", "hardware": "cluster.hardware",
+               "tp_base": "parallel.tp_base", "pp": "parallel.pp", "min_tp": "parallel.min_tp"}
 """The previous release's flat ``sim.*`` keys -> the job's names (``sim.<new>``): mapped by
 ``load_sim_config`` with a FutureWarning; they go in the next release."""
 
@@ -533,8 +533,10 @@ def _scenario_chain(directory: Path, name: Any, depth: int = 0) -> list[tuple[st
     """(file name, own keys) of ``configs/sim/<name>.yaml`` and of the scenarios its defaults
     list names, in Hydra's merge order (a file after its defaults unless it lists ``_self_``
     first). Entries other than a plain scenario name are skipped."""
+    if not isinstance(name, str) or depth > 16:
+        return []
     path = directory / "sim" / f"{name}.yaml"
-    if not isinstance(name, str) or depth > 16 or not path.is_file():
+    if not path.is_file():
         return []
     node = OmegaConf.to_container(OmegaConf.load(path))
     if not isinstance(node, dict):
