@@ -35,8 +35,9 @@ def main(argv: list[str]) -> int:
     t3, c3 = time.perf_counter(), time.process_time()
     phases = {"setup (cost tables)": t1 - t0, "timeline": t2 - t1, "sweep": t3 - t2}
     cpu = {"setup (cost tables)": c1 - c0, "timeline": c2 - c1, "sweep": c3 - c2}
-    table = Table(title=f"nutp simulate at scale: {cfg.trials} trials x {cfg.num_gpus:,} GPUs x "
-                        f"{cfg.days:g} days ({tl['steps']} steps), {len(cfg.policies)} policies")
+    table = Table(title=f"nutp simulate at scale: {cfg.trials} trials x "
+                        f"{cfg.cluster.num_gpus:,} GPUs x {cfg.days:g} days ({tl['steps']} steps), "
+                        f"{len(cfg.policies)} policies")
     table.add_column("phase")
     table.add_column("wall s", justify="right")
     table.add_column("CPU s (this process)", justify="right")
@@ -52,7 +53,7 @@ def main(argv: list[str]) -> int:
                       f"{p} {r['throughput_loss'] * 100:.3f} + {r['transition_loss'] * 100:.3f}"
                       f" = {r['loss'] * 100:.3f}%" for p, r in tl["policies"].items()))
     out = {"schema": "nemo_nutp.bench.sim_scale/1", "trials": cfg.trials,
-           "num_gpus": cfg.num_gpus, "days": cfg.days, "steps": tl["steps"],
+           "num_gpus": cfg.cluster.num_gpus, "days": cfg.days, "steps": tl["steps"],
            "events": tl["events"], "seconds": phases, "cpu_seconds": cpu,
            "timeline_total_s": t2 - t0,
            "timeline_total_cpu_s": c2 - c0,

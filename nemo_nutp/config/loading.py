@@ -120,14 +120,18 @@ def _register_defaults() -> None:
     ConfigStore.instance().store(name="nutp_defaults", node=defaults)
 
 
-def compose_config(config_name: str, overrides: list[str], directory: Path) -> Any:
+def compose_config(config_name: str, overrides: list[str], directory: Path, *,
+                   return_hydra_config: bool = False) -> Any:
+    """Hydra's compose of ``directory/<config_name>.yaml`` (``hydra.runtime.choices`` under
+    ``hydra`` with ``return_hydra_config``)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
     GlobalHydra.instance().clear()
     _register_defaults()
     with initialize_config_dir(config_dir=str(directory.resolve()), version_base="1.3"):
-        return compose(config_name=config_name, overrides=overrides)
+        return compose(config_name=config_name, overrides=overrides,
+                       return_hydra_config=return_hydra_config)
 
 
 def load_config(overrides: list[str] | None = None, *, config_name: str = "config",

@@ -3,16 +3,23 @@
 ``load_sim_config(overrides)`` composes ``configs/simulate.yaml`` (group ``sim`` = a scenario in
 ``configs/sim/``) with Hydra, merges the ``sim`` node onto ``OmegaConf.structured(SimConfig)``
 (unknown keys and wrong types raise ``ValueError`` naming the full key) and validates values in
-``__post_init__`` (``ValueError`` naming ``sim.<field>``). The hardware file
-``configs/sim/hardware/<sim.hardware>.yaml`` and the model file ``configs/model/<sim.model>.yaml``
-are loaded just as strictly.
+``__post_init__`` (``ValueError`` naming ``sim.<field>``). ``sim.cluster`` and ``sim.parallel``
+are the job's own ``ClusterSpec`` and ``ParallelSpec`` (their checks' ``cluster.<k>`` is reworded
+``sim.cluster.<k>``); the previous release's flat keys (``SIM_RENAMED``) are mapped with a
+warning. The hardware file ``configs/sim/hardware/<sim.cluster.hardware>.yaml`` and the model
+file ``configs/model/<sim.model>.yaml`` are loaded just as strictly.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import re
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import yaml
 from omegaconf import OmegaConf
 
 from ..config.hardware import (
@@ -24,7 +31,7 @@ from ..config.hardware import (
 )
 from ..config.loading import compose_config
 from ..config.schema import ModelConfig, config_dir
-from ..layout.specs import bad_value, check_positive
+from ..layout.specs import ClusterSpec, ParallelSpec, bad_value, check_positive
 
 POLICIES = ("drop", "drop-live", "drop+spares", "uniform-reduce", "nutp-restart", "nutp-live",
             "nutp+boost", "stop-wait")
@@ -67,7 +74,7 @@ class BlastConfig:
     gpu: float = 1.0
     """Share of failures confined to the failing GPU."""
     node: float = 0.0
-    """Share taking down the whole host (sim.gpus_per_node GPUs)."""
+    """Share taking down the whole host (sim.cluster.gpus_per_node GPUs)."""
     domain: float = 0.0
     """Share taking down the whole scale-up domain (NVSwitch tray, rack power, ...)."""
 
@@ -348,28 +355,42 @@ class TransitionConfig:
                             "needs at least one entry, each >= 0")
 
 
+def _sim_cluster() -> ClusterSpec:
+    return ClusterSpec(num_gpus=32768, domain_size=32, gpus_per_node=4, hardware="b200_nvl32")
+
+
+def _sim_parallel() -> ParallelSpec:
+    return ParallelSpec(tp_base=32)
+
+
+UNMODELLED = {"cluster": ("name",),
+              "parallel": ("dp", "sequence_parallel", "unit_balance", "sync_layout",
+                           "virtual_pipeline_model_parallel_size")}
+"""Keys of the job's specs the simulator does not model: a value other than the default is an
+error (never silently ignored)."""
+SIM_RENAMED = {"num_gpus": "cluster.num_gpus", "domain_size": "cluster.domain_size",
+               "gpus_per_node": "cluster.gpus_per_node", "hardware": "cluster.hardware",
+               "tp_base": "parallel.tp_base", "pp": "parallel.pp", "min_tp": "parallel.min_tp"}
+"""The previous release's flat ``sim.*`` keys -> the job's names (``sim.<new>``): mapped by
+``load_sim_config`` with a FutureWarning; they go in the next release."""
+
+
 @dataclass(frozen=True)
 class SimConfig:
     """A simulator scenario: cluster, model, hardware, failure process, policies, sweeps."""
 
     name: str = "scenario"
     """Label used in tables and file names."""
-    num_gpus: int = 32768
-    """GPUs in the job (spare domains of ``drop+spares`` come on top)."""
-    domain_size: int = 32
-    """GPUs per scale-up domain."""
-    gpus_per_node: int = 4
-    """GPUs per host (blast radius 'node')."""
+    cluster: ClusterSpec = field(default_factory=_sim_cluster)
+    """The job's ``cluster.*``: ``num_gpus`` in the job (spare domains of ``drop+spares`` come
+    on top), ``domain_size``, ``gpus_per_node`` (blast radius 'node'), ``hardware`` (a file in
+    configs/sim/hardware/, required here). ``name`` is not modelled (keep its default)."""
     model: str = "gpt_480b"
     """Name of a model file in configs/model/."""
-    hardware: str = "b200_nvl32"
-    """Name of a hardware file in configs/sim/hardware/."""
-    tp_base: int = 32
-    """Healthy TP degree."""
-    pp: int = 1
-    """Pipeline stages per replica."""
-    min_tp: int = 1
-    """Smallest degree a stage may run at."""
+    parallel: ParallelSpec = field(default_factory=_sim_parallel)
+    """The job's ``parallel.*``: ``tp_base`` (healthy TP degree), ``pp`` (pipeline stages per
+    replica), ``min_tp`` (smallest degree a stage may run at); the other keys are not modelled
+    (keep their defaults: ``UNMODELLED``)."""
     micro_batches_per_replica: int = 16
     """Fault-free micro-batches per replica and step (sets how much DP sync is amortised)."""
     micro_batch_tokens: int = 8192
@@ -402,12 +423,21 @@ class SimConfig:
     """Where JSON and PNGs go."""
 
     def __post_init__(self) -> None:
-        for k in ("num_gpus", "domain_size", "gpus_per_node", "tp_base", "pp", "min_tp",
-                  "micro_batches_per_replica", "micro_batch_tokens", "trials"):
+        for k in ("micro_batches_per_replica", "micro_batch_tokens", "trials"):
             check_positive(f"sim.{k}", getattr(self, k))
-        if self.tp_base > self.domain_size:
-            raise bad_value("sim.tp_base", self.tp_base,
-                            f"exceeds sim.domain_size={self.domain_size}")
+        for section, keys in UNMODELLED.items():
+            spec = getattr(self, section)
+            for fld in dataclasses.fields(spec):
+                value = getattr(spec, fld.name)
+                if fld.name in keys and value != fld.default:
+                    raise bad_value(f"sim.{section}.{fld.name}", value, "not modelled by the "
+                                    f"simulator: keep the default {fld.default!r}")
+        if self.cluster.hardware is None:
+            raise bad_value("sim.cluster.hardware", None, "the simulator needs a hardware file "
+                            "(a name in configs/sim/hardware/)")
+        if self.parallel.tp_base > self.cluster.domain_size:
+            raise bad_value("sim.parallel.tp_base", self.parallel.tp_base,
+                            f"exceeds sim.cluster.domain_size={self.cluster.domain_size}")
         if self.spare_domains < 0:
             raise bad_value("sim.spare_domains", self.spare_domains, "must be >= 0")
         for p in self.policies:
@@ -422,19 +452,125 @@ class SimConfig:
 
 def load_sim_config(overrides: list[str] | None = None, *, directory: Path | None = None
                     ) -> SimConfig:
-    """Compose ``configs/simulate.yaml`` + Hydra overrides into a validated ``SimConfig``."""
+    """Compose ``configs/simulate.yaml`` + Hydra overrides into a validated ``SimConfig``.
+
+    The previous release's flat keys (``SIM_RENAMED``), on the command line or in a scenario
+    file, are mapped to the job's names with one FutureWarning each; both names set differently in
+    one place (the command line, or one file) is an error naming both. Across places Hydra's
+    order holds: a derived scenario over its base, the command line over every file.
+    """
     directory = directory or config_dir()
+    overrides, on_cli = _renamed_overrides(list(overrides or []))
     try:
-        raw = compose_config("simulate", list(overrides or []), directory)
+        raw = compose_config("simulate", overrides, directory, return_hydra_config=True)
     except Exception as e:
         if type(e).__module__.startswith(("hydra", "omegaconf")):
             raise ValueError(f"config: {str(e).splitlines()[0]}") from None
         raise
     OmegaConf.set_struct(raw, False)
-    extra = [k for k in raw.keys() if k not in ("sim", "hydra")]
+    choice = OmegaConf.select(raw, "hydra.runtime.choices.sim")
+    raw.pop("hydra", None)
+    extra = [k for k in raw.keys() if k != "sim"]
     if extra:
         raise ValueError(f"{extra[0]}: unknown top-level key (only 'sim' is read)")
-    return _strict(SimConfig, raw.get("sim", {}), "sim")
+    sim = raw.get("sim") or OmegaConf.create({})
+    _renamed_in_files(sim, _scenario_chain(directory, choice), on_cli)
+    try:
+        return _strict(SimConfig, sim, "sim")  # type: ignore[no-any-return]
+    except ValueError as e:  # the job's specs name ``cluster.<k>``/``parallel.<k>``
+        message = re.sub(r"(?<![\w.])(cluster|parallel)\.", r"sim.\1.", str(e))
+        raise ValueError(message) from None
+
+
+def _deprecated(old: str) -> None:
+    warnings.warn(f"sim.{old} is deprecated: use sim.{SIM_RENAMED[old]} (the job's name); the "
+                  "old name goes in the next release", FutureWarning, stacklevel=4)
+
+
+def _both(old: str, value: Any, other: Any, where: str) -> ValueError:
+    new = SIM_RENAMED[old]
+    return bad_value(f"sim.{old}", value, f"deprecated name of sim.{new}, which {where} also "
+                     f"sets ({other!r}): set sim.{new} only")
+
+
+_OVERRIDE = re.compile(r"(\+\+|\+|~)?sim\.([\w.]+)(?:=(.*))?", re.S)
+
+
+def _value(text: str | None) -> Any:
+    """An override's value as YAML reads it (``1024`` -> 1024), for comparing and messages."""
+    try:
+        return yaml.safe_load(text) if text is not None else None
+    except yaml.YAMLError:
+        return text
+
+
+def _renamed_overrides(overrides: list[str]) -> tuple[list[str], set[str]]:
+    """Command-line overrides with the old keys renamed (one warning each), and the new names
+    the command line sets."""
+    given = {}
+    for o in overrides:
+        m = _OVERRIDE.fullmatch(o)
+        if m and m.group(1) != "~" and m.group(2) in SIM_RENAMED.values():
+            given[m.group(2)] = m.group(3)
+    out, on_cli = [], set(given)
+    for o in overrides:
+        m = _OVERRIDE.fullmatch(o)
+        if not m or m.group(2) not in SIM_RENAMED:
+            out.append(o)
+            continue
+        sign, old, value = m.groups()
+        new = SIM_RENAMED[old]
+        if sign != "~" and new in given and _value(given[new]) != _value(value):
+            raise _both(old, _value(value), _value(given[new]), "the command line")
+        _deprecated(old)
+        on_cli.add(new)
+        # ``++``: the new key also lands in a scenario file that spells only the old names
+        out.append(f"~sim.{new}" if sign == "~" else f"++sim.{new}={value}")
+    return out, on_cli
+
+
+def _scenario_chain(directory: Path, name: Any, depth: int = 0) -> list[tuple[str, dict]]:
+    """(file name, own keys) of ``configs/sim/<name>.yaml`` and of the scenarios its defaults
+    list names, in Hydra's merge order (a file after its defaults unless it lists ``_self_``
+    first). Entries other than a plain scenario name are skipped."""
+    if not isinstance(name, str) or depth > 16:
+        return []
+    path = directory / "sim" / f"{name}.yaml"
+    if not path.is_file():
+        return []
+    node = OmegaConf.to_container(OmegaConf.load(path))
+    if not isinstance(node, dict):
+        return []
+    own = {k: v for k, v in node.items() if k != "defaults"}
+    entries = list(node.get("defaults") or [])
+    out: list[tuple[str, dict]] = []
+    for e in entries if "_self_" in entries else [*entries, "_self_"]:
+        if e == "_self_":
+            out.append((path.name, own))
+        elif isinstance(e, str):
+            out += _scenario_chain(directory, e, depth + 1)
+    return out
+
+
+def _renamed_in_files(sim: Any, chain: list[tuple[str, dict]], on_cli: set[str]) -> None:
+    """Map the old keys the scenario files spell onto the new ones, in place: the last file
+    setting either name wins, unless the command line sets the new one."""
+    missing = object()
+    for old, new in SIM_RENAMED.items():
+        if old not in sim:
+            continue
+        value, last = sim.pop(old), "old"
+        _deprecated(old)
+        section, key = new.split(".")
+        for fname, own in chain:
+            a = own.get(old, missing)
+            sec = own.get(section)
+            b = sec.get(key, missing) if isinstance(sec, dict) else missing
+            if a is not missing and b is not missing and a != b:
+                raise _both(old, a, b, fname)
+            last = "new" if b is not missing else "old" if a is not missing else last
+        if new not in on_cli and last == "old":
+            OmegaConf.update(sim, new, value, merge=True)
 
 
 def load_model(cfg: SimConfig, directory: Path | None = None) -> ModelConfig:
@@ -444,6 +580,6 @@ def load_model(cfg: SimConfig, directory: Path | None = None) -> ModelConfig:
 
 
 def load_hardware(cfg: SimConfig, directory: Path | None = None) -> HardwareSpec:
-    """The hardware named by ``sim.hardware`` (configs/sim/hardware/<name>.yaml)."""
-    path = (directory or config_dir()) / "sim" / "hardware" / f"{cfg.hardware}.yaml"
+    """The hardware named by ``sim.cluster.hardware`` (configs/sim/hardware/<name>.yaml)."""
+    path = (directory or config_dir()) / "sim" / "hardware" / f"{cfg.cluster.hardware}.yaml"
     return load_yaml_strict(HardwareSpec, path, "hardware")  # type: ignore[no-any-return]

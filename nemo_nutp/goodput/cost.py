@@ -83,17 +83,19 @@ class CostModel:
     """Cost of one replica stage; see the module docstring for what is modelled."""
 
     def __init__(self, cfg: SimConfig, dims: ModelDims, hw: HardwareSpec) -> None:
-        if dims.num_layers % cfg.pp:
-            raise ValueError(f"sim.pp={cfg.pp}: must divide model.num_layers={dims.num_layers}")
-        if cfg.tp_base > max_degree(dims):
-            raise ValueError(f"sim.tp_base={cfg.tp_base}: exceeds the model's smallest unit "
-                             f"count {max_degree(dims)}")
+        par = cfg.parallel
+        if dims.num_layers % par.pp:
+            raise ValueError(f"sim.parallel.pp={par.pp}: must divide "
+                             f"model.num_layers={dims.num_layers}")
+        if par.tp_base > max_degree(dims):
+            raise ValueError(f"sim.parallel.tp_base={par.tp_base}: exceeds the model's smallest "
+                             f"unit count {max_degree(dims)}")
         self.cfg, self.dims, self.hw, self.cc = cfg, dims, hw, cfg.cost
-        self.layers = dims.num_layers // cfg.pp
+        self.layers = dims.num_layers // cfg.parallel.pp
 
     def work(self, stage: int, t: int) -> float:
         """Slowest rank's forward multiply-adds per token."""
-        vocab = stage == self.cfg.pp - 1
+        vocab = stage == self.cfg.parallel.pp - 1
         if self.cc.shard_balance == "balanced":
             return _balanced_work(self.dims, t, self.layers, vocab)
         return float(rank_work(self.dims, t, self.layers, vocab).max())
@@ -102,7 +104,7 @@ class CostModel:
         """(compute, other) seconds of one fault-free step share at degree t."""
         cfg, hw, cc, d = self.cfg, self.hw, self.cc, self.dims
         tokens = cfg.micro_batch_tokens
-        mb = cfg.micro_batches_per_replica + cfg.pp - 1  # 1F1B: fill + drain
+        mb = cfg.micro_batches_per_replica + cfg.parallel.pp - 1  # 1F1B: fill + drain
         flops = FWD_BWD * FLOPS_PER_MAC * self.work(stage, t) * tokens
         comp = mb * flops / (hw.peak_tflops * 1e12 * cc.mfu)
         if cc.mode == "compute":
@@ -115,14 +117,14 @@ class CostModel:
         """(seconds of the DP ring all-reduce before overlap, gradient bytes) of the slowest
         rank of a stage at degree t (the scale-out NIC carries them; ``goodput/links.py``)."""
         cfg = self.cfg
-        dp_n = max(2, cfg.num_gpus // (cfg.tp_base * cfg.pp))
+        dp_n = max(2, cfg.cluster.num_gpus // (cfg.parallel.tp_base * cfg.parallel.pp))
         grads = self.cc.grad_bytes * max_rank_params(self.dims, t, self.layers,
-                                                     stage == cfg.pp - 1)
+                                                     stage == cfg.parallel.pp - 1)
         return 2 * (dp_n - 1) / dp_n * grads / (self.hw.network_gbps * 1e9), grads
 
     def tables(self) -> StageTables:
-        tb, pp = self.cfg.tp_base, self.cfg.pp
-        valid = valid_degrees(self.dims, tb, self.cfg.min_tp)
+        tb, pp = self.cfg.parallel.tp_base, self.cfg.parallel.pp
+        valid = valid_degrees(self.dims, tb, self.cfg.parallel.min_tp)
         c = np.full((pp, tb + 1), np.inf)
         o = np.full((pp, tb + 1), np.inf)
         for s in range(pp):

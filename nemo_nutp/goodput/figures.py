@@ -30,7 +30,8 @@ def _save(fig: Figure, path: Path) -> Path:
 
 def _title(res: dict[str, Any]) -> str:
     c = res["config"]
-    return (f"{c['name']}: {c['num_gpus']:,} GPUs, TP{c['tp_base']}xPP{c['pp']}, "
+    par = c["parallel"]
+    return (f"{c['name']}: {c['cluster']['num_gpus']:,} GPUs, TP{par['tp_base']}xPP{par['pp']}, "
             f"{c['trials']} trials")
 
 
@@ -45,7 +46,7 @@ def loss_vs_fraction(res: dict[str, Any], path: Path) -> Path:
         hi = [p["policies"][pol]["p95"] * 100 for p in pts]
         ax.plot(x, m, marker="o", ms=3, label=pol, color=STYLE.get(pol))
         ax.fill_between(x, lo, hi, alpha=0.15, color=STYLE.get(pol))
-    if res["config"]["pp"] == 1:
+    if res["config"]["parallel"]["pp"] == 1:
         ax.plot(x, [p["drop_closed_form"] * 100 for p in pts], "k--", lw=0.8,
                 label="1-(1-p)^n")
     ax.plot(x, x, ":", color="grey", lw=0.8, label="= failed fraction")

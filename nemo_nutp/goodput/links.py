@@ -136,14 +136,14 @@ def sync_tables(ctx: Any) -> dict[str, np.ndarray]:
     over NVLink, out and back)."""
     cfg = ctx.cfg
     step = ctx.tables.parts_s["step_s"]
-    z = np.zeros(cfg.pp)
+    z = np.zeros(cfg.parallel.pp)
     if cfg.cost.mode == "compute":
         return {"sync": z, "sync_d1": z, "reshard": z}
     model = CostModel(cfg, ctx.dims, ctx.hw)
-    parts = [model.sync(k, cfg.tp_base) for k in range(cfg.pp)]
-    d1 = int(ctx.tables.best[cfg.tp_base - 1])
+    parts = [model.sync(k, cfg.parallel.tp_base) for k in range(cfg.parallel.pp)]
+    d1 = int(ctx.tables.best[cfg.parallel.tp_base - 1])
     return {"sync": np.array([p[0] for p in parts]) / step,
-            "sync_d1": (np.array([model.sync(k, d1)[0] for k in range(cfg.pp)]) / step
+            "sync_d1": (np.array([model.sync(k, d1)[0] for k in range(cfg.parallel.pp)]) / step
                         if d1 > 0 else z),
             "reshard": np.array([2.0 * p[1] / (ctx.hw.nvlink_gbps * 1e9) for p in parts]) / step}
 
@@ -155,12 +155,13 @@ def run_links(ctx: Any, rng: np.random.Generator) -> dict[str, Any]:
     hours = cfg.days * 24.0
     lead = s.duration_hours * (1.0 if s.duration_distribution == "fixed" else 5.0) \
         if cfg.steady_state else 0.0
-    ev = link_events(s, cfg.trials, cfg.num_gpus, hours, lead, rng)
+    ev = link_events(s, cfg.trials, cfg.cluster.num_gpus, hours, lead, rng)
     sync = sync_tables(ctx)
     thr, changes = link_step_times(ev, slice_of=ctx.slice_of, n_use=ctx.clusters["nutp"].n_use,
-                                   pp=cfg.pp, tp_base=cfg.tp_base, time=ctx.tables.time,
-                                   best=ctx.tables.best, dp_overlap=cfg.cost.dp_overlap, **sync)
-    gpu_hours = cfg.num_gpus * hours
+                                   pp=cfg.parallel.pp, tp_base=cfg.parallel.tp_base,
+                                   time=ctx.tables.time, best=ctx.tables.best,
+                                   dp_overlap=cfg.cost.dp_overlap, **sync)
+    gpu_hours = cfg.cluster.num_gpus * hours
     out: dict[str, Any] = {}
     for p in s.policies:
         thr_loss, tr = link_loss(p, ev, thr, changes, detect_h=s.detect_s / 3600.0,

@@ -32,7 +32,8 @@ def sweep_table(res: dict[str, Any]) -> Table:
                  for v in (p["policies"][q] for q in pols)]
         ratio = (f"{p['policies']['nutp']['mean'] / p['fraction']:.2f}"
                  if "nutp" in p["policies"] else "-")
-        closed = _pct(p["drop_closed_form"]) if res["config"]["pp"] == 1 else "n/a (pp>1)"
+        closed = (_pct(p["drop_closed_form"]) if res["config"]["parallel"]["pp"] == 1
+                  else "n/a (pp>1)")
         t.add_row(_pct(p["fraction"], 3), closed, *cells, ratio)
     return t
 
@@ -133,9 +134,11 @@ def link_table(res: dict[str, Any]) -> Table:
 def print_result(res: dict[str, Any], console: Console) -> None:
     c, st = res["config"], res["step_time"]
     speeds = ", ".join(f"TP{k}: {v:.3f}" for k, v in res["degraded_speed"].items())
-    console.print(f"[bold]{c['name']}[/]: {c['num_gpus']:,} GPUs ({res['hardware']['name']}), "
-                  f"model {c['model']}, TP{c['tp_base']} x PP{c['pp']}, {res['replicas']} "
-                  f"replicas; step {st['step_s']:.2f} s (compute {st['compute_s']:.2f} s); "
+    par = c["parallel"]
+    console.print(f"[bold]{c['name']}[/]: {c['cluster']['num_gpus']:,} GPUs "
+                  f"({res['hardware']['name']}), model {c['model']}, TP{par['tp_base']} x "
+                  f"PP{par['pp']}, {res['replicas']} replicas; step {st['step_s']:.2f} s "
+                  f"(compute {st['compute_s']:.2f} s); "
                   f"cost {c['cost']['mode']}/{c['cost']['shard_balance']}")
     console.print(f"replica speed by degree: {speeds}")
     if "sweep" in res:

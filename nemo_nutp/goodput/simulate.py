@@ -1,6 +1,6 @@
 """Monte Carlo goodput simulation: static failure-fraction sweeps and failure timelines.
 
-``simulate(cfg)`` returns a JSON-ready dict (schema ``nemo_nutp.sim/1``, see docs/simulator.md) with
+``simulate(cfg)`` returns a JSON-ready dict (schema ``nemo_nutp.sim/2``, see docs/simulator.md) with
 * ``sweep``: per failed-GPU fraction and policy, mean/p5/p95 throughput loss over trials,
   spare domains a rigid job needs (p95), boost power; plus the closed form of ``drop``;
 * ``blast``: the same at ``sim.blast_fraction`` for failures of one GPU / node / domain;
@@ -76,7 +76,7 @@ class Context:
 
     @property
     def slices_per_domain(self) -> int:
-        return self.cfg.domain_size // self.cfg.tp_base
+        return self.cfg.cluster.domain_size // self.cfg.parallel.tp_base
 
 
 def make_context(cfg: SimConfig, *, directory: Path | None = None,
@@ -85,28 +85,30 @@ def make_context(cfg: SimConfig, *, directory: Path | None = None,
     hw = hw or load_hardware(cfg, directory)
     tables = CostModel(cfg, dims, hw).tables()
     spares = cfg.spare_domains if "drop+spares" in cfg.policies else 0
-    if spares and cfg.num_gpus % cfg.domain_size:
-        raise ValueError(f"sim.num_gpus={cfg.num_gpus}: must be a multiple of sim.domain_size="
-                         f"{cfg.domain_size} when drop+spares adds spare domains")
-    n_gpus = cfg.num_gpus + spares * cfg.domain_size
-    slice_of = slice_map(n_gpus, cfg.domain_size, cfg.tp_base)
-    base_slices = int(slice_of[: cfg.num_gpus].max()) + 1
-    n_use = base_slices // cfg.pp
+    cl, par = cfg.cluster, cfg.parallel
+    if spares and cl.num_gpus % cl.domain_size:
+        raise ValueError(f"sim.cluster.num_gpus={cl.num_gpus}: must be a multiple of "
+                         f"sim.cluster.domain_size={cl.domain_size} when drop+spares adds spare "
+                         "domains")
+    n_gpus = cl.num_gpus + spares * cl.domain_size
+    slice_of = slice_map(n_gpus, cl.domain_size, par.tp_base)
+    base_slices = int(slice_of[: cl.num_gpus].max()) + 1
+    n_use = base_slices // par.pp
     if n_use == 0:
-        raise ValueError(f"sim.num_gpus={cfg.num_gpus}: holds no replica of sim.pp={cfg.pp} x "
-                         f"sim.tp_base={cfg.tp_base}")
-    base = PolicyCluster(base_slices, n_use, cfg.pp, cfg.tp_base)
+        raise ValueError(f"sim.cluster.num_gpus={cl.num_gpus}: holds no replica of "
+                         f"sim.parallel.pp={par.pp} x sim.parallel.tp_base={par.tp_base}")
+    base = PolicyCluster(base_slices, n_use, par.pp, par.tp_base)
     clusters = {p: base for p in CAPACITY_POLICIES}
     clusters["drop+spares"] = replace(base, n_slices=int(slice_of.max()) + 1)
     costs = trn.scenario_costs(cfg, dims, hw, tables.parts_s["step_s"], n_use)
     return Context(cfg, dims, hw, tables, n_gpus, slice_of, clusters,
-                   blast_sizes(cfg.domain_size, cfg.gpus_per_node), costs)
+                   blast_sizes(cfg.cluster.domain_size, cfg.cluster.gpus_per_node), costs)
 
 
 def eval_states(ctx: Context, state: np.ndarray, gpu: np.ndarray, n_states: int
                 ) -> dict[str, StateResult]:
     """Every capacity policy of the config on the states given as (state, down GPU) pairs."""
-    st, sl, h = degraded_slices(state, gpu, ctx.slice_of, ctx.cfg.tp_base)
+    st, sl, h = degraded_slices(state, gpu, ctx.slice_of, ctx.cfg.parallel.tp_base)
     return {p: evaluate(p, st, sl, h, n_states, ctx.clusters[p], ctx.tables, ctx.cfg.boost)
             for p in ctx.capacities if p in CAPACITY_POLICIES}
 
@@ -118,7 +120,7 @@ def _stats(loss: np.ndarray) -> dict[str, float]:
 
 
 def _domains(ctx: Context, replicas: np.ndarray) -> np.ndarray:
-    return -(-replicas * ctx.cfg.pp // ctx.slices_per_domain)
+    return -(-replicas * ctx.cfg.parallel.pp // ctx.slices_per_domain)
 
 
 def static_point(ctx: Context, p: float, shares: dict[str, float], rng: np.random.Generator
@@ -140,7 +142,7 @@ def run_sweep(ctx: Context, rng: np.random.Generator, progress: Progress | None 
               ) -> dict[str, Any]:
     """Failed-fraction sweep (Fig. 6/7 analogues) and blast-radius sensitivity (Fig. 10)."""
     cfg = ctx.cfg
-    n = cfg.tp_base * cfg.pp
+    n = cfg.parallel.tp_base * cfg.parallel.pp
     points = []
     steps = len(cfg.fractions) + 3
     for i, p in enumerate(cfg.fractions):
@@ -218,9 +220,9 @@ def _loss_rows(ctx: Context, ev: Events, trials: int, hours: float,
     out: dict[str, dict[str, Any]] = {}
     for p in policies:
         tr = trn.failure_transitions(
-            p, ev, load, n_used_slices=ctx.clusters["nutp"].n_use * cfg.pp,
-            num_gpus=cfg.num_gpus, tp=cfg.tp_base, best=ctx.tables.best, costs=costs,
-            lost_h=lost_h)
+            p, ev, load, n_used_slices=ctx.clusters["nutp"].n_use * cfg.parallel.pp,
+            num_gpus=cfg.cluster.num_gpus, tp=cfg.parallel.tp_base, best=ctx.tables.best,
+            costs=costs, lost_h=lost_h)
         thr = np.ones(trials) if p not in CAPACITY_OF else acc[CAPACITY_OF[p]]["thr"]
         stall = trn.stall_fraction(tr, trials, hours, costs.recompute)
         still = np.minimum(1.0, stall + save)
@@ -244,7 +246,7 @@ def run_timeline(ctx: Context, rng: np.random.Generator, progress: Progress | No
     main_ev = batched(ev, batches[0])
     acc = _capacity(ctx, main_ev, trials, n_steps, progress, "timeline")
     rows = _loss_rows(ctx, main_ev, trials, hours, acc, ctx.costs, list(cfg.policies))
-    gpu_hours = cfg.num_gpus * hours
+    gpu_hours = cfg.cluster.num_gpus * hours
     out: dict[str, Any] = {}
     per_trial: dict[str, np.ndarray] = {}
     for p, row in rows.items():
@@ -258,11 +260,11 @@ def run_timeline(ctx: Context, rng: np.random.Generator, progress: Progress | No
             row.update(rigid_paused=float(a["paused"].mean()),
                        spare_domains_zero_pause=float(np.percentile(a["peak"], 95)),
                        boost_power=float(a["power"].mean()))
-        idle = cfg.spare_domains * cfg.domain_size * hours if p == "drop+spares" else 0.0
+        idle = cfg.spare_domains * cfg.cluster.domain_size * hours if p == "drop+spares" else 0.0
         lost = float(loss.mean()) * gpu_hours + idle
         row["gpu_hours_lost"], row["usd_lost"] = lost, lost * ctx.hw.usd_per_gpu_hour
         out[p] = row
-    mttf_h = 1.0 / max(cfg.failures.rate * cfg.num_gpus, 1e-300)
+    mttf_h = 1.0 / max(cfg.failures.rate * cfg.cluster.num_gpus, 1e-300)
     daly: dict[str, Any] = {"mttf_h": mttf_h, "save_s": ctx.costs.save_s}
     if "nutp-restart" in cfg.policies and ctx.costs.save_s > 0:
         tau = trn.young_daly_interval_s(ctx.costs.save_s, mttf_h * 3600.0)
@@ -278,8 +280,8 @@ def run_timeline(ctx: Context, rng: np.random.Generator, progress: Progress | No
             "gpu_hours_lost": lost, "usd_lost": lost * ctx.hw.usd_per_gpu_hour,
             "checkpoint_interval_h": tau / 3600.0}
     res = {"policies": out, "trials": trials, "hours": hours, "steps": n_steps,
-           "events": len(ev), "mean_failed_fraction": _mean_failed_fraction(ev, trials,
-                                                                           cfg.num_gpus, hours),
+           "events": len(ev),
+           "mean_failed_fraction": _mean_failed_fraction(ev, trials, cfg.cluster.num_gpus, hours),
            "transitions": ctx.costs.as_dict(), "daly": daly}
     res["repair_batching"] = _batching(ctx, ev, trials, hours, n_steps, per_trial, progress)
     return res
@@ -315,14 +317,14 @@ def simulate(cfg: SimConfig, *, progress: Progress | None = None, sweep: bool = 
              timeline: bool = True, directory: Path | None = None) -> dict[str, Any]:
     """Run the scenario; see the module docstring for the result layout."""
     ctx = make_context(cfg, directory=directory)
-    rng = np.random.default_rng(cfg.seed)
+    rng, tb = np.random.default_rng(cfg.seed), cfg.parallel.tp_base
     out: dict[str, Any] = {
-        "schema": "nemo_nutp.sim/1", "config": asdict(cfg), "hardware": asdict(ctx.hw),
+        "schema": "nemo_nutp.sim/2", "config": asdict(cfg), "hardware": asdict(ctx.hw),
         "model": asdict(ctx.dims), "replicas": ctx.clusters["nutp"].n_use,
         "transitions": ctx.costs.as_dict(),
         "step_time": ctx.tables.parts_s,
         "degraded_speed": {str(t): float(1 / ctx.tables.time[:, t].max())
-                           for t in range(max(1, cfg.tp_base - 4), cfg.tp_base + 1)},
+                           for t in range(max(1, tb - 4), tb + 1)},
     }
     sweep_rng, timeline_rng = rng.spawn(2)  # independent streams: either part reproduces alone
     if sweep:

@@ -159,13 +159,13 @@ def run_stragglers(ctx: Any, rng: np.random.Generator) -> dict[str, Any]:
     n_steps = int(np.ceil(hours / cfg.step_hours))
     lead = s.duration_hours * (1.0 if s.duration_distribution == "fixed" else 5.0) \
         if cfg.steady_state else 0.0
-    ev = straggler_events(s, cfg.trials, cfg.num_gpus, hours, lead, rng)
+    ev = straggler_events(s, cfg.trials, cfg.cluster.num_gpus, hours, lead, rng)
     state, idx = active_at_steps(ev, n_steps, cfg.step_hours)
-    geometry = dict(slice_of=ctx.slice_of, n_use=ctx.clusters["nutp"].n_use, pp=cfg.pp,
-                    tp_base=cfg.tp_base, time=ctx.tables.time, best=ctx.tables.best)
+    geometry = dict(slice_of=ctx.slice_of, n_use=ctx.clusters["nutp"].n_use, pp=cfg.parallel.pp,
+                    tp_base=cfg.parallel.tp_base, time=ctx.tables.time, best=ctx.tables.best)
     thr = evaluate_stragglers(state, ev["gpu"][idx], ev["speed"][idx], cfg.trials * n_steps,
                               **geometry)  # type: ignore[arg-type]
-    gpu_hours = cfg.num_gpus * hours
+    gpu_hours = cfg.cluster.num_gpus * hours
     out: dict[str, Any] = {}
     for p in s.policies:
         t = thr[p].reshape(cfg.trials, n_steps).mean(axis=1)
@@ -180,6 +180,6 @@ def run_stragglers(ctx: Any, rng: np.random.Generator) -> dict[str, Any]:
                   "transition_loss": float((t * still).mean()), "loss": float(loss.mean()),
                   **trn.event_stats(tr, cfg.trials, hours),
                   "gpu_hours_lost": lost, "usd_lost": lost * ctx.hw.usd_per_gpu_hour}
-    slow = float(len(state)) / (cfg.trials * n_steps * cfg.num_gpus)
+    slow = float(len(state)) / (cfg.trials * n_steps * cfg.cluster.num_gpus)
     return {"policies": out, "trials": cfg.trials, "events": len(ev["trial"]),
             "mean_slow_fraction": slow}

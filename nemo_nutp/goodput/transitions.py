@@ -119,15 +119,15 @@ def restart_fit(points: list[Any], exponent: float | None) -> tuple[float, float
 def _state_bytes(cfg: SimConfig, dims: Any, n_replicas: int) -> tuple[float, float]:
     """(checkpoint bytes the whole job reads in a restart, weight bytes a rank of a shrinking
     stage receives at most in a live re-layout)."""
-    t, layers = cfg.transitions, dims.num_layers // cfg.pp
-    tb = cfg.tp_base
-    stage_params = [max_rank_params(dims, tb, layers, s == cfg.pp - 1) * tb
-                    for s in range(cfg.pp)]
+    t, layers = cfg.transitions, dims.num_layers // cfg.parallel.pp
+    tb = cfg.parallel.tp_base
+    stage_params = [max_rank_params(dims, tb, layers, s == cfg.parallel.pp - 1) * tb
+                    for s in range(cfg.parallel.pp)]
     total = float(sum(stage_params))
     read = t.weight_bytes * total * n_replicas + t.optimizer_bytes * total
     new = max(1, tb - 1)
-    live = max(t.weight_bytes * max_rank_params(dims, new, layers, s == cfg.pp - 1)
-               for s in range(cfg.pp))
+    live = max(t.weight_bytes * max_rank_params(dims, new, layers, s == cfg.parallel.pp - 1)
+               for s in range(cfg.parallel.pp))
     return read, float(live)
 
 
@@ -138,11 +138,12 @@ def scenario_costs(cfg: SimConfig, dims: Any, hw: Any, step_s: float, n_replicas
     a, k = restart_fit(t.restart_points, t.restart_exponent)
     if t.calibration == "warm_standby":
         a, _ = restart_fit(t.warm_standby_points, k)
-    n = float(cfg.num_gpus)
+    n = float(cfg.cluster.num_gpus)
     restart = a * n ** k
     read_bytes, live_bytes = _state_bytes(cfg, dims, n_replicas)
     bw = (t.live_gbps or hw.network_gbps) * 1e9
-    live = t.live_base_s + (cfg.pp + cfg.tp_base) * t.live_group_s + live_bytes / bw
+    groups = cfg.parallel.pp + cfg.parallel.tp_base
+    live = t.live_base_s + groups * t.live_group_s + live_bytes / bw
     live_lost = t.live_lost_steps * step_s
     det, planned, strag, planned_live = t.detect_s, restart, restart, live
     source = f"published fit ({t.calibration})"

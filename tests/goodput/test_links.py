@@ -12,7 +12,7 @@ from nemo_nutp.goodput import load_sim_config, make_context
 from nemo_nutp.goodput.config import CostConfig, HardwareSpec, LinkConfig, SimConfig
 from nemo_nutp.goodput.cost import max_rank_params
 from nemo_nutp.goodput.links import link_loss, link_step_times, run_links, sync_tables
-from nemo_nutp.layout import ModelDims
+from nemo_nutp.layout import ClusterSpec, ModelDims, ParallelSpec
 
 HOURS = 24.0
 
@@ -21,8 +21,10 @@ def _ctx(tp: int = 8, mode: str = "full") -> object:
     dims = ModelDims(num_layers=4, hidden_size=48, num_attention_heads=16, num_query_groups=8,
                      ffn_hidden_size=40, vocab_size=101, seq_length=16)
     # a large gradient/step ratio: the DP sync is a visible part of the step
-    cfg = SimConfig(name="t", num_gpus=64, domain_size=8, gpus_per_node=4, tp_base=tp, pp=1,
-                    trials=1, policies=["nutp-restart"], days=HOURS / 24.0,
+    cfg = SimConfig(name="t", cluster=ClusterSpec(num_gpus=64, domain_size=8, gpus_per_node=4,
+                                                  hardware="b200_nvl32"),
+                    parallel=ParallelSpec(tp_base=tp), trials=1, policies=["nutp-restart"],
+                    days=HOURS / 24.0,
                     cost=CostConfig(mode=mode, dp_overlap=0.5), micro_batches_per_replica=1,
                     micro_batch_tokens=16)
     return make_context(cfg, dims=dims, hw=HardwareSpec())
@@ -38,7 +40,7 @@ def _run(ctx: object, ev: dict[str, np.ndarray], policy: str, detect_s: float
     """(throughput loss, stall hours) of one trial."""
     c = ctx  # type: ignore[assignment]
     thr, changes = link_step_times(ev, slice_of=c.slice_of, n_use=c.clusters["nutp"].n_use,
-                                   pp=1, tp_base=c.cfg.tp_base, time=c.tables.time,
+                                   pp=1, tp_base=c.cfg.parallel.tp_base, time=c.tables.time,
                                    best=c.tables.best, dp_overlap=c.cfg.cost.dp_overlap,
                                    **sync_tables(c))
     loss, tr = link_loss(policy, ev, thr, changes, detect_h=detect_s / 3600.0, trials=1,
@@ -49,8 +51,8 @@ def _run(ctx: object, ev: dict[str, np.ndarray], policy: str, detect_s: float
 def _sync_s(ctx: object) -> float:
     """The DP ring all-reduce of one rank's gradient shard, from its definition."""
     c = ctx  # type: ignore[assignment]
-    n = c.cfg.num_gpus // c.cfg.tp_base
-    grads = c.cfg.cost.grad_bytes * max_rank_params(c.dims, c.cfg.tp_base, 4, True)
+    n = c.cfg.cluster.num_gpus // c.cfg.parallel.tp_base
+    grads = c.cfg.cost.grad_bytes * max_rank_params(c.dims, c.cfg.parallel.tp_base, 4, True)
     return 2 * (n - 1) / n * grads / (c.hw.network_gbps * 1e9)
 
 

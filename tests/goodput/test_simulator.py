@@ -28,8 +28,12 @@ from nemo_nutp.layout import (
 HW = HardwareSpec()
 
 
+def _cluster(num_gpus: int, hardware: str = "b200_nvl32") -> ClusterSpec:
+    return ClusterSpec(num_gpus=num_gpus, domain_size=8, gpus_per_node=4, hardware=hardware)
+
+
 def _small(**kw: object) -> SimConfig:
-    base = dict(name="t", num_gpus=256, domain_size=8, gpus_per_node=4, tp_base=8, trials=50,
+    base = dict(name="t", cluster=_cluster(256), parallel=ParallelSpec(tp_base=8), trials=50,
                 fractions=[1e-3], days=2.0, cost=CostConfig(mode="compute"))
     base.update(kw)
     return SimConfig(**base)  # type: ignore[arg-type]
@@ -42,7 +46,7 @@ def test_drop_matches_closed_form(p: float) -> None:
     ctx = make_context(cfg)
     res = static_point(ctx, p, {"gpu": 1.0, "node": 0.0, "domain": 0.0},
                        np.random.default_rng(7))["drop"]
-    n, reps = cfg.tp_base * cfg.pp, ctx.clusters["drop"].n_use
+    n, reps = cfg.parallel.tp_base * cfg.parallel.pp, ctx.clusters["drop"].n_use
     q = 1 - (1 - p) ** n
     se = np.sqrt(q * (1 - q) / (reps * cfg.trials))
     assert abs(res["mean"] - q) < 4 * se + 1e-12, (res["mean"], q, se)
@@ -61,9 +65,9 @@ def test_capacity_matches_build_plan(tp: int, pp: int, domains: int, spare: int,
                                      n_fail: int, policy: str) -> None:
     """For random failure states the simulator's throughput equals build_plan's capacity."""
     dims = _dims()
-    cfg = _small(num_gpus=8 * domains, tp_base=tp, pp=pp, spare_domains=spare,
-                 policies=["nutp-restart" if policy == "nutp" else policy],
-                 min_tp=2 if seed % 2 else 1)
+    cfg = _small(cluster=_cluster(8 * domains),
+                 parallel=ParallelSpec(tp_base=tp, pp=pp, min_tp=2 if seed % 2 else 1),
+                 spare_domains=spare, policies=["nutp-restart" if policy == "nutp" else policy])
     ctx = make_context(cfg, dims=dims, hw=HW)
     rng = np.random.default_rng(seed)
     failed = np.unique(rng.integers(0, ctx.n_gpus, size=n_fail))
@@ -71,7 +75,7 @@ def test_capacity_matches_build_plan(tp: int, pp: int, domains: int, spare: int,
     n_use = ctx.clusters[policy].n_use
     req = PlanRequest(
         cluster=ClusterSpec(num_gpus=ctx.n_gpus, domain_size=8, gpus_per_node=4),
-        model=dims, parallel=ParallelSpec(tp_base=tp, pp=pp, min_tp=cfg.min_tp, dp=n_use),
+        model=dims, parallel=ParallelSpec(tp_base=tp, pp=pp, min_tp=cfg.parallel.min_tp, dp=n_use),
         health=HealthReport(tuple(int(g) for g in failed)),
         policy="drop" if policy == "drop+spares" else policy, global_batch=10**5)
     try:
@@ -113,7 +117,7 @@ def test_hardware_file_is_strict(tmp_path: Path) -> None:
     from nemo_nutp.goodput.config import load_hardware
 
     with pytest.raises(ValueError, match="peak_tflop"):
-        load_hardware(_small(hardware="x"), tmp_path)
+        load_hardware(_small(cluster=_cluster(256, "x")), tmp_path)
 
 
 def test_trace_loading_and_replay(tmp_path: Path) -> None:

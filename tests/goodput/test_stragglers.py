@@ -36,20 +36,22 @@ def test_straggler_policies_match_build_plan(tp: int, pp: int, domains: int, see
     every straggler (policy drop: no choice), ``exclude`` the capacity of the nutp plan (keep or
     exclude per stage), ``ignore`` that plan's slowest replica, ``drop`` the unaffected share."""
     dims = _dims()
-    cfg = SimConfig(name="t", num_gpus=8 * domains, domain_size=8, gpus_per_node=4, tp_base=tp,
-                    pp=pp, trials=1, policies=["nutp-restart"], cost=CostConfig(mode="compute"),
-                    min_tp=2 if seed % 2 else 1)
+    cluster = ClusterSpec(num_gpus=8 * domains, domain_size=8, gpus_per_node=4,
+                          hardware="b200_nvl32")
+    cfg = SimConfig(name="t", cluster=cluster,
+                    parallel=ParallelSpec(tp_base=tp, pp=pp, min_tp=2 if seed % 2 else 1),
+                    trials=1, policies=["nutp-restart"], cost=CostConfig(mode="compute"))
     ctx = make_context(cfg, dims=dims, hw=HardwareSpec())
     rng = np.random.default_rng(seed)
-    gpus = np.unique(rng.integers(0, cfg.num_gpus, size=n_slow))
+    gpus = np.unique(rng.integers(0, cfg.cluster.num_gpus, size=n_slow))
     speeds = rng.uniform(0.05, 1.0, size=len(gpus))
     n_use = ctx.clusters["nutp"].n_use
     thr = evaluate_stragglers(np.zeros(len(gpus), np.int64), gpus, speeds, 1,
                               slice_of=ctx.slice_of, n_use=n_use, pp=pp, tp_base=tp,
                               time=ctx.tables.time, best=ctx.tables.best)
-    req = PlanRequest(cluster=ClusterSpec(num_gpus=cfg.num_gpus, domain_size=8, gpus_per_node=4),
-                      model=dims, parallel=ParallelSpec(tp_base=tp, pp=pp, min_tp=cfg.min_tp,
-                                                        dp=n_use),
+    req = PlanRequest(cluster=ClusterSpec(num_gpus=cfg.cluster.num_gpus, domain_size=8,
+                                          gpus_per_node=4),
+                      model=dims, parallel=dataclasses.replace(cfg.parallel, dp=n_use),
                       health=HealthReport((), {int(g): float(v) for g, v in zip(gpus, speeds)}),
                       global_batch=10**6)
     keep = build_plan(dataclasses.replace(req, policy="drop"))

@@ -31,7 +31,7 @@ from nemo_nutp.goodput.config import (
 from nemo_nutp.goodput.failures import Events, down_at_steps
 from nemo_nutp.goodput.report import transitions_line
 from nemo_nutp.goodput.simulate import eval_states, timeline_events
-from nemo_nutp.layout import ModelDims
+from nemo_nutp.layout import ClusterSpec, ModelDims, ParallelSpec
 
 TIMELINE = ("drop", "drop-live", "drop+spares", "uniform-reduce", "nutp-restart", "nutp-live",
             "nutp+boost", "stop-wait")
@@ -66,7 +66,9 @@ def _dims() -> ModelDims:
 
 
 def _small(**kw: object) -> SimConfig:
-    base = dict(name="t", num_gpus=256, domain_size=8, gpus_per_node=4, tp_base=8, trials=40,
+    base = dict(name="t", cluster=ClusterSpec(num_gpus=256, domain_size=8, gpus_per_node=4,
+                                              hardware="b200_nvl32"),
+                parallel=ParallelSpec(tp_base=8), trials=40,
                 fractions=[1e-3], days=2.0, cost=CostConfig(mode="compute"),
                 policies=list(TIMELINE), spare_domains=2,
                 failures=FailureConfig(rate_per_gpu_day=0.05, hardware_repair_hours=20.0))
@@ -110,7 +112,8 @@ def test_zero_cost_reproduces_the_throughput_only_mean(seed: int, tp: int, pp: i
     from nemo_nutp.goodput.config import CAPACITY_OF, BlastConfig
     fail = FailureConfig(rate_per_gpu_day=0.05, hardware_repair_hours=20.0,
                          blast=BlastConfig(gpu=1.0 - node, node=node))
-    cfg = _small(seed=seed, tp_base=tp, pp=pp, transitions=ZERO, failures=fail)
+    cfg = _small(seed=seed, parallel=ParallelSpec(tp_base=tp, pp=pp), transitions=ZERO,
+                 failures=fail)
     ref = _throughput_only_dims(cfg, _dims())
     tl = simulate_dims(cfg, _dims())["timeline"]["policies"]
     for p in TIMELINE[:-1]:
@@ -212,7 +215,7 @@ def test_stop_wait_paper_scenario_today() -> None:
         sw["checkpoint_interval_hours"] * 3600, 0.0), rel=1e-12)  # exp(log(900)): rounding
     ev, trials = timeline_events(make_context(cfg), np.random.default_rng(cfg.seed).spawn(2)[1])
     hours = cfg.days * 24
-    old = _old_pause_fraction(ev.select(ev.lo < cfg.num_gpus), trials, hours,
+    old = _old_pause_fraction(ev.select(ev.lo < cfg.cluster.num_gpus), trials, hours,
                               sw["max_wait_hours"], sw["restart_hours"],
                               sw["checkpoint_interval_hours"] / 2)
     former = simulate(cfg, sweep=False)["timeline"]["policies"]["stop-wait"]
@@ -427,8 +430,8 @@ def test_planned_events_never_recompute(tmp_path: Path) -> None:
           "speed": np.array([0.3, 0.5, 0.4])}
     for p in ("exclude", "exclude-live", "drop"):
         tr = straggler_transitions(p, ev, slice_of=ctx.slice_of, n_use=ctx.clusters["nutp"].n_use,
-                                   pp=cfg.pp, tp_base=cfg.tp_base, time=ctx.tables.time,
-                                   best=ctx.tables.best, costs=ctx.costs)
+                                   pp=cfg.parallel.pp, tp_base=cfg.parallel.tp_base,
+                                   time=ctx.tables.time, best=ctx.tables.best, costs=ctx.costs)
         assert len(tr.t) == 6 and np.all(tr.lost == 0), p
 
 
@@ -483,7 +486,7 @@ def test_restart_model_fit_and_measured_json(tmp_path: Path) -> None:
         cfg.transitions, measured=str(js))))
     read, live_bytes = trn._state_bytes(cfg, m.dims, m.clusters["nutp"].n_use)
     load = read / (cfg.transitions.storage_gbps * 1e9)
-    n = cfg.num_gpus
+    n = cfg.cluster.num_gpus
     assert m.costs.detect_s == 0.5
     assert m.costs.restart_s == pytest.approx(2.0 * (n / 4) ** k + load)
     assert m.costs.planned_restart_s == pytest.approx(1.0 * (n / 4) ** k + load)
@@ -535,7 +538,7 @@ def test_simulator_reads_what_transition_cost_wrote(monkeypatch: pytest.MonkeyPa
     _, k = trn.restart_fit(cfg.transitions.restart_points, None)
     read, live_bytes = trn._state_bytes(cfg, ctx.dims, ctx.clusters["nutp"].n_use)
     load, bw = read / (cfg.transitions.storage_gbps * 1e9), ctx.hw.network_gbps * 1e9
-    n = cfg.num_gpus
+    n = cfg.cluster.num_gpus
     for got, e in ((c.restart_s, r["kill"]), (c.planned_restart_s, r["gpu_back"]),
                    (c.straggler_restart_s, r["straggler"])):
         assert got == pytest.approx(e["transition_s"] * (n / e["processes_started"]) ** k
