@@ -25,7 +25,7 @@ it reuses from `nemo_nutp/layout/`) by `make config-docs`
 `tests/docs/test_config_docs.py` fails when it is stale.
 
 Defaults are the dataclasses'. `configs/config.yaml` picks a file per group (`model`, `cluster`,
-`failures`) and sets only what differs; a key is overridden on the command line as
+`health`) and sets only what differs; a key is overridden on the command line as
 `key=value` (Hydra syntax). Deprecated keys are accepted for one release with a warning.
 """
 

@@ -75,7 +75,7 @@ def test_recipe_yaml_and_cli_overrides_apply() -> None:
 @pytest.mark.parametrize("override, key", [
     ("nutp.replicaz=[2,1]", "nutp.replicaz"),
     ("nutp.rebalance_smoothing=2.0", "nutp.rebalance_smoothing"),
-    ("failures.failed_gpus=oops", "failures.failed_gpus"),
+    ("health.failed_gpus=oops", "health.failed_gpus"),
 ])
 def test_bad_nutp_key_is_one_line_before_any_group(override: str, key: str,
                                                    tmp_path: Path) -> None:
@@ -354,7 +354,7 @@ BASE = ["model.tensor_model_parallel_size=2", "mixed_precision=null", "optimizer
 
 def test_nutp_sections_are_not_bridge_keys_and_bridge_keys_reach_the_schema(
         tmp_path: Path) -> None:
-    """``output`` and ``recovery`` are NUTP sections (as ``nutp``, ``failures``, ``cluster``: no
+    """``output`` and ``recovery`` are NUTP sections (as ``nutp``, ``health``, ``cluster``: no
     top-level key of Bridge's ``ConfigContainer``); the schema sections that are Bridge's
     (``model``, ``train``, ``checkpoint``) are mapped onto the NUTP job: ``checkpoint.save`` ->
     ``checkpoint.dir``, ``save_interval`` -> ``interval`` (0 without ``save``; Bridge's null,
