@@ -93,7 +93,7 @@ demo: $(STAMP)
 	$(BIN)/nutp-train
 
 plan-demo: $(STAMP)
-	$(BIN)/nutp plan cluster=node_pair parallel.tp_base=8 failures=one_gpu model=llama3_8b train.global_batch_size=64 train.micro_batch_size=1 --json runs/plan_demo.json
+	$(BIN)/nutp plan cluster=node_pair parallel.tp_base=8 health=one_gpu model=llama3_8b train.global_batch_size=64 train.micro_batch_size=1 --json runs/plan_demo.json
 
 # docs/config.md from the schema's field docstrings (tests/docs/test_config_docs.py: not stale)
 config-docs: $(STAMP)

@@ -71,7 +71,7 @@ FIELDS = ("detect_s", "transition_s", "lost_steps", "step_s", "checkpoint_bytes_
 
 # A 4-GPU TP2 x DP2 job of the tiny model (cluster domains of 2 GPUs), checkpoint every 2 steps.
 JOB = ("cluster.num_gpus=4", "cluster.domain_size=2", "cluster.gpus_per_node=4",
-       "parallel.tp_base=2", "failures.failed_gpus=[]", "train.global_batch_size=16",
+       "parallel.tp_base=2", "health.failed_gpus=[]", "train.global_batch_size=16",
        "train.micro_batch_size=2", "train.seed=5", "checkpoint.interval=2",
        "recovery.enabled=true")
 JOB_TIMEOUT_S = 900
@@ -195,7 +195,7 @@ def _run_gpu_back(opts: Options, out: Path, *extra: str) -> None:
     """GPU 3 starts failed (TP2 + TP1); once a checkpoint exists the health report gives it
     back, the supervisor restarts at the next checkpoint on TP2 + TP2 (``recovery.mode=live``
     in ``extra``: grows back live at the next step boundary instead)."""
-    over = [*JOB, "failures.failed_gpus=[3]", f"train.steps={opts.steps}", *extra]
+    over = [*JOB, "health.failed_gpus=[3]", f"train.steps={opts.steps}", *extra]
     root = out / "checkpoints"
     with Job(out, over) as job:
         while _newest_checkpoint(root) is None:

@@ -6,7 +6,7 @@ from .derived import cost_spec, fit_cpu_cluster, memory_spec, plan_request
 from .loading import compose_config, load_config, schema_keys, validate_yaml_file
 from .schema import (
     CheckpointConfig,
-    FailuresConfig,
+    HealthConfig,
     JobConfig,
     ModelConfig,
     NutpConfig,
@@ -16,7 +16,7 @@ from .schema import (
     TrainConfig,
 )
 
-__all__ = ["CheckpointConfig", "FailuresConfig", "JobConfig", "ModelConfig", "NutpConfig",
+__all__ = ["CheckpointConfig", "HealthConfig", "JobConfig", "ModelConfig", "NutpConfig",
            "OutputConfig", "RecoveryConfig", "SyncConfig", "TrainConfig", "compose_config",
            "cost_spec", "fit_cpu_cluster", "load_config", "memory_spec", "plan_request",
            "schema_keys", "validate_yaml_file"]

@@ -62,7 +62,7 @@ def plan_request(cfg: JobConfig, *, world_size: int | None = None) -> PlanReques
     """The planner's input for a job."""
     return PlanRequest(
         cluster=cfg.cluster, model=cfg.model, parallel=cfg.parallel,
-        health=cfg.failures.health(), policy=cfg.nutp.policy,
+        health=cfg.health.as_report(), policy=cfg.nutp.policy,
         replicas=None if cfg.nutp.replicas is None else tuple(cfg.nutp.replicas),
         global_batch=cfg.train.num_microbatches, world_size=world_size,
         micro_batch_size=cfg.train.micro_batch_size, cost=cost_spec(cfg.cluster),

@@ -25,7 +25,7 @@ it reuses from `nemo_nutp/layout/`) by `make config-docs`
 `tests/docs/test_config_docs.py` fails when it is stale.
 
 Defaults are the dataclasses'. `configs/config.yaml` picks a file per group (`model`, `cluster`,
-`failures`) and sets only what differs; a key is overridden on the command line as
+`health`) and sets only what differs; a key is overridden on the command line as
 `key=value` (Hydra syntax). Deprecated keys are accepted for one release with a warning.
 """
 
@@ -96,6 +96,19 @@ def _deprecated(obj: Any, prefix: str) -> list[str]:
     return out
 
 
+def _renamed_sections() -> list[str]:
+    """A line per deprecated section name (``loading.SECTION_ALIASES``)."""
+    from .loading import SECTION_ALIASES
+
+    out: list[str] = []
+    for old, new in SECTION_ALIASES.items():
+        out += textwrap.wrap(f"- `{old}.*` (a section, and the config group `{old}`): `{new}.*` "
+                             f"(`{old}=<option>` -> `{new}=<option>`), mapped at load time. "
+                             "Removed in the next release.", width=100, subsequent_indent="  ",
+                             break_long_words=False, break_on_hyphens=False)
+    return out
+
+
 def render() -> str:
     """The page's text."""
     job = JobConfig()
@@ -109,7 +122,8 @@ def render() -> str:
     out += ["## Deprecated keys", "",
             "Each is a second name of another key: accepted for one release, mapped to the "
             "surviving", "name at load time with one warning line naming both (both set "
-            "differently: one error", "naming both).", "", *_deprecated(job, ""), ""]
+            "differently: one error", "naming both).", "", *_deprecated(job, ""),
+            *_renamed_sections(), ""]
     return "\n".join(out).rstrip("\n") + "\n"
 
 

@@ -334,8 +334,9 @@ class ModelConfig(ModelDims):
 
 
 @dataclass(frozen=True)
-class FailuresConfig:
-    """Which GPUs are down: an explicit list and/or a health-report file."""
+class HealthConfig:
+    """Which GPUs are down or slow now: explicit lists and/or a health-report file (named
+    ``failures`` before: the loader maps that name, with a warning, for one release)."""
 
     failed_gpus: list[int] = field(default_factory=list)
     """Global GPU ids known to be failed."""
@@ -346,7 +347,8 @@ class FailuresConfig:
     """Path of a health report (YAML/JSON with ``failed_gpus``, ``slow_gpus``); merged with the
     lists (the report's speed wins for a GPU in both)."""
 
-    def health(self) -> HealthReport:
+    def as_report(self) -> HealthReport:
+        """The lists merged with the report file, as the planner's ``HealthReport``."""
         ids = list(self.failed_gpus)
         slow = {int(k): v for k, v in (self.slow_gpus or {}).items()}
         if self.report:
@@ -354,7 +356,7 @@ class FailuresConfig:
             if not path.exists() and (CONFIG_DIR / path).exists():
                 path = CONFIG_DIR / path
             if not path.exists():
-                raise bad_value("failures.report", self.report, "file not found")
+                raise bad_value("health.report", self.report, "file not found")
             rep = HealthReport.from_file(path)
             ids += list(rep.failed_gpus)
             slow.update(rep.slow_gpus)
@@ -391,7 +393,7 @@ class NutpConfig:
     """Consecutive slow probes that make a persistent straggler (reported with its GPU id)."""
     exclude_stragglers: bool = False
     """Stop after the next checkpoint once a straggler is found, leaving
-    ``<output.dir>/stragglers.json`` for the relaunch (``failures.report``) to re-plan."""
+    ``<output.dir>/stragglers.json`` for the relaunch (``health.report``) to re-plan."""
 
     def __post_init__(self) -> None:
         if not 0.0 < self.rebalance_smoothing <= 1.0:
@@ -735,7 +737,7 @@ class JobConfig:
     cluster: ClusterSpec = field(default_factory=lambda: ClusterSpec(num_gpus=8, domain_size=4))
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelSpec = field(default_factory=lambda: ParallelSpec(tp_base=4))
-    failures: FailuresConfig = field(default_factory=FailuresConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
     nutp: NutpConfig = field(default_factory=NutpConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     output: OutputConfig = field(default_factory=OutputConfig)

@@ -264,14 +264,14 @@ def job_for(cfg: JobConfig, failed: frozenset[int], slow: Mapping[int, float] | 
 
     Explicit ``nutp.replicas`` cannot describe a new failure, so it is dropped once the health
     differs from the configured one (the health report's entries are carried over)."""
-    health = cfg.failures.health()
+    health = cfg.health.as_report()
     speeds = {**dict(health.slow_gpus), **dict(slow or {})}
     if failed == frozenset(health.failed_gpus) and speeds == dict(health.slow_gpus):
         return cfg
-    failures = dataclasses.replace(cfg.failures, failed_gpus=sorted(failed),
-                                   slow_gpus=speeds or None, report=None)
+    now = dataclasses.replace(cfg.health, failed_gpus=sorted(failed), slow_gpus=speeds or None,
+                              report=None)
     nutp = dataclasses.replace(cfg.nutp, replicas=None)
-    return dataclasses.replace(cfg, failures=failures, nutp=nutp)
+    return dataclasses.replace(cfg, health=now, nutp=nutp)
 
 
 def straggler_relayout(events: list[dict[str, Any]], since: float) -> dict[int, float] | None:

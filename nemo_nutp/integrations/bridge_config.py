@@ -6,10 +6,11 @@
 * One YAML file (``--config-file``) and ``a.b=c`` arguments override it with Bridge's own
   ``process_config_with_overrides`` (``megatron/bridge/training/utils/omegaconf_utils.py``).
 * NUTP's settings use the names and validation of ``nutp-train`` (``nemo_nutp/config/schema.py``,
-  composed by ``load_job``): the YAML's top-level ``nutp:``, ``failures:``, ``cluster:``,
+  composed by ``load_job``): the YAML's top-level ``nutp:``, ``health:``, ``cluster:``,
   ``output:`` and ``recovery:`` blocks and the arguments that start with ``nutp.``,
-  ``failures.``, ``cluster.``, ``output.``, ``recovery.`` (or select a group:
-  ``cluster=node_pair``) are taken out before Bridge sees the rest. A bad key or value is a
+  ``health.``, ``cluster.``, ``output.``, ``recovery.`` (or select a group:
+  ``cluster=node_pair``) are taken out before Bridge sees the rest (``failures``, ``health``'s
+  deprecated name, too: ``load_job`` maps it, with its warning). A bad key or value is a
   ``ValueError`` naming it, raised before anything distributed exists. None of these is a
   top-level key of Bridge's ``ConfigContainer``; the schema sections that are (``model``,
   ``train``, ``checkpoint``) are Bridge's here, and ``bridge_keys`` maps them onto the schema.
@@ -28,8 +29,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-NUTP_SECTIONS = ("nutp", "failures", "cluster", "output", "recovery")
+NUTP_SECTIONS = ("nutp", "health", "cluster", "output", "recovery")
 """Top-level keys that belong to NUTP (the schema of ``nutp-train``), not to Bridge."""
+
+DEPRECATED_SECTIONS = ("failures",)
+"""Deprecated names of NUTP sections (``failures`` -> ``health``), also NUTP's: ``load_job``
+maps them with a warning (``config/loading.py: SECTION_ALIASES``)."""
 
 RECIPE_STAND_INS = ("checkpoint.interval=1", "train.distributed_optimizer=true")
 
@@ -69,7 +74,7 @@ def _flatten(prefix: str, node: Any) -> list[str]:
 
 def is_nutp_override(arg: str) -> bool:
     key = arg.split("=", 1)[0].lstrip("+~")
-    return key.split(".", 1)[0] in NUTP_SECTIONS
+    return key.split(".", 1)[0] in (*NUTP_SECTIONS, *DEPRECATED_SECTIONS)
 
 
 def split_yaml(path: str | Path) -> tuple[dict[str, Any], list[str]]:
@@ -84,7 +89,7 @@ def split_yaml(path: str | Path) -> tuple[dict[str, Any], list[str]]:
     if not isinstance(raw, dict):
         raise ValueError(f"--config-file={path}: must be a mapping of config keys")
     nutp: list[str] = []
-    for section in NUTP_SECTIONS:
+    for section in (*NUTP_SECTIONS, *DEPRECATED_SECTIONS):
         if section in raw:
             node = raw.pop(section)
             nutp += _flatten(section, node) if isinstance(node, dict) else [

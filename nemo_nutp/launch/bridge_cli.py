@@ -153,7 +153,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--output-dir", default=None,
                     help="another name for output.dir (default runs/bridge): metrics.jsonl, "
                          "goodput.json, training.png, per-rank step records")
-    ap.add_argument("overrides", nargs="*", help="a.b=c (Bridge keys, or nutp.*/failures.*/"
+    ap.add_argument("overrides", nargs="*", help="a.b=c (Bridge keys, or nutp.*/health.*/"
                                                   "cluster.*/output.*/recovery.*)")
     return ap
 

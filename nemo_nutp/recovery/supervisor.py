@@ -165,7 +165,7 @@ def supervise(cfg: JobConfig, console: Any, host: Host | None = None,
     rdir.mkdir(parents=True, exist_ok=True)
     events, health = rdir / "events.jsonl", rdir / "health.json"
     watch.archive_previous_run(rdir)  # an earlier run's heartbeats and events are not ours
-    failed = frozenset(cfg.failures.health().failed_gpus)
+    failed = frozenset(cfg.health.as_report().failed_gpus)
     slow: dict[int, float] = {}  # stragglers found while running (nutp.exclude_stragglers)
     watch.write_health(health, failed)
     attempt = restarts = 0

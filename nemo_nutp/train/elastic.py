@@ -325,7 +325,7 @@ def decide(cfg: JobConfig, rdir: Path, attempt: int, posts: list[dict[str, Any]]
                    if (rdir / f"attempt.{k}.json").exists()), None)
     prev = _read_json(rdir / f"attempt.{prev_n}.json") if prev_n is not None else None
     current = (frozenset(prev["failed_gpus"]) if prev is not None
-               else frozenset(cfg.failures.health().failed_gpus))
+               else frozenset(cfg.health.as_report().failed_gpus))
     reported = _read_json(health)
     reported_set = (frozenset(reported["failed_gpus"]) if reported is not None and attempt
                     else None)

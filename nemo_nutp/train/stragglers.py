@@ -10,7 +10,7 @@ median of the other ranks of its TP group (of all other ranks when its group has
 rank slow at ``straggler_window`` consecutive probes is a persistent straggler: reported once as
 a ``straggler`` event with its GPU id and estimated relative speed, and written (rank 0) into
 ``<output.dir>/stragglers.json`` as a health report (``slow_gpus``) that the planner reads via
-``failures.report`` to keep or exclude it. With ``nutp.exclude_stragglers`` the run stops after
+``health.report`` to keep or exclude it. With ``nutp.exclude_stragglers`` the run stops after
 the next checkpoint save (event ``relayout_requested``), so that the relaunch with that report
 re-plans at reduced TP and resumes from the checkpoint.
 """
@@ -129,5 +129,5 @@ class StragglerDetector:
                       slow_gpus={str(int(self.plan.rank_to_gpu[r])): v
                                  for r, v in self.found.items()}, report=str(self.out))
             print(f"stopping after the checkpoint of step {step + 1}: relaunch with "
-                  f"failures.report={self.out} to re-plan without the straggler", flush=True)
+                  f"health.report={self.out} to re-plan without the straggler", flush=True)
         return True

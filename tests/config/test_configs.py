@@ -41,6 +41,10 @@ PRIMARY = sorted(p for p in CONFIG_DIR.glob("*.yaml") if p.stem != SIM_PRIMARY)
 SIM_FILES = sorted((CONFIG_DIR / "sim").glob("*.yaml"))
 HARDWARE_FILES = sorted((CONFIG_DIR / "sim" / "hardware").glob("*.yaml"))
 HEALTH_FILES = sorted((CONFIG_DIR / "health").glob("*.yaml"))
+HEALTH_REPORTS = sorted({CONFIG_DIR / str(r) for p in HEALTH_FILES
+                         if (r := OmegaConf.load(p).get("report"))})
+"""The health report files the ``health`` group's options name (``report.yaml`` ->
+``health/example.yaml``, itself also an option of the group)."""
 
 
 def test_every_yaml_file_is_covered() -> None:
@@ -110,9 +114,80 @@ def test_hardware_loads(path: Path) -> None:
     assert isinstance(load_yaml_strict(HardwareSpec, path, "hardware"), HardwareSpec)
 
 
-@pytest.mark.parametrize("path", HEALTH_FILES, ids=_rel(HEALTH_FILES))
+@pytest.mark.parametrize("path", HEALTH_REPORTS, ids=_rel(HEALTH_REPORTS))
 def test_health_report_loads(path: Path) -> None:
     assert HealthReport.from_file(path).failed_gpus
+    assert path in HEALTH_FILES  # an option of the health group too
+
+
+# -- health (formerly failures) ------------------------------------------------------------------
+def test_health_failed_gpus_drive_the_plan() -> None:
+    """``health.*`` (group and keys) say which GPUs are down: the plan leaves them out."""
+    assert "health" in _job_groups() and HEALTH_REPORTS
+    plan = build_plan(plan_request(load_config(["health.failed_gpus=[2]"])))
+    assert plan.request.health.failed_gpus == (2,) and 2 not in plan.rank_to_gpu
+    assert plan.world_size == 7
+    assert build_plan(plan_request(load_config(["health=none"]))).world_size == 8
+    report = load_config(["health=report"]).health
+    assert report.as_report().failed_gpus == (3, 17, 40, 41)
+
+
+def test_failures_still_maps_to_health_with_one_warning_each(tmp_path: Path) -> None:
+    """The previous release's ``failures`` (group choice, keys, a YAML's top-level section, the
+    group in a defaults list) becomes ``health`` with a FutureWarning naming both."""
+    with pytest.warns(FutureWarning, match=r"^failures=none is deprecated: use health=none"):
+        assert load_config(["failures=none"]) == load_config(["health=none"])
+    with pytest.warns(FutureWarning) as caught:
+        cfg = load_config(["failures.failed_gpus=[2]", "failures.slow_gpus={1: 0.5}"])
+    assert [str(w.message).split(" (")[0] for w in caught] == [
+        "failures.failed_gpus is deprecated: use health.failed_gpus",
+        "failures.slow_gpus is deprecated: use health.slow_gpus"]
+    assert cfg == load_config(["health.failed_gpus=[2]", "health.slow_gpus={1: 0.5}"])
+    with pytest.warns(FutureWarning, match=r"^failures=report is deprecated"):
+        assert load_job(["recipe=llama3_8b_h100", "failures=report"]).health.report == \
+            "health/example.yaml"
+    job = tmp_path / "job.yaml"
+    job.write_text("failures:\n  failed_gpus: [3]\n")
+    with pytest.warns(FutureWarning, match=r"^the section failures is deprecated: use health"):
+        assert validate_yaml_file(job).health.failed_gpus == [3]
+    recipes = tmp_path / "recipes"
+    shutil.copytree(RECIPES_DIR, recipes)
+    (recipes / "old.yaml").write_text(
+        "defaults:\n  - nutp_defaults\n  - /model: tiny\n  - /cluster: cpu_local\n"
+        "  - /failures: one_gpu\n  - _self_\n")
+    with pytest.warns(FutureWarning, match=r"^/failures: one_gpu is deprecated: use "
+                                           r"/health: one_gpu"):
+        assert load_recipe("old", directory=recipes).health == load_config([]).health
+
+
+@pytest.mark.parametrize(("overrides", "yaml", "match"), [
+    (["failures.failed_gpus=[2]", "health.failed_gpus=[3]"], None,
+     r"^failures\.failed_gpus='\[2\]': deprecated name of health\.failed_gpus, which is also "
+     r"set \(health\.failed_gpus=\[3\]\): set health\.failed_gpus only$"),
+    (["failures=none", "health=report"], None,
+     r"^failures='none': deprecated name of health, which is also set \(health=report\)"),
+    ([], "failures:\n  failed_gpus: [3]\nhealth:\n  failed_gpus: [4]\n",
+     r"^failures\.failed_gpus=\[3\]: deprecated name of health\.failed_gpus, which is also "
+     r"set \(health\.failed_gpus=\[4\]\)"),
+    ([], "defaults:\n  - base_pretrain\n  - /failures: one_gpu\n  - _self_\n",
+     r"^/failures='one_gpu': deprecated group name of /health, which is also chosen "
+     r"\(/health: none\)"),
+])
+def test_failures_and_health_set_differently_is_one_error_line(
+        tmp_path: Path, overrides: list[str], yaml: str | None, match: str) -> None:
+    shutil.copytree(RECIPES_DIR, tmp_path, dirs_exist_ok=True)
+    (tmp_path / "both.yaml").write_text(yaml or "defaults:\n  - base_pretrain\n  - _self_\n")
+    with pytest.raises(ValueError, match=match) as e:
+        load_recipe("both", overrides, directory=tmp_path)
+    assert "\n" not in str(e.value)
+
+
+def test_failures_and_health_set_alike_load() -> None:
+    with pytest.warns(FutureWarning) as caught:
+        cfg = load_config(["failures.failed_gpus=[2]", "health.failed_gpus=[2]", "failures=none",
+                           "health=none"])
+    assert len(caught) == 2
+    assert cfg.health.failed_gpus == [2]
 
 
 # -- recipes -------------------------------------------------------------------------------------

@@ -207,7 +207,7 @@ def _fake_checkpoint(root: Path, step: int) -> None:
 
 def test_health_watch_restarts_only_after_a_newer_checkpoint(tmp_path: Path) -> None:
     cfg = load_config([f"output.dir={tmp_path}", "checkpoint.interval=2", "train.steps=10"])
-    failed = frozenset(cfg.failures.health().failed_gpus)
+    failed = frozenset(cfg.health.as_report().failed_gpus)
     plan = build_plan(plan_request(cfg))
     rdir, root = tmp_path / "recovery", Path(str(cfg.checkpoint_dir))
     rdir.mkdir()
@@ -234,7 +234,7 @@ def test_health_watch_restarts_only_after_a_newer_checkpoint(tmp_path: Path) -> 
 def test_health_watch_without_resume_uses_the_gpus_at_the_next_restart(tmp_path: Path) -> None:
     cfg = load_config([f"output.dir={tmp_path}", "checkpoint.interval=2",
                        "checkpoint.resume=false"])
-    failed = frozenset(cfg.failures.health().failed_gpus)
+    failed = frozenset(cfg.health.as_report().failed_gpus)
     rdir = tmp_path / "recovery"
     rdir.mkdir()
     (rdir / "health.json").write_text(json.dumps({"failed_gpus": []}))
@@ -269,12 +269,12 @@ def test_straggler_relayout_and_job_for_keep_the_health_report() -> None:
           {"t": 9.0, "event": "checkpoint"}]
     assert straggler_relayout(ev, since=6.0) is None  # an earlier attempt's request
     assert straggler_relayout(ev, since=1.0) == {1: 0.25}
-    cfg = load_config(["failures.failed_gpus=[7]", "failures.slow_gpus={2: 0.5}",
+    cfg = load_config(["health.failed_gpus=[7]", "health.slow_gpus={2: 0.5}",
                        "nutp.replicas=[4,3]"])
     assert job_for(cfg, frozenset({7})) is cfg and job_for(cfg, frozenset({7}), {}) is cfg
     job = job_for(cfg, frozenset({7}), {1: 0.25})
-    assert dict(job.failures.health().slow_gpus) == {1: 0.25, 2: 0.5}
-    assert job.failures.health().failed_gpus == (7,) and job.nutp.replicas is None
+    assert dict(job.health.as_report().slow_gpus) == {1: 0.25, 2: 0.5}
+    assert job.health.as_report().failed_gpus == (7,) and job.nutp.replicas is None
 
 
 def test_exit_reasons_are_words_and_a_lost_agent_is_not_a_signal() -> None:

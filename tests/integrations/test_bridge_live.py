@@ -42,7 +42,7 @@ if sys.version_info < (3, 12):  # the 3.11 env has no Bridge
 from tests.helpers.bridge_live_jobs import JOB_TIMEOUT_S, LIVE, bridge_job
 
 CLUSTER = ["cluster.num_gpus=4", "cluster.domain_size=2", "cluster.gpus_per_node=4",
-           "failures.failed_gpus=[3]", "nutp.replicas=null", "model.tensor_model_parallel_size=2"]
+           "health.failed_gpus=[3]", "nutp.replicas=null", "model.tensor_model_parallel_size=2"]
 LIVE_ENV = {"NUTP_FAULT": "kill:rank=3:step=3:phase=vote:gen=1,"
                           "kill:rank=1:step=5:phase=optimizer:gen=2", "NUTP_LIVE_DIGEST": "1"}
 
@@ -87,7 +87,7 @@ def test_pipeline_and_distributed_optimizer_live_with_redundancy(tmp_path: Path)
     from tests.helpers.live import replica_digests
 
     over = ["cluster.num_gpus=8", "cluster.domain_size=2", "cluster.gpus_per_node=8",
-            "failures.failed_gpus=[7]", "nutp.replicas=null",
+            "health.failed_gpus=[7]", "nutp.replicas=null",
             "model.tensor_model_parallel_size=2", "model.pipeline_model_parallel_size=2",
             "optimizer.use_distributed_optimizer=true", "recovery.live_redundancy=true"]
     faults = "kill:rank=1:step=2:phase=gather,kill:rank=4:step=4:phase=backward:gen=1"

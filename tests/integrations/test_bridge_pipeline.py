@@ -89,7 +89,7 @@ def _stock_then_nutp(precision: list[str], tmp_path: Path, nutp_only: tuple[str,
     stock_evals = next(e for e in evals if e and not math.isnan(e[0]["val_loss"]))
     init = str(tmp_path / "stock_init" / "iter_0000000")
     nutp_overrides = [*precision, "model.sequence_parallel=true", "nutp.replicas=[[2,1],[2,2]]",
-                      "failures=none", *nutp_only]
+                      "health=none", *nutp_only]
     spawn(nutp_worker, 7, (nutp_overrides, init), tmp_path)
     ranks = [json.loads((tmp_path / f"pipeline_rank{r}.json").read_text()) for r in range(7)]
     print(json.dumps({"stock": stock, "stock_evals": stock_evals, "nutp": ranks[0]}))

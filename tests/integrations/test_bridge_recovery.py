@@ -28,7 +28,7 @@ SCHEDULE = ["scheduler.lr_warmup_iters=1", "scheduler.lr_decay_style=cosine",
             f"scheduler.lr_decay_iters={END}", "optimizer.lr=0.01", "optimizer.min_lr=0.001",
             f"train.train_iters={END}"]
 CLUSTER = ["cluster.num_gpus=4", "cluster.domain_size=2", "cluster.gpus_per_node=4",
-           "failures.failed_gpus=[3]", "model.tensor_model_parallel_size=2"]
+           "health.failed_gpus=[3]", "model.tensor_model_parallel_size=2"]
 
 
 def _rel(a: float, b: float) -> float:

@@ -75,7 +75,8 @@ def test_recipe_yaml_and_cli_overrides_apply() -> None:
 @pytest.mark.parametrize("override, key", [
     ("nutp.replicaz=[2,1]", "nutp.replicaz"),
     ("nutp.rebalance_smoothing=2.0", "nutp.rebalance_smoothing"),
-    ("failures.failed_gpus=oops", "failures.failed_gpus"),
+    ("health.failed_gpus=oops", "health.failed_gpus"),
+    ("failures.failed_gpus=oops", "health.failed_gpus"),  # the deprecated name, mapped
 ])
 def test_bad_nutp_key_is_one_line_before_any_group(override: str, key: str,
                                                    tmp_path: Path) -> None:
@@ -93,6 +94,18 @@ def test_bad_nutp_key_is_one_line_before_any_group(override: str, key: str,
     with pytest.raises(ValueError, match=re.escape(key)):
         load_bridge_job(RECIPE, str(TINY), [override])
     assert not dist.is_initialized()
+
+
+def test_failures_is_health_for_one_release(tmp_path: Path) -> None:
+    """``failures`` (``health``'s name before), as a YAML block or an argument, is NUTP's and
+    maps to ``health`` with its warning, as under ``nutp-train``."""
+    old = tmp_path / "old.yaml"
+    old.write_text(TINY.read_text() + "failures:\n  failed_gpus: [2]\n")
+    for config, args in ((old, []), (TINY, ["failures.failed_gpus=[2]"])):
+        with pytest.warns(FutureWarning, match=r"failures\.failed_gpus is deprecated: use "
+                                               r"health\.failed_gpus"):
+            job = load_bridge_job(RECIPE, str(config), [*args, *BASE, "nutp.replicas=null"])
+        assert job.nutp.health.failed_gpus == [2] and not hasattr(job.bridge, "failures")
 
 
 def test_nutp_bridge_cli_bad_key_exits_2_with_one_line(capfd: pytest.CaptureFixture[str]) -> None:
@@ -354,7 +367,7 @@ BASE = ["model.tensor_model_parallel_size=2", "mixed_precision=null", "optimizer
 
 def test_nutp_sections_are_not_bridge_keys_and_bridge_keys_reach_the_schema(
         tmp_path: Path) -> None:
-    """``output`` and ``recovery`` are NUTP sections (as ``nutp``, ``failures``, ``cluster``: no
+    """``output`` and ``recovery`` are NUTP sections (as ``nutp``, ``health``, ``cluster``: no
     top-level key of Bridge's ``ConfigContainer``); the schema sections that are Bridge's
     (``model``, ``train``, ``checkpoint``) are mapped onto the NUTP job: ``checkpoint.save`` ->
     ``checkpoint.dir``, ``save_interval`` -> ``interval`` (0 without ``save``; Bridge's null,

@@ -53,7 +53,7 @@ def test_straggler_excluded_live_inside_bridge(tmp_path: Path) -> None:
     from tests.helpers.live import replica_digests
 
     over = ["cluster.num_gpus=4", "cluster.domain_size=2", "cluster.gpus_per_node=4",
-            "failures.failed_gpus=[]", "nutp.replicas=null", "model.tensor_model_parallel_size=2",
+            "health.failed_gpus=[]", "nutp.replicas=null", "model.tensor_model_parallel_size=2",
             "nutp.straggler_probe_interval=1", "nutp.straggler_window=3",
             # 2.5x: the 4x slowed GPU is found, probe noise of 2 shared cores is not
             "nutp.straggler_threshold=2.5", "nutp.exclude_stragglers=true", *LIVE]

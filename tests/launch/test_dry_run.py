@@ -36,7 +36,7 @@ def test_dry_run_cli_plans_a_pp4_recipe_without_running_it(tmp_path: Path) -> No
 
 
 def test_per_stage_replicas_size_the_cpu_cluster(capsys: pytest.CaptureFixture[str]) -> None:
-    over = ["parallel.pp=2", "nutp.replicas=[[4,3],[4,4]]", "failures=none"]
+    over = ["parallel.pp=2", "nutp.replicas=[[4,3],[4,4]]", "health=none"]
     cfg = load_config(over)
     assert cfg.cluster.name == "cpu_local" and cfg.cluster.num_gpus == 16  # grown from 8
     plan = build_plan(plan_request(cfg))
@@ -54,9 +54,9 @@ def test_per_stage_replicas_size_the_cpu_cluster(capsys: pytest.CaptureFixture[s
     (["parallel.pp=2", "nutp.replicas=[[4,3,1],[4,4]]"], "nutp.replicas"),
     (["parallel.pp=2", "nutp.replicas=[[4,x],[4,4]]"], "nutp.replicas"),
     (["parallel.sequence_parallel=true", "model.seq_length=16", "nutp.replicas=[4,3]",
-      "failures=none"], "nutp.replicas"),  # SP: degree 3 does not divide seq_length
+      "health=none"], "nutp.replicas"),  # SP: degree 3 does not divide seq_length
     (["recovery.fault.kind=kill", "recovery.fault.rank=7"], "recovery.fault.rank=7"),
-    (["cluster=node_pair", "nutp.replicas=[4,4,4,4,4]", "failures=none"],
+    (["cluster=node_pair", "nutp.replicas=[4,4,4,4,4]", "health=none"],
      "cluster.num_gpus=24"),  # not the CPU cluster (16 GPUs): the error names the size to set
     (["cluster.hardware=tpu_v9"], "cluster.hardware='tpu_v9'"),
     (["recipe=llama3_8b_h100", "nutp.replicas=[4,2]"],  # TP2 needs ~97 GiB of 79.6

@@ -43,7 +43,7 @@ def test_nutp_train_malformed_report_is_one_line_exit_2(tmp_path: Path) -> None:
     report = tmp_path / "health.yaml"
     report.write_text("failed_gpus: [1, 2\n")
     out = tmp_path / "never"
-    r = run_train([f"output.dir={out}", "failures=report", f"failures.report={report}"],
+    r = run_train([f"output.dir={out}", "health=report", f"health.report={report}"],
                   timeout=300)
     assert r.returncode == 2, r.stdout + r.stderr
     lines = [ln for ln in (r.stdout + r.stderr).splitlines() if "error:" in ln]

@@ -21,7 +21,7 @@ def test_launcher_rank_must_be_on_its_planned_gpu() -> None:
     world = plan.world_size  # type: ignore[attr-defined]
     for r in range(world):  # one node: worker r drives GPU r
         check_launch(cfg, plan, (r, world, r), {})
-    cfg, plan = _plan(["failures.failed_gpus=[2]"])  # the degraded domain is planned last
+    cfg, plan = _plan(["health.failed_gpus=[2]"])  # the degraded domain is planned last
     gpus = plan.rank_to_gpu  # type: ignore[attr-defined]
     bad = [r for r in range(world) if gpus[r] != r]
     assert bad, gpus

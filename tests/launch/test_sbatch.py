@@ -24,15 +24,15 @@ from nemo_nutp.layout import build_plan
 BASH = shutil.which("bash")
 
 JOBS = {
-    "cpu_local_one_gpu": ["failures=one_gpu"],
+    "cpu_local_one_gpu": ["health=one_gpu"],
     "node_pair_tp8": ["cluster=node_pair", "parallel.tp_base=8", "model=llama3_8b",
-                      "failures=one_gpu", "train.global_batch_size=64",
+                      "health=one_gpu", "train.global_batch_size=64",
                       "train.micro_batch_size=1"],
-    "dgx_report_pp2": ["recipe=llama3_70b_h100", "failures=report", "parallel.pp=2"],
-    "nvl72_failed": ["recipe=llama3_8b_gb200", "failures.failed_gpus=[5,77,300,301]"],
+    "dgx_report_pp2": ["recipe=llama3_70b_h100", "health=report", "parallel.pp=2"],
+    "nvl72_failed": ["recipe=llama3_8b_gb200", "health.failed_gpus=[5,77,300,301]"],
     # drop: the replica on node 0 goes, so node 0 is not allocated (node ids are compacted).
     "drop_frees_node": ["cluster=node_pair", "parallel.tp_base=8", "model=llama3_8b",
-                        "failures=one_gpu", "nutp.policy=drop"],
+                        "health=one_gpu", "nutp.policy=drop"],
 }
 
 
@@ -119,7 +119,7 @@ def test_trainer_command_rebuilds_the_same_plan(job: str, monkeypatch) -> None:
 
 
 def test_placeholders_when_cluster_settings_are_missing(tmp_path: Path) -> None:
-    text = _render(["failures=none"])
+    text = _render(["health=none"])
     assert _sbatch(text, "partition") == "<partition>"
     assert _sbatch(text, "account") == "<account>"
     assert 'NUTP_IMAGE="${NUTP_IMAGE:-<image>}"' in text
@@ -139,7 +139,7 @@ def test_bad_options_name_the_field(field: str, value) -> None:
 
 def test_cli_writes_atomically(tmp_path: Path) -> None:
     out = tmp_path / "sub" / "job.sbatch"
-    rc = main(["sbatch", "recipe=llama3_8b_h100", "cluster=node_pair", "failures=one_gpu",
+    rc = main(["sbatch", "recipe=llama3_8b_h100", "cluster=node_pair", "health=one_gpu",
                "--partition", "P", "--account", "A", "--image", "nvcr.io#org/img:1",
                "--mounts", "/data:/data,/results:/results", "--time", "01:00:00",
                "--out", str(out)])
@@ -172,7 +172,7 @@ def test_plan_accepts_recipe(tmp_path: Path) -> None:
     assert out.exists()
 
 
-RECOVERY = ["cluster=node_pair", "parallel.tp_base=8", "model=llama3_8b", "failures=one_gpu",
+RECOVERY = ["cluster=node_pair", "parallel.tp_base=8", "model=llama3_8b", "health=one_gpu",
             "train.global_batch_size=64", "train.micro_batch_size=1", "recovery.enabled=true",
             "checkpoint.interval=50", "recovery.heartbeat_timeout_s=90"]
 

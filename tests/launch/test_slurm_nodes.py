@@ -91,7 +91,7 @@ def test_live_node_of_rank_0_crashed_while_the_control_runs_elsewhere(
     survivors -- none of them rank 0 -- are re-laid out live to one TP4 replica, exactly."""
     steps = STEPS
     out = tmp_path / "out"
-    over = (*BASE, *LIVE, "cluster.num_gpus=12", "failures.failed_gpus=[0,1,2,3]",
+    over = (*BASE, *LIVE, "cluster.num_gpus=12", "health.failed_gpus=[0,1,2,3]",
             f"train.steps={steps}", f"output.dir={out}")
     script = tmp_path / "job.sbatch"
     script.write_text(render(over, master_port=free_port(), partition=PARTITION,

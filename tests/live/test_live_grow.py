@@ -41,7 +41,7 @@ def test_grow_back_tp3_tp3_to_tp4_tp4_live(tmp_path: Path) -> None:
     joiners as ordinary members of the world."""
     steps = 8
     # interval > steps: no checkpoint exists while the job runs (recovery needs an interval)
-    over = (*BASE, "failures.failed_gpus=[3,7]", "checkpoint.interval=1000",
+    over = (*BASE, "health.failed_gpus=[3,7]", "checkpoint.interval=1000",
             f"train.steps={steps}", "train.lr_warmup_iters=3", "train.lr_decay_style=linear")
     out = tmp_path / "grow"
     out.mkdir()
@@ -116,7 +116,7 @@ def test_straggler_excluded_and_returned_live(tmp_path: Path) -> None:
     for GPU 1 joins, TP2+TP2 again. No restart, every step against stock megatron-core."""
     steps = 14
     over = (*BASE, "cluster.num_gpus=4", "cluster.domain_size=2", "cluster.gpus_per_node=4",
-            "parallel.tp_base=2", "failures.failed_gpus=[]", "checkpoint.interval=1000",
+            "parallel.tp_base=2", "health.failed_gpus=[]", "checkpoint.interval=1000",
             "nutp.straggler_probe_interval=1", "nutp.straggler_window=3",
             # 2.5x: the 4x slowed GPU is found, probe noise of 2 shared cores is not (at
             # 1.5x the lone TP1 rank was flagged at 0.57 under load)
@@ -185,7 +185,7 @@ def test_failure_during_grow_back_falls_back_to_restart(tmp_path: Path) -> None:
     GPU 0 failed, resumes from the newest checkpoint, and every step equals stock."""
     steps = 8
     over = (*BASE, "cluster.num_gpus=4", "cluster.domain_size=2", "cluster.gpus_per_node=4",
-            "parallel.tp_base=2", "failures.failed_gpus=[3]", "checkpoint.interval=2",
+            "parallel.tp_base=2", "health.failed_gpus=[3]", "checkpoint.interval=2",
             f"train.steps={steps}")
     out = tmp_path / "twice"
     out.mkdir()

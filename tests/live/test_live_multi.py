@@ -33,7 +33,7 @@ from tests.helpers.live import (
     stock_reference,
 )
 
-EIGHT = ("failures=none", "cluster.gpus_per_node=4", "checkpoint.interval=2")
+EIGHT = ("health=none", "cluster.gpus_per_node=4", "checkpoint.interval=2")
 
 
 @pytest.mark.dist

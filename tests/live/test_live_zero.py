@@ -38,7 +38,7 @@ from tests.helpers.live import (
 )
 
 ZERO = (*BASE, "cluster.num_gpus=6", "cluster.domain_size=2", "cluster.gpus_per_node=2",
-        "parallel.tp_base=2", "failures.failed_gpus=[5]", "train.distributed_optimizer=true",
+        "parallel.tp_base=2", "health.failed_gpus=[5]", "train.distributed_optimizer=true",
         "recovery.live_redundancy=true", "checkpoint.interval=1000")
 
 

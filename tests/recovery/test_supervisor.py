@@ -142,7 +142,7 @@ def references(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], list
     def get(steps: int) -> list[float]:
         if steps not in cache:
             out = tmp_path_factory.mktemp(f"ref{steps}")
-            rc, log = _train(out, "nutp.replicas=[1]", "failures=none", steps=steps)
+            rc, log = _train(out, "nutp.replicas=[1]", "health=none", steps=steps)
             assert rc == 0, log[-6000:]
             cache[steps] = _losses(out)
         return cache[steps]
@@ -240,8 +240,8 @@ def test_hung_rank_is_blamed_not_its_blocked_peers(tmp_path: Path,
                                                   reference: list[float]) -> None:
     hung, step, interval = 5, 5, 2
     world, before, gpus = _layout()
-    failed = sorted(set(load_config(list(COMMON)).failures.health().failed_gpus) | {gpus[hung]})
-    new_world, after, _ = _layout(f"failures.failed_gpus={failed}")
+    failed = sorted(set(load_config(list(COMMON)).health.as_report().failed_gpus) | {gpus[hung]})
+    new_world, after, _ = _layout(f"health.failed_gpus={failed}")
     out = tmp_path / "hang"
     rc, log = _train(out, f"checkpoint.interval={interval}", "recovery.enabled=true",
                      f"recovery.heartbeat_timeout_s={HEARTBEAT_S}",
@@ -288,9 +288,9 @@ def test_gpu_back_restarts_on_the_full_layout_at_the_next_checkpoint(
     steps, interval = 10, 2
     ref = references(steps)
     _, before, _ = _layout()
-    configured = set(load_config(list(COMMON)).failures.health().failed_gpus)
+    configured = set(load_config(list(COMMON)).health.as_report().failed_gpus)
     assert configured, "the default job has a failed GPU to give back"
-    full_world, full, _ = _layout("failures=none")
+    full_world, full, _ = _layout("health=none")
     out = tmp_path / "back"
     root = out / "checkpoints"
     with _Job(out, f"checkpoint.interval={interval}", "recovery.enabled=true",
@@ -341,7 +341,7 @@ def test_no_layout_left_after_a_failure_is_one_line_not_a_traceback(tmp_path: Pa
     why, exit 1, instead of the planner's ValueError traceback."""
     out = tmp_path / "none_left"
     rc, log = _train(out, "cluster.num_gpus=2", "cluster.domain_size=2",
-                     "cluster.gpus_per_node=2", "failures=none",
+                     "cluster.gpus_per_node=2", "health=none",
                      "parallel.tp_base=2", "parallel.min_tp=2", "checkpoint.interval=1",
                      "recovery.enabled=true", "recovery.fault.kind=kill",
                      "recovery.fault.rank=1", "recovery.fault.step=1", steps=3)

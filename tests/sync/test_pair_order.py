@@ -88,7 +88,7 @@ def test_every_model(path: Path, layout: str) -> None:
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("name", [n for n in list_recipes() if n != "base_pretrain"])
 def test_every_recipe_one_gpu_down(name: str, layout: str) -> None:
-    cfg = load_recipe(name, [f"parallel.sync_layout={layout}", "failures.failed_gpus=[7]"])
+    cfg = load_recipe(name, [f"parallel.sync_layout={layout}", "health.failed_gpus=[7]"])
     plan = build_plan(plan_request(cfg))
     assert any(t < cfg.parallel.tp_base for r in plan.replicas for t in r.tp)
     n = _check(plan, cfg.sync.bucket_size)
@@ -106,8 +106,8 @@ def _check_ring(plan: Plan, bucket_size: int) -> int:
 
 @pytest.mark.parametrize("overrides", [
     [], ["parallel.sequence_parallel=true"], ["parallel.pp=2", "parallel.tp_base=2"],
-    ["failures.failed_gpus=[]", "cluster.num_gpus=6", "cluster.domain_size=2",
-     "cluster.gpus_per_node=2", "parallel.tp_base=2", "failures.failed_gpus=[5]"]],
+    ["health.failed_gpus=[]", "cluster.num_gpus=6", "cluster.domain_size=2",
+     "cluster.gpus_per_node=2", "parallel.tp_base=2", "health.failed_gpus=[5]"]],
     ids=["default", "sp", "pp2", "tp2x3"])
 def test_zero_redundancy_ring(overrides: list[str]) -> None:
     """The distributed optimizer's redundancy ring (``recovery.live_redundancy``: every
@@ -123,7 +123,7 @@ def test_zero_redundancy_ring(overrides: list[str]) -> None:
 def test_zero_redundancy_ring_70b_recipe() -> None:
     """A shipped recipe's layout, one GPU down (the other recipes' rings are the same code
     over more ranks: 8-30 s each)."""
-    cfg = load_recipe("llama3_70b_h100", ["failures.failed_gpus=[7]"])
+    cfg = load_recipe("llama3_70b_h100", ["health.failed_gpus=[7]"])
     assert _check_ring(build_plan(plan_request(cfg)), cfg.sync.bucket_size) > 0
 
 

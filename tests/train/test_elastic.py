@@ -201,7 +201,7 @@ def _losses(out: Path) -> list[float]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
     ref = tmp_path_factory.mktemp("ref")
-    r = run_train([f"output.dir={ref}", *COMMON, "nutp.replicas=[1]", "failures=none"],
+    r = run_train([f"output.dir={ref}", *COMMON, "nutp.replicas=[1]", "health=none"],
                   timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return _losses(ref)
@@ -216,8 +216,8 @@ def _layout(*overrides: str) -> tuple[list[int], list[list[int]]]:
 def _check_recovered(out: Path, stdout: str, reference: list[float]) -> dict:
     """Plan rank 1 was SIGKILLed at step 5 of the default job (TP4+TP3, GPU 7 failed)."""
     first, _ = _layout()
-    failed = sorted({first[1], *load_config([]).failures.failed_gpus})
-    _, degraded = _layout(f"failures.failed_gpus=[{','.join(map(str, failed))}]")
+    failed = sorted({first[1], *load_config([]).health.failed_gpus})
+    _, degraded = _layout(f"health.failed_gpus=[{','.join(map(str, failed))}]")
     losses = _losses(out)
     assert len(losses) == len(reference)
     for a, b in zip(losses, reference, strict=True):
@@ -317,9 +317,9 @@ def test_ft_launcher_hang_then_gpu_back(tmp_path: Path, reference: list[float]) 
     for a, b in zip(losses, reference, strict=True):
         assert abs(a - b) <= TOL * abs(b), (losses, reference)
     first, _ = _layout()
-    failed = sorted({first[5], *load_config([]).failures.failed_gpus})
-    _, degraded = _layout(f"failures.failed_gpus=[{','.join(map(str, failed))}]")
-    _, full = _layout("failures=none")
+    failed = sorted({first[5], *load_config([]).health.failed_gpus})
+    _, degraded = _layout(f"health.failed_gpus=[{','.join(map(str, failed))}]")
+    _, full = _layout("health=none")
     hang, back = json.loads((rdir / "summary.json").read_text())
     assert hang["cause"] == "hang" and hang["gpus"] == [first[5]] and hang["resume_step"] == 2
     assert "faults.py" in json.dumps([e for e in _events(rdir) if e["event"] == "failure"])

@@ -148,7 +148,7 @@ def test_straggler_detected_excluded_and_resumed(tmp_path: Path) -> None:
     GPU 1, the world stops after the next checkpoint (nutp.exclude_stragglers), the supervisor
     re-plans without GPU 1 (TP2 + TP1, the path of a failed GPU) and resumes; every step's loss
     over both attempts is within 1e-5 of stock single-process megatron-core. The written health
-    report plans the same layout for a manual relaunch (failures.report)."""
+    report plans the same layout for a manual relaunch (health.report)."""
     import torch
 
     from nemo_nutp.config import load_config
@@ -158,7 +158,7 @@ def test_straggler_detected_excluded_and_resumed(tmp_path: Path) -> None:
 
     out = tmp_path / "run"
     overrides = ["cluster.num_gpus=4", "cluster.domain_size=2", "cluster.gpus_per_node=4",
-                 "parallel.tp_base=2", "failures.failed_gpus=[]", "train.steps=8",
+                 "parallel.tp_base=2", "health.failed_gpus=[]", "train.steps=8",
                  "train.global_batch_size=16", "train.seed=5", "checkpoint.interval=2",
                  "nutp.straggler_probe_interval=1", "nutp.straggler_window=3",
                  # 2.5x: the 4x slowed GPU is found; probe noise of 2 shared cores is not (at
@@ -173,7 +173,7 @@ def test_straggler_detected_excluded_and_resumed(tmp_path: Path) -> None:
     assert names.count("straggler") == 1 and names.count("relayout") == 1, names
     (relayout,) = [e for e in events if e["event"] == "relayout"]
     assert relayout["gpus"] == [1] and relayout["resume_step"] == 4, relayout
-    again = [*overrides, f"failures.report={out / 'stragglers.json'}"]
+    again = [*overrides, f"health.report={out / 'stragglers.json'}"]
     plan = build_plan(plan_request(load_config(again)))
     assert 1 not in plan.rank_to_gpu and sorted(r.tp[0] for r in plan.replicas) == [1, 2]
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]

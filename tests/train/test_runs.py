@@ -80,7 +80,7 @@ def test_ledger_resumed_on_another_cluster_size_adds_up() -> None:
 @pytest.mark.timeout(900)
 def test_second_run_refused_resume_on_smaller_cluster_and_one_goodput(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    common = ("failures=none", "nutp.replicas=[2,1]", "train.global_batch_size=6",
+    common = ("health=none", "nutp.replicas=[2,1]", "train.global_batch_size=6",
               "train.micro_batch_size=1", "checkpoint.interval=2")
     # a live holder (this test process) keeps a second run out, before it writes anything
     with OutputLock(out):
@@ -124,7 +124,7 @@ def test_second_run_refused_resume_on_smaller_cluster_and_one_goodput(tmp_path: 
 def test_error_inside_ranks_is_one_line_with_a_log(tmp_path: Path) -> None:
     out = tmp_path / "nan"
     # lr so large that the weights overflow: the NaN check stops every rank (a runtime error)
-    r = _train(out, "failures=none", "nutp.replicas=[2,1]", "train.steps=6",
+    r = _train(out, "health=none", "nutp.replicas=[2,1]", "train.steps=6",
                "train.global_batch_size=6", "train.micro_batch_size=1", "train.lr=1e30")
     text = r.stdout + r.stderr
     assert r.returncode == 1, text[-3000:]
@@ -163,7 +163,7 @@ def test_truncated_data_is_one_line_naming_the_file(tmp_path: Path) -> None:
 
 def test_tables_are_not_cut_when_not_a_terminal() -> None:
     cmd = [sys.executable, "-m", "nemo_nutp.launch.nutp_cli", "plan", "cluster=dgx_h100",
-           "parallel.tp_base=8", "model=llama3_70b", "failures=one_gpu",
+           "parallel.tp_base=8", "model=llama3_70b", "health=one_gpu",
            "train.global_batch_size=1024", "train.precision=bf16",
            "train.distributed_optimizer=true", "model.recompute_granularity=full",
            "model.recompute_method=uniform", "model.recompute_num_layers=1"]  # fits 80 GB
