@@ -8,6 +8,7 @@ ATTEMPT = "NUTP_ATTEMPT"  # the supervisor's (or the sbatch srun loop's) attempt
 HEARTBEAT_DIR = "NUTP_HEARTBEAT_DIR"  # a rank's directory for step heartbeats and stack files
 EVENTS = "NUTP_EVENTS"  # the recovery event log (recovery/events.jsonl) ranks append to
 CONTROL = "NUTP_CONTROL"  # host:port of the live control process's store (recovery.mode=live)
+SLURM_RESTART_COUNT = "SLURM_RESTART_COUNT"  # how often Slurm requeued this batch job
 SLURM_NODE_NAME = "SLURMD_NODENAME"  # Slurm's name of the node a job step's task runs on
 AGENT_PID = "NUTP_AGENT_PID"  # a node agent's pid: its ranks die with it (recovery/world.py)
 PARENT_REPORTS = "NUTP_PARENT_REPORTS"  # "1": the local launcher prints its ranks' errors
@@ -37,3 +38,13 @@ TASK = "NUTP_TASK"  # the body of nutp_task: slot -> plan rank, then exec the tr
 WORKER = "NUTP_WORKER"  # the body of nutp_worker: a recovery worker of attempt $1
 CONTROL_PID = "NUTP_CONTROL_PID"  # the live control process's job step (background pid)
 AGENTS_PID = "NUTP_AGENTS_PID"  # the node agents' job step (background pid)
+
+
+def requeued(environ: dict[str, str] | None = None) -> int:
+    """How often Slurm requeued this job (``SLURM_RESTART_COUNT``; 0: the first run). A requeued
+    run is a new allocation that carries the health report and node table over and fires no
+    injected fault again."""
+    import os
+
+    value = (os.environ if environ is None else environ).get(SLURM_RESTART_COUNT, "")
+    return int(value) if value.isdigit() else 0

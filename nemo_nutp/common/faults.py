@@ -49,7 +49,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from .env import ATTEMPT, FAULT, LIVE_FAULT
+from .env import ATTEMPT, FAULT, LIVE_FAULT, requeued
 from .events import log_event
 
 KINDS = ("kill", "hang", "save_crash", "slow")
@@ -234,9 +234,10 @@ class Faults:
     @classmethod
     def from_env_or_config(cls, cfg: Any) -> Faults | None:
         """The faults of ``$NUTP_FAULT`` (it wins) or else of the config's ``recovery``, plus the
-        deprecated ``$NUTP_LIVE_FAULT``; None on a restart (``NUTP_ATTEMPT`` > 0) or without
-        any. ``cfg``: a ``JobConfig`` (None: the environment only)."""
-        if os.environ.get(ATTEMPT, "0") not in ("", "0"):
+        deprecated ``$NUTP_LIVE_FAULT``; None on a restart (``NUTP_ATTEMPT`` > 0), in a run
+        Slurm requeued (``env.requeued``: the faults fired in the first run) or without any.
+        ``cfg``: a ``JobConfig`` (None: the environment only)."""
+        if os.environ.get(ATTEMPT, "0") not in ("", "0") or requeued():
             return None
         spec = os.environ.get(FAULT)
         if spec:

@@ -81,6 +81,24 @@ def node_gpus(indices: Iterable[int], gpus_per_node: int) -> frozenset[int]:
     return frozenset(i * gpus_per_node + g for i in indices for g in range(gpus_per_node))
 
 
+def carry(table: Sequence[str | None] | None, failed: Iterable[int], hosts: Sequence[str],
+          gpus_per_node: int) -> frozenset[int]:
+    """A new allocation's failed GPUs in its own numbering (``hosts``: its nodes in Slurm's
+    order, node ``k`` = ``hosts[k]``): each failed GPU of ``table``'s numbering moves with its
+    host; a host not in the new allocation takes its failures with it (used by the live
+    control process of a requeued job, whose agents are Slurm's node ids)."""
+    if table is None:
+        return frozenset()
+    where = {h: k for k, h in enumerate(hosts)}
+    out = set()
+    for g in failed:
+        i = g // gpus_per_node
+        host = table[i] if i < len(table) else None
+        if host is not None and host in where:
+            out.add(where[host] * gpus_per_node + g % gpus_per_node)
+    return frozenset(out)
+
+
 def read_table(rdir: Path) -> list[str | None] | None:
     """The node table of ``rdir`` (a recovery directory), or None if there is none yet."""
     try:

@@ -295,6 +295,10 @@ def last_done(hb: Path, world: int) -> int | None:
     return max(done) if done else None
 
 
+CARRIED = ("health.json", "nodes.json")
+"""What a run Slurm requeued keeps of the run before it (``archive_previous_run``)."""
+
+
 def read_health(path: Path) -> frozenset[int] | None:
     try:
         return frozenset(json.loads(path.read_text())["failed_gpus"])
@@ -434,11 +438,14 @@ class HealthWatch:
                            f"at {layout_of(fuller)} after the next checkpoint")
 
 
-def archive_previous_run(rdir: Path) -> Path | None:
+def archive_previous_run(rdir: Path, keep: tuple[str, ...] = ()) -> Path | None:
     """At the first attempt of a run: move what an earlier run left in ``rdir`` (heartbeats, exit
     records, hang/scale-up records, events, summary) to ``rdir/prev-<time>/``, so none of it is
-    read as this run's evidence. Returns the archive directory (None if there was nothing)."""
-    old = [p for p in rdir.iterdir() if not p.name.startswith("prev-")] if rdir.is_dir() else []
+    read as this run's evidence; the files named in ``keep`` stay (a requeued run carries the
+    health report and node table over: ``CARRIED``). Returns the archive directory (None if
+    there was nothing)."""
+    old = ([p for p in rdir.iterdir() if not p.name.startswith("prev-") and p.name not in keep]
+           if rdir.is_dir() else [])
     if not old:
         return None
     dest = rdir / f"prev-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"

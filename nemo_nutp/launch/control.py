@@ -53,6 +53,7 @@ def _serve(cfg: JobConfig, args: argparse.Namespace, console: Any) -> int:
                      address=args.address or socket.gethostname(),
                      reply_timeout_s=cfg.recovery.startup_timeout_s)
     try:
+        host.wait_names()  # before the first plan: a requeued run's failed GPUs follow hosts
         return supervise(cfg, console, host)
     finally:
         host.close()

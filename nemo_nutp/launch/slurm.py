@@ -209,8 +209,8 @@ def _header(plan: Plan, opts: SbatchOptions, nodes: int, command: str,
         # a lost node must not end the job: the control process re-plans around it (live), or
         # the next attempt runs on the nodes left (the srun loop)
         lines.append("#SBATCH --no-kill")
-    if opts.requeue:
-        lines.append("#SBATCH --requeue")
+    if opts.requeue:  # a requeued run appends its output to the first run's
+        lines += ["#SBATCH --requeue", "#SBATCH --open-mode=append"]
     if opts.nodelist:
         lines.append(f"#SBATCH --nodelist={opts.nodelist}")
     return "\n".join(lines) + "\n"
@@ -352,7 +352,8 @@ _LIVE_DOC = """\
 # A dead rank (or agent) ends no peer: --kill-on-bad-exit=0, --wait=0, and --no-kill (the
 # job's above and the agents' step's below) for a lost node. Slurm node id k is taken to be
 # cluster node k: pin hosts with --nodelist when GPU ids must match nodes. output.dir must
-# be on a filesystem every node shares.
+# be on a filesystem every node shares. With --requeue: Slurm neither ends nor requeues a
+# --no-kill job whose batch host fails, so the agents left ask it to (scontrol requeue).
 """
 
 
@@ -378,7 +379,8 @@ def _launch_live(opts: SbatchOptions, train: list[str], recovery: Any) -> str:
         'srun --ntasks-per-node=1 --cpus-per-task="${SLURM_CPUS_ON_NODE:-1}" \\',
         "  --kill-on-bad-exit=0 --wait=0 --no-kill \\",
         '  "${NUTP_SRUN[@]}" python -m nemo_nutp.recovery.agent --control="$NUTP_CONTROL" \\',
-        f"  --timeout={recovery.startup_timeout_s:g} &",
+        f"  --timeout={recovery.startup_timeout_s:g}"
+        + (f" --max-requeues={recovery.max_restarts}" if opts.requeue else "") + " &",
         "NUTP_AGENTS_PID=$!",
         "rc=0",
         'wait "$NUTP_CONTROL_PID" || rc=$?',

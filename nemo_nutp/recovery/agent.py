@@ -41,7 +41,7 @@ from multiprocessing.connection import wait as wait_sentinels
 from pathlib import Path
 from typing import Any
 
-from ..common.env import AGENT_PID, EVENTS, SLURM_NODE_NAME
+from ..common.env import AGENT_PID, EVENTS, SLURM_NODE_NAME, requeued
 from .hosts import BEAT_S, agent_key, agent_store
 from .world import PRELOAD, join_main, rank_main
 
@@ -55,9 +55,12 @@ def _env(op: dict[str, Any]) -> dict[str, str]:
 
 
 class Agent:
-    def __init__(self, host: str, port: int, node: int, *, timeout_s: float) -> None:
+    def __init__(self, host: str, port: int, node: int, *, timeout_s: float,
+                 max_requeues: int = 0) -> None:
         import multiprocessing as mp
 
+        self.max_requeues = max_requeues  # > 0: ask Slurm to requeue when the control is lost
+        self.events: str | None = None  # the job's event log, from the first start request
         self.node = node
         # how the reasons name this node: Slurm's node name (several slurmd may share a host)
         self.name = os.environ.get(SLURM_NODE_NAME) or socket.gethostname()
@@ -159,8 +162,8 @@ class Agent:
             reply: dict[str, Any] = {"pids": []}
             try:
                 if op["op"] == "start":
+                    self.events = op.get("env", {}).get(EVENTS, self.events)
                     reply["pids"] = self._start(op)
-                    reply["host"] = self.name
                 elif op["op"] == "join":
                     reply["pids"] = self._join(op)
                 elif op["op"] == "kill":
@@ -175,8 +178,9 @@ class Agent:
             seq += 1
 
     def _lost(self) -> None:
-        print(f"nutp agent {self.node}: control store lost; stopping this node's ranks",
-              flush=True)
+        if self.code != EXIT_LOST:
+            print(f"nutp agent {self.node} ({self.name}): the control process is lost (its "
+                  "store does not answer); stopping this node's ranks", flush=True)
         self.code = EXIT_LOST
         self.done.set()
 
@@ -220,6 +224,7 @@ class Agent:
 
     def run(self) -> int:
         with self._report_lock:
+            self.reports.set(agent_key(self.node, "host"), self.name)  # ``AgentHost.wait_names``
             self.reports.add(agent_key(self.node, "beat"), 1)
         threading.Thread(target=self.serve, name="nutp-agent-cmds", daemon=True).start()
         threading.Thread(target=self.beat, name="nutp-agent-beat", daemon=True).start()
@@ -227,7 +232,41 @@ class Agent:
         with self._lock:
             left = list(self._procs)
         self._kill(left)
+        if self.code == EXIT_LOST and self.max_requeues:
+            what = request_requeue(os.environ.get("SLURM_JOB_ID"), self.max_requeues)
+            print(f"nutp agent {self.node} ({self.name}): {what}", flush=True)
+            if self.events is not None:  # this node's output may have gone with the batch host
+                from ..common.events import log_event
+
+                log_event("control_lost", file=self.events, node=self.node, host=self.name,
+                          requeue=what)
         return self.code
+
+
+def request_requeue(job: str | None, max_requeues: int) -> str:
+    """Ask Slurm to requeue ``job`` after its control process was lost (its host, the batch
+    host, failed): a ``--no-kill`` job whose batch host fails is neither ended nor requeued by
+    Slurm, so a surviving node's agent does it (``scontrol requeue``; another agent's request
+    for the same job fails harmlessly). At most ``max_requeues`` times (``recovery.
+    max_restarts``). Returns one line saying what happened."""
+    import shutil
+    import subprocess
+
+    if not job:
+        return "not under Slurm (no SLURM_JOB_ID): nothing to requeue"
+    done = requeued()
+    if done >= max_requeues:
+        return (f"job {job} was requeued {done} time(s) already (recovery.max_restarts="
+                f"{max_requeues}): not requeued again")
+    exe = shutil.which("scontrol")
+    if exe is None:
+        return (f"scontrol is not in this container: requeue the job with `scontrol requeue "
+                f"{job}` (it resumes from the newest checkpoint)")
+    r = subprocess.run([exe, "requeue", job], capture_output=True, text=True, timeout=60)
+    if r.returncode == 0:
+        return f"asked Slurm to requeue job {job} (it resumes from the newest checkpoint)"
+    why = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
+    return f"scontrol requeue {job}: {why} (another node's agent may have asked first)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -241,10 +280,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="this node's index (default: SLURM_NODEID)")
     ap.add_argument("--timeout", type=float, default=600.0,
                     help="seconds to wait for the control process to come up")
+    ap.add_argument("--max-requeues", type=int, default=0,
+                    help="ask Slurm to requeue the job when the control process is lost, at "
+                         "most this many times per job (0: never; `nutp sbatch --requeue`)")
     args = ap.parse_args(argv)
     node = args.node if args.node is not None else int(os.environ.get("SLURM_NODEID", "0"))
     host, port = args.control.rsplit(":", 1)
-    return Agent(host, int(port), node, timeout_s=args.timeout).run()
+    return Agent(host, int(port), node, timeout_s=args.timeout,
+                 max_requeues=args.max_requeues).run()
 
 
 if __name__ == "__main__":

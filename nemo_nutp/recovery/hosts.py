@@ -215,12 +215,25 @@ class AgentHost:
     _live: dict[int, RemoteProc] = field(default_factory=dict)
     _lost: set[int] = field(default_factory=set)
     _beats: dict[int, tuple[bytes, float]] = field(default_factory=dict)  # last value, seen at
-    _names: dict[int, str] = field(default_factory=dict)  # node -> name, from its start reply
+    _names: dict[int, str] = field(default_factory=dict)  # node -> name (``wait_names``)
 
     @property
     def node_names(self) -> tuple[str, ...]:
         """Each node's name as its agent reported it (its index until it did)."""
         return tuple(self._names.get(n, str(n)) for n in range(self.nodes))
+
+    def wait_names(self) -> tuple[str, ...]:
+        """Wait until every node's agent has said which node it is (``agent<n>/host``, the first
+        thing an agent does), at most ``reply_timeout_s``; the names by node id."""
+        keys = [agent_key(n, "host") for n in range(self.nodes)]
+        deadline = time.monotonic() + self.reply_timeout_s
+        while not self.store.check(keys):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"node agents did not start within {self.reply_timeout_s:.0f} "
+                                   "s")
+            time.sleep(0.05)
+        self._names = {n: v.decode() for n, v in enumerate(self.store.multi_get(keys))}
+        return self.node_names
 
     # -- requests ---------------------------------------------------------------------
 
@@ -266,8 +279,7 @@ class AgentHost:
         self.store.set(key, pickle.dumps(job))
         common = {"op": "start", "key": key, "rank_to_gpu": list(plan.rank_to_gpu), "env": env}
         sent = {n: self._request(n, {**common, "ranks": ranks}) for n, ranks in by_node.items()}
-        for n, reply in self._replies(sent).items():
-            self._names[n] = str(reply.get("host", n))
+        for reply in self._replies(sent).values():
             for pid_of in reply["pids"]:
                 self._live[int(pid_of[0])].pid = int(pid_of[1])
         return list(procs)

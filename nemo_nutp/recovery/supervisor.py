@@ -48,9 +48,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..common.env import ATTEMPT, EVENTS, HEARTBEAT_DIR
+from ..common.env import ATTEMPT, EVENTS, HEARTBEAT_DIR, requeued
 from ..common.events import log_event, read_events
-from ..health import watch
+from ..health import nodes, watch
 from ..health.check import FailureCheck, hang_in
 from ..health.decisions import job_for, lost_steps, next_failed, straggler_relayout
 from .world import Attempt, RankEntry, stop_procs
@@ -164,8 +164,21 @@ def supervise(cfg: JobConfig, console: Any, host: Host | None = None,
     rdir = Path(cfg.output.dir) / "recovery"
     rdir.mkdir(parents=True, exist_ok=True)
     events, health = rdir / "events.jsonl", rdir / "health.json"
-    watch.archive_previous_run(rdir)  # an earlier run's heartbeats and events are not ours
+    requeue = requeued()  # Slurm requeued the job: the health report and node table carry over
+    watch.archive_previous_run(rdir, watch.CARRIED if requeue else ())
     failed = frozenset(cfg.health.as_report().failed_gpus)
+    names = host.node_names if host is not None else ()
+    if names:  # the agents' nodes in Slurm's order: GPU ids of this allocation
+        gpn = cfg.cluster.gpus_per_node
+        if requeue:
+            carried = nodes.carry(nodes.read_table(rdir), watch.read_health(health) or (),
+                                  names, gpn)
+            log_event("requeued", file=events, run=requeue, hosts=list(names),
+                      failed_gpus=sorted(carried))
+            console.print(f"[yellow]recovery:[/] requeued run {requeue} on {', '.join(names)}: "
+                          f"failed GPUs carried over {sorted(carried)}")
+            failed |= carried
+        nodes.write_table(rdir, nodes.place(None, list(names), cfg.cluster.num_gpus // gpn))
     slow: dict[int, float] = {}  # stragglers found while running (nutp.exclude_stragglers)
     watch.write_health(health, failed)
     attempt = restarts = 0

@@ -52,7 +52,15 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..common.env import ATTEMPT, DEBUG, EVENTS, HEARTBEAT_DIR, NODE_INDEX, SLURM_NODE_NAME
+from ..common.env import (
+    ATTEMPT,
+    DEBUG,
+    EVENTS,
+    HEARTBEAT_DIR,
+    NODE_INDEX,
+    SLURM_NODE_NAME,
+    requeued,
+)
 from ..common.events import log_event, read_events
 from ..health import aggregate, nodes, watch
 from ..health.decisions import Failure, job_for, lost_steps, next_failed
@@ -305,8 +313,9 @@ def decide(cfg: JobConfig, rdir: Path, attempt: int, posts: list[dict[str, Any]]
     from ..layout import build_plan
 
     events, health = rdir / "events.jsonl", rdir / "health.json"
-    if attempt == 0:
-        watch.archive_previous_run(rdir)  # evidence of an earlier run is not this run's
+    requeue = requeued() if attempt == 0 else 0
+    if attempt == 0:  # evidence of an earlier run is not this run's (a requeued run keeps the
+        watch.archive_previous_run(rdir, watch.CARRIED if requeue else ())  # health, nodes)
     gave_up = _read_json(rdir / "gave_up.json")
     if gave_up is not None:  # a later attempt of a job that has no plan: stay given up
         return gave_up
@@ -326,6 +335,8 @@ def decide(cfg: JobConfig, rdir: Path, attempt: int, posts: list[dict[str, Any]]
     prev = _read_json(rdir / f"attempt.{prev_n}.json") if prev_n is not None else None
     current = (frozenset(prev["failed_gpus"]) if prev is not None
                else frozenset(cfg.health.as_report().failed_gpus))
+    if requeue:  # the run before this one's failed GPUs: the node table keeps their hosts
+        current |= watch.read_health(health) or frozenset()
     reported = _read_json(health)
     reported_set = (frozenset(reported["failed_gpus"]) if reported is not None and attempt
                     else None)

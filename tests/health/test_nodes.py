@@ -36,3 +36,10 @@ def test_table_file_round_trip(tmp_path) -> None:
     assert nodes.read_table(tmp_path) is None
     nodes.write_table(tmp_path, nodes.place(None, ["a"], 2))
     assert nodes.read_table(tmp_path) == ["a", None]
+
+
+def test_carry_moves_failures_with_their_hosts() -> None:
+    """A requeued live job (its agents are Slurm's node ids): GPU 7 of the old n2 (node 1) is
+    GPU 3 when n2 is node 0 of the new allocation; n1's failure leaves with n1."""
+    assert nodes.carry(["n1", "n2"], [2, 7], ["n2", "n3"], 4) == frozenset({3})
+    assert nodes.carry(None, [2], ["n1"], 4) == frozenset()

@@ -117,6 +117,20 @@ def missing_prerequisite() -> str | None:
     return None
 
 
+def _parent(pid: int) -> int | None:
+    try:  # the field after the parenthesised command name
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
 def _sbin(name: str) -> str:
     return shutil.which(name) or str(Path("/usr/sbin", name))
 
@@ -227,14 +241,18 @@ class SlurmCluster:
         return sorted(steps)
 
     def crash_node(self, node: str, job: str) -> list[int]:
-        """Node ``node`` fails as a machine does: its slurmd is SIGKILLed, then every process of
-        ``job``'s steps on it (their pids from ``scontrol listpids``, read first). Returns those
-        pids. slurmctld finds the node not responding after ``SlurmdTimeout``."""
+        """Node ``node`` fails as a machine does: its slurmd is SIGKILLed, then the job's step
+        daemons there (``slurmstepd``: else the batch step's would report the batch script's
+        death, and the job would end instead of being requeued) and every process of ``job``'s
+        steps on it (their pids from ``scontrol listpids``, read first; a task's parent is its
+        step's slurmstepd). Returns the tasks' pids. slurmctld finds the node not responding
+        after ``SlurmdTimeout``."""
         out = self.run("scontrol", "listpids", job, node)
         pids = [int(line.split()[0]) for line in out.splitlines()[1:] if line.strip()]
+        stepds = {pp for pid in pids if (pp := _parent(pid)) and _comm(pp) == "slurmstepd"}
         self.procs[f"slurmd-{node}"].kill()
         self.procs[f"slurmd-{node}"].wait()
-        for pid in pids:
+        for pid in [*stepds, *pids]:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:

@@ -41,6 +41,11 @@ def submit(slurm: SlurmCluster, script: Path, **env: str) -> str:
     return r.stdout.strip().split(";")[0]
 
 
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
+         "BOOT_FAIL", "DEADLINE", "PREEMPTED")
+"""Slurm's job states of a job that ended (a requeued job passes through REQUEUED)."""
+
+
 class Watch:
     """A submitted job's state, refreshed by ``running()`` (``scontrol show job``)."""
 
@@ -49,8 +54,9 @@ class Watch:
         self.state: dict[str, str] = {}
 
     def running(self) -> bool:
+        """Not ended: pending, running, or on its way back to pending (a requeue)."""
         self.state.update(self.slurm.job(self.id))
-        return self.state["JobState"] in ("PENDING", "CONFIGURING", "RUNNING")
+        return self.state["JobState"] not in ENDED
 
     def until(self, ok: Callable[[], bool], deadline: float, what: str, *,
               poll: float = 0.1) -> None:

@@ -394,3 +394,25 @@ def test_abort_key_ends_every_worker(tmp_path: Path) -> None:
     server.set("abort", "test")
     assert p.wait(timeout=30) == elastic.EXIT_ABORT
     assert json.loads((tmp_path / "gpu4").read_text())["status"] == "aborted"
+
+
+def test_a_requeued_run_carries_health_and_nodes_and_fires_no_fault(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 35 item 5: Slurm requeued the job (``SLURM_RESTART_COUNT``): attempt 0 of the new
+    run keeps the run before's health report and node table (everything else is archived), so
+    its failed GPU stays failed on the same host, whatever Slurm's order now; the injected
+    faults fired in the first run and do not fire again."""
+    from nemo_nutp.common.faults import Faults
+
+    cfg, rdir, ok = _decide_setup(tmp_path, "cluster.gpus_per_node=4")
+    d0 = elastic.decide(cfg, rdir, 0, _posts(ok, 4))
+    assert d0["failed_gpus"] == [7]
+    (rdir / "health.json").write_text(json.dumps({"failed_gpus": [2, 7]}))  # found later
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    monkeypatch.setenv("NUTP_FAULT", "kill:rank=1:step=1")
+    assert Faults.from_env_or_config(cfg) is None
+    d = elastic.decide(cfg, rdir, 0, _posts(ok, 4, ("h2", "h1")))  # Slurm's order changed
+    assert d["slots"] == [4, 5, 6, 7, 0, 1, 2, 3] and d["failed_gpus"] == [2, 7]
+    assert (rdir / "events.jsonl").exists() and list(rdir.glob("prev-*"))
+    monkeypatch.delenv("SLURM_RESTART_COUNT")
+    assert Faults.from_env_or_config(cfg) is not None
