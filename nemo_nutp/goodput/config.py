@@ -34,20 +34,25 @@ from ..config.schema import ModelConfig, config_dir
 from ..layout.specs import ClusterSpec, ParallelSpec, bad_value, check_positive
 
 POLICIES = ("drop", "drop-live", "drop+spares", "uniform-reduce", "nutp-restart", "nutp-live",
-            "nutp+boost", "stop-wait")
+            "nutp-live+spares", "nutp+boost", "stop-wait")
 """Every timeline policy the simulator knows (``sim.policies`` picks and orders them)."""
-CAPACITY_POLICIES = ("drop", "drop+spares", "uniform-reduce", "nutp", "nutp+boost")
+CAPACITY_POLICIES = ("drop", "drop+spares", "uniform-reduce", "nutp", "nutp+spares", "nutp+boost")
 """Layouts the capacity model evaluates (the static sweep's rows: it has no transitions)."""
 CAPACITY_OF = {"drop": "drop", "drop-live": "drop", "drop+spares": "drop+spares",
                "uniform-reduce": "uniform-reduce", "nutp-restart": "nutp", "nutp-live": "nutp",
-               "nutp+boost": "nutp+boost"}
+               "nutp-live+spares": "nutp+spares", "nutp+boost": "nutp+boost"}
 """Timeline policy -> the layout it runs (``stop-wait`` runs the fault-free layout)."""
+SPARE_LAYOUTS = ("drop+spares", "nutp+spares")
+"""Layouts that hold ``sim.spare_domains`` spare scale-up domains on top of the job's GPUs: the
+planner's healthiest-first slice order puts the worst slices out (``goodput/policies.py``)."""
 MODE_OF = {"drop": "restart", "drop-live": "live", "drop+spares": "restart",
            "uniform-reduce": "restart", "nutp-restart": "restart", "nutp-live": "live",
-           "nutp+boost": "live", "stop-wait": "stop-wait"}
+           "nutp-live+spares": "live_spare", "nutp+boost": "live", "stop-wait": "stop-wait"}
 """How each timeline policy changes its layout (``goodput/transitions.py``): ``restart`` from
-the newest checkpoint (the runtime today), ``live`` in-process re-layout, ``stop-wait``: a
-restart that first waits for the failed GPUs (at most ``transitions.max_wait_hours``)."""
+the newest checkpoint (the runtime today), ``live`` in-process re-layout, ``live_spare``: a
+free spare slice's standby processes replace the failed one live (``live`` when none is free),
+``stop-wait``: a restart that first waits for the failed GPUs (at most
+``transitions.max_wait_hours``)."""
 BLAST_KINDS = ("gpu", "node", "domain")
 STRAGGLER_POLICIES = ("ignore", "rebalance", "exclude", "exclude-live", "drop")
 """``ignore``: equal shares, the job runs at its slowest replica; ``rebalance``: shares follow
@@ -382,9 +387,10 @@ class SimConfig:
     name: str = "scenario"
     """Label used in tables and file names."""
     cluster: ClusterSpec = field(default_factory=_sim_cluster)
-    """The job's ``cluster.*``: ``num_gpus`` in the job (spare domains of ``drop+spares`` come
-    on top), ``domain_size``, ``gpus_per_node`` (blast radius 'node'), ``hardware`` (a file in
-    configs/sim/hardware/, required here). ``name`` is not modelled (keep its default)."""
+    """The job's ``cluster.*``: ``num_gpus`` in the job (spare domains of ``drop+spares`` and
+    ``nutp-live+spares`` come on top), ``domain_size``, ``gpus_per_node`` (blast radius
+    'node'), ``hardware`` (a file in configs/sim/hardware/, required here). ``name`` is not
+    modelled (keep its default)."""
     model: str = "gpt_480b"
     """Name of a model file in configs/model/."""
     parallel: ParallelSpec = field(default_factory=_sim_parallel)
@@ -398,7 +404,9 @@ class SimConfig:
     policies: list[str] = field(default_factory=lambda: list(POLICIES))
     """Policies compared side by side."""
     spare_domains: int = 2
-    """Spare domains of the ``drop+spares`` policy."""
+    """Spare scale-up domains of ``drop+spares`` and ``nutp-live+spares``, on top of
+    ``cluster.num_gpus``; each gives ``domain_size // tp_base`` spare TP slices (one whole
+    domain per failed stage when ``tp_base == domain_size``)."""
     trials: int = 200
     """Monte Carlo trials per sweep point and for the timeline."""
     seed: int = 0

@@ -15,8 +15,8 @@ from matplotlib.figure import Figure
 from ..layout.serialize import atomic_path
 
 STYLE = {"drop": "C3", "drop-live": "C5", "drop+spares": "C1", "uniform-reduce": "C4",
-         "nutp": "C0", "nutp-restart": "C0", "nutp-live": "C9", "nutp+boost": "C2",
-         "stop-wait": "C7"}
+         "nutp": "C0", "nutp-restart": "C0", "nutp-live": "C9", "nutp+spares": "C6",
+         "nutp-live+spares": "C6", "nutp+boost": "C2", "stop-wait": "C7"}
 
 
 def _save(fig: Figure, path: Path) -> Path:

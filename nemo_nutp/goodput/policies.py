@@ -7,8 +7,11 @@ without building plans:
 
 * slices are ordered healthiest first (ties by slice index) and the first ``n_use * pp`` form
   the replicas, ``pp`` consecutive slices per replica, stage = position mod pp; so the worst
-  slices become the unused ones (spares of ``drop+spares``) and degraded stages share replicas;
+  slices become the unused ones (spares of ``drop+spares`` and ``nutp+spares``) and degraded
+  stages share replicas;
 * ``nutp``: each stage at ``best[healthy]``; a replica with a stage at degree 0 is dropped;
+  ``nutp+spares`` is ``nutp`` on the cluster with the spare domains (a degraded slice runs only
+  when no healthy slice is left over for it);
 * ``drop``: any replica with a degraded stage is dropped;
 * ``uniform-reduce``: every live degraded replica runs all stages at the smallest degree found
   among the degraded replicas of that state;
@@ -135,7 +138,7 @@ def evaluate(policy: str, st: np.ndarray, sl: np.ndarray, h: np.ndarray, n_state
         watts = gpus * (boost_power(gain, boost) - 1.0)
         extra = np.bincount(g_state, weights=watts, minlength=n_states) / (
             c.n_use * c.pp * c.tp_base)
-    elif policy != "nutp":
+    elif policy not in ("nutp", "nutp+spares"):
         raise ValueError(f"sim.policies: {policy!r} is not a capacity policy")
     n_groups = np.bincount(g_state, minlength=n_states)
     total = np.bincount(g_state, weights=speed, minlength=n_states)

@@ -69,6 +69,7 @@ def transitions_line(res: dict[str, Any]) -> str:
             f"{c['restart_s']:.0f} s (fit {c['restart_fit']['a']:.3g} x N^"
             f"{c['restart_fit']['k']:.3f}), planned restart {c['planned_restart_s']:.0f} s, "
             f"live {c['live_s']:.1f} s (+ in-flight step {c['live_lost_s']:.1f} s), "
+            f"live spare {c.get('live_spare_s', 0.0):.1f} s (modelled), "
             f"checkpoint every {c['checkpoint_interval_s'] / 60:.0f} min, save "
             f"{c['save_s']:.0f} s, recompute {c.get('recompute', 'capped')}{daly}")
 

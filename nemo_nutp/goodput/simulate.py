@@ -34,6 +34,7 @@ from .config import (
     CAPACITY_OF,
     CAPACITY_POLICIES,
     MODE_OF,
+    SPARE_LAYOUTS,
     HardwareSpec,
     SimConfig,
     load_hardware,
@@ -84,11 +85,12 @@ def make_context(cfg: SimConfig, *, directory: Path | None = None,
     dims = dims or load_model(cfg, directory)
     hw = hw or load_hardware(cfg, directory)
     tables = CostModel(cfg, dims, hw).tables()
-    spares = cfg.spare_domains if "drop+spares" in cfg.policies else 0
+    holders = [p for p in cfg.policies if CAPACITY_OF.get(p) in SPARE_LAYOUTS]
+    spares = cfg.spare_domains if holders else 0
     cl, par = cfg.cluster, cfg.parallel
     if spares and cl.num_gpus % cl.domain_size:
         raise ValueError(f"sim.cluster.num_gpus={cl.num_gpus}: must be a multiple of "
-                         f"sim.cluster.domain_size={cl.domain_size} when drop+spares adds spare "
+                         f"sim.cluster.domain_size={cl.domain_size} when {holders[0]} adds spare "
                          "domains")
     n_gpus = cl.num_gpus + spares * cl.domain_size
     slice_of = slice_map(n_gpus, cl.domain_size, par.tp_base)
@@ -99,7 +101,8 @@ def make_context(cfg: SimConfig, *, directory: Path | None = None,
                          f"sim.parallel.pp={par.pp} x sim.parallel.tp_base={par.tp_base}")
     base = PolicyCluster(base_slices, n_use, par.pp, par.tp_base)
     clusters = {p: base for p in CAPACITY_POLICIES}
-    clusters["drop+spares"] = replace(base, n_slices=int(slice_of.max()) + 1)
+    for p in SPARE_LAYOUTS:  # the same slices; the planner's order leaves the worst out
+        clusters[p] = replace(base, n_slices=int(slice_of.max()) + 1)
     costs = trn.scenario_costs(cfg, dims, hw, tables.parts_s["step_s"], n_use)
     return Context(cfg, dims, hw, tables, n_gpus, slice_of, clusters,
                    blast_sizes(cfg.cluster.domain_size, cfg.cluster.gpus_per_node), costs)
@@ -222,7 +225,7 @@ def _loss_rows(ctx: Context, ev: Events, trials: int, hours: float,
         tr = trn.failure_transitions(
             p, ev, load, n_used_slices=ctx.clusters["nutp"].n_use * cfg.parallel.pp,
             num_gpus=cfg.cluster.num_gpus, tp=cfg.parallel.tp_base, best=ctx.tables.best,
-            costs=costs, lost_h=lost_h)
+            costs=costs, lost_h=lost_h, n_slices=ctx.clusters["nutp+spares"].n_slices)
         thr = np.ones(trials) if p not in CAPACITY_OF else acc[CAPACITY_OF[p]]["thr"]
         stall = trn.stall_fraction(tr, trials, hours, costs.recompute)
         still = np.minimum(1.0, stall + save)
@@ -260,7 +263,8 @@ def run_timeline(ctx: Context, rng: np.random.Generator, progress: Progress | No
             row.update(rigid_paused=float(a["paused"].mean()),
                        spare_domains_zero_pause=float(np.percentile(a["peak"], 95)),
                        boost_power=float(a["power"].mean()))
-        idle = cfg.spare_domains * cfg.cluster.domain_size * hours if p == "drop+spares" else 0.0
+        idle = (cfg.spare_domains * cfg.cluster.domain_size * hours
+                if CAPACITY_OF.get(p) in SPARE_LAYOUTS else 0.0)
         lost = float(loss.mean()) * gpu_hours + idle
         row["gpu_hours_lost"], row["usd_lost"] = lost, lost * ctx.hw.usd_per_gpu_hour
         out[p] = row

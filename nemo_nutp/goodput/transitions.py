@@ -8,7 +8,8 @@ Contract:
   when the slice's best degree changes; ``drop`` layouts when the slice turns degraded or whole
   again (a failure inside an already dropped replica changes nothing). Not modelled: failures
   in unused slices (spare domains of ``drop+spares``) and blasts spanning several slices (the
-  first slice counts).
+  first slice counts). ``live_spare`` (``nutp-live+spares``) follows its spare pool through
+  each trial instead (``spare_transitions``).
 * Each change becomes a *transition* ``(trial, t, hold, lost)`` (hours): the job stands still
   for ``hold`` from ``t`` and redoes ``lost`` of work (``Costs``):
 
@@ -21,16 +22,28 @@ Contract:
                   in-flight step
   ``stop-wait``   detect + min(down, max_wait) +     (none: the job ran on a hot-swapped GPU)
                   restart(N); lost: half an interval
+  ``live_spare``  a spare free: detect + live_spare;  refills the pool (none), or a refilled
+                  lost: the in-flight step; else as   spare replaces a degraded slice:
+                  ``live``                            live_spare; lost 0
   ==============  =================================  ==========================================
 
   ``restart(N) = a * N ** k`` fitted in log space to published checkpoint-restart times
   (``transitions.restart_points``); ``live = live_base_s + (pp + tp_base) * live_group_s +
   bytes / live_gbps`` with ``bytes`` a rank's whole new shard of weights (an upper bound on what
-  it must receive). With ``transitions.measured`` the measured tiny-job numbers replace them,
-  scaled: restart ``transition_s * (N / processes_started) ** k`` plus the scenario's
-  checkpoint read at ``storage_gbps``; live ``transition_s`` plus the scenario's bytes; detection
-  as measured (does not grow with N); live: (lost + recomputed in-flight) steps x the
-  scenario's step time.
+  it must receive). ``live_spare = live_base_s + (pp + tp_base) * live_group_s + spare bytes /
+  live_gbps`` is a *model*, not a measurement (the standby processes do not exist yet): it
+  assumes the spare slice's processes are already started with the model built (warm
+  standbys: no process start, no checkpoint read), that joining costs what re-forming the
+  communicators of a live re-layout costs (the same groups: the stage's TP group, the
+  replica's pipeline groups, the cross-replica sync groups), and that each spare rank
+  receives its whole weight shard at ``tp_base`` from the same rank of a peer replica plus
+  its optimizer slices (``_state_bytes``) over its own NIC at ``live_gbps``, one NIC the
+  bottleneck; ``spare_transitions`` replays the pool per trial. With ``transitions.measured``
+  the measured tiny-job numbers replace them, scaled: restart ``transition_s * (N /
+  processes_started) ** k`` plus the scenario's checkpoint read at ``storage_gbps``; live
+  ``transition_s`` plus the scenario's bytes (live_spare: the live kill's ``transition_s``
+  plus the spare's bytes); detection as measured (does not grow with N); live: (lost +
+  recomputed in-flight) steps x the scenario's step time.
 * ``stall_fraction``: per trial the union of ``[t, t + hold)`` clipped to the horizon, plus per
   merged block reaching into the horizon the ``lost`` of the transition that opened it (the
   job redoes it after it resumes); ``sim.transitions.recompute='capped'`` (default): at most
@@ -86,6 +99,8 @@ class Costs:
     fit: tuple[float, float]  # restart model a, k
     source: str
     recompute: str = "capped"  # sim.transitions.recompute (stall_fraction)
+    live_spare_s: float = 0.0  # a spare slice's standby processes take a failed slice's place
+    planned_live_spare_s: float = 0.0  # a refilled spare replaces a degraded slice
 
     @property
     def save_fraction(self) -> float:
@@ -99,7 +114,8 @@ class Costs:
                 "checkpoint_interval_s": self.interval_s, "save_s": self.save_s,
                 "max_wait_s": self.max_wait_s, "restart_fit": {"a": self.fit[0],
                                                                "k": self.fit[1]},
-                "recompute": self.recompute, "source": self.source}
+                "recompute": self.recompute, "live_spare_s": self.live_spare_s,
+                "planned_live_spare_s": self.planned_live_spare_s, "source": self.source}
 
 
 def restart_fit(points: list[Any], exponent: float | None) -> tuple[float, float]:
@@ -116,19 +132,24 @@ def restart_fit(points: list[Any], exponent: float | None) -> tuple[float, float
     return a, k
 
 
-def _state_bytes(cfg: SimConfig, dims: Any, n_replicas: int) -> tuple[float, float]:
+def _state_bytes(cfg: SimConfig, dims: Any, n_replicas: int) -> tuple[float, float, float]:
     """(checkpoint bytes the whole job reads in a restart, weight bytes a rank of a shrinking
-    stage receives at most in a live re-layout)."""
+    stage receives at most in a live re-layout, bytes a spare rank receives to take a failed
+    rank's place: its whole weight shard at ``tp_base`` from the same rank of a peer replica,
+    plus its distributed-optimizer slices, 1/``n_replicas`` of the shard, twice: the dead
+    rank's primary from the neighbour holding its copy and the copy it keeps in turn,
+    ``recovery.live_redundancy``, docs/live.md)."""
     t, layers = cfg.transitions, dims.num_layers // cfg.parallel.pp
-    tb = cfg.parallel.tp_base
-    stage_params = [max_rank_params(dims, tb, layers, s == cfg.parallel.pp - 1) * tb
-                    for s in range(cfg.parallel.pp)]
+    tb, pp = cfg.parallel.tp_base, cfg.parallel.pp
+    stage_params = [max_rank_params(dims, tb, layers, s == pp - 1) * tb for s in range(pp)]
     total = float(sum(stage_params))
     read = t.weight_bytes * total * n_replicas + t.optimizer_bytes * total
     new = max(1, tb - 1)
-    live = max(t.weight_bytes * max_rank_params(dims, new, layers, s == cfg.parallel.pp - 1)
-               for s in range(cfg.parallel.pp))
-    return read, float(live)
+    live = max(t.weight_bytes * max_rank_params(dims, new, layers, s == pp - 1)
+               for s in range(pp))
+    per_param = t.weight_bytes + 2.0 * t.optimizer_bytes / max(1, n_replicas)
+    spare = max(per_param * max_rank_params(dims, tb, layers, s == pp - 1) for s in range(pp))
+    return read, float(live), float(spare)
 
 
 def scenario_costs(cfg: SimConfig, dims: Any, hw: Any, step_s: float, n_replicas: int
@@ -140,10 +161,11 @@ def scenario_costs(cfg: SimConfig, dims: Any, hw: Any, step_s: float, n_replicas
         a, _ = restart_fit(t.warm_standby_points, k)
     n = float(cfg.cluster.num_gpus)
     restart = a * n ** k
-    read_bytes, live_bytes = _state_bytes(cfg, dims, n_replicas)
+    read_bytes, live_bytes, spare_bytes = _state_bytes(cfg, dims, n_replicas)
     bw = (t.live_gbps or hw.network_gbps) * 1e9
     groups = cfg.parallel.pp + cfg.parallel.tp_base
     live = t.live_base_s + groups * t.live_group_s + live_bytes / bw
+    relayout = t.live_base_s + groups * t.live_group_s  # the live path less its bytes
     live_lost = t.live_lost_steps * step_s
     det, planned, strag, planned_live = t.detect_s, restart, restart, live
     source = f"published fit ({t.calibration})"
@@ -160,7 +182,8 @@ def scenario_costs(cfg: SimConfig, dims: Any, hw: Any, step_s: float, n_replicas
         planned = scaled(r["gpu_back"]) if "gpu_back" in r else restart
         strag = scaled(r["straggler"]) if "straggler" in r else planned
         if "kill" in lv:
-            live = float(lv["kill"]["transition_s"]) + live_bytes / bw
+            relayout = float(lv["kill"]["transition_s"])
+            live = relayout + live_bytes / bw
             lk = lv["kill"]  # measured, not the setting: committed steps lost (0 on the live
             # path) + the in-flight steps it discarded and redid (recomputed_steps)
             live_lost = (float(lk["lost_steps"]) + float(lk.get("recomputed_steps", 0))) * step_s
@@ -168,12 +191,14 @@ def scenario_costs(cfg: SimConfig, dims: Any, hw: Any, step_s: float, n_replicas
         planned_live = (float(lv["gpu_back"]["transition_s"]) + live_bytes / bw
                         if "gpu_back" in lv else live)
         source = f"measured {t.measured} (scaled)"
+    spare = relayout + spare_bytes / bw  # modelled: no runtime to measure yet (docstring)
     return Costs(detect_s=det, restart_s=restart, planned_restart_s=planned,
                  straggler_restart_s=strag, live_s=live, planned_live_s=planned_live,
                  live_lost_s=live_lost, interval_s=t.checkpoint_interval_hours * H,
                  save_s=t.save_s,
                  max_wait_s=None if t.max_wait_hours is None else t.max_wait_hours * H,
-                 fit=(a, k), source=source, recompute=t.recompute)
+                 fit=(a, k), source=source, recompute=t.recompute, live_spare_s=spare,
+                 planned_live_spare_s=spare)
 
 
 def _read_measured(path: str) -> dict[str, Any]:
@@ -258,9 +283,15 @@ class Transitions:
 
 def failure_transitions(policy: str, ev: Events, load: SliceLoad, *, n_used_slices: int,
                         num_gpus: int, tp: int, best: np.ndarray, costs: Costs,
-                        lost_h: float | None = None) -> Transitions:
-    """The transitions of ``policy`` for the failure timeline (failures and repairs)."""
+                        lost_h: float | None = None, n_slices: int | None = None
+                        ) -> Transitions:
+    """The transitions of ``policy`` for the failure timeline (failures and repairs).
+    ``n_slices``: every slice, spare domains included (``live_spare``; default: the used)."""
     mode = MODE_OF[policy]
+    if mode == "live_spare":
+        return spare_transitions(ev, load.slice, n_used_slices=n_used_slices,
+                                 n_slices=n_used_slices if n_slices is None else n_slices,
+                                 tp=tp, best=best, costs=costs)
     lost_unplanned = costs.interval_s / 2 / H if lost_h is None else lost_h
     if mode == "stop-wait":
         m = ev.lo < num_gpus
@@ -285,6 +316,92 @@ def failure_transitions(policy: str, ev: Events, load: SliceLoad, *, n_used_slic
                        np.concatenate([ev.start[fail], ev.end[back]]),
                        np.concatenate([np.full(nf, f_hold / H), np.full(nb, b_hold / H)]),
                        np.concatenate([np.full(nf, f_lost / H), np.zeros(nb)]))
+
+
+def spare_transitions(ev: Events, slices: np.ndarray, *, n_used_slices: int, n_slices: int,
+                      tp: int, best: np.ndarray, costs: Costs) -> Transitions:
+    """``live_spare`` (``nutp-live+spares``): the pool is every slice the job does not run
+    (the spare domains, ``[n_used_slices, n_slices)`` at the start); a trial's events are
+    replayed in time order (a repair before a failure at the same instant):
+
+    * a failure in a pool slice: no transition (it only leaves the pool while down);
+    * a failure in a running slice while a pool slice is whole: that slice's standby
+      processes take the failed slice's place, live (unplanned ``live_spare_s``: detection +
+      ``live_spare_s``, the in-flight step redone); the failed slice goes to the pool; the
+      replica is back at full TP;
+    * no whole pool slice: ``nutp-live`` (a live transition when the slice's best degree
+      changes; the slice runs degraded);
+    * a repair in a pool slice that makes it whole refills the pool: no transition, unless a
+      running slice is degraded: then the refilled slice replaces the worst of them at once
+      (planned ``planned_live_spare_s``, nothing redone);
+    * a repair in a running (degraded) slice: planned live when its best degree changes.
+
+    The swap unit is a TP slice (``tp_base`` GPUs in one scale-up domain: a TP group never
+    leaves its NVLink domain), so a spare domain gives ``domain_size // tp_base`` swaps; with
+    ``tp_base == domain_size`` (every shipped scenario) a failed stage takes a whole spare
+    domain. As in ``failure_transitions``, a blast spanning several slices counts for its first
+    slice. The capacity (``nutp+spares``) is the planner's healthiest-first choice; it equals
+    this replay's slice choice except when a pool slice partly repaired is healthier than a
+    degraded running one (no swap modelled: only whole slices are swapped in)."""
+    ok = slices >= 0
+    trial = np.concatenate([ev.trial[ok], ev.trial[ok]])
+    t = np.concatenate([ev.start[ok], ev.end[ok]])
+    kind = np.concatenate([np.ones(int(ok.sum()), np.int64), np.zeros(int(ok.sum()), np.int64)])
+    sl = np.concatenate([slices[ok], slices[ok]])
+    size = np.concatenate([ev.size[ok], ev.size[ok]])
+    order = np.lexsort((kind, t, trial))  # per trial in time; repairs (kind 0) first
+    out: list[tuple[int, float, int]] = []  # (trial, t, kind): 0 failure live, 1 failure
+    # with a spare, 2 repair live, 3 repair refilling a spare into a degraded slice
+    best_l = [int(b) for b in best]
+    prev = -1
+    down: dict[int, int] = {}
+    pool: set[int] = set()
+    free: set[int] = set()
+    degraded: set[int] = set()  # running slices with a GPU down
+    for tr, when, fails, s, k in zip(trial[order].tolist(), t[order].tolist(),
+                                     kind[order].tolist(), sl[order].tolist(),
+                                     size[order].tolist(), strict=True):
+        if tr != prev:
+            prev, down, degraded = tr, {}, set()
+            pool = set(range(n_used_slices, n_slices))
+            free = set(pool)
+        before = down.get(s, 0)
+        after = before + k if fails else before - k
+        down[s] = after
+        h0, h1 = max(0, tp - before), max(0, tp - after)
+        if s in pool:
+            if fails:
+                free.discard(s)
+            elif after == 0:
+                free.add(s)
+                if degraded:  # the refilled spare replaces the worst degraded slice
+                    w = max(degraded, key=lambda x: (down[x], -x))
+                    degraded.discard(w)
+                    pool.discard(s)
+                    free.discard(s)
+                    pool.add(w)
+                    out.append((tr, when, 3))
+            continue
+        if fails and free:  # a running slice fails while a spare is whole: swap it in
+            r = min(free)
+            free.discard(r)
+            pool.discard(r)
+            pool.add(s)
+            degraded.discard(s)
+            out.append((tr, when, 1))
+            continue
+        if after > 0:
+            degraded.add(s)
+        else:
+            degraded.discard(s)
+        if best_l[h0] != best_l[h1]:
+            out.append((tr, when, 0 if fails else 2))
+    rows = np.array(out, dtype=np.float64).reshape(-1, 3)
+    kinds = rows[:, 2].astype(np.int64)
+    hold = np.array([costs.detect_s + costs.live_s, costs.detect_s + costs.live_spare_s,
+                     costs.planned_live_s, costs.planned_live_spare_s]) / H
+    lost = np.array([costs.live_lost_s, costs.live_lost_s, 0.0, 0.0]) / H
+    return Transitions(rows[:, 0].astype(np.int64), rows[:, 1], hold[kinds], lost[kinds])
 
 
 def stall_fraction(tr: Transitions, trials: int, hours: float, recompute: str = "capped"

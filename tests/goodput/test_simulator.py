@@ -60,14 +60,15 @@ def _dims() -> ModelDims:
 @settings(max_examples=40, deadline=None)
 @given(tp=st.sampled_from([4, 6, 8]), pp=st.sampled_from([1, 2]), domains=st.integers(2, 6),
        spare=st.integers(0, 2), seed=st.integers(0, 2**31 - 1), n_fail=st.integers(0, 12),
-       policy=st.sampled_from(["nutp", "drop", "uniform-reduce", "drop+spares"]))
+       policy=st.sampled_from(["nutp", "drop", "uniform-reduce", "drop+spares", "nutp+spares"]))
 def test_capacity_matches_build_plan(tp: int, pp: int, domains: int, spare: int, seed: int,
                                      n_fail: int, policy: str) -> None:
     """For random failure states the simulator's throughput equals build_plan's capacity."""
     dims = _dims()
     cfg = _small(cluster=_cluster(8 * domains),
                  parallel=ParallelSpec(tp_base=tp, pp=pp, min_tp=2 if seed % 2 else 1),
-                 spare_domains=spare, policies=["nutp-restart" if policy == "nutp" else policy])
+                 spare_domains=spare, policies=[{"nutp": "nutp-restart", "nutp+spares":
+                                                 "nutp-live+spares"}.get(policy, policy)])
     ctx = make_context(cfg, dims=dims, hw=HW)
     rng = np.random.default_rng(seed)
     failed = np.unique(rng.integers(0, ctx.n_gpus, size=n_fail))
@@ -77,7 +78,7 @@ def test_capacity_matches_build_plan(tp: int, pp: int, domains: int, spare: int,
         cluster=ClusterSpec(num_gpus=ctx.n_gpus, domain_size=8, gpus_per_node=4),
         model=dims, parallel=ParallelSpec(tp_base=tp, pp=pp, min_tp=cfg.parallel.min_tp, dp=n_use),
         health=HealthReport(tuple(int(g) for g in failed)),
-        policy="drop" if policy == "drop+spares" else policy, global_batch=10**5)
+        policy=policy.removesuffix("+spares"), global_batch=10**5)
     try:
         plan = build_plan(req)
     except ValueError:  # no replica can run: the simulator must say zero throughput

@@ -34,11 +34,11 @@ from nemo_nutp.goodput.simulate import eval_states, timeline_events
 from nemo_nutp.layout import ClusterSpec, ModelDims, ParallelSpec
 
 TIMELINE = ("drop", "drop-live", "drop+spares", "uniform-reduce", "nutp-restart", "nutp-live",
-            "nutp+boost", "stop-wait")
+            "nutp-live+spares", "nutp+boost", "stop-wait")
 ZERO = TransitionConfig(detect_s=0.0, restart_points=[RestartPoint(1, 0.0)],
                         restart_exponent=0.0, checkpoint_interval_hours=0.0, save_s=0.0,
                         live_base_s=0.0, live_group_s=0.0, live_lost_steps=0.0, weight_bytes=0,
-                        max_wait_hours=0.0, repair_batch_hours=[0.0])
+                        optimizer_bytes=0, max_wait_hours=0.0, repair_batch_hours=[0.0])
 TODAY_STOP_WAIT = {"max_wait_hours": 0.25, "restart_hours": 0.25,
                    "checkpoint_interval_hours": 0.5}
 """The former ``sim.stop_wait`` defaults of configs/sim/paper_32k.yaml."""
@@ -484,7 +484,7 @@ def test_restart_model_fit_and_measured_json(tmp_path: Path) -> None:
         **entry, "transition_s": 1.0}}, "live": {"kill": live}}}))
     m = make_context(dataclasses.replace(cfg, transitions=dataclasses.replace(
         cfg.transitions, measured=str(js))))
-    read, live_bytes = trn._state_bytes(cfg, m.dims, m.clusters["nutp"].n_use)
+    read, live_bytes, _ = trn._state_bytes(cfg, m.dims, m.clusters["nutp"].n_use)
     load = read / (cfg.transitions.storage_gbps * 1e9)
     n = cfg.cluster.num_gpus
     assert m.costs.detect_s == 0.5
@@ -536,7 +536,7 @@ def test_simulator_reads_what_transition_cost_wrote(monkeypatch: pytest.MonkeyPa
     ctx = make_context(cfg)
     c, (r, lv) = ctx.costs, (data["paths"]["restart"], data["paths"]["live"])
     _, k = trn.restart_fit(cfg.transitions.restart_points, None)
-    read, live_bytes = trn._state_bytes(cfg, ctx.dims, ctx.clusters["nutp"].n_use)
+    read, live_bytes, _ = trn._state_bytes(cfg, ctx.dims, ctx.clusters["nutp"].n_use)
     load, bw = read / (cfg.transitions.storage_gbps * 1e9), ctx.hw.network_gbps * 1e9
     n = cfg.cluster.num_gpus
     for got, e in ((c.restart_s, r["kill"]), (c.planned_restart_s, r["gpu_back"]),
