@@ -210,17 +210,17 @@ class Comm:
                    async_op: bool = False) -> Any:
         work = dist.all_reduce(t, op=dist.ReduceOp.SUM if op is None else op, group=group,
                                async_op=True)
-        return self._track(work, group, _nbytes(t), async_op)
+        return self.track(work, group, _nbytes(t), async_op)
 
     def reduce_scatter_tensor(self, out: torch.Tensor, inp: torch.Tensor, *, group: Any,
                               async_op: bool = False) -> Any:
         work = dist.reduce_scatter_tensor(out, inp, group=group, async_op=True)
-        return self._track(work, group, _nbytes(inp), async_op)
+        return self.track(work, group, _nbytes(inp), async_op)
 
     def all_gather_into_tensor(self, out: torch.Tensor, inp: torch.Tensor, *, group: Any,
                                async_op: bool = False) -> Any:
         work = dist.all_gather_into_tensor(out, inp, group=group, async_op=True)
-        return self._track(work, group, _nbytes(out), async_op)
+        return self.track(work, group, _nbytes(out), async_op)
 
     def exchange(self, ops: Sequence[tuple[str, torch.Tensor, int]], *, nccl: bool) -> None:
         """Post every receive and send (``(kind, tensor, global peer)``), then wait (NCCL: one
@@ -232,14 +232,14 @@ class Comm:
                    for kind, t, peer in ops]
             works = list(dist.batch_isend_irecv(p2p))
             if len(works) != len(ops):  # one coalesced work: timed on the first pair
-                handles = [self._track(w, ("p2p", ops[0][2]), sum(_nbytes(t) for _, t, _ in ops),
+                handles = [self.track(w, ("p2p", ops[0][2]), sum(_nbytes(t) for _, t, _ in ops),
                                        True) for w in works]
             else:
-                handles = [self._track(w, ("p2p", peer), _nbytes(t), True)
+                handles = [self.track(w, ("p2p", peer), _nbytes(t), True)
                            for w, (_, t, peer) in zip(works, ops, strict=True)]
         else:
             ordered = sorted(ops, key=lambda o: o[0] != "recv")
-            handles = [self._track(dist.irecv(t, peer) if kind == "recv"
+            handles = [self.track(dist.irecv(t, peer) if kind == "recv"
                                    else dist.isend(t, peer), ("p2p", peer), _nbytes(t), True)
                        for kind, t, peer in ordered]
         for h in handles:
@@ -260,7 +260,10 @@ class Comm:
             lane = self.lanes[key] = _Lane(name, members, self.domains.crosses(members))
         return lane
 
-    def _track(self, work: Any, group: Any, nbytes: int, async_op: bool) -> Any:
+    def track(self, work: Any, group: Any, nbytes: int, async_op: bool) -> Any:
+        """Time ``work`` (issued just now on ``group``; a p2p op's: ``("p2p", global peer)``)
+        and hold its completion back by the emulated time; its handle (``async_op``) or, having
+        waited, None."""
         if work is None:
             return None
         lane = self._lane(group)
@@ -271,7 +274,7 @@ class Comm:
             release = lane.free_at = start + delay_s(nbytes, self.rate_mb_s,
                                                      self.factor(lane.members))
         h = _Handle(work, nbytes=nbytes, issued=now, release=release,
-                    nccl=dist.get_backend(None if isinstance(group, tuple) else group) == "nccl")
+                    nccl=_is_nccl(group))
         lane.q.put(h)
         if async_op:
             return h
@@ -297,6 +300,12 @@ def scale_out_rate(stats: Sequence[LaneStats]) -> tuple[float | None, int]:
     if nbytes <= 0 or busy <= 0:
         return None, nbytes
     return nbytes / busy / MB, nbytes
+
+
+def _is_nccl(group: Any) -> bool:
+    if not dist.is_initialized():  # a work made by hand (tests)
+        return False
+    return dist.get_backend(None if isinstance(group, tuple) else group) == "nccl"
 
 
 def _nbytes(t: torch.Tensor) -> int:
