@@ -34,11 +34,12 @@ operations never change: only time does.
 Measurement: per group, the summed bytes and the time the group had an op in flight, from
 issue to *completion* (found by the helper thread, which blocks in the real op's ``wait``;
 overlapping ops counted once), since the last ``take_step``. Cost per step: O(groups this rank
-used). The caller must not assume anything about which thread runs callbacks: there are none.
+used).
 
 Threads: one daemon helper per group this rank issued an op on, started lazily; it only waits
-and sleeps. Under NCCL a helper cannot ``wait`` (that orders a stream, not the host): it polls
-``is_completed``; the caller's ``wait`` still calls the real ``wait`` afterwards (stream order).
+and sleeps, and ends at ``close`` (``train/loop.py``: when a world's run closes). Under NCCL a
+helper cannot ``wait`` (that orders a stream, not the host): it polls ``is_completed``; the
+caller's ``wait`` still calls the real ``wait`` afterwards (stream order).
 """
 
 from __future__ import annotations
@@ -147,13 +148,15 @@ class _Lane:
         self.lock = threading.Lock()
         self.stats = LaneStats(cross)
         self.last_done = 0.0
-        self.q: queue.SimpleQueue[_Handle] = queue.SimpleQueue()
+        self.q: queue.SimpleQueue[_Handle | None] = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._run, name=f"nutp-comm-{name}", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
         while True:
             h = self.q.get()
+            if h is None:  # Comm.close: the ops queued before it are done
+                return
             try:
                 if h.nccl:
                     while not h.work.is_completed():
@@ -231,9 +234,10 @@ class Comm:
             p2p = [dist.P2POp(dist.irecv if kind == "recv" else dist.isend, t, peer)
                    for kind, t, peer in ops]
             works = list(dist.batch_isend_irecv(p2p))
-            if len(works) != len(ops):  # one coalesced work: timed on the first pair
-                handles = [self.track(w, ("p2p", ops[0][2]), sum(_nbytes(t) for _, t, _ in ops),
-                                       True) for w in works]
+            if len(works) != len(ops):  # coalesced: timed on the first pair, all bytes once
+                total = sum(_nbytes(t) for _, t, _ in ops)
+                handles = [self.track(w, ("p2p", ops[0][2]), total if i == 0 else 0, True)
+                           for i, w in enumerate(works)]
             else:
                 handles = [self.track(w, ("p2p", peer), _nbytes(t), True)
                            for w, (_, t, peer) in zip(works, ops, strict=True)]
@@ -280,6 +284,13 @@ class Comm:
             return h
         h.wait()
         return None
+
+    def close(self) -> None:
+        """End the helper threads once their queued ops are released (the world is over); an
+        op issued later starts a new one."""
+        for lane in self.lanes.values():
+            lane.q.put(None)
+        self.lanes.clear()
 
     def take_step(self) -> list[LaneStats]:
         """Every group's bytes and seconds in flight since the last call (then zeroed); call

@@ -316,6 +316,8 @@ class Run:
     def close(self) -> None:
         if self.progress:
             self.progress.stop()
+        if self.comm is not None:
+            self.comm.close()
         self.hooks.abandon()  # a save still in flight (a failed world) can never complete
 
 

@@ -83,6 +83,8 @@ def test_emulated_op_completes_late_and_is_timed() -> None:
     per_pair = {s.nbytes: s.busy_s for s in comm.take_step() if s.nbytes}
     assert per_pair[25_000] > 0  # both pairs timed on their own lanes
     assert comm.factor([1, 5]) == 4.0 and comm.factor([1, 6]) == 1.0
+    comm.close()  # the helpers end; a later op starts a new one
+    assert not comm.lanes and comm.track(Done(), ("p2p", 5), 1, False) is None
 
 
 def test_failed_op_raises_in_the_waiter() -> None:
