@@ -329,8 +329,9 @@ class Direct:
 
     def all_reduce(self, t: torch.Tensor, *, group: Any, op: Any = None,
                    async_op: bool = False) -> Any:
-        return dist.all_reduce(t, op=dist.ReduceOp.SUM if op is None else op, group=group,
-                               async_op=async_op)
+        if op is None:
+            return dist.all_reduce(t, group=group, async_op=async_op)
+        return dist.all_reduce(t, op=op, group=group, async_op=async_op)
 
     def reduce_scatter_tensor(self, out: torch.Tensor, inp: torch.Tensor, *, group: Any,
                               async_op: bool = False) -> Any:
