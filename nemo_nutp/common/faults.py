@@ -1,14 +1,18 @@
 """Fault injection for tests and demos: one grammar, one place that fires.
 
 A fault (``Fault``) is: ``kind`` kill (SIGKILL), hang (sleep forever), save_crash (SIGKILL
-inside a save) or slow (a straggler); ``rank``, the global rank in the first world (for a
-phase fault the process's *slot*: its rank in world 0, its identity through live re-layouts);
-``step`` (0-based); ``phase`` (None: the start of the step; else one of ``PHASES``, kill and
-hang only, under ``recovery.mode=live``); ``gen``, the world of a phase fault (0: the first, 1:
-after one live re-layout, ...); ``factor`` and ``until`` (slow only: from ``step`` on, up to but
-not including step ``until``, None: to the end, the rank sleeps ``factor - 1`` times the measured
-forward/backward time of each of its micro-batches, so its compute takes ``factor`` x the wall
-time; see ``train/step.py``).
+inside a save), slow (a straggler) or slow_link (a slow NIC); ``rank``, the global rank in the
+first world (for a phase fault the process's *slot*: its rank in world 0, its identity through
+live re-layouts); ``step`` (0-based); ``phase`` (None: the start of the step; else one of
+``PHASES``, kill and hang only, under ``recovery.mode=live``); ``gen``, the world of a phase
+fault (0: the first, 1: after one live re-layout, ...); ``factor`` and ``until`` (slow only:
+from ``step`` on, up to but not including step ``until``, None: to the end, the rank sleeps
+``factor - 1`` times the measured forward/backward time of each of its micro-batches, so its
+compute takes ``factor`` x the wall time; see ``train/step.py``; slow_link: from ``step`` up to
+``until`` the cross-domain traffic of the GPU that ``rank`` has in the first world takes
+``factor`` x as long: every data-path op on a group that spans scale-up domains with that GPU in
+it, under ``cluster.emulated_scale_out_mb_s``; keyed by the GPU, so it survives a live
+re-layout: ``parallel/comm.py``).
 
 When each fires: kill/hang without a phase at the start of step ``step`` of the first world
 (``train/loop.py`` drops them after a live re-layout); with a phase, once, when this slot reaches
@@ -36,7 +40,8 @@ Events (``common/events.py``): a fatal fault logs ``FATAL_EVENT`` ("fault": kind
 pid; phase and gen for a phase fault) just before it acts — failure detection and the transition
 timers (``health/watch.py``, ``benchmarks/transition_cost.py``) time from it; a slowdown logs
 ``SLOW_EVENT`` ("slow_fault": rank, step, factor, until) at its first step instead, never the
-fatal one, since nothing dies.
+fatal one, since nothing dies; a slow link logs ``SLOW_LINK_EVENT`` ("slow_link_fault": gpu,
+rank, step, factor, until) at its first step, on the rank holding the GPU then.
 """
 
 from __future__ import annotations
@@ -52,15 +57,17 @@ from typing import Any
 from .env import ATTEMPT, FAULT, LIVE_FAULT, requeued
 from .events import log_event
 
-KINDS = ("kill", "hang", "save_crash", "slow")
+KINDS = ("kill", "hang", "save_crash", "slow", "slow_link")
+SLOWDOWNS = ("slow", "slow_link")  # kinds with a factor and an end step
 FATAL = ("kill", "hang", "save_crash")
 PHASES = ("forward", "backward", "sync", "vote", "optimizer", "gather", "relayout")
 """``gather``: the distributed optimizer only, after the update of its slices, before their
 parameter all-gather."""
 FATAL_EVENT = "fault"
 SLOW_EVENT = "slow_fault"
-_SPEC = ("each fault is KIND[:FIELD=VALUE...] (KIND kill|hang|save_crash|slow; FIELD rank, step, "
-         "phase, gen, factor, until), faults separated by commas")
+SLOW_LINK_EVENT = "slow_link_fault"
+_SPEC = ("each fault is KIND[:FIELD=VALUE...] (KIND kill|hang|save_crash|slow|slow_link; FIELD "
+         "rank, step, phase, gen, factor, until), faults separated by commas")
 
 
 @dataclass(frozen=True)
@@ -82,7 +89,7 @@ class Fault:
 
     def _problem(self) -> tuple[str, str] | None:
         if self.kind not in KINDS:
-            return "kind", "must be kill, hang, save_crash or slow"
+            return "kind", "must be kill, hang, save_crash, slow or slow_link"
         for name in ("rank", "step", "gen"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
@@ -96,7 +103,7 @@ class Fault:
             return "gen", "a fault at a step's start fires in the first world (gen 0) only"
         if isinstance(self.factor, bool) or not isinstance(self.factor, (int, float)):
             return "factor", "must be a number"
-        if self.kind == "slow":
+        if self.kind in SLOWDOWNS:
             if not 1.0 <= self.factor < 1e6:
                 return "factor", "must be >= 1"
             if self.until is not None and (not isinstance(self.until, int) or isinstance(
@@ -104,9 +111,9 @@ class Fault:
                 return "until", f"must be an integer > step ({self.step}), or none: forever"
         else:
             if self.factor != 1.0:
-                return "factor", "only a slow fault has a factor"
+                return "factor", "only a slow or slow_link fault has a factor"
             if self.until is not None:
-                return "until", "only a slow fault has an end step"
+                return "until", "only a slow or slow_link fault has an end step"
         return None
 
     @property
@@ -202,7 +209,7 @@ def from_config(fc: Any, key: str) -> Fault | None:
     ``FaultConfig``; kind None: none); ValueError ``key.field=value: why``."""
     if fc.kind is None:
         return None
-    slow = fc.kind == "slow"
+    slow = fc.kind in SLOWDOWNS
     try:
         return Fault(fc.kind, fc.rank, fc.step, fc.phase, fc.gen, fc.factor if slow else 1.0,
                      fc.until if slow else None)
@@ -273,6 +280,10 @@ class Faults:
         """Compute wall-time multiplier of ``rank`` at ``step`` (1.0: not slowed; the largest
         where several slowdowns overlap)."""
         return max((f.slow_factor(rank, step) for f in self.faults), default=1.0)
+
+    def links(self) -> list[Fault]:
+        """The slow_link faults (``parallel/comm.py`` applies them to every rank's ops)."""
+        return [f for f in self.faults if f.kind == "slow_link"]
 
     # -- phases of a live step (live/link.py, live/manager.py) --------------------------------
 

@@ -643,10 +643,13 @@ class FaultConfig:
     fires; env ``NUTP_FAULT`` wins)."""
 
     kind: str | None = None
-    """None, 'kill' (SIGKILL), 'hang' (sleep forever), 'save_crash' (die inside a save) or
-    'slow' (compute ``factor`` x slower from ``step`` on: a straggler)."""
+    """None, 'kill' (SIGKILL), 'hang' (sleep forever), 'save_crash' (die inside a save),
+    'slow' (compute ``factor`` x slower from ``step`` on: a straggler) or 'slow_link' (the
+    rank's GPU's cross-domain traffic ``factor`` x slower from ``step`` on, under
+    ``cluster.emulated_scale_out_mb_s``: a slow NIC)."""
     rank: int = 0
-    """Global rank that fails (a phase fault: the process's rank in world 0, its slot)."""
+    """Global rank that fails (a phase fault: the process's rank in world 0, its slot;
+    slow_link: the GPU this rank has in world 0)."""
     step: int = 0
     """Step (0-based) at whose start (or in whose ``phase``) the fault fires (first attempt
     only)."""
@@ -656,9 +659,11 @@ class FaultConfig:
     gen: int = 0
     """A phase fault's world (0: the first, 1: after one live re-layout, ...)."""
     factor: float = 3.0
-    """kind 'slow': wall-time multiplier of the rank's forward/backward (>= 1)."""
+    """kind 'slow': wall-time multiplier of the rank's forward/backward; 'slow_link': of its
+    GPU's cross-domain ops (>= 1)."""
     until: int | None = None
-    """kind 'slow': the step it ends at (not slowed from there on); None: never."""
+    """kind 'slow' or 'slow_link': the step it ends at (not slowed from there on); None:
+    never."""
 
 
 @dataclass(frozen=True)

@@ -121,7 +121,7 @@ class BridgeOutputs:
         step_s = time.perf_counter() - self.t0
         compute_s = max(0.0, step_s - self.sync_s - self.optimizer_s)
         times = {"compute_s": compute_s, "sync_s": self.sync_s, "optimizer_s": self.optimizer_s}
-        step_s, reps = gather_times(self.session, times, step_s, self.gpus)  # collective
+        step_s, reps, _ = gather_times(self.session, times, step_s, self.gpus)  # collective
         self.last_reps = reps
         inside = self.inside() if self.inside is not None else None
         step_goodput = self.ledger.add_step(step_s, reps, inside=inside)

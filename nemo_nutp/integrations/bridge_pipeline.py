@@ -52,7 +52,8 @@ def stage_communicator(plan: Any, groups: Any) -> Iterator[None]:
     built: list[NUTPP2PCommunicator] = []
 
     def factory(pp_group: Any, config: Any) -> NUTPP2PCommunicator:
-        comm = NUTPP2PCommunicator(pp_group, config, plan=plan, rank=rank)
+        comm = NUTPP2PCommunicator(pp_group, config, plan=plan, rank=rank,
+                                   comm=getattr(groups, "comm", None))
         if not built:
             comm.warm_up()  # every pair's communicator before the first step (NCCL)
         built.append(comm)

@@ -114,9 +114,18 @@ class ClusterSpec:
     hardware: str | None = None
     """GPU file in ``configs/sim/hardware`` (e.g. ``h100_nvl8``) whose FLOP/s and link speeds
     the planner's stage cost model uses (``layout.cost``); None: compute-only model."""
+    emulated_scale_out_mb_s: float | None = None
+    """For tests and demos: every data-path op on a process group whose GPUs span more than one
+    scale-up domain is really delayed to this rate (MB/s, in proportion to its bytes) on a
+    helper thread (``parallel/comm.py``); None: the network as it is."""
 
     def __post_init__(self) -> None:
         check_positive("cluster.num_gpus", self.num_gpus)
+        r = self.emulated_scale_out_mb_s
+        if r is not None and (isinstance(r, bool) or not isinstance(r, (int, float))
+                              or not 0 < r < float("inf")):
+            raise bad_value("cluster.emulated_scale_out_mb_s", r,
+                            "must be a rate > 0 (MB/s), or null: no emulation")
         check_positive("cluster.domain_size", self.domain_size)
         check_positive("cluster.gpus_per_node", self.gpus_per_node)
         if self.num_gpus % self.gpus_per_node:

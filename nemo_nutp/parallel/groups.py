@@ -23,6 +23,7 @@ import torch.distributed as dist
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from ..layout import SPACES, Plan
+from .comm import Comm, Domains
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,7 @@ class NUTPGroups:
     single: dist.ProcessGroup | None = None  # this rank alone (cp=1; single-process references)
     replica: dist.ProcessGroup | None = None  # this replica, all stages (= tp when pp == 1)
     sync: dict[tuple[int, str, tuple[int, ...]], dist.ProcessGroup] = field(default_factory=dict)
+    comm: Comm | None = None  # the data path's ops: timed, emulated network (parallel/comm.py)
 
 
 def _new_group(ranks: list[int], backend: str | None) -> dist.ProcessGroup | None:
@@ -78,6 +80,11 @@ def build_groups(plan: Plan, *, backend: str | None = None) -> NUTPGroups:
                          f"{plan.world_size} ranks")
     rank = dist.get_rank()
     ctx = rank_context(plan, rank)
+    domains = Domains(plan.rank_to_gpu, plan.request.cluster.domain_size)
+    # megatron-core's TP collectives (inside its layers) bypass parallel/comm.py: they must stay
+    # inside one scale-up domain, as a replica stage's TP group does by construction.
+    for ranks in plan.tp_groups():
+        assert not domains.crosses(ranks), f"TP group {ranks} spans scale-up domains"
     mine: dict[str, dist.ProcessGroup] = {}
     for kind, lists in (("tp", plan.tp_groups()), ("pp", plan.pp_groups()),
                         ("stage", plan.stage_groups())):
@@ -121,5 +128,6 @@ def build_groups(plan: Plan, *, backend: str | None = None) -> NUTPGroups:
     pgs.ep = single
     pgs.expt_tp = mine["tp"]
     pgs.tp_ep = mine["tp"]
+    comm = Comm(domains, rank, rate_mb_s=plan.request.cluster.emulated_scale_out_mb_s)
     return NUTPGroups(ctx=ctx, pgs=pgs, tp=mine["tp"], stage=mine["stage"], leaders=leaders,
-                      single=single, sync=sync, replica=replica)
+                      single=single, sync=sync, replica=replica, comm=comm)

@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 from ..layout import Plan
+from ..parallel.comm import ops_of
 from ..parallel.groups import NUTPGroups
-from .p2p import p2p_exchange
 
 
 class PipelineFinalizer:
@@ -59,6 +59,7 @@ class PipelineFinalizer:
                 if b > a:
                     self.pairs.append((peer, a - lo, b - lo))
         self.nccl = dist.get_backend(groups.tp) == "nccl"
+        self.ops = ops_of(groups.comm)  # timed; delayed across domains (parallel/comm.py)
 
     def warm_up(self) -> None:
         """The tied-embedding pairs' communicators now (first and last stage; see
@@ -68,7 +69,7 @@ class PipelineFinalizer:
         device = self.tied.device
         ops = [("recv", torch.empty(1, device=device), peer) for peer, _, _ in self.pairs]
         ops += [("send", torch.zeros(1, device=device), peer) for peer, _, _ in self.pairs]
-        p2p_exchange(ops, nccl=self.nccl)
+        self.ops.exchange(ops, nccl=self.nccl)
 
     def _combine_tied(self) -> torch.Tensor | None:
         """G0 + GL on both stages' holders; the first stage's per-row sums of squares."""
@@ -78,7 +79,7 @@ class PipelineFinalizer:
         theirs = [torch.empty_like(grad[lo:hi]) for _, lo, hi in self.pairs]
         ops = [("recv", t, peer) for t, (peer, _, _) in zip(theirs, self.pairs, strict=True)]
         ops += [("send", grad[lo:hi].clone(), peer) for peer, lo, hi in self.pairs]
-        p2p_exchange(ops, nccl=self.nccl)
+        self.ops.exchange(ops, nccl=self.nccl)
         for t, (_, lo, hi) in zip(theirs, self.pairs, strict=True):
             if self.first:
                 grad[lo:hi].add_(t)  # G0 + GL
@@ -103,7 +104,7 @@ class PipelineFinalizer:
         if rows is not None:
             lo, hi = self.tied.nutp_units  # type: ignore[union-attr]
             vec[pp + 1 + lo:pp + 1 + hi] = rows
-        dist.all_reduce(vec, group=self.groups.replica)
+        self.ops.all_reduce(vec, group=self.groups.replica)
         total = vec[:pp].sum() + vec[pp + 1:].sum()
         self.engine.grad_sumsq = float(total)
         return float(vec[pp])

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
 from ..layout import Plan
+from ..parallel.comm import Comm, ops_of
 from .boundary import rows, stage_links
 
 Slices = list[tuple[int, int, int]]  # (peer global rank, local row lo, local row hi)
@@ -36,8 +37,9 @@ class NUTPP2PCommunicator(P2PCommunicator):
     """Stage-boundary p2p of one rank, mapped from the plan."""
 
     def __init__(self, pp_group: dist.ProcessGroup, config: Any, *, plan: Plan,
-                 rank: int) -> None:
+                 rank: int, comm: Comm | None = None) -> None:
         super().__init__(pp_group, config)
+        self.ops = ops_of(comm)  # timed per pair; delayed across domains (parallel/comm.py)
         i, s, j = plan.rank_index[rank]
         rep = plan.replicas[i]
         seq = plan.request.model.seq_length
@@ -79,9 +81,8 @@ class NUTPP2PCommunicator(P2PCommunicator):
             if tensor is not None:
                 data = tensor.detach()
                 ops.extend(("send", data[lo:hi].contiguous(), peer) for peer, lo, hi in slices)
-        p2p_exchange(ops, nccl=self.nccl)
+        self.ops.exchange(ops, nccl=self.nccl)
         return t_prev, t_next, None
-
 
     def warm_up(self) -> None:
         """Every stage-boundary pair's communicator now, before the first step's heartbeat
@@ -94,21 +95,4 @@ class NUTPP2PCommunicator(P2PCommunicator):
                for peer, _, _ in self.recv_prev + self.recv_next]
         ops += [("send", torch.zeros(1, device=device, dtype=dtype), peer)
                 for peer, _, _ in self.send_next + self.send_prev]
-        p2p_exchange(ops, nccl=self.nccl)
-
-
-def p2p_exchange(ops: list[tuple[str, torch.Tensor, int]], *, nccl: bool) -> None:
-    """Post every receive and send, then wait (NCCL: one batched launch)."""
-    if not ops:
-        return
-    works: list[Any]
-    if nccl:
-        p2p = [dist.P2POp(dist.irecv if kind == "recv" else dist.isend, t, peer)
-               for kind, t, peer in ops]
-        works = list(dist.batch_isend_irecv(p2p))
-    else:
-        works = [dist.irecv(t, peer) if kind == "recv" else dist.isend(t, peer)
-                 for kind, t, peer in sorted(ops, key=lambda o: o[0] != "recv")]
-    for w in works:
-        if w is not None:
-            w.wait()
+        self.ops.exchange(ops, nccl=self.nccl)

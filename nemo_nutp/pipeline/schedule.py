@@ -53,7 +53,7 @@ class PipelineRunner:
         self.config.grad_sync_func = None
         self.config.finalize_model_grads_func = None  # NUTP finishes the sync itself
         self.comm = NUTPP2PCommunicator(groups.pgs.pp, self.config, plan=plan,
-                                        rank=groups.ctx.rank)
+                                        rank=groups.ctx.rank, comm=groups.comm)
         self.finalizer = PipelineFinalizer(plan, groups, model)
         # Pipeline communicators before step 0 (the sync's are warmed at DDP build)
         self.comm.warm_up()

@@ -75,6 +75,7 @@ import torch
 import torch.distributed as dist
 
 from ..layout import PARAM_KINDS, SPACES, Plan
+from ..parallel.comm import ops_of
 from ..parallel.groups import NUTPGroups
 from . import norm, p2p
 from .descriptors import Piece, plan_buckets, rank_bucket_items, rank_sync, sync_key
@@ -95,6 +96,7 @@ class GradSyncEngine:
                  named_params: list[tuple[str, torch.nn.Parameter]], *,
                  bucket_size: int | None = None, staging_buckets: float = 1.5) -> None:
         self.plan, self.groups, self.ctx = plan, groups, groups.ctx
+        self.comm = ops_of(groups.comm)  # timed; delayed across domains (parallel/comm.py)
         self.dims = plan.request.model
         ctx = self.ctx
         self.ranks = plan.replicas[ctx.replica].ranks[ctx.stage]
@@ -375,14 +377,14 @@ class GradSyncEngine:
                 return
             for m in b.in_msgs:
                 self._scatter_in(m, b)
+            assert b.buf is not None
             if b.scatter is None:
-                b.work = dist.all_reduce(b.buf, group=b.group, async_op=True)
+                b.work = self.comm.all_reduce(b.buf, group=b.group, async_op=True)
             else:
-                assert b.buf is not None
                 b.out = self._alloc(torch.empty(b.scatter[2], dtype=b.buf.dtype,
                                                 device=b.buf.device))
-                b.work = dist.reduce_scatter_tensor(b.out, b.buf, group=b.group,
-                                                    async_op=True)
+                b.work = self.comm.reduce_scatter_tensor(b.out, b.buf, group=b.group,
+                                                         async_op=True)
             self.launched += 1
 
     def _retire(self, *, block: bool) -> None:
@@ -496,7 +498,7 @@ class GradSyncEngine:
         # One contributor per slot in every TP group: the sum is exact, the total the same bits
         # in every replica. (With pipeline stages this becomes the replica's model-parallel
         # group.)
-        dist.all_reduce(tp_buf, group=self.groups.tp)
+        self.comm.all_reduce(tp_buf, group=self.groups.tp)
         off = self.n_slots
         for e in self.shared:  # fp32/bf16 -> fp64 -> back is exact
             grad = e.param.main_grad  # type: ignore[attr-defined]
@@ -523,7 +525,8 @@ class GradSyncEngine:
                 b.work.wait()
                 b.work = None
         if self._scattered is None:
-            self._scattered = norm.Scattered(self.order, self.buckets, self.ctx.tp_rank)
+            self._scattered = norm.Scattered(self.order, self.buckets, self.ctx.tp_rank,
+                                             self.comm)
         self._scattered(sumsq)
 
     def warm_up(self) -> None:

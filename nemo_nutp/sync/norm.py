@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from .descriptors import Piece
 from .state import Bucket, Param
@@ -133,7 +133,9 @@ class Scattered:
     member, which the owner adds into its slot (replicated: TP rank 0). The layout is fixed,
     so the plan is made once."""
 
-    def __init__(self, order: list[Param], buckets: list[Bucket], tp_rank: int) -> None:
+    def __init__(self, order: list[Param], buckets: list[Bucket], tp_rank: int,
+                 comm: Any) -> None:
+        self.comm = comm  # parallel/comm.py's ops
         items: dict[Hashable, list[tuple[Bucket, Piece]]] = {}
         for b in buckets:  # canonical order: groups by their first bucket, on all members
             items.setdefault(b.spec.key, []).extend((b, pc) for pc in b.spec.pieces)
@@ -162,8 +164,8 @@ class Scattered:
             if g.cuts:
                 vals = sumsqs([b.out[a:z] for _, b, a, z in g.cuts])  # type: ignore[index]
                 g.column.add(mat[:, g.member], vals)
-            pending.append((g, mat, dist.all_reduce(mat, group=g.buckets[0][0].group,
-                                                    async_op=True)))
+            pending.append((g, mat, self.comm.all_reduce(mat, group=g.buckets[0][0].group,
+                                                         async_op=True)))
         for g, mat, work in pending:
             work.wait()  # type: ignore[union-attr]
             g.totals.add(slots, mat.sum(dim=1))

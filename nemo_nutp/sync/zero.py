@@ -591,7 +591,7 @@ class _Gather:
                 mine[s.a - sl.start:s.z - sl.start].copy_(
                     self.flats[s.group][s.offset:s.offset + s.z - s.a])
             out = torch.empty(sl.chunk * sl.size, dtype=self.dtype, device=opt._dev())
-            self.pending.append((i, out, dist.all_gather_into_tensor(
+            self.pending.append((i, out, opt.engine.comm.all_gather_into_tensor(
                 out, mine, group=sl.group, async_op=True)))
             self.live += self._size(i)
             self.next += 1

@@ -15,6 +15,7 @@ the JSON's); ``step_goodput`` is the one step alone, without pauses.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections.abc import Callable
@@ -26,6 +27,7 @@ import torch.distributed as dist
 
 from ..common.env import EVENTS
 from ..goodput.accounting import GoodputLedger
+from ..parallel.comm import LinkFault, scale_out_rate
 
 if TYPE_CHECKING:
     from ..config import JobConfig
@@ -36,26 +38,69 @@ if TYPE_CHECKING:
 
 
 def gather_times(session: RankSession, times: dict[str, float], step_s: float,
-                  gpus: list[int]) -> tuple[float, list[tuple[int, float, float, float]]]:
-    """Step wall time (slowest rank) and per replica (GPUs of all its stages, compute, sync,
-    optimizer: maxima over its ranks), the same on every rank.
+                  gpus: list[int], *, rate_mb_s: float | None = None
+                  ) -> tuple[float, list[tuple[int, float, float, float]],
+                             list[dict[str, Any] | None]]:
+    """Step wall time (slowest rank), per replica (GPUs of all its stages, compute, sync,
+    optimizer: maxima over its ranks) and per replica its scale-out rates, the same on every
+    rank.
 
-    One fixed-size all-reduce (MAX) of ``3 x replicas + 1`` elements and one host sync per
+    One fixed-size all-reduce (MAX) of ``5 x replicas + 1`` elements and one host sync per
     step: O(replicas) whatever the world size (each rank fills its replica's row; times are
-    >= 0, so the zeros elsewhere never win). ``gpus``: GPUs per replica (``replica_gpus``)."""
+    >= 0, so the zeros elsewhere never win; rate slots start at -inf). ``gpus``: GPUs per
+    replica (``replica_gpus``). ``rate_mb_s``: this rank's cross-domain rate this step
+    (``parallel.comm.scale_out_rate``; None: no such traffic). Per replica the rates give
+    ``{"gpu": its slowest GPU, "min": that GPU's MB/s, "max": its fastest GPU's}`` (None: no
+    rank of it had cross-domain traffic)."""
     plan, ctx = session.plan, session.groups.ctx
     assert len(gpus) == len(plan.replicas)
     # On the parameters' device: NCCL groups only move device tensors.
     device = next(session.model.parameters()).device
     n = len(plan.replicas)
-    buf = torch.zeros(3 * n + 1, dtype=torch.float64)
+    buf = torch.zeros(5 * n + 1, dtype=torch.float64)
     buf[3 * ctx.replica:3 * ctx.replica + 3] = torch.tensor(
         [times["compute_s"], times["sync_s"], times["optimizer_s"]], dtype=torch.float64)
+    buf[3 * n:5 * n] = -math.inf
+    if rate_mb_s is not None:
+        gpu = plan.rank_to_gpu[ctx.rank]
+        buf[3 * n + 2 * ctx.replica] = -_rate_code(rate_mb_s, gpu)  # MAX: the slowest GPU
+        buf[3 * n + 2 * ctx.replica + 1] = rate_mb_s
     buf[-1] = step_s
     buf = buf.to(device)
     dist.all_reduce(buf, op=dist.ReduceOp.MAX)
     vals = buf.tolist()
-    return vals[-1], list(zip(gpus, vals[0:-1:3], vals[1:-1:3], vals[2:-1:3]))
+    rates: list[dict[str, Any] | None] = []
+    for r in range(n):
+        low, high = vals[3 * n + 2 * r], vals[3 * n + 2 * r + 1]
+        if low == -math.inf:
+            rates.append(None)
+        else:
+            q, gpu = divmod(int(-low), _GPU_CODES)
+            rates.append({"gpu": gpu, "min": q / _RATE_STEPS, "max": high})
+    return vals[-1], list(zip(gpus, vals[0:3 * n:3], vals[1:3 * n:3], vals[2:3 * n:3])), rates
+
+
+_GPU_CODES = 1 << 18  # GPU ids below 262,144
+_RATE_STEPS = 1000  # rates in steps of 0.001 MB/s; with the GPU id exact in a float64 (< 2^53)
+
+
+def _rate_code(rate_mb_s: float, gpu: int) -> float:
+    """One number ordering (rate, GPU) pairs, so a MAX of its negation finds a replica's
+    slowest GPU and its rate in the same all-reduce as the step times."""
+    q = min(int(rate_mb_s * _RATE_STEPS), (1 << 53) // _GPU_CODES - 1)  # floor: min <= max
+    return float(q * _GPU_CODES + gpu)
+
+
+def link_faults(faults: Any, plan: Plan) -> tuple[LinkFault, ...]:
+    """The slow_link faults of ``faults`` (a ``common.faults.Faults`` or None) keyed by the GPU
+    their rank has in ``plan`` (the first world's); ValueError for a rank outside it."""
+    out = []
+    for f in faults.links() if faults is not None else []:
+        if f.rank >= plan.world_size:
+            raise ValueError(f"recovery.fault.rank={f.rank}: a slow_link fault names a rank of "
+                             f"the first world (world_size={plan.world_size})")
+        out.append(LinkFault(plan.rank_to_gpu[f.rank], f.step, f.factor, f.until))
+    return tuple(out)
 
 
 def replica_gpus(plan: Plan) -> list[int]:
@@ -150,6 +195,9 @@ class Trainer:
     def __init__(self, device: torch.device | None, *, live: bool = False,
                  on_checkpoint: Callable[[int], None] | None = None) -> None:
         self.device, self.live, self.on_checkpoint = device, live, on_checkpoint
+        # slow_link faults keyed by GPU: taken from the first world's plan, kept by every
+        # later world of this process (None: no world yet)
+        self.links: tuple[LinkFault, ...] | None = None
 
     def build(self, job: JobConfig, plan: Plan) -> RankSession:
         from .schedule import schedule_of
@@ -168,8 +216,10 @@ class Trainer:
 
     def make_run(self, job: JobConfig, plan: Plan, session: RankSession, *,
                  start: int | None = None, ledger: GoodputLedger | None = None) -> Run:
-        return Run(job, plan, session, start=start, ledger=ledger, live_mode=self.live,
-                   on_checkpoint=self.on_checkpoint)
+        run = Run(job, plan, session, start=start, ledger=ledger, live_mode=self.live,
+                  on_checkpoint=self.on_checkpoint, links=self.links)
+        self.links = run.links
+        return run
 
 
 class Run:
@@ -178,7 +228,8 @@ class Run:
     def __init__(self, cfg: JobConfig, plan: Plan, session: RankSession, *,
                  start: int | None = None, ledger: GoodputLedger | None = None,
                  live_mode: bool = False,
-                 on_checkpoint: Callable[[int], None] | None = None) -> None:
+                 on_checkpoint: Callable[[int], None] | None = None,
+                 links: tuple[LinkFault, ...] | None = None) -> None:
         from ..checkpoint.hooks import CheckpointHooks
         from ..train.rebalance import LiveBalance
         from .schedule import schedule_of
@@ -199,6 +250,11 @@ class Run:
         # slowed GPU has left, or its rank number names another GPU)
         self.balance = LiveBalance(cfg, session, fault=self.hooks.fault if start is None else None,
                                 rank=dist.get_rank())
+        # slow links (keyed by GPU) apply in every world; the first world's plan names the GPU
+        self.links = links if links is not None else link_faults(self.hooks.fault, plan)
+        self.comm = session.groups.comm
+        if self.comm is not None:
+            self.comm.faults = self.links
         if start is None:
             start = self.hooks.resume(self.ledger)
         else:  # live re-layout: start-of-step faults are the first world's only
@@ -218,10 +274,14 @@ class Run:
         tokens = t.global_batch_size * self.cfg.model.seq_length
         self.hooks.before_step(step)
         self.balance.before_step(step)
+        if self.comm is not None:
+            self.comm.begin_step(step)
         t0 = time.perf_counter()
         res = self.last = session.step(step)
-        step_s, reps = gather_times(session, res.times, time.perf_counter() - t0,
-                                     self.gpus)
+        rate, link_bytes = (scale_out_rate(self.comm.take_step()) if self.comm is not None
+                            else (None, 0))
+        step_s, reps, rates = gather_times(session, res.times, time.perf_counter() - t0,
+                                           self.gpus, rate_mb_s=rate)
         shares = self.balance.after_step(step, reps)  # this step's shares; may change the next's
         step_goodput = ledger.add_step(step_s, reps, inside=self.balance.inside_speeds())
         val_loss = None
@@ -240,7 +300,8 @@ class Run:
                    "goodput": goodput, "step_goodput": step_goodput,
                    "microbatches": shares,
                    "replica_tp": [list(r.tp) for r in self.plan.replicas],
-                   "reshard_bytes_rank0": session.model.nutp_engine.sent_bytes}
+                   "reshard_bytes_rank0": session.model.nutp_engine.sent_bytes,
+                   "scale_out_mb_s": rates, "scale_out_bytes_rank0": link_bytes}
             if val_loss is not None:
                 row["val_loss"] = val_loss
             out.write(row)
@@ -255,6 +316,8 @@ class Run:
     def close(self) -> None:
         if self.progress:
             self.progress.stop()
+        if self.comm is not None:
+            self.comm.close()
         self.hooks.abandon()  # a save still in flight (a failed world) can never complete
 
 

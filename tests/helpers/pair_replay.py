@@ -99,6 +99,13 @@ def recording() -> Iterator[Recorder]:
         mods.append(mover_mod)
     except ImportError:
         pass
+    try:  # the data path's ops (parallel/comm.py: Direct, for groups without a Comm)
+        import nemo_nutp.parallel.comm as comm_mod
+
+        mods.append(comm_mod)
+    except ImportError:
+        pass
+    mods = [m for m in mods if hasattr(m, "dist")]
     saved: list[tuple[Any, str, Any]] = [(m, "dist", m.dist) for m in mods]
     try:
         from nemo_nutp.sync import p2p
