@@ -39,7 +39,10 @@ used).
 Threads: one daemon helper per group this rank issued an op on, started lazily; it only waits
 and sleeps, and ends at ``close`` (``train/loop.py``: when a world's run closes). Under NCCL a
 helper cannot ``wait`` (that orders a stream, not the host): it polls ``is_completed``; the
-caller's ``wait`` still calls the real ``wait`` afterwards (stream order).
+caller's ``wait`` still calls the real ``wait`` afterwards (stream order). Without an emulated
+delay an NCCL handle is not held at all: the caller's ``wait`` is the real one (the host never
+blocks on device completion, so overlap is as without ``Comm``); only the timing is the
+helper's. That NCCL path has not run on a GPU yet.
 """
 
 from __future__ import annotations
@@ -127,13 +130,21 @@ class _Handle:
         self.done = threading.Event()
         self.error: BaseException | None = None
 
+    @property
+    def held(self) -> bool:
+        """Whether completion is held back for an emulated delay. Under NCCL without one the
+        handle is the real work's (``wait`` orders the caller's stream, the host never blocks:
+        timing stays the helper's business, off the critical path)."""
+        return not self.nccl or self.release > self.issued
+
     def is_completed(self) -> bool:
-        return self.done.is_set()
+        return self.done.is_set() if self.held else bool(self.work.is_completed())
 
     def wait(self, timeout: Any = None) -> bool:
-        self.done.wait()
-        if self.error is not None:
-            raise self.error
+        if self.held:
+            self.done.wait()
+            if self.error is not None:
+                raise self.error
         if self.nccl:  # orders the caller's stream after the collective
             self.work.wait()
         return True

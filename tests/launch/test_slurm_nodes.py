@@ -14,6 +14,8 @@ run of stock megatron-core within 1e-5.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -29,7 +31,7 @@ from tests.helpers.live import (
     stock_reference,
 )
 from tests.helpers.slurm_cluster import PARTITION, SlurmCluster
-from tests.helpers.slurm_jobs import LIVE, REPO, Watch, has_event, render, saved, submit
+from tests.helpers.slurm_jobs import LIVE, REPO, Watch, render, saved, submit
 
 DOWN_AT = 4  # after the checkpoint of this step (checkpoint.interval=2)
 STEPS = 40  # ~0.4 s each here: the loss lands well inside the run
@@ -40,43 +42,82 @@ def _hosts(slurm: SlurmCluster, job: str) -> list[str]:
     return slurm.run("scontrol", "show", "hostnames", slurm.job(job)["NodeList"]).split()
 
 
-@pytest.mark.dist
-@pytest.mark.timeout(JOB_TIMEOUT_S + 120)
-def test_live_node_set_down_is_relaid_out_live(slurm: SlurmCluster, tmp_path: Path) -> None:
-    steps = STEPS
+@dataclass
+class Lost:
+    """One job that lost node ``hosts[node]`` after the checkpoint of step ``DOWN_AT``."""
+
+    job: str
+    hosts: list[str]
+    state: dict[str, str]
+    text: str  # the job's output file
+
+
+def _lose_a_node(slurm: SlurmCluster, tmp_path: Path, over: tuple[str, ...], *, node: int,
+                 how: str,
+                 until: Callable[[SlurmCluster, Path, str], Callable[[], bool]] | None = None,
+                 requeue: bool = False, **env: str) -> Lost:
+    """Render the script for ``over`` (+ ``output.dir``), submit it, and after the checkpoint of
+    step ``DOWN_AT`` lose node ``node`` of the job: ``how`` = ``"down"`` (``scontrol update
+    State=DOWN``, as an operator or health checker does) or ``"crash"`` (``crash_node``: slurmd
+    and the job's processes there SIGKILLed). Then wait until ``until(slurm, out, job)()``
+    holds (default: the job ended); the node is returned to service either way."""
     out = tmp_path / "out"
-    over = (*BASE, *LIVE, f"train.steps={steps}", f"output.dir={out}")
     script = tmp_path / "job.sbatch"
-    script.write_text(render(over, master_port=free_port(), partition=PARTITION,
-                             account="nutp", repo=str(REPO), job_name="nutp-down"))
-    job = submit(slurm, script, NUTP_LIVE_DIGEST="1")
+    script.write_text(render((*over, f"output.dir={out}"), master_port=free_port(),
+                             partition=PARTITION, account="nutp", repo=str(REPO),
+                             job_name="nutp-loss", requeue=requeue))
+    job = submit(slurm, script, **env)
     watch = Watch(slurm, job)
-    down = None
+    lost = None
     try:
         deadline = time.monotonic() + JOB_TIMEOUT_S
         watch.until(saved(out, DOWN_AT), deadline, f"the checkpoint of step {DOWN_AT}")
-        down = _hosts(slurm, job)[1]
-        slurm.run("scontrol", "update", f"NodeName={down}", "State=DOWN", "Reason=nutp-test")
-        watch.until(has_event(out, "live_relayout"), deadline, "live_relayout")
-        watch.finish(deadline)
+        hosts = _hosts(slurm, job)
+        lost = hosts[node]
+        if how == "down":
+            slurm.run("scontrol", "update", f"NodeName={lost}", "State=DOWN", "Reason=test")
+        else:
+            assert slurm.crash_node(lost, job), f"no process of the job on {lost}"
+        if until is None:
+            watch.finish(deadline)
+        else:
+            watch.until(until(slurm, out, job), deadline, "the end of the test's wait")
+        watch.running()
     finally:
         slurm.run("scancel", job, check=False)
-        if down is not None:
-            slurm.run("scontrol", "update", f"NodeName={down}", "State=RESUME", check=False)
-    text = (tmp_path / f"nutp-down-{job}.out").read_text()
-    assert (watch.state["JobState"], watch.state["ExitCode"]) == ("COMPLETED", "0:0"), \
-        text[-6000:]
+        if lost is not None and how == "down":
+            slurm.run("scontrol", "update", f"NodeName={lost}", "State=RESUME", check=False)
+        elif lost is not None:
+            slurm.restart_node(lost)
+    text = (tmp_path / f"nutp-loss-{job}.out").read_text()
     assert "Traceback" not in text, text[-6000:]
-    ev = read_events(out)
-    (move,) = check_live(ev, relayouts=1)
+    if until is None:
+        assert (watch.state["JobState"], watch.state["ExitCode"]) == ("COMPLETED", "0:0"), \
+            text[-6000:]
+    return Lost(job, hosts, dict(watch.state), text)
+
+
+def _exact(over: tuple[str, ...], tmp_path: Path) -> list[dict]:
+    """Every step of the job equal to an uninterrupted one-process run of stock megatron-core
+    (within 1e-5; clipping on); the metric rows."""
+    return check_steps(tmp_path / "out", stock_reference(over, STEPS, tmp_path), TOL)
+
+
+LIVE_JOB = (*BASE, *LIVE, f"train.steps={STEPS}")
+RESTART_JOB = ("train.seed=7", "train.global_batch_size=12", "train.micro_batch_size=2",
+               "train.clip_grad=0.5", "recovery.enabled=true", *LIVE, f"train.steps={STEPS}")
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(JOB_TIMEOUT_S + 120)
+def test_live_node_set_down_is_relaid_out_live(slurm: SlurmCluster, tmp_path: Path) -> None:
+    r = _lose_a_node(slurm, tmp_path, LIVE_JOB, node=1, how="down", NUTP_LIVE_DIGEST="1")
+    (move,) = check_live(read_events(tmp_path / "out"), relayouts=1)
     assert move["gpus"] == [4, 5, 6], move  # only the lost node's GPUs are blamed
-    assert move["reason"] == f"node agent {down} lost", move  # in words, by its Slurm name
-    ref = stock_reference(over, steps, tmp_path)
-    rows = check_steps(out, ref, TOL)
-    layouts = [r["replica_tp"] for r in rows]
+    assert move["reason"] == f"node agent {r.hosts[1]} lost", move  # by its Slurm name
+    layouts = [row["replica_tp"] for row in _exact(LIVE_JOB, tmp_path)]
     assert layouts[0] == [[4], [3]] and layouts[-1] == [[4]], layouts
-    print(f"slurm node down after step {DOWN_AT}: relayout_s {move['relayout_s']:.2f}, "
-          f"detected {move.get('detect_s')}")
+    print(f"slurm node down after step {DOWN_AT}: relayout_s {move['relayout_s']:.2f}")
 
 
 @pytest.mark.dist
@@ -89,40 +130,15 @@ def test_live_node_of_rank_0_crashed_while_the_control_runs_elsewhere(
     every process of the job on it are SIGKILLed (``SlurmCluster.crash_node``; slurmctld learns
     of it only after ``SlurmdTimeout``, the control process from the agent's silence). The
     survivors -- none of them rank 0 -- are re-laid out live to one TP4 replica, exactly."""
-    steps = STEPS
-    out = tmp_path / "out"
-    over = (*BASE, *LIVE, "cluster.num_gpus=12", "health.failed_gpus=[0,1,2,3]",
-            f"train.steps={steps}", f"output.dir={out}")
-    script = tmp_path / "job.sbatch"
-    script.write_text(render(over, master_port=free_port(), partition=PARTITION,
-                             account="nutp", repo=str(REPO), job_name="nutp-crash"))
-    job = submit(slurm, script, NUTP_LIVE_DIGEST="1")
-    watch = Watch(slurm, job)
-    crashed = None
-    try:
-        deadline = time.monotonic() + JOB_TIMEOUT_S
-        watch.until(saved(out, DOWN_AT), deadline, f"the checkpoint of step {DOWN_AT}")
-        crashed = _hosts(slurm, job)[1]
-        assert slurm.crash_node(crashed, job), f"no process of the job on {crashed}"
-        watch.until(has_event(out, "live_relayout"), deadline, "live_relayout")
-        watch.finish(deadline)
-    finally:
-        slurm.run("scancel", job, check=False)
-        if crashed is not None:
-            slurm.restart_node(crashed)
-    text = (tmp_path / f"nutp-crash-{job}.out").read_text()
-    assert (watch.state["JobState"], watch.state["ExitCode"]) == ("COMPLETED", "0:0"), \
-        text[-6000:]
-    assert "Traceback" not in text, text[-6000:]
-    ev = read_events(out)
+    over = (*LIVE_JOB, "cluster.num_gpus=12", "health.failed_gpus=[0,1,2,3]")
+    r = _lose_a_node(slurm, tmp_path, over, node=1, how="crash", NUTP_LIVE_DIGEST="1")
+    ev = read_events(tmp_path / "out")
     (start,) = [e for e in ev if e["event"] == "start"]
     assert start["replica_tp"] == [[4], [4]] and start["failed_gpus"] == [0, 1, 2, 3], start
     (move,) = check_live(ev, relayouts=1)
     assert move["ranks"] == [0, 1, 2, 3] and move["gpus"] == [4, 5, 6, 7], move
-    assert move["reason"] == f"node agent {crashed} lost", move
-    ref = stock_reference(over, steps, tmp_path)
-    rows = check_steps(out, ref, TOL)
-    layouts = [r["replica_tp"] for r in rows]
+    assert move["reason"] == f"node agent {r.hosts[1]} lost", move
+    layouts = [row["replica_tp"] for row in _exact(over, tmp_path)]
     assert layouts[0] == [[4], [4]] and layouts[-1] == [[4]], layouts
     print(f"slurm node of rank 0 crashed after step {DOWN_AT}: relayout_s "
           f"{move['relayout_s']:.2f}")
@@ -139,43 +155,25 @@ def test_restart_kill_then_node_set_down_continues_on_fewer_nodes(slurm: SlurmCl
     but GPUs are keyed by host name, so GPU 1 stays the failed one, the lost node's GPUs are
     failed and blamed as "node <name> lost" -- and resumes from the newest checkpoint at TP3.
     Every step equals an uninterrupted single-process run of stock megatron-core."""
-    steps = STEPS
-    out = tmp_path / "out"
-    over = ("train.seed=7", "train.global_batch_size=12", "train.micro_batch_size=2",
-            "train.clip_grad=0.5", "recovery.enabled=true", *LIVE,
-            f"train.steps={steps}", f"output.dir={out}")
-    script = tmp_path / "job.sbatch"
-    script.write_text(render(over, master_port=free_port(), partition=PARTITION,
-                             account="nutp", repo=str(REPO), job_name="nutp-rdown"))
-    job = submit(slurm, script, NUTP_FAULT="kill:rank=1:step=1")
-    watch = Watch(slurm, job)
-    down = None
-    try:
-        deadline = time.monotonic() + JOB_TIMEOUT_S
-        watch.until(saved(out, DOWN_AT), deadline, f"the checkpoint of step {DOWN_AT}")
-        down = _hosts(slurm, job)[1]
-        slurm.run("scontrol", "update", f"NodeName={down}", "State=DOWN", "Reason=nutp-test")
-        watch.finish(deadline)
-    finally:
-        slurm.run("scancel", job, check=False)
-        if down is not None:
-            slurm.run("scontrol", "update", f"NodeName={down}", "State=RESUME", check=False)
-    text = (tmp_path / f"nutp-rdown-{job}.out").read_text()
-    assert (watch.state["JobState"], watch.state["ExitCode"]) == ("COMPLETED", "0:0"), \
-        text[-6000:]
-    assert "Traceback" not in text, text[-6000:]
-    ev = read_events(out)
+    r = _lose_a_node(slurm, tmp_path, RESTART_JOB, node=1, how="down",
+                     NUTP_FAULT="kill:rank=1:step=1")
+    ev = read_events(tmp_path / "out")
     starts = [e for e in ev if e["event"] == "start"]
     assert [s["replica_tp"] for s in starts] == [[[4], [3]], [[3], [3]], [[3]]], starts
     assert starts[2]["failed_gpus"] == [1, 4, 5, 6, 7], starts
     kill, lost = [e for e in ev if e["event"] == "failure"]
     assert kill["gpus"] == [1], kill
     assert lost["gpus"] == [4, 5, 6], lost  # rank 3 on GPU 4 ... : only the lost node's
-    assert lost["reason"] == f"node {down} lost (not in this attempt's allocation)", lost
-    assert "attempt 1 failed" in text and "attempt 2 failed" not in text, text[-3000:]
-    ref = stock_reference(over, steps, tmp_path)
-    rows = check_steps(out, ref, TOL)
-    assert rows[-1]["replica_tp"] == [[3]], rows[-1]
+    assert lost["reason"] == f"node {r.hosts[1]} lost (not in this attempt's allocation)", lost
+    assert "attempt 1 failed" in r.text and "attempt 2 failed" not in r.text, r.text[-3000:]
+    assert _exact(RESTART_JOB, tmp_path)[-1]["replica_tp"] == [[3]]
+
+
+def _requeued(slurm: SlurmCluster, out: Path, job: str) -> Callable[[], bool]:
+    """Slurm requeued ``job`` and an agent logged why."""
+    events = out / "recovery" / "events.jsonl"
+    return lambda: (int(slurm.job(job).get("Restarts", 0)) >= 1 and events.exists()
+                    and '"event": "control_lost"' in events.read_text())
 
 
 @pytest.mark.dist
@@ -186,45 +184,21 @@ def test_live_batch_host_lost_is_requeued_by_the_agents_left(slurm: SlurmCluster
     neither ends nor requeues a ``--no-kill`` job whose batch host fails (22.05: it kills the
     batch step and the job sits allocated), so the other node's agent, finding the control
     store gone, stops its ranks and asks Slurm to requeue the job (``nutp sbatch --requeue``:
-    ``scontrol requeue``). The job is requeued onto the nodes Slurm has (the crashed one is
-    DOWN), with the first run's output kept (``--open-mode=append``) and its newest checkpoint
-    intact.
+    ``scontrol requeue``). The job is requeued, its newest checkpoint intact.
 
     Not here: the requeued run training to the end. On Slurm 22.05 a requeued job that lost a
     node cannot create GPU job steps ("Invalid generic resource (gres) specification";
     slurmctld: ``_step_get_gres_cnt ... node offset invalid``), a Slurm bug; the carry-over
     of the health report and node table is tested without Slurm
     (``tests/train/test_elastic.py``, ``tests/health/test_nodes.py``)."""
-    steps = STEPS
+    r = _lose_a_node(slurm, tmp_path, LIVE_JOB, node=0, how="crash", until=_requeued,
+                     requeue=True)
     out = tmp_path / "out"
-    over = (*BASE, *LIVE, f"train.steps={steps}", f"output.dir={out}")
-    script = tmp_path / "job.sbatch"
-    script.write_text(render(over, master_port=free_port(), partition=PARTITION,
-                             account="nutp", repo=str(REPO), job_name="nutp-requeue",
-                             requeue=True))
-    job = submit(slurm, script)
-    watch = Watch(slurm, job)
-    crashed = None
-    try:
-        deadline = time.monotonic() + JOB_TIMEOUT_S
-        watch.until(saved(out, DOWN_AT), deadline, f"the checkpoint of step {DOWN_AT}")
-        hosts = _hosts(slurm, job)
-        crashed = hosts[0]
-        assert slurm.crash_node(crashed, job)
-        watch.until(lambda: int(slurm.job(job).get("Restarts", 0)) >= 1, deadline, "a requeue")
-        watch.until(has_event(out, "control_lost"), deadline, "the agent's control_lost")
-        state = slurm.job(job)
-        text = (tmp_path / f"nutp-requeue-{job}.out").read_text()
-    finally:
-        slurm.run("scancel", job, check=False)
-        if crashed is not None:
-            slurm.restart_node(crashed)
     # the agent's own lines went out through the srun on the batch host: its event says it
     (lost,) = [e for e in read_events(out) if e["event"] == "control_lost"]
-    assert (lost["node"], lost["host"]) == (1, hosts[1]), lost
-    assert lost["requeue"].startswith(f"asked Slurm to requeue job {job}"), lost
-    assert "Traceback" not in text, text[-3000:]
-    assert state["Requeue"] == "1" and int(state["Restarts"]) == 1, state
+    assert (lost["node"], lost["host"]) == (1, r.hosts[1]), lost
+    assert lost["requeue"].startswith(f"asked Slurm to requeue job {r.job}"), lost
+    assert r.state["Requeue"] == "1" and int(r.state["Restarts"]) == 1, r.state
     newest = max((out / "checkpoints").glob("iter_*"))
     assert int(newest.name.split("_")[1]) >= DOWN_AT and not list(
         (out / "checkpoints").glob("*.tmp*")), list((out / "checkpoints").iterdir())
