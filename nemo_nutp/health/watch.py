@@ -257,6 +257,10 @@ def watch_stack(path: Path, main: threading.Thread, log: CollectiveLog | None = 
             stack.append((f.f_code.co_filename, f.f_lineno or 0, f.f_code.co_name))
             f = f.f_back
         del frame, f
+        # a wait on a threading primitive (``parallel/comm.py``'s handles block on an Event
+        # until the helper thread releases them) is judged by the line that waits
+        while len(stack) > 1 and stack[0][0] == threading.__file__:
+            stack.pop(0)
         now, used = time.time(), cpu_s(clock)
         waiting = (log is not None and log.depth > 0) or (
             bool(stack) and is_comm_wait(stack[0][0], linecache.getline(*stack[0][:2])))
