@@ -41,6 +41,13 @@ if TYPE_CHECKING:
     from ..parallel.comm import Comm
 
 
+def watched(comm: Comm) -> bool:
+    """Whether a world has links to watch: under NCCL, or with the emulated network. A gloo
+    world without emulation runs on one host's loopback: its "links" are the host's CPU, whose
+    jitter at microsecond transfers would only make false alarms (and probes) in every run."""
+    return comm.rate_mb_s is not None or dist.get_backend() == "nccl"
+
+
 class LinkProbe:
     """One rank's side of the watch: rank 0 holds the ``LinkWatch``; every rank runs probes."""
 

@@ -264,11 +264,13 @@ class Run:
         self.comm = session.groups.comm
         self.link_watch: LinkProbe | None = None  # slow-link detection (train/links.py)
         if self.comm is not None:
-            from .links import LinkProbe
+            from .links import LinkProbe, watched
 
             self.comm.faults = self.links
-            self.link_watch = LinkProbe(plan, self.comm, next(session.model.parameters()).device,
-                                        rank0=self.rank0)
+            if watched(self.comm):
+                self.link_watch = LinkProbe(plan, self.comm,
+                                            next(session.model.parameters()).device,
+                                            rank0=self.rank0)
         if start is None:
             start = self.hooks.resume(self.ledger)
         else:  # live re-layout: start-of-step faults are the first world's only
