@@ -34,30 +34,35 @@ if TYPE_CHECKING:
     from ..layout import Plan
     from ..live.link import LiveLink
     from ..live.manager import LiveManager
+    from .links import LinkProbe
     from .session import RankSession
 
 
 def gather_times(session: RankSession, times: dict[str, float], step_s: float,
-                  gpus: list[int], *, rate_mb_s: float | None = None
+                  gpus: list[int], *, rate_mb_s: float | None = None,
+                  probe: list[float] | None = None
                   ) -> tuple[float, list[tuple[int, float, float, float]],
                              list[dict[str, Any] | None]]:
     """Step wall time (slowest rank), per replica (GPUs of all its stages, compute, sync,
     optimizer: maxima over its ranks) and per replica its scale-out rates, the same on every
     rank.
 
-    One fixed-size all-reduce (MAX) of ``5 x replicas + 1`` elements and one host sync per
-    step: O(replicas) whatever the world size (each rank fills its replica's row; times are
-    >= 0, so the zeros elsewhere never win; rate slots start at -inf). ``gpus``: GPUs per
-    replica (``replica_gpus``). ``rate_mb_s``: this rank's cross-domain rate this step
-    (``parallel.comm.scale_out_rate``; None: no such traffic). Per replica the rates give
+    One fixed-size all-reduce (MAX) of ``5 x replicas + 1`` elements (+ ``probe``) and one
+    host sync per step: O(replicas) whatever the world size (each rank fills its replica's
+    row; times are >= 0, so the zeros elsewhere never win; rate slots start at -inf).
+    ``gpus``: GPUs per replica (``replica_gpus``). ``rate_mb_s``: this rank's cross-domain rate
+    this step (``parallel.comm.scale_out_rate``; None: no such traffic). Per replica the rates give
     ``{"gpu": its slowest GPU, "min": that GPU's MB/s, "max": its fastest GPU's}`` (None: no
-    rank of it had cross-domain traffic)."""
+    rank of it had cross-domain traffic). ``probe``: extra slots reduced (MAX) in the same
+    all-reduce and written back in place (the slow-link watch's request, ``train/links.py``);
+    every rank passes the same number of slots."""
     plan, ctx = session.plan, session.groups.ctx
     assert len(gpus) == len(plan.replicas)
     # On the parameters' device: NCCL groups only move device tensors.
     device = next(session.model.parameters()).device
     n = len(plan.replicas)
-    buf = torch.zeros(5 * n + 1, dtype=torch.float64)
+    extra = len(probe) if probe is not None else 0
+    buf = torch.zeros(5 * n + 1 + extra, dtype=torch.float64)
     buf[3 * ctx.replica:3 * ctx.replica + 3] = torch.tensor(
         [times["compute_s"], times["sync_s"], times["optimizer_s"]], dtype=torch.float64)
     buf[3 * n:5 * n] = -math.inf
@@ -65,10 +70,14 @@ def gather_times(session: RankSession, times: dict[str, float], step_s: float,
         gpu = plan.rank_to_gpu[ctx.rank]
         buf[3 * n + 2 * ctx.replica] = -_rate_code(rate_mb_s, gpu)  # MAX: the slowest GPU
         buf[3 * n + 2 * ctx.replica + 1] = rate_mb_s
-    buf[-1] = step_s
+    buf[5 * n] = step_s
+    if probe is not None:
+        buf[5 * n + 1:] = torch.tensor(probe, dtype=torch.float64)
     buf = buf.to(device)
     dist.all_reduce(buf, op=dist.ReduceOp.MAX)
     vals = buf.tolist()
+    if probe is not None:
+        probe[:] = vals[5 * n + 1:]
     rates: list[dict[str, Any] | None] = []
     for r in range(n):
         low, high = vals[3 * n + 2 * r], vals[3 * n + 2 * r + 1]
@@ -77,7 +86,7 @@ def gather_times(session: RankSession, times: dict[str, float], step_s: float,
         else:
             q, gpu = divmod(int(-low), _GPU_CODES)
             rates.append({"gpu": gpu, "min": q / _RATE_STEPS, "max": high})
-    return vals[-1], list(zip(gpus, vals[0:3 * n:3], vals[1:3 * n:3], vals[2:3 * n:3])), rates
+    return vals[5 * n], list(zip(gpus, vals[0:3 * n:3], vals[1:3 * n:3], vals[2:3 * n:3])), rates
 
 
 _GPU_CODES = 1 << 18  # GPU ids below 262,144
@@ -253,8 +262,15 @@ class Run:
         # slow links (keyed by GPU) apply in every world; the first world's plan names the GPU
         self.links = links if links is not None else link_faults(self.hooks.fault, plan)
         self.comm = session.groups.comm
+        self.link_watch: LinkProbe | None = None  # slow-link detection (train/links.py)
         if self.comm is not None:
+            from .links import LinkProbe, watched
+
             self.comm.faults = self.links
+            if watched(self.comm):
+                self.link_watch = LinkProbe(plan, self.comm,
+                                            next(session.model.parameters()).device,
+                                            rank0=self.rank0)
         if start is None:
             start = self.hooks.resume(self.ledger)
         else:  # live re-layout: start-of-step faults are the first world's only
@@ -280,8 +296,9 @@ class Run:
         res = self.last = session.step(step)
         rate, link_bytes = (scale_out_rate(self.comm.take_step()) if self.comm is not None
                             else (None, 0))
+        probe = self.link_watch.slots() if self.link_watch is not None else None
         step_s, reps, rates = gather_times(session, res.times, time.perf_counter() - t0,
-                                           self.gpus, rate_mb_s=rate)
+                                           self.gpus, rate_mb_s=rate, probe=probe)
         shares = self.balance.after_step(step, reps)  # this step's shares; may change the next's
         step_goodput = ledger.add_step(step_s, reps, inside=self.balance.inside_speeds())
         val_loss = None
@@ -307,6 +324,8 @@ class Run:
             out.write(row)
             self.progress.update(self.task, advance=1, info=f"loss {res.loss:.4f}  "
                                  f"{tokens / step_s:,.0f} tok/s  goodput {goodput:.1%}")
+        if self.link_watch is not None and probe is not None:  # a probe: every rank at once
+            self.link_watch.after_step(step, step_s, rates, probe, link_bytes)
         # The row is on disk before the save: a world stopped right after a checkpoint
         # completes (planned restart) has every row up to it.
         self.hooks.after_step(step, ledger)
