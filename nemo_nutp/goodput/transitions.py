@@ -318,6 +318,14 @@ def failure_transitions(policy: str, ev: Events, load: SliceLoad, *, n_used_slic
                        np.concatenate([np.full(nf, f_lost / H), np.zeros(nb)]))
 
 
+def _swap(spare: int, worn: int, pool: set[int], free: set[int], degraded: set[int]) -> None:
+    """Whole spare slice ``spare`` goes into service; running slice ``worn`` goes to the pool."""
+    free.discard(spare)
+    pool.discard(spare)
+    pool.add(worn)
+    degraded.discard(worn)
+
+
 def spare_transitions(ev: Events, slices: np.ndarray, *, n_used_slices: int, n_slices: int,
                       tp: int, best: np.ndarray, costs: Costs) -> Transitions:
     """``live_spare`` (``nutp-live+spares``): the pool is every slice the job does not run
@@ -375,19 +383,11 @@ def spare_transitions(ev: Events, slices: np.ndarray, *, n_used_slices: int, n_s
             elif after == 0:
                 free.add(s)
                 if degraded:  # the refilled spare replaces the worst degraded slice
-                    w = max(degraded, key=lambda x: (down[x], -x))
-                    degraded.discard(w)
-                    pool.discard(s)
-                    free.discard(s)
-                    pool.add(w)
+                    _swap(s, max(degraded, key=lambda x: (down[x], -x)), pool, free, degraded)
                     out.append((tr, when, 3))
             continue
         if fails and free:  # a running slice fails while a spare is whole: swap it in
-            r = min(free)
-            free.discard(r)
-            pool.discard(r)
-            pool.add(s)
-            degraded.discard(s)
+            _swap(min(free), s, pool, free, degraded)
             out.append((tr, when, 1))
             continue
         if after > 0:
