@@ -320,10 +320,9 @@ def decide(cfg: JobConfig, rdir: Path, attempt: int, posts: list[dict[str, Any]]
     if gave_up is not None:  # a later attempt of a job that has no plan: stay given up
         return gave_up
     try:
-        where = place_workers(cfg, rdir, posts)
+        slots, placed = place_workers(cfg, rdir, posts)
     except ValueError as e:
         return {"error": str(e), "failed_gpus": []}
-    slots, placed = where
     probes = {slots[r]: w["probe"] for r, w in enumerate(posts)}
     gpn = cfg.cluster.gpus_per_node
     absent = nodes.node_gpus(placed.absent, gpn)
