@@ -92,7 +92,8 @@ def sync_table(plan: Plan) -> Table:
     for s in range(plan.pp):
         for space in SPACES:
             lay = plan.sync[(s, space)]
-            moved = Counter(reshard_plan(lay, r.tp[s]).moved_units for r in plan.replicas)
+            moved = Counter(reshard_plan(lay, r.tp[s], i).moved_units
+                            for i, r in enumerate(plan.replicas))
             t.add_row(str(s), space, str(lay.num_units), str(lay.num_shards),
                       str(len(plan.sync_groups(s, space))),
                       ", ".join(f"{m} x{c}" for m, c in sorted(moved.items())))

@@ -343,14 +343,19 @@ class HealthConfig:
     slow_gpus: dict[int, float] | None = None
     """Stragglers: ``{gpu_id: relative_speed}``, speed in (0, 1] (the planner keeps or excludes
     each, whichever it predicts faster); None = none."""
+    slow_links: dict[int, float] | None = None
+    """GPUs with a slow scale-out NIC: ``{gpu_id: relative_rate}``, rate in (0, 1]. Their
+    replicas hand the GPU's cross-replica gradient units to its TP peers (a NIC-aware sync
+    layout); a live job sets it itself when it finds a slow link. None = none."""
     report: str | None = None
-    """Path of a health report (YAML/JSON with ``failed_gpus``, ``slow_gpus``); merged with the
-    lists (the report's speed wins for a GPU in both)."""
+    """Path of a health report (YAML/JSON with ``failed_gpus``, ``slow_gpus``, ``slow_links``);
+    merged with the lists (the report's value wins for a GPU in both)."""
 
     def as_report(self) -> HealthReport:
         """The lists merged with the report file, as the planner's ``HealthReport``."""
         ids = list(self.failed_gpus)
         slow = {int(k): v for k, v in (self.slow_gpus or {}).items()}
+        links = {int(k): v for k, v in (self.slow_links or {}).items()}
         if self.report:
             path = Path(self.report)
             if not path.exists() and (CONFIG_DIR / path).exists():
@@ -360,7 +365,8 @@ class HealthConfig:
             rep = HealthReport.from_file(path)
             ids += list(rep.failed_gpus)
             slow.update(rep.slow_gpus)
-        return HealthReport(tuple(ids), tuple(slow.items()))
+            links.update(rep.slow_links)
+        return HealthReport(tuple(ids), tuple(slow.items()), tuple(links.items()))
 
 
 @dataclass(frozen=True)

@@ -133,3 +133,21 @@ def stage_time(dims: ModelDims, spec: CostSpec | None, *, t: int, stage: int, pp
         rows = int(np.diff(space_bounds(dims, "vocab", t, balance)).max())
         compute += rows * dims.hidden_size * spec.table_elem_s
     return StageTime(compute, tp, bd)
+
+
+def sync_seconds(groups: list[tuple[tuple[int, ...], int]], rate_mb_s: float,
+                 link_rate: dict[int, float], domain_size: int) -> dict[int, float]:
+    """The cross-replica sync term (issue #36): seconds each GPU's scale-out NIC spends on one
+    step's gradient reduction. ``groups``: (member GPUs, bytes) of every reduction; one whose
+    members lie in one scale-up domain costs nothing here; otherwise each member's NIC carries
+    the bytes at ``rate_mb_s`` times the group's slowest member's relative rate (``link_rate``:
+    GPU -> rate in (0, 1], 1.0 when absent): a collective runs at its slowest end. A GPU's ops
+    queue on its one NIC, so its time is their sum; the step waits for the largest."""
+    out: dict[int, float] = {}
+    for gpus, nbytes in groups:
+        if len({g // domain_size for g in gpus}) < 2:
+            continue
+        s = nbytes / (rate_mb_s * 1e6 * min(link_rate.get(g, 1.0) for g in gpus))
+        for g in gpus:
+            out[g] = out.get(g, 0.0) + s
+    return out

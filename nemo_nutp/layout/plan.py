@@ -35,10 +35,10 @@ from functools import cached_property
 
 import numpy as np
 
-from .cost import StageTime, stage_time
+from .cost import StageTime, stage_time, sync_seconds
 from .memory import fits_every_stage, stage_memory, why_not
-from .specs import ClusterSpec, PlanRequest, bad_value, interleave_error
-from .sync import SyncLayout, make_sync_layout, reshard_plan
+from .specs import ClusterSpec, ModelDims, PlanRequest, bad_value, interleave_error
+from .sync import SyncLayout, make_sync_layout, nic_aware, reshard_plan
 from .units import (
     PARAM_KINDS,
     SPACES,
@@ -140,7 +140,8 @@ class Plan:
     def sync_owner_ranks(self, stage: int, space: str) -> np.ndarray:
         """(replicas, shards) global rank owning each shard in each replica."""
         lay = self.sync[(stage, space)]
-        rows = [np.asarray(rep.ranks[stage])[lay.owners[rep.tp[stage]]] for rep in self.replicas]
+        rows = [np.asarray(rep.ranks[stage])[lay.owners_of(rep.tp[stage], i)]
+                for i, rep in enumerate(self.replicas)]
         return np.stack(rows)
 
     def sync_groups(self, stage: int, space: str) -> list[list[int]]:
@@ -148,27 +149,38 @@ class Plan:
         own = self.sync_owner_ranks(stage, space)
         return [list(map(int, c)) for c in np.unique(own.T, axis=0)]
 
+    def sync_traffic(self, bytes_per_elem: int = 4) -> list[tuple[tuple[int, ...], int]]:
+        """(member GPUs, bytes) of every cross-replica reduction of a step: one per shard of
+        every stage and unit space (replicated parameters, a few norms, are left out)."""
+        out = []
+        for (stage, space), lay in self.sync.items():
+            elems = unit_elems(self.request.model, self.pp, stage)[space]
+            own = self.sync_owner_ranks(stage, space)
+            size = np.diff(lay.shards)
+            for k in range(lay.num_shards):
+                gpus = tuple(self.rank_to_gpu[int(r)] for r in own[:, k])
+                out.append((gpus, int(size[k]) * elems * bytes_per_elem))
+        return out
+
+    def sync_seconds(self, rate_mb_s: float, link_rate: dict[int, float] | None = None,
+                     bytes_per_elem: int = 4) -> float:
+        """Predicted seconds of a step's cross-replica sync at scale-out ``rate_mb_s``, each
+        GPU's NIC at ``link_rate`` of it (``cost.sync_seconds``: the slowest NIC's total)."""
+        per = sync_seconds(self.sync_traffic(bytes_per_elem), rate_mb_s, link_rate or {},
+                           self.request.cluster.domain_size)
+        return max(per.values(), default=0.0)
+
     def reshard_bytes(self, bytes_per_elem: int = 4) -> int:
         """Bytes all ranks send per step for resharding gradients there and back."""
         return sum(self.reshard_bytes_by_rank(bytes_per_elem).values())
 
     def reshard_bytes_by_rank(self, bytes_per_elem: int = 4) -> dict[int, int]:
         """Bytes each rank sends per step: units to their owner, reduced units back."""
-        dims = self.request.model
-        layers = dims.num_layers // self.pp
-        per_space = {s: 0 for s in SPACES}
-        for kind in layer_kinds(dims):
-            per_space[PARAM_KINDS[kind].space] += layers * unit_numel(kind, dims)
         out: dict[int, int] = {}
         for (stage, space), lay in self.sync.items():
-            elems = per_space[space]
-            if space == "vocab":
-                first, last = stage == 0, stage == self.pp - 1
-                n = int(first or (last and dims.tie_embeddings)) + int(last and not
-                                                                      dims.tie_embeddings)
-                elems = n * unit_numel("word_embedding", dims)
-            for rep in self.replicas:
-                for src, dst, lo, hi in reshard_plan(lay, rep.tp[stage]).transfers:
+            elems = unit_elems(self.request.model, self.pp, stage)[space]
+            for i, rep in enumerate(self.replicas):
+                for src, dst, lo, hi in reshard_plan(lay, rep.tp[stage], i).transfers:
                     b = (hi - lo) * elems * bytes_per_elem
                     for r in (rep.ranks[stage][src], rep.ranks[stage][dst]):
                         out[r] = out.get(r, 0) + b
@@ -176,6 +188,40 @@ class Plan:
 
 
 # --------------------------------------------------------------------------------------------
+def unit_elems(dims: ModelDims, pp: int, stage: int) -> dict[str, int]:
+    """Gradient elements of one unit of each unit space in a stage (all its layers; the vocab
+    space: the embedding rows the stage holds, the tied copy's included)."""
+    layers = dims.num_layers // pp
+    out = {s: 0 for s in SPACES}
+    for kind in layer_kinds(dims):
+        out[PARAM_KINDS[kind].space] += layers * unit_numel(kind, dims)
+    first, last = stage == 0, stage == pp - 1
+    n = int(first or (last and dims.tie_embeddings)) + int(last and not dims.tie_embeddings)
+    out["vocab"] = n * unit_numel("word_embedding", dims)
+    return out
+
+
+def nic_aware_sync(req: PlanRequest, replicas: tuple[Replica, ...],
+                   sync: dict[tuple[int, str], SyncLayout]) -> dict[tuple[int, str], SyncLayout]:
+    """The sync layouts with NIC-aware owners (``layout.sync.nic_aware``) for every replica
+    stage holding a GPU of ``health.slow_links``; unchanged without one."""
+    links = dict(req.health.slow_links)
+    if not links:
+        return sync
+    out = dict(sync)
+    for i, rep in enumerate(replicas):
+        for s in range(len(rep.tp)):
+            rates = {j: links[g] for j, g in enumerate(rep.gpus[s]) if g in links}
+            if not rates:
+                continue
+            load: dict[int, float] = {}
+            elems = unit_elems(req.model, len(rep.tp), s)
+            for space in sorted(SPACES, key=lambda sp: -elems[sp]):  # big units first
+                out[(s, space)] = nic_aware(out[(s, space)], i, rep.tp[s], rates, load,
+                                            unit_bytes=float(elems[space]))
+    return out
+
+
 def _valid_degrees(req: PlanRequest, *, memory: bool = True) -> np.ndarray:
     """valid[t] for t in 0..tp_base: a stage may run at degree t (``memory``: and t fits in
     GPU memory on every stage; explicit per-stage degrees are checked per stage instead)."""
@@ -587,6 +633,7 @@ def _assemble(req: PlanRequest, starts: np.ndarray, healthy: np.ndarray, failed:
         num_units(req.model, space), sorted({r.tp[s] for r in replicas}), p.sync_layout,
         bounds=functools.partial(space_bounds, req.model, space, balance=p.unit_balance))
         for s in range(p.pp) for space in SPACES}
+    sync = nic_aware_sync(req, replicas, sync)
     t_full = apportion(np.ones(n_full), req.global_batch).max()
     t_plan = float((shares / speeds).max())
     used = {g for g in rank_to_gpu}

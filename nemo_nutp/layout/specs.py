@@ -149,6 +149,10 @@ class HealthReport:
     slow_gpus: tuple[tuple[int, float], ...] = ()
     """Stragglers: (GPU id, relative speed in (0, 1]) pairs, sorted by id; a mapping
     ``{gpu_id: speed}`` is accepted. A GPU that is also failed counts as failed."""
+    slow_links: tuple[tuple[int, float], ...] = ()
+    """GPUs whose scale-out NIC is slow: (GPU id, relative rate in (0, 1]) pairs, sorted by id
+    (a mapping is accepted). Their replicas' sync layouts hand the GPU's cross-replica units to
+    its TP peers (``layout.sync.nic_aware``); compute is not affected."""
 
     def __post_init__(self) -> None:
         for g in self.failed_gpus:
@@ -163,6 +167,15 @@ class HealthReport:
                 raise bad_value(f"health.slow_gpus[{g}]", v, "relative speed must be in (0, 1]")
         object.__setattr__(self, "slow_gpus",
                                 tuple(sorted((g, float(v)) for g, v in pairs.items())))
+        links = dict(self.slow_links)
+        for g, v in links.items():
+            if isinstance(g, bool) or not isinstance(g, int) or g < 0:
+                raise bad_value("health.slow_links", g, "GPU ids must be non-negative integers")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 < v <= 1.0:
+                raise bad_value(f"health.slow_links[{g}]", v,
+                                "relative scale-out rate must be in (0, 1]")
+        object.__setattr__(self, "slow_links",
+                           tuple(sorted((g, float(v)) for g, v in links.items())))
 
     def gpu_speed(self, num_gpus: int) -> list[float]:
         """Relative speed of every GPU (1.0 unless reported slow)."""
@@ -178,10 +191,11 @@ class HealthReport:
                 "health.failed_gpus", bad[0],
                 f"GPU id out of range for cluster.num_gpus={cluster.num_gpus}",
             )
-        bad = [g for g, _ in self.slow_gpus if g >= cluster.num_gpus]
-        if bad:
-            raise bad_value("health.slow_gpus", bad[0],
-                            f"GPU id out of range for cluster.num_gpus={cluster.num_gpus}")
+        for key, pairs in (("slow_gpus", self.slow_gpus), ("slow_links", self.slow_links)):
+            bad = [g for g, _ in pairs if g >= cluster.num_gpus]
+            if bad:
+                raise bad_value(f"health.{key}", bad[0],
+                                f"GPU id out of range for cluster.num_gpus={cluster.num_gpus}")
 
     @classmethod
     def from_file(cls, path: str | Path) -> HealthReport:
@@ -201,17 +215,20 @@ class HealthReport:
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
             why = getattr(e, "problem", None) or type(e).__name__
             raise bad_value("health", str(path), f"malformed YAML: {why}{where}") from None
-        if not isinstance(data, dict) or set(data) - {"failed_gpus", "slow_gpus"}:
-            raise bad_value("health", str(path),
-                            "file must hold a mapping with only 'failed_gpus' and 'slow_gpus'")
-        slow = data.get("slow_gpus") or {}
-        if not isinstance(slow, dict):
-            raise bad_value("health.slow_gpus", slow, "must be a mapping {gpu_id: relative_speed}")
-        try:  # JSON keys are strings
-            slow = {int(k): v for k, v in slow.items()}
-        except (TypeError, ValueError):
-            raise bad_value("health.slow_gpus", list(slow), "GPU ids must be integers") from None
-        return cls(tuple(data.get("failed_gpus") or ()), tuple(slow.items()))
+        if not isinstance(data, dict) or set(data) - {"failed_gpus", "slow_gpus", "slow_links"}:
+            raise bad_value("health", str(path), "file must hold a mapping with only "
+                            "'failed_gpus', 'slow_gpus' and 'slow_links'")
+        maps = {}
+        for key in ("slow_gpus", "slow_links"):
+            m = data.get(key) or {}
+            if not isinstance(m, dict):
+                raise bad_value(f"health.{key}", m, "must be a mapping {gpu_id: relative_value}")
+            try:  # JSON keys are strings
+                maps[key] = {int(k): v for k, v in m.items()}
+            except (TypeError, ValueError):
+                raise bad_value(f"health.{key}", list(m), "GPU ids must be integers") from None
+        return cls(tuple(data.get("failed_gpus") or ()), tuple(maps["slow_gpus"].items()),
+                   tuple(maps["slow_links"].items()))
 
     @classmethod
     def from_cli(cls, text: str) -> HealthReport:

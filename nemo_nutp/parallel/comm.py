@@ -22,9 +22,11 @@ traffic); a p2p op's group is the pair (this rank, peer).
 
 Emulation (``cluster.emulated_scale_out_mb_s``, ``Comm.rate_mb_s``): an op on a group whose
 members' GPUs lie in more than one scale-up domain (``Domains.crosses``) completes no earlier
-than ``bytes / rate`` after the group's emulated link is free (ops on one group queue behind
-each other, as on one link), times the largest slow-link factor of its members' GPUs at this
-step (``recovery.fault.kind=slow_link``). The delay is real: the returned handle's
+than ``bytes / rate`` after this rank's emulated NIC is free, times the largest slow-link factor
+of its members' GPUs at this step (``recovery.fault.kind=slow_link``). One NIC per GPU, shared
+by every cross-domain group of the rank: its ops queue behind each other whatever their group,
+as on a real scale-out NIC (so a sync layout that gives one GPU two groups' traffic pays for
+both; per-group links would let them overlap for free). The delay is real: the returned handle's
 ``is_completed`` stays False and its ``wait`` blocks until the group's helper thread releases
 it, after the real operation completed and the emulated time passed; compute is never delayed
 (nothing sleeps on the caller's thread until it waits). Every member computes the same delay
@@ -33,8 +35,10 @@ operations never change: only time does.
 
 Measurement: per group, the summed bytes and the time the group had an op in flight, from
 issue to *completion* (found by the helper thread, which blocks in the real op's ``wait``;
-overlapping ops counted once), since the last ``take_step``. Cost per step: O(groups this rank
-used).
+overlapping ops counted once), since the last ``take_step``; and the same over all of the rank's
+cross-domain groups at once (``Comm.nic``: the NIC's busy time, ops of different groups in
+flight together counted once), which gives the rank's scale-out rate. Cost per step: O(groups
+this rank used).
 
 Threads: one daemon helper per group this rank issued an op on, started lazily; it only waits
 and sleeps, and ends at ``close`` (``train/loop.py``: when a world's run closes). Under NCCL a
@@ -119,6 +123,29 @@ class LaneStats:
     busy_s: float = 0.0
 
 
+class _Busy:
+    """Bytes and in-flight time of ops completed by any number of helper threads (the union of
+    their [issue, completion] intervals, taken in completion order)."""
+
+    def __init__(self, cross: bool) -> None:
+        self.lock = threading.Lock()
+        self.stats = LaneStats(cross)
+        self.last_done = 0.0
+
+    def add(self, nbytes: int, issued: float, now: float) -> None:
+        with self.lock:
+            s = self.stats
+            s.nbytes += nbytes
+            if now > self.last_done:
+                s.busy_s += now - max(issued, self.last_done)
+                self.last_done = now
+
+    def take(self) -> LaneStats:
+        with self.lock:
+            out, self.stats = self.stats, LaneStats(self.stats.cross)
+        return out
+
+
 class _Handle:
     """What an op returns: ``wait`` / ``is_completed`` of the real work, held back until the
     emulated time has passed."""
@@ -153,12 +180,11 @@ class _Handle:
 class _Lane:
     """One group's helper thread and its counters (written by the helper under ``lock``)."""
 
-    def __init__(self, name: str, members: tuple[int, ...], cross: bool) -> None:
+    def __init__(self, name: str, members: tuple[int, ...], cross: bool,
+                 nic: _Busy) -> None:
         self.members, self.cross = members, cross
-        self.free_at = 0.0  # when the emulated link is next free (caller's thread only)
-        self.lock = threading.Lock()
-        self.stats = LaneStats(cross)
-        self.last_done = 0.0
+        self.busy = _Busy(cross)
+        self.nic = nic if cross else None  # the rank's NIC: every cross-domain lane's ops
         self.q: queue.SimpleQueue[_Handle | None] = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._run, name=f"nutp-comm-{name}", daemon=True)
         self.thread.start()
@@ -180,12 +206,9 @@ class _Lane:
             if h.release > now:
                 time.sleep(h.release - now)
                 now = time.perf_counter()
-            with self.lock:
-                s = self.stats
-                s.nbytes += h.nbytes
-                if now > self.last_done:
-                    s.busy_s += now - max(h.issued, self.last_done)
-                    self.last_done = now
+            self.busy.add(h.nbytes, h.issued, now)
+            if self.nic is not None:
+                self.nic.add(h.nbytes, h.issued, now)
             h.done.set()
 
 
@@ -201,6 +224,8 @@ class Comm:
     faults: tuple[LinkFault, ...] = ()
     step: int = 0
     lanes: dict[Any, _Lane] = field(default_factory=dict)
+    nic: _Busy = field(default_factory=lambda: _Busy(True))
+    nic_free_at: float = 0.0  # when the emulated NIC is next free (caller's thread only)
 
     def begin_step(self, step: int) -> None:
         """Step ``step`` starts: the slow-link factors of its ops; a slow link of this rank's
@@ -272,7 +297,8 @@ class Comm:
             else:
                 members = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
                 name = "-".join(map(str, members[:4])) + ("..." if len(members) > 4 else "")
-            lane = self.lanes[key] = _Lane(name, members, self.domains.crosses(members))
+            lane = self.lanes[key] = _Lane(name, members, self.domains.crosses(members),
+                                           self.nic)
         return lane
 
     def track(self, work: Any, group: Any, nbytes: int, async_op: bool) -> Any:
@@ -285,9 +311,9 @@ class Comm:
         now = time.perf_counter()
         release = now
         if lane.cross and self.rate_mb_s is not None:
-            start = max(now, lane.free_at)
-            release = lane.free_at = start + delay_s(nbytes, self.rate_mb_s,
-                                                     self.factor(lane.members))
+            start = max(now, self.nic_free_at)
+            release = self.nic_free_at = start + delay_s(nbytes, self.rate_mb_s,
+                                                         self.factor(lane.members))
         h = _Handle(work, nbytes=nbytes, issued=now, release=release,
                     nccl=_is_nccl(group))
         lane.q.put(h)
@@ -303,25 +329,28 @@ class Comm:
             lane.q.put(None)
         self.lanes.clear()
 
-    def take_step(self) -> list[LaneStats]:
-        """Every group's bytes and seconds in flight since the last call (then zeroed); call
-        when this step's ops have completed."""
-        out = []
-        for lane in self.lanes.values():
-            with lane.lock:
-                out.append(lane.stats)
-                lane.stats = LaneStats(lane.cross)
-        return out
+    def take_step(self) -> Traffic:
+        """Every group's bytes and seconds in flight since the last call, and the NIC's (all
+        cross-domain groups at once), then zeroed; call when this step's ops have completed."""
+        return Traffic([lane.busy.take() for lane in self.lanes.values()], self.nic.take())
 
 
-def scale_out_rate(stats: Sequence[LaneStats]) -> tuple[float | None, int]:
-    """This rank's cross-domain rate (MB/s: bytes over seconds in flight, summed over its
-    cross-domain groups; None: no such traffic) and its cross-domain bytes."""
-    nbytes = sum(s.nbytes for s in stats if s.cross)
-    busy = sum(s.busy_s for s in stats if s.cross)
-    if nbytes <= 0 or busy <= 0:
-        return None, nbytes
-    return nbytes / busy / MB, nbytes
+@dataclass(frozen=True)
+class Traffic:
+    """One rank's data-path traffic of a step: per group, and its NIC's (cross-domain ops of
+    every group, overlaps counted once)."""
+
+    lanes: list[LaneStats]
+    nic: LaneStats
+
+
+def scale_out_rate(traffic: Traffic) -> tuple[float | None, int]:
+    """This rank's cross-domain rate (MB/s: bytes over the NIC's seconds in flight; None: no
+    such traffic) and its cross-domain bytes."""
+    s = traffic.nic
+    if s.nbytes <= 0 or s.busy_s <= 0:
+        return None, s.nbytes
+    return s.nbytes / s.busy_s / MB, s.nbytes
 
 
 def _is_nccl(group: Any) -> bool:

@@ -95,11 +95,11 @@ def rank_sync(plan: Plan, rank: int) -> RankSync:
     for space in SPACES:
         lay = plan.sync[(stage, space)]
         b = lay.bounds[degree]
-        rp = reshard_plan(lay, degree)
+        rp = reshard_plan(lay, degree, i)
         recvs = [(ranks[s], lo, hi) for s, lo, hi in rp.recvs(j)]
         owners = plan.sync_owner_ranks(stage, space)
         owned = []
-        for k in owned_shards(lay, degree, j):
+        for k in owned_shards(lay, degree, j, i):
             lo, hi = int(lay.shards[k]), int(lay.shards[k + 1])
             owned.append(OwnedShard(int(k), lo, hi, tuple(int(r) for r in owners[:, k]),
                                     tuple(r for r in recvs if lo <= r[1] < hi)))

@@ -37,6 +37,8 @@ def plan_requests(draw: st.DrawFn, policy: str | None = None) -> PlanRequest:
     dims = draw(model_dims(min_units=tp_base))
     n_fail = draw(st.integers(0, max(0, num_gpus // 4)))
     failed = draw(st.lists(st.integers(0, num_gpus - 1), min_size=n_fail, max_size=n_fail))
+    links = draw(st.dictionaries(st.integers(0, num_gpus - 1),  # slow NICs: NIC-aware owners
+                                 st.sampled_from([0.25, 0.5, 0.9]), max_size=3))
     return PlanRequest(
         cluster=ClusterSpec(num_gpus=num_gpus, domain_size=domain, gpus_per_node=domain),
         model=dims,
@@ -44,6 +46,6 @@ def plan_requests(draw: st.DrawFn, policy: str | None = None) -> PlanRequest:
                               sync_layout=draw(st.sampled_from(["refine", "base"])),
                               unit_balance=draw(st.sampled_from(["work", "units"]))),
         global_batch=draw(st.integers(64, 512)),
-        health=HealthReport(tuple(failed)),
+        health=HealthReport(tuple(failed), slow_links=tuple(links.items())),
         policy=policy or draw(st.sampled_from(["nutp", "drop", "uniform-reduce"])),
     )

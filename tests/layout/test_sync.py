@@ -118,3 +118,71 @@ def test_uniform_layout_moves_nothing_and_matches_dp_groups() -> None:
     lay = make_sync_layout(12, [4, 4, 4], "base")
     assert reshard_plan(lay, 4).transfers == ()
     assert list(lay.owners[4]) == [0, 1, 2, 3]
+
+
+@settings(max_examples=150, deadline=None)
+@given(units=st.integers(1, 300), degrees=st.lists(st.integers(1, 8), min_size=2, max_size=4),
+       mode=st.sampled_from(["refine", "base"]), data=st.data())
+def test_nic_aware_owners(units: int, degrees: list[int], mode: str, data: st.DataObject
+                          ) -> None:
+    """Issue #36 item 3(a): a replica with slow NICs re-chooses its own owners. Every unit is
+    still owned once per replica; a rank slower than the fastest owns nothing (a peer at the
+    full rate exists); the other replicas' owners of every unit are unchanged (``refine``) or
+    move no more units than before (``base``: re-chosen by overlap); the full-rate
+    ranks' unit counts differ by at most one unit beyond what the balance needs; the reshard
+    moves stay consistent (each moved piece lands at its shard's owner)."""
+    degrees = [min(d, units) for d in degrees]
+    i = data.draw(st.integers(0, len(degrees) - 1))
+    t = degrees[i]
+    slow = data.draw(st.dictionaries(st.integers(0, t - 1), st.sampled_from([0.25, 0.5]),
+                                     max_size=max(t - 1, 0)))
+    from nemo_nutp.layout.sync import nic_aware
+
+    base = make_sync_layout(units, degrees, mode)
+    lay = nic_aware(base, i, t, slow)
+    if t < 2 or not slow:
+        assert lay is base
+        return
+
+    def unit_owner(layout: object, rep: int, deg: int) -> np.ndarray:
+        own = layout.owners_of(deg, rep)  # type: ignore[attr-defined]
+        return np.repeat(own, np.diff(layout.shards))  # type: ignore[attr-defined]
+
+    for r, d in enumerate(degrees):  # refine: unchanged; base: re-chosen by overlap, never
+        if r != i:  # moving more than before
+            if mode == "refine":
+                assert np.array_equal(unit_owner(lay, r, d), unit_owner(base, r, d))
+            assert (reshard_plan(lay, d, r).moved_units
+                    <= reshard_plan(base, d, r).moved_units)
+    mine = unit_owner(lay, i, t)
+    assert len(mine) == units
+    counts = np.bincount(mine, minlength=t)
+    assert all(counts[j] == 0 for j in slow)
+    fast = [j for j in range(t) if j not in slow]
+    assert max(counts[fast]) - min(counts[fast]) <= 1, counts
+    for src, dst, lo, hi in reshard_plan(lay, t, i).transfers:
+        assert np.all(mine[lo:hi] == dst) and src != dst
+
+
+def test_nic_aware_plan_predicts_the_mitigated_sync() -> None:
+    """Two TP4 replicas in two domains, GPU 5's NIC at 1/4: unmitigated, the sync takes 4x
+    (GPU 5 and its partner GPU 1 carry a quarter of the units at 1/4 of the rate); with the
+    NIC-aware owners GPU 5 owns nothing and its three peers carry 4/3 of a healthy rank's
+    bytes at the full rate (~1.33x). A plan without slow links is the healthy one, bit for
+    bit."""
+    from nemo_nutp.config import load_config
+    from nemo_nutp.config.derived import plan_request
+    from nemo_nutp.layout import build_plan
+
+    base = ["health.failed_gpus=[]", "parallel.tp_base=4"]
+    healthy = build_plan(plan_request(load_config(base)))
+    aware = build_plan(plan_request(load_config([*base, "health.slow_links={5: 0.25}"])))
+    assert healthy.rank_to_gpu == aware.rank_to_gpu
+    rate, slow = 1.0, {5: 0.25}
+    t0 = healthy.sync_seconds(rate)
+    assert healthy.sync_seconds(rate, slow) / t0 >= 3.9
+    ratio = aware.sync_seconds(rate, slow) / t0
+    assert 1.3 <= ratio <= 1.45, ratio
+    five = [g for g, _ in aware.sync_traffic() if 5 in g]
+    assert not five  # GPU 5 reduces nothing across replicas
+    assert sum(b for _, b in aware.sync_traffic()) == sum(b for _, b in healthy.sync_traffic())

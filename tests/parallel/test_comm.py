@@ -80,11 +80,32 @@ def test_emulated_op_completes_late_and_is_timed() -> None:
     comm.track(Done(), ("p2p", 5), 25_000, False)  # 0.025 s x 4
     comm.track(Done(), ("p2p", 6), 25_000, False)  # GPU 6: not slowed
     assert 0.125 <= time.perf_counter() - t0 < 0.5
-    per_pair = {s.nbytes: s.busy_s for s in comm.take_step() if s.nbytes}
+    per_pair = {s.nbytes: s.busy_s for s in comm.take_step().lanes if s.nbytes}
     assert per_pair[25_000] > 0  # both pairs timed on their own lanes
     assert comm.factor([1, 5]) == 4.0 and comm.factor([1, 6]) == 1.0
     comm.close()  # the helpers end; a later op starts a new one
     assert not comm.lanes and comm.track(Done(), ("p2p", 5), 1, False) is None
+
+
+def test_one_nic_per_gpu_is_shared_by_its_groups() -> None:
+    """Two cross-domain groups of one rank share its NIC: ops issued at once on both complete
+    one after the other (2 x 0.05 s), and the rank's rate (the NIC's busy time, overlaps once)
+    is the emulated one; a pair inside the domain stays free."""
+    comm = Comm(Domains(tuple(range(8)), 4), rank=1, rate_mb_s=1.0)
+    t0 = time.perf_counter()
+    a = comm.track(Done(), ("p2p", 5), 50_000, True)
+    b = comm.track(Done(), ("p2p", 6), 50_000, True)  # another group: queued on the same NIC
+    a.wait()
+    t_a = time.perf_counter() - t0
+    b.wait()
+    t_b = time.perf_counter() - t0
+    assert 0.05 <= t_a < 0.09 and t_b >= 0.1, (t_a, t_b)
+    traffic = comm.take_step()
+    rate, nbytes = scale_out_rate(traffic)
+    assert nbytes == 100_000 and rate == pytest.approx(1.0, rel=0.3)
+    lanes = sorted(s.busy_s for s in traffic.lanes if s.nbytes)
+    assert lanes[1] >= 0.095  # b's group was in flight while a's op held the NIC
+    comm.close()
 
 
 def test_failed_op_raises_in_the_waiter() -> None:
