@@ -257,19 +257,26 @@ def lost_steps(last_done: int | None, resume_step: int) -> int:
     return 0 if last_done is None else max(0, last_done + 1 - resume_step)
 
 
-def job_for(cfg: JobConfig, failed: frozenset[int], slow: Mapping[int, float] | None = None
-            ) -> JobConfig:
+def job_for(cfg: JobConfig, failed: frozenset[int], slow: Mapping[int, float] | None = None,
+            links: Mapping[int, float] | None = None) -> JobConfig:
     """The job config for a set of failed GPUs and stragglers (``slow``: GPU -> relative speed,
-    found while running; added to the configured ones). The policy re-plans degrees from health.
+    found while running; added to the configured ones) and slow NICs (``links``: GPU ->
+    relative scale-out rate found while running, replacing the configured ones; None: the
+    configured ones). The policy re-plans degrees from health.
 
     Explicit ``nutp.replicas`` cannot describe a new failure, so it is dropped once the health
     differs from the configured one (the health report's entries are carried over)."""
     health = cfg.health.as_report()
     speeds = {**dict(health.slow_gpus), **dict(slow or {})}
-    if failed == frozenset(health.failed_gpus) and speeds == dict(health.slow_gpus):
+    nics = dict(health.slow_links) if links is None else {int(g): float(v)
+                                                          for g, v in links.items()}
+    if (failed == frozenset(health.failed_gpus) and speeds == dict(health.slow_gpus)
+            and nics == dict(health.slow_links)):
         return cfg
     now = dataclasses.replace(cfg.health, failed_gpus=sorted(failed), slow_gpus=speeds or None,
-                              report=None)
+                              slow_links=nics or None, report=None)
+    if failed == frozenset(health.failed_gpus) and speeds == dict(health.slow_gpus):
+        return dataclasses.replace(cfg, health=now)  # the sync layout alone changes
     nutp = dataclasses.replace(cfg.nutp, replicas=None)
     return dataclasses.replace(cfg, health=now, nutp=nutp)
 

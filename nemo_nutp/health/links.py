@@ -122,6 +122,63 @@ def localise(pairs: Sequence[Pair], seconds: Sequence[float], suspects: Sequence
     return out
 
 
+HISTORY = 32
+"""Step times the watch keeps (the healthy baseline of the mitigation ladder)."""
+SETTLED_STEPS = 5
+"""Steps after a mitigation whose median is its measured step time (``link_mitigation``)."""
+MIN_GAIN = 0.05
+"""A rung is taken only when it is predicted at least this much faster than doing nothing."""
+
+
+@dataclass(frozen=True)
+class Rung:
+    """One rung of the mitigation ladder (issue #36 item 3, cheapest first): its predicted step
+    seconds from the cost model (None: does not apply, ``note`` says why)."""
+
+    action: str  # ignore | sync_relayout | resplit | exclude | restart | restore
+    predicted_step_s: float | None
+    note: str = ""
+    applies: bool = True
+    """Whether this release can take it live (``exclude`` and ``restart`` are predicted only)."""
+
+
+def choose(rungs: Sequence[Rung], *, live: bool) -> tuple[Rung, str]:
+    """The rung to take and why: the fastest predicted rung this run can apply (live mode),
+    if it beats ``ignore`` by ``MIN_GAIN``; else ``ignore``."""
+    base = next(r for r in rungs if r.action == "ignore")
+    assert base.predicted_step_s is not None
+    cands = [r for r in rungs if r.predicted_step_s is not None and r.action != "ignore"]
+    if not cands:
+        return base, "no rung applies"
+    best = min(cands, key=lambda r: (r.predicted_step_s or 0.0))
+    gain = 1.0 - (best.predicted_step_s or 0.0) / base.predicted_step_s
+    if gain < MIN_GAIN:
+        return base, f"the best rung ({best.action}) gains {gain:.1%} < {MIN_GAIN:.0%}"
+    if not live:
+        return base, (f"{best.action} is predicted {gain:.1%} faster, but re-layouts for a "
+                      "link run live only (recovery.mode=live)")
+    if not best.applies:
+        ok = [r for r in cands if r.applies and r.predicted_step_s is not None
+              and 1.0 - r.predicted_step_s / base.predicted_step_s >= MIN_GAIN]
+        if not ok:
+            return base, f"{best.action} is predicted best but is not applied live yet"
+        best = min(ok, key=lambda r: (r.predicted_step_s or 0.0))
+    gain = 1.0 - (best.predicted_step_s or 0.0) / base.predicted_step_s
+    return best, f"predicted {gain:.1%} faster than doing nothing"
+
+
+@dataclass
+class Mitigation:
+    """A mitigation taken: measured over the ``SETTLED_STEPS`` steps after ``step``."""
+
+    action: str
+    predicted_step_s: float
+    healthy_step_s: float
+    slowed_step_s: float
+    step: int
+    measured: list[float] = field(default_factory=list)
+
+
 @dataclass
 class LinkWatch:
     """Rank 0's detectors and marks (module docstring). ``replica_of``: each GPU's replica."""
@@ -132,6 +189,47 @@ class LinkWatch:
     rate_detectors: list[Cusum] = field(default_factory=list)
     marked: dict[int, int] = field(default_factory=dict)
     """GPU found slow -> the step of its ``slow_link``."""
+    ratios: dict[int, float] = field(default_factory=dict)
+    """GPU found slow -> its measured rate over the reference pair's."""
+    history: list[tuple[int, float, float | None]] = field(default_factory=list)
+    """The last ``HISTORY`` steps: (step, seconds, fastest GPU's scale-out MB/s or None)."""
+    mitigation: Mitigation | None = None
+
+    def carry(self, replica_of: Mapping[int, int], replicas: int) -> LinkWatch:
+        """This watch's marks, history and mitigation in a new world (fresh detectors: the
+        step time changed with the layout)."""
+        return LinkWatch(replica_of, replicas, marked=dict(self.marked),
+                         ratios=dict(self.ratios), history=list(self.history),
+                         mitigation=self.mitigation)
+
+    def healthy_step_s(self, before: int) -> float:
+        """Median step time of the kept steps before ``before`` (excluding the first kept
+        step: start-up), or of all kept steps when none is older."""
+        xs = [t for s, t, _ in self.history if s < before]
+        xs = xs[1:] if len(xs) > 2 else xs
+        xs = xs or [t for _, t, _ in self.history]
+        return float(sorted(xs)[len(xs) // 2])
+
+    def healthy_rate(self, before: int) -> float | None:
+        xs = sorted(r for s, _, r in self.history if s < before and r is not None)
+        return float(xs[len(xs) // 2]) if xs else None
+
+    def settle(self, step: int, step_s: float) -> dict[str, Any] | None:
+        """A step after a mitigation: its ``link_mitigation`` event once ``SETTLED_STEPS``
+        steps are measured (then None again)."""
+        m = self.mitigation
+        if m is None or step <= m.step:
+            return None
+        m.measured.append(step_s)
+        if len(m.measured) < SETTLED_STEPS:
+            return None
+        self.mitigation = None
+        xs = sorted(m.measured)
+        return {"event": "link_mitigation", "action": m.action,
+                "predicted_step_s": round(m.predicted_step_s, 4),
+                "measured_step_s": round(xs[len(xs) // 2], 4),
+                "healthy_step_s": round(m.healthy_step_s, 4),
+                "slowed_step_s": round(m.slowed_step_s, 4), "step": step}
 
     def __post_init__(self) -> None:
         if not self.rate_detectors:
@@ -141,6 +239,8 @@ class LinkWatch:
                 ) -> list[int]:
         """Judge one step (``gather_times``' step seconds and per-replica rates); the GPUs to
         probe at the next boundary (suspects and due re-probes; empty: none)."""
+        fastest = max((float(r["max"]) for r in rates if r is not None), default=None)
+        self.history = [*self.history, (step, step_s, fastest)][-HISTORY:]
         self.step_detector.add(max(step_s, 1e-9))
         slowed = self.step_detector.ratio(step_s) > self.step_detector.tolerance
         out: list[int] = []
@@ -162,10 +262,12 @@ class LinkWatch:
         for gpu, (slow, ratio) in localise(pairs, seconds, suspects).items():
             if slow and gpu not in self.marked:
                 self.marked[gpu] = step
+                self.ratios[gpu] = ratio
                 events.append({"event": "slow_link", "gpus": [gpu], "kind": "nic",
                                "rate_ratio": round(ratio, 4), "step": step})
             elif not slow and gpu in self.marked:
                 del self.marked[gpu]
+                self.ratios.pop(gpu, None)
                 events.append({"event": "link_recovered", "gpus": [gpu], "step": step})
         if any(e["event"] == "link_recovered" for e in events):
             restart = list(self.rate_detectors)

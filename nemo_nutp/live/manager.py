@@ -135,15 +135,21 @@ class LiveManager(Generic[R]):
     # -- a new world -----------------------------------------------------------------------
 
     def relayout(self, run: R, error: BaseException | None, *,
-                 slow: dict[int, float] | None = None) -> tuple[R, int]:
+                 slow: dict[int, float] | None = None,
+                 links: dict[int, float] | None = None) -> tuple[R, int]:
         """The world this rank trained in stopped (``error``; None: at the step boundary the
         vote agreed on, GPUs are back, or ``slow``: stragglers to re-plan around): report,
         follow the control process's decision, join the next world with the state moved.
         ``run`` is closed. Returns the new run and the step it starts at (last committed + 1).
+        ``links``: rank 0's slow NICs now (its link watch changed them: the sync layout is
+        re-planned around them; other ranks pass ``{}``).
         """
         link = self.link
-        if slow and dist.get_rank() == 0:  # the control process re-plans around it
-            link.post("boundary", {"slow_gpus": {str(g): v for g, v in slow.items()}})
+        if (slow or links is not None) and dist.get_rank() == 0:  # the control re-plans
+            post: dict[str, Any] = {"slow_gpus": {str(g): v for g, v in (slow or {}).items()}}
+            if links is not None:
+                post["slow_links"] = {str(g): v for g, v in links.items()}
+            link.post("boundary", post)
         if error is None:
             link.boundary()
         else:
@@ -242,7 +248,9 @@ class LiveManager(Generic[R]):
         control process's: checked against its ``rank_to_gpu``)."""
         from ..health.decisions import job_for
 
-        job = job_for(self.cfg, frozenset(d["failed_gpus"]), _slow(d))
+        links = ({int(g): float(v) for g, v in d["slow_links"].items()}
+                 if "slow_links" in d else None)
+        job = job_for(self.cfg, frozenset(d["failed_gpus"]), _slow(d), links)
         plan = replan(old_plan, job)
         if list(plan.rank_to_gpu) != d["rank_to_gpu"]:
             raise RuntimeError(f"re-planned rank_to_gpu={list(plan.rank_to_gpu)} but the "

@@ -99,6 +99,9 @@ class World:
     slow: dict[int, float] = field(default_factory=dict)  # stragglers excluded (GPU -> speed)
     nodes: tuple[str, ...] = ()  # the host's node names (``hosts.Host.node_names``): reasons
 
+    links: dict[int, float] = field(default_factory=dict)  # slow NICs planned around (GPU ->
+    # relative rate; rank 0's link watch, ``train/links.py``)
+
     def alive(self) -> list[int]:
         return [r for r, p in enumerate(self.procs) if p.exitcode is None]
 
@@ -205,7 +208,7 @@ def _relayout(store: Any, cfg: JobConfig, w: World, folded: list[Failure], *, de
             raise Fallback(str(e)) from None
         gpus = tuple(w.plan.rank_to_gpu[r] for r in failure.ranks)
         failed = next_failed(w.failed, gpus, watch.read_health(rdir / "health.json"))
-        job = job_for(cfg, failed, w.slow)
+        job = job_for(cfg, failed, w.slow, w.links)
         try:
             plan = replan(w.plan, job)
         except ValueError as e:
@@ -229,14 +232,15 @@ def _relayout(store: Any, cfg: JobConfig, w: World, folded: list[Failure], *, de
         "action": "live", "step": dec.step, "apply": [w.slots[r] for r in dec.apply],
         "failed_gpus": sorted(failed), "rank_to_gpu": list(plan.rank_to_gpu),
         "dead_ranks": list(failure.ranks), "detected_at": detected, "heartbeat_dir": str(hb),
-        "slow_gpus": {str(g): v for g, v in w.slow.items()}}))
+        "slow_gpus": {str(g): v for g, v in w.slow.items()},
+        "slow_links": {str(g): v for g, v in w.links.items()}}))
     new_procs, new_slots = [], []
     for g in plan.rank_to_gpu:
         old = list(w.plan.rank_to_gpu).index(g)
         new_procs.append(w.procs[old])
         new_slots.append(w.slots[old])
     nw = World(job, plan, new_procs, new_slots, failed, gen, hb, w.next_slot, dict(w.slow),
-               w.nodes)
+               w.nodes, dict(w.links))
     _wait_keys(store, [f"started{gen}"], nw, list(range(len(new_procs))), START_TIMEOUT_S,
                "the new world was being built")
     started = json.loads(store.get(f"started{gen}"))
@@ -293,19 +297,24 @@ def read_slow(rdir: Path) -> dict[int, float] | None:
         return None
 
 
-def _posted_slow(store: Any, w: World) -> dict[int, float]:
-    """Stragglers rank 0 asked to re-lay out around at this world's boundary (``boundary<gen>``,
-    ``nutp.exclude_stragglers``)."""
+def _posted_slow(store: Any, w: World) -> tuple[dict[int, float], dict[int, float] | None]:
+    """What rank 0 asked to re-lay out around at this world's boundary (``boundary<gen>``):
+    stragglers (``nutp.exclude_stragglers``) and, when its link watch changed them, the slow
+    NICs now (the whole set; None: unchanged)."""
     key = f"boundary{w.gen}"
     if not store.check([key]):
-        return {}
-    return {int(g): float(v) for g, v in json.loads(store.get(key))["slow_gpus"].items()}
+        return {}, None
+    post = json.loads(store.get(key))
+    links = post.get("slow_links")
+    return ({int(g): float(v) for g, v in post.get("slow_gpus", {}).items()},
+            None if links is None else {int(g): float(v) for g, v in links.items()})
 
 
 def _grow_plan(store: Any, cfg: JobConfig, w: World, rdir: Path
-               ) -> tuple[frozenset[int], dict[int, float], Any, Any, dict[int, int], list[int]]:
-    """Failed GPUs, stragglers, job, plan, survivors' rank map and joiners (new ranks) of a
-    boundary re-layout. The reports are read again here: every GPU reported back (health
+               ) -> tuple[frozenset[int], dict[int, float], dict[int, float], Any, Any,
+                          dict[int, int], list[int]]:
+    """Failed GPUs, stragglers, slow NICs, job, plan, survivors' rank map and joiners (new
+    ranks) of a boundary re-layout. The reports are read again here: every GPU reported back (health
     report, ``slow.json``) until every rank stopped at the boundary joins this one re-layout
     (close returns batched), and a straggler found meanwhile is excluded by it too."""
     from ..health.decisions import returned_gpus
@@ -314,8 +323,10 @@ def _grow_plan(store: Any, cfg: JobConfig, w: World, rdir: Path
     failed = w.failed - returned_gpus(w.failed, watch.read_health(rdir / "health.json"))
     listed = read_slow(rdir)
     slow = {g: v for g, v in w.slow.items() if listed is None or g in listed}
-    slow.update(_posted_slow(store, w))
-    job = job_for(cfg, failed, slow)
+    posted, links = _posted_slow(store, w)
+    slow.update(posted)
+    links = dict(w.links) if links is None else links
+    job = job_for(cfg, failed, slow, links)
     try:
         plan = replan(w.plan, job)
     except ValueError as e:
@@ -325,7 +336,7 @@ def _grow_plan(store: Any, cfg: JobConfig, w: World, rdir: Path
     mv = plan_move(w.plan, plan, rank_map, joiners=frozenset(joiners))
     if not mv.possible:
         raise Fallback(f"state cannot move: {mv.reason}")
-    return failed, slow, job, plan, rank_map, joiners
+    return failed, slow, links, job, plan, rank_map, joiners
 
 
 def grow(store: Any, cfg: JobConfig, w: World, why: str, *, detected: float, rdir: Path,
@@ -349,7 +360,7 @@ def grow(store: Any, cfg: JobConfig, w: World, why: str, *, detected: float, rdi
     except RuntimeError as e:
         raise Fallback(str(e)) from None
     out_at = max(p["out_at"] for p in posts.values())
-    failed, slow, job, plan, rank_map, joiners = _grow_plan(store, cfg, w, rdir)
+    failed, slow, links, job, plan, rank_map, joiners = _grow_plan(store, cfg, w, rdir)
     watch.write_health(rdir / "health.json", failed)
     from ..layout.serialize import write_json_atomic
 
@@ -361,6 +372,7 @@ def grow(store: Any, cfg: JobConfig, w: World, why: str, *, detected: float, rdi
     store.set(f"decision{w.gen}", json.dumps({
         "action": "live", "step": dec.step, "apply": [], "failed_gpus": sorted(failed),
         "slow_gpus": {str(g): v for g, v in slow.items()},
+        "slow_links": {str(g): v for g, v in links.items()},
         "rank_to_gpu": list(plan.rank_to_gpu), "dead_ranks": [], "joiners": joiners,
         "detected_at": detected, "heartbeat_dir": str(hb)}))
     inv = {n: o for o, n in rank_map.items()}
@@ -373,7 +385,7 @@ def grow(store: Any, cfg: JobConfig, w: World, why: str, *, detected: float, rdi
         procs.append(start_joiner(nxt, w.plan, plan.rank_to_gpu[n], gen, hb))
         slots.append(nxt)
         nxt += 1
-    nw = World(job, plan, procs, slots, failed, gen, hb, nxt, slow, w.nodes)
+    nw = World(job, plan, procs, slots, failed, gen, hb, nxt, slow, w.nodes, links)
     joined = [procs[n] for n in joiners]
     log_event("live_joiners", file=rdir / "events.jsonl", gen=gen, joiners=joiners,
               pids=[p.pid for p in joined])
@@ -390,10 +402,14 @@ def grow(store: Any, cfg: JobConfig, w: World, why: str, *, detected: float, rdi
             w.procs[r].join(timeout=30)
     back = sorted((w.failed - failed) | (set(w.slow) - set(slow)))
     left = sorted(set(slow) - set(w.slow))
+    nics = sorted(set(links) ^ set(w.links))  # slow NICs found or recovered
     return nw, {"attempt": attempt, "gen": gen, "ranks": [w.slots[r] for r in ranks
                                                           if r not in rank_map],
-                "gpus": back or left, "excluded_gpus": left, "returned_gpus": back,
-                "reason": "straggler" if left else "GPU back", "detected_at": detected,
+                "gpus": back or left or nics, "excluded_gpus": left, "returned_gpus": back,
+                "slow_links": {str(g): v for g, v in sorted(links.items())},
+                "reason": ("straggler" if left else "GPU back" if back else
+                           "slow link" if set(links) - set(w.links) else "link recovered"),
+                "detected_at": detected,
                 "unblock_s": max(0.0, out_at - detected),
                 "relayout_s": started["t"] - detected, "committed_step": dec.step,
                 "resume_step": started["resume_step"], "lost_steps": 0, "recomputed_steps": 0,
@@ -419,7 +435,7 @@ def gpus_back(cfg: JobConfig, w: World, rdir: Path) -> tuple[frozenset[int], str
     if not back and not slow_back:
         return frozenset(), None
     slow = {g: v for g, v in w.slow.items() if g not in slow_back}
-    fuller = build_plan(plan_request(job_for(cfg, w.failed - back, slow)))
+    fuller = build_plan(plan_request(job_for(cfg, w.failed - back, slow, w.links)))
     if watch.layout_of(fuller) == watch.layout_of(w.plan):
         return back | slow_back, "the layout does not change"
     return back | slow_back, None
@@ -430,7 +446,7 @@ def handle_grow(store: Any, cfg: JobConfig, w: World, back: frozenset[int], *, r
     """A boundary re-layout (``back``: GPUs reported back; empty: rank 0 posted a straggler):
     the new world, the fallback reason, or None (the job ended first)."""
     events = rdir / "events.jsonl"
-    why = f"GPUs {sorted(back)} back" if back else "straggler excluded"
+    why = f"GPUs {sorted(back)} back" if back else "straggler excluded or a link changed"
     if back:
         log_event("scale_up_requested", file=events, gpus=sorted(back), mode="live", gen=w.gen)
     detected = time.time()
@@ -446,7 +462,9 @@ def handle_grow(store: Any, cfg: JobConfig, w: World, back: frozenset[int], *, r
         console.print(f"[yellow]recovery:[/] live re-layout not possible ({e}): planned "
                       "restart from the newest checkpoint")
         return str(e)
-    cause = "straggler" if fields["excluded_gpus"] else "gpu_back"
+    cause = ("straggler" if fields["excluded_gpus"] else "gpu_back" if fields["returned_gpus"]
+             else "slow_link")
+    why = fields["reason"] if cause == "slow_link" else why
     log_event("live_relayout", file=events, cause=cause, **fields)
     console.print(f"[green]recovery:[/] {why}: live re-layout to {fields['replica_tp']} in "
                   f"{fields['relayout_s']:.2f} s ({fields['processes_started']} processes "
@@ -519,7 +537,7 @@ def run_world(cfg: JobConfig, job: JobConfig, plan: Plan,
     log_event("live_world", file=rdir / "events.jsonl", attempt=attempt, gen=0,
               pids=[p.pid for p in procs])
     w = World(job, plan, procs, list(range(plan.world_size)), failed, 0, hb, plan.world_size,
-              nodes=host.node_names)
+              nodes=host.node_names, links=dict(plan.request.health.slow_links))
 
     def start_joiner(slot: int, old_plan: Plan, gpu: int, gen: int, hb: Path) -> Any:
         return host.start_joiner(slot, job, old_plan, gpu, gen,

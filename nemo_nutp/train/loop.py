@@ -207,6 +207,7 @@ class Trainer:
         # slow_link faults keyed by GPU: taken from the first world's plan, kept by every
         # later world of this process (None: no world yet)
         self.links: tuple[LinkFault, ...] | None = None
+        self.link_watch: Any = None  # rank 0's LinkWatch, carried into the next world
 
     def build(self, job: JobConfig, plan: Plan) -> RankSession:
         from .schedule import schedule_of
@@ -226,8 +227,10 @@ class Trainer:
     def make_run(self, job: JobConfig, plan: Plan, session: RankSession, *,
                  start: int | None = None, ledger: GoodputLedger | None = None) -> Run:
         run = Run(job, plan, session, start=start, ledger=ledger, live_mode=self.live,
-                  on_checkpoint=self.on_checkpoint, links=self.links)
+                  on_checkpoint=self.on_checkpoint, links=self.links, watch=self.link_watch)
         self.links = run.links
+        if run.link_watch is not None and run.link_watch.watch is not None:
+            self.link_watch = run.link_watch.watch
         return run
 
 
@@ -238,7 +241,7 @@ class Run:
                  start: int | None = None, ledger: GoodputLedger | None = None,
                  live_mode: bool = False,
                  on_checkpoint: Callable[[int], None] | None = None,
-                 links: tuple[LinkFault, ...] | None = None) -> None:
+                 links: tuple[LinkFault, ...] | None = None, watch: Any = None) -> None:
         from ..checkpoint.hooks import CheckpointHooks
         from ..train.rebalance import LiveBalance
         from .schedule import schedule_of
@@ -270,7 +273,8 @@ class Run:
             if watched(self.comm):
                 self.link_watch = LinkProbe(plan, self.comm,
                                             next(session.model.parameters()).device,
-                                            rank0=self.rank0)
+                                            rank0=self.rank0, cfg=cfg, live=live_mode,
+                                            carried=watch, start=start or 0)
         if start is None:
             start = self.hooks.resume(self.ledger)
         else:  # live re-layout: start-of-step faults are the first world's only
@@ -374,9 +378,12 @@ def train_rank(cfg: JobConfig, plan: Plan, *, device: torch.device | None = None
                     break
                 if manager is not None:
                     slow = run.balance.exclusion()
-                    if manager.boundary_due(slow) and step + 1 < cfg.train.steps:
+                    links = (run.link_watch.relayout_due() if run.link_watch is not None
+                             else None)  # the same on every rank (train/links.py)
+                    if ((manager.boundary_due(slow) or links is not None)
+                            and step + 1 < cfg.train.steps):
                         run.close()
-                        run, step = manager.relayout(run, None, slow=slow)
+                        run, step = manager.relayout(run, None, slow=slow, links=links)
                         continue
             except Exception as e:
                 if manager is None or not manager.is_stop(e):
