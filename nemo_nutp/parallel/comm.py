@@ -40,10 +40,21 @@ cross-domain groups at once (``Comm.nic``: the NIC's busy time, ops of different
 flight together counted once), which gives the rank's scale-out rate. Cost per step: O(groups
 this rank used).
 
+Device events under NCCL: an op's interval is timed on the device, not the host. A start event
+is recorded on the caller's stream right after the op is issued (the collective's stream waits
+for that point before it runs) and an end event on a side stream made to wait for the op
+(``work.wait()`` under that stream: the caller's stream is not ordered after it, so overlap is
+untouched); both are placed on the device timeline by their elapsed time from a reference
+event of the ``Comm`` (``DeviceClock``), and the helper thread polls the end event. So a
+collective queued behind a long kernel is not counted as in flight while the device had not
+reached it (host timing would count it). Checked by ``make gpu-check``
+(``tests/gpu/test_gpu.py``); CI has no GPU.
+
 Threads: one daemon helper per group this rank issued an op on, started lazily; it only waits
 and sleeps, and ends at ``close`` (``train/loop.py``: when a world's run closes). Under NCCL a
-helper cannot ``wait`` (that orders a stream, not the host): it polls ``is_completed``; the
-caller's ``wait`` still calls the real ``wait`` afterwards (stream order). Without an emulated
+helper cannot ``wait`` (that orders a stream, not the host): it polls the end event (or
+``is_completed`` without CUDA events); the caller's ``wait`` still calls the real ``wait``
+afterwards (stream order). Without an emulated
 delay an NCCL handle is not held at all: the caller's ``wait`` is the real one (the host never
 blocks on device completion, so overlap is as without ``Comm``); only the timing is the
 helper's. That NCCL path has not run on a GPU yet.
@@ -146,14 +157,40 @@ class _Busy:
         return out
 
 
+class DeviceClock:
+    """Device-timeline seconds of CUDA events: elapsed time from one reference event recorded
+    when the clock was made (events of one device). ``begin(work)`` / ``end(...)``: the start
+    and end events of an op just issued (module docstring)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.side = torch.cuda.Stream(device=device)
+        self.ref = torch.cuda.Event(enable_timing=True)
+        self.ref.record(torch.cuda.current_stream(device))
+
+    def bracket(self, work: Any) -> tuple[Any, Any]:
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record(torch.cuda.current_stream(self.device))
+        self.side.wait_event(start)
+        with torch.cuda.stream(self.side):
+            work.wait()  # the side stream (not the caller's) waits for the op
+            end.record(self.side)
+        return start, end
+
+    def seconds(self, ev: Any) -> float:
+        return float(self.ref.elapsed_time(ev)) / 1e3
+
+
 class _Handle:
     """What an op returns: ``wait`` / ``is_completed`` of the real work, held back until the
-    emulated time has passed."""
+    emulated time has passed. ``events``: its (clock, start, end) under NCCL (device timing)."""
 
     def __init__(self, work: Any, *, nbytes: int, issued: float, release: float,
-                 nccl: bool) -> None:
+                 nccl: bool, events: tuple[Any, Any, Any] | None = None) -> None:
         self.work, self.nbytes, self.issued, self.release = work, nbytes, issued, release
         self.nccl = nccl
+        self.events = events
         self.done = threading.Event()
         self.error: BaseException | None = None
 
@@ -194,8 +231,13 @@ class _Lane:
             h = self.q.get()
             if h is None:  # Comm.close: the ops queued before it are done
                 return
+            issued = h.issued
             try:
-                if h.nccl:
+                if h.events is not None:  # device timing: the op's interval on the device
+                    clock, start, end = h.events
+                    while not end.query():
+                        time.sleep(1e-4)
+                elif h.nccl:
                     while not h.work.is_completed():
                         time.sleep(1e-4)
                 else:
@@ -206,9 +248,11 @@ class _Lane:
             if h.release > now:
                 time.sleep(h.release - now)
                 now = time.perf_counter()
-            self.busy.add(h.nbytes, h.issued, now)
+            if h.events is not None and h.error is None and h.release <= h.issued:
+                issued, now = clock.seconds(start), clock.seconds(end)
+            self.busy.add(h.nbytes, issued, now)
             if self.nic is not None:
-                self.nic.add(h.nbytes, h.issued, now)
+                self.nic.add(h.nbytes, issued, now)
             h.done.set()
 
 
@@ -226,6 +270,7 @@ class Comm:
     lanes: dict[Any, _Lane] = field(default_factory=dict)
     nic: _Busy = field(default_factory=lambda: _Busy(True))
     nic_free_at: float = 0.0  # when the emulated NIC is next free (caller's thread only)
+    clock: DeviceClock | None = None  # NCCL: device-event timing (made at the first op)
 
     def begin_step(self, step: int) -> None:
         """Step ``step`` starts: the slow-link factors of its ops; a slow link of this rank's
@@ -314,8 +359,14 @@ class Comm:
             start = max(now, self.nic_free_at)
             release = self.nic_free_at = start + delay_s(nbytes, self.rate_mb_s,
                                                          self.factor(lane.members))
-        h = _Handle(work, nbytes=nbytes, issued=now, release=release,
-                    nccl=_is_nccl(group))
+        nccl = _is_nccl(group)
+        events = None
+        if nccl and release <= now and torch.cuda.is_available():  # device timing
+            if self.clock is None:
+                self.clock = DeviceClock(torch.device("cuda", torch.cuda.current_device()))
+            events = (self.clock, *self.clock.bracket(work))
+        h = _Handle(work, nbytes=nbytes, issued=now, release=release, nccl=nccl,
+                    events=events)
         lane.q.put(h)
         if async_op:
             return h

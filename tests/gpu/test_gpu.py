@@ -17,6 +17,8 @@ are the claims to check, not values seen on hardware.
 5. Hang blame's device progress (``health.watch.CollectiveLog`` with ``device_event``):
    a collective queued behind a long kernel is entered on the host at once but counted as
    reached only when the device gets there.
+6. ``parallel/comm.py``'s device-event timing of collectives: an op queued behind a long
+   kernel counts only its own device interval (issue #36).
 """
 
 from __future__ import annotations
@@ -295,3 +297,38 @@ def test_collective_log_counts_what_the_device_reached(record_property: Any) -> 
     assert log.entered == {"7": 2} and host_s < 0.1  # the host returned at once
     assert behind == {"7": 0}, behind  # the device had not reached the first one
     assert caught_up == {"7": 2}, caught_up
+
+
+def test_comm_times_collectives_on_the_device(record_property: Any) -> None:
+    """``parallel/comm.py`` under NCCL times an op by device events (issue #36 item 1): an
+    all-reduce queued behind a ~1 s kernel is in flight on the host for that second, but its
+    device interval is the all-reduce's alone; the rank's rate comes from the device time."""
+    import torch.distributed as dist
+
+    from nemo_nutp.parallel.comm import Comm, Domains
+
+    _one_rank_groups()  # a one-rank NCCL world
+    comm = Comm(Domains((0,), 1), rank=0)
+    x = torch.ones(1 << 22, device=CUDA)  # 16 MB
+    comm.all_reduce(x, group=None)  # warm-up: NCCL's communicator
+    torch.cuda.synchronize()
+    comm.take_step()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of device time ahead of the collective
+    t0 = time.perf_counter()
+    h = comm.all_reduce(x, group=None, async_op=True)
+    h.wait()
+    torch.cuda.synchronize()
+    host_s = time.perf_counter() - t0
+    deadline = time.monotonic() + 10
+    while True:  # the helper thread finds the end event
+        lanes = [s for s in comm.take_step().lanes if s.nbytes]
+        if lanes or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    comm.close()
+    (lane,) = lanes
+    record_property("host_s", host_s)
+    record_property("device_s", lane.busy_s)
+    assert dist.get_backend() == "nccl" and lane.nbytes == x.numel() * 4
+    assert host_s > 0.3, host_s  # the kernel ran first
+    assert 0.0 < lane.busy_s < 0.1 * host_s, (lane.busy_s, host_s)
