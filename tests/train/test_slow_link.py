@@ -104,10 +104,14 @@ def test_slow_link_emulated_detected_and_recovered(tmp_path: Path, plain: list[d
 def test_slow_compute_is_not_a_slow_link(tmp_path: Path, plain: list[dict]) -> None:
     """The emulated network healthy, GPU 5's compute 4x slower: the step slows (the step
     detector fires; GPU 5's sync partners wait in their ops, so their measured rate drops
-    too), yet no ``slow_link``: the probe, if one runs, finds every pair healthy."""
-    rows, events = _train(tmp_path / "compute", EMULATED, *_fault("slow"))
+    too), yet no ``slow_link``: the probe, if one runs, finds every pair healthy; the
+    straggler probe (``nutp.straggler_probe_interval``) reports GPU 5 as a straggler."""
+    rows, events = _train(tmp_path / "compute", EMULATED, *_fault("slow"),
+                          "nutp.straggler_probe_interval=1")
     assert [r["loss"] for r in rows] == [r["loss"] for r in plain]
     assert not [e for e in events if e["event"] in ("slow_link", "link_recovered")], events
+    # the straggler path reports it instead, by its GPU
+    assert {e["gpu"] for e in events if e["event"] == "straggler"} == {5}, events
     assert not [e for e in events if e["event"] == "link_probe" and e["step"] < K], events
     t_healthy = statistics.median(r["step_time_s"] for r in rows[1:K])
     t_slow = statistics.median(r["step_time_s"] for r in rows[K:UNTIL])
