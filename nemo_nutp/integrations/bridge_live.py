@@ -39,12 +39,14 @@ from typing import Any
 
 
 class Boundary(Exception):
-    """The vote agreed to stop after this step (GPUs are back), or a straggler is to be
-    excluded (``slow``: its GPU -> relative speed): leave ``train()``."""
+    """The vote agreed to stop after this step (GPUs are back), a straggler is to be
+    excluded (``slow``: its GPU -> relative speed), or the slow-link watch asks for a sync
+    re-layout (``links``: rank 0's slow NICs now, ``{}`` elsewhere): leave ``train()``."""
 
-    def __init__(self, slow: dict[int, float] | None = None) -> None:
+    def __init__(self, slow: dict[int, float] | None = None,
+                 links: dict[int, float] | None = None) -> None:
         super().__init__("step boundary")
-        self.slow = slow
+        self.slow, self.links = slow, links
 
 
 class BridgeSession:
@@ -118,7 +120,9 @@ class BridgeLiveRun:
                 same_world or not _done_anywhere(trainer.evaluated >= start))
             resume = ResumeAt(start, session.skips, same_world=same_world, eval_pending=owed)
         self.run = start_world(session.world, trainer.out_dir, resume=resume, ledger=ledger,
-                               hooks=hooks, balance=balance, callbacks_extra=self._callbacks)
+                               hooks=hooks, balance=balance, callbacks_extra=self._callbacks,
+                               links=trainer.links, watch=trainer.watch)
+        trainer.links, trainer.watch = self.run.links, self.run.outputs.link_watch()
         self.start = self.run.first_step
 
     @property
@@ -157,8 +161,10 @@ class BridgeLiveRun:
 
         def end(ctx: Any) -> None:  # after the outputs' row and the shares (registered
             slow = self.run.balance.exclusion()  # before this)
-            if manager.boundary_due(slow) and int(ctx.state.train_state.step) + 1 < iters:
-                raise Boundary(slow)
+            links = self.run.outputs.relayout_due()  # the same on every rank
+            if ((manager.boundary_due(slow) or links is not None)
+                    and int(ctx.state.train_state.step) + 1 < iters):
+                raise Boundary(slow, links)
 
         callbacks.register("on_train_step_start", begin)
         callbacks.register("on_train_step_end", end)
@@ -200,6 +206,8 @@ class BridgeTrainer:
         self.pristine = copy.deepcopy(job.bridge)
         self.manager: Any = None
         self.evaluated = -1  # the newest evaluation (Bridge's step counter) this process saw
+        self.links: Any = None  # slow_link faults keyed by GPU, from the first world's plan
+        self.watch: Any = None  # rank 0's slow-link watch, carried into the next world
 
     def build(self, job: Any, plan: Any) -> BridgeSession:
         from .bridge_run import build_world
@@ -253,7 +261,7 @@ def train_rank_live(job: Any, plan: Any, out_dir: str | Path, *, seed: int, link
             continue
         except Boundary as b:
             run.close()
-            run, _ = manager.relayout(run, None, slow=b.slow)
+            run, _ = manager.relayout(run, None, slow=b.slow, links=b.links)
         except Exception as e:
             if not manager.is_stop(e):
                 raise

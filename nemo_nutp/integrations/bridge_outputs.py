@@ -21,7 +21,11 @@ What each row holds, and where it comes from:
   time the optimizer's ``step``; the slowest rank of each replica is taken with the same one
   all-reduce ``nutp-train`` uses (``gather_times``). Evaluations (``on_eval_start`` to
   ``on_eval_end``) and checkpoint saves (the checkpoint manager's ``save``) are pauses, as in
-  ``nutp-train``.
+  ``nutp-train``;
+* ``scale_out_mb_s``, ``scale_out_bytes_rank0``: as ``nutp-train``'s, from the same
+  ``parallel/comm.py`` counters (``begin_step`` at the step's start, ``take_step`` at its end)
+  in the same all-reduce; the slow-link watch (``train/links.py``: detection, probe, the
+  mitigation ladder) runs on them as in ``nutp-train``, its request in that all-reduce's slots.
 
 Recovery (``recovery.*``) writes ``recovery/summary.json`` and ``recovery/events.jsonl``
 itself; the restarts it records in ``$NUTP_EVENTS`` reach ``goodput.json`` and the table
@@ -55,7 +59,7 @@ class BridgeOutputs:
     def __init__(self, job: Any, plan: Any, groups: Any, model: Any, out_dir: str | Path, *,
                  record: list[dict[str, float]], evals: list[dict[str, float]],
                  start_step: int = 0, ledger: GoodputLedger | None = None,
-                 inside: Any = None) -> None:
+                 inside: Any = None, live: bool = False, watch: Any = None) -> None:
         from ..config.schema import OutputConfig
         from ..train.loop import MetricsWriter, replica_gpus
 
@@ -76,6 +80,25 @@ class BridgeOutputs:
         self.last_reps: list[Any] = []  # the newest step's per-replica times (gather_times)
         self.t0 = self.t_eval = 0.0
         self.sync_s = self.optimizer_s = 0.0
+        self.comm = groups.comm
+        self.link_probe: Any = None  # the slow-link watch (train/links.py)
+        if self.comm is not None:
+            from ..train.links import LinkProbe, watched
+
+            if watched(self.comm):
+                self.link_probe = LinkProbe(plan, self.comm,
+                                            next(model.parameters()).device,
+                                            rank0=dist.get_rank() == 0, cfg=self.job, live=live,
+                                            carried=watch, start=start_step)
+
+    def link_watch(self) -> Any:
+        """Rank 0's slow-link watch, to continue in the next run (None elsewhere)."""
+        return self.link_probe.watch if self.link_probe is not None else None
+
+    def relayout_due(self) -> dict[int, float] | None:
+        """After a step, on every rank: the slow NICs a live re-layout is due for (rank 0: the
+        set; others ``{}``), or None (``train/links.LinkProbe.relayout_due``)."""
+        return self.link_probe.relayout_due() if self.link_probe is not None else None
 
     # ---- wiring -------------------------------------------------------------------------
     def attach(self, callbacks: Any, optimizer: Any, checkpoints: Any, model_config: Any) -> None:
@@ -113,16 +136,26 @@ class BridgeOutputs:
     def _step_start(self, ctx: Any) -> None:
         self._flush()
         self.sync_s = self.optimizer_s = 0.0
+        if self.comm is not None:
+            self.comm.begin_step(int(ctx.state.train_state.step))
         self.t0 = time.perf_counter()
 
     def _step_end(self, ctx: Any) -> None:
+        from ..parallel.comm import scale_out_rate
         from ..train.loop import gather_times
 
         step_s = time.perf_counter() - self.t0
         compute_s = max(0.0, step_s - self.sync_s - self.optimizer_s)
         times = {"compute_s": compute_s, "sync_s": self.sync_s, "optimizer_s": self.optimizer_s}
-        step_s, reps, _ = gather_times(self.session, times, step_s, self.gpus)  # collective
+        rate, link_bytes = (scale_out_rate(self.comm.take_step()) if self.comm is not None
+                            else (None, 0))
+        probe = self.link_probe.slots() if self.link_probe is not None else None
+        step_s, reps, rates = gather_times(self.session, times, step_s, self.gpus,
+                                           rate_mb_s=rate, probe=probe)  # collective
         self.last_reps = reps
+        step = int(ctx.state.train_state.step)
+        if self.link_probe is not None and probe is not None:  # a probe: every rank at once
+            self.link_probe.after_step(step, step_s, rates, probe, link_bytes)
         inside = self.inside() if self.inside is not None else None
         step_goodput = self.ledger.add_step(step_s, reps, inside=inside)
         if self.out is None:
@@ -131,11 +164,12 @@ class BridgeOutputs:
         skipped = bool(getattr(ctx, "skipped_iter", False))
         norm = rec["grad_norm"]
         self.pending = {
-            "step": int(ctx.state.train_state.step), "loss": rec["loss"],
+            "step": step, "loss": rec["loss"],
             "grad_norm": None if skipped or math.isnan(norm) else norm, "skipped": skipped,
             "lr": rec["lr"], "tokens": self.tokens, "step_time_s": step_s,
             "tokens_per_s": self.tokens / step_s, "goodput": self.ledger.goodput,
-            "step_goodput": step_goodput, "replica_tp": self.replica_tp}
+            "step_goodput": step_goodput, "replica_tp": self.replica_tp,
+            "scale_out_mb_s": rates, "scale_out_bytes_rank0": link_bytes}
 
     def _eval_start(self, ctx: Any) -> None:
         self.t_eval = time.perf_counter()

@@ -342,6 +342,7 @@ class BridgeRun:
     first_step: int
     balance: Any  # train.rebalance.LiveBalance
     eval_pending: bool = False  # the evaluation owed at first_step (ResumeAt.eval_pending)
+    links: tuple[Any, ...] = ()  # slow_link faults keyed by GPU (parallel.comm.LinkFault)
 
     def next_step(self) -> int:
         """The step after the one whose end left ``train()`` (Bridge counts it after)."""
@@ -416,7 +417,8 @@ def build_world(job: Any, plan: Any, *, seed: int) -> BridgeWorld:
 def start_world(world: BridgeWorld, out_dir: str | Path, *,
                 init_from: str | Path | None = None, resume: ResumeAt | None = None,
                 ledger: Any = None, hooks: StepHooks | None = None, balance: Any = None,
-                callbacks_extra: Callable[[Any, Any], None] | None = None) -> BridgeRun:
+                callbacks_extra: Callable[[Any, Any], None] | None = None,
+                links: tuple[Any, ...] | None = None, watch: Any = None) -> BridgeRun:
     """Collective over the world: the training state, data, callbacks and outputs of a world.
     ``resume=None``: the run's first world (``init_from`` weights, else Bridge's
     ``checkpoint.load``); else a live re-layout's next world, whose state was moved in and
@@ -425,7 +427,10 @@ def start_world(world: BridgeWorld, out_dir: str | Path, *,
     world's ``train.rebalance.LiveBalance`` to keep (a re-entry of the same world after its
     shares changed; None: a new one: ``nutp.rebalance``, the straggler probe, the injected
     slowdown); ``callbacks_extra(callbacks, state)``: more of Bridge's callbacks, registered
-    last. Wrappers of an earlier run of the same world are dropped first."""
+    last; ``links``: the ``slow_link`` faults (keyed by GPU) of the run before (None: this
+    world's first run takes them from the injected faults); ``watch``: rank 0's slow-link watch
+    to continue (``train/links.py``). Wrappers of an earlier run of the same world are dropped
+    first."""
     from megatron.bridge.training.checkpointing import CheckpointLoadContext
     from megatron.bridge.training.state import GlobalState
     from megatron.core.num_microbatches_calculator import (
@@ -434,6 +439,7 @@ def start_world(world: BridgeWorld, out_dir: str | Path, *,
     )
 
     from ..common.faults import Faults
+    from ..train.loop import link_faults
     from ..train.rebalance import LiveBalance
     from ..train.step import reduce_replica_loss
     from .bridge_ckpt import NUTPBridgeCheckpointManager
@@ -515,16 +521,20 @@ def start_world(world: BridgeWorld, out_dir: str | Path, *,
                                shared=from_last_stage if plan.pp > 1 else None)
     # heartbeats, the injected fault (the run's first world only), resumed
     recovery_callbacks(callbacks, job.nutp, plan, checkpoints, fault=first)
+    if links is None:  # slow links (keyed by GPU) apply in every world of the process
+        links = link_faults(fault, plan)
+    if groups.comm is not None:
+        groups.comm.faults = links
     outputs = BridgeOutputs(job.nutp, plan, groups, world.ddp, out_dir, record=record,
                             evals=evals, start_step=first_step, ledger=ledger,
-                            inside=balance.inside_speeds)
+                            inside=balance.inside_speeds, live=hooks is not None, watch=watch)
     outputs.attach(callbacks, optimizer, checkpoints, mc)
     balance_callbacks(callbacks, balance, outputs, mc, iters=int(cfg.train.train_iters))
     if callbacks_extra is not None:
         callbacks_extra(callbacks, state)
     return BridgeRun(world, state, checkpoints, callbacks, data, valid, recorded_forward,
                      record, evals, eval_parts, outputs, first_step, balance,
-                     resume is not None and resume.eval_pending)
+                     resume is not None and resume.eval_pending, links)
 
 
 def reshared(run: BridgeRun, out_dir: str | Path) -> BridgeRun:
@@ -536,7 +546,7 @@ def reshared(run: BridgeRun, out_dir: str | Path) -> BridgeRun:
     resume = ResumeAt(nxt, same_world=True,
                       eval_pending=ResumeAt.evaluates_at(run.world.cfg, nxt))
     return start_world(run.world, out_dir, resume=resume, ledger=run.outputs.ledger,
-                       balance=run.balance)
+                       balance=run.balance, links=run.links, watch=run.outputs.link_watch())
 
 
 class Reshare(Exception):

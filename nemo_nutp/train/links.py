@@ -91,6 +91,8 @@ class LinkProbe:
         self.pending: list[float] = [0.0] * (self.n + 2)  # rank 0's request for the next step
         self.want: dict[int, float] | None = None  # rank 0: the slow NICs a re-layout is for
         self.due = False  # every rank: stop after this step for a link re-layout
+        # rank 0: the marks the layout (or the last ladder) answered; a change is priced once
+        self.decided = frozenset(g for g, _ in plan.request.health.slow_links)
 
     def slots(self) -> list[float]:
         """This rank's ``probe`` slots for this step's all-reduce (rank 0's pending request:
@@ -114,10 +116,16 @@ class LinkProbe:
         if suspects:
             self.probe(step, suspects, int(reduced[self.n]))
         if self.watch is not None:
-            settled = self.watch.settle(step, step_s)
+            w = self.watch
+            settled = w.settle(step, step_s)
             if settled is not None:
                 log_event(settled.pop("event"), **settled)
-            want = self.watch.observe(step, step_s, rates)
+            marks = frozenset(w.ratios)
+            if self.want is None and w.mitigation is None and marks != self.decided:
+                # marks changed (after a probe, or once a mitigation's measurement settled)
+                new, self.decided = marks - self.decided, marks
+                self.mitigate(step, min((w.marked[g] for g in new), default=step))
+            want = w.observe(step, step_s, rates)
             for g in want:
                 r = self.watch.replica_of[g]
                 if self.pending[r] == 0.0:  # one suspect per replica and probe
@@ -132,11 +140,8 @@ class LinkProbe:
             return
         log_event("link_probe", suspects=suspects, pairs=[list(p) for p in pairs],
                   seconds=[round(s, 6) for s in seconds], bytes=nbytes, step=step)
-        events = self.watch.judge(step, suspects, pairs, seconds)
-        for e in events:
+        for e in self.watch.judge(step, suspects, pairs, seconds):
             log_event(e.pop("event"), **e)
-        if events and self.want is None and self.watch.mitigation is None:
-            self.mitigate(step, min(self.watch.marked.get(g, step) for g in suspects))
 
     def mitigate(self, step: int, since: int) -> None:
         """Rank 0, after a probe changed the marks: price the ladder, print and log it, and

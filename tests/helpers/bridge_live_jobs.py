@@ -14,12 +14,18 @@ from typing import Any
 
 TOL = 1e-5
 END = 7  # train_iters
-SCHEDULE = ["scheduler.lr_warmup_iters=1", "scheduler.lr_decay_style=cosine",
-            f"scheduler.lr_decay_iters={END}", "optimizer.lr=0.01", "optimizer.min_lr=0.001",
-            f"train.train_iters={END}", "validation.eval_interval=2", "validation.eval_iters=1",
+
+
+def schedule(end: int) -> list[str]:
+    """fp32 (the tiny recipe's parity settings), warmup then cosine over ``end`` steps: every
+    step has its own lr; evaluation every 2 steps."""
+    return ["scheduler.lr_warmup_iters=1", "scheduler.lr_decay_style=cosine",
+            f"scheduler.lr_decay_iters={end}", "optimizer.lr=0.01", "optimizer.min_lr=0.001",
+            f"train.train_iters={end}", "validation.eval_interval=2", "validation.eval_iters=1",
             "dataset.data_sharding=false"]
-"""fp32 (the tiny recipe's parity settings), warmup then cosine: every step has its own lr;
-evaluation every 2 steps."""
+
+
+SCHEDULE = schedule(END)
 JOB_TIMEOUT_S = 480
 LIVE = ["recovery.enabled=true", "recovery.mode=live"]
 
@@ -29,9 +35,11 @@ def rel(a: float, b: float) -> float:
 
 
 def bridge_job(tmp_path: Path, overrides: list[str], env: dict[str, str], *,
-               grow: bool = False) -> tuple[list[dict[str, Any]], list[dict[str, Any]], Path]:
+               grow: bool = False, end: int = END
+               ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], Path]:
     """One ``nutp-bridge`` job (``overrides``: e.g. ``LIVE``; ``env``: faults; ``grow``: GPU 3
-    reported back as it starts) and the uninterrupted run of the same recipe (one process)
+    reported back as it starts; ``end``: its steps) and the uninterrupted run of the same
+    recipe (one process)
     beside it: (the job's metrics rows, after checking every step and validation loss against
     the uninterrupted run's; its events; its output dir)."""
     from nemo_nutp.common.procs import kill_session
@@ -43,7 +51,7 @@ def bridge_job(tmp_path: Path, overrides: list[str], env: dict[str, str], *,
     ref_dir.mkdir()
     log = tmp_path / "run.log"
     cmd = [sys.executable, "-m", "nemo_nutp.launch.bridge_cli", "--recipe", RECIPE,
-           "--config-file", str(TINY), "--output-dir", str(out), *PARITY, *SCHEDULE,
+           "--config-file", str(TINY), "--output-dir", str(out), *PARITY, *schedule(end),
            *overrides, f"checkpoint.save={ckpt}", "checkpoint.save_interval=1000"]
     with log.open("w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True,
@@ -52,7 +60,7 @@ def bridge_job(tmp_path: Path, overrides: list[str], env: dict[str, str], *,
         if grow:
             report_back(out, proc, log)
         # the uninterrupted run (one process, megatron's own optimizer) beside the live job
-        spawn(run_worker, 1, ([*SCHEDULE, "model.tensor_model_parallel_size=1",
+        spawn(run_worker, 1, ([*schedule(end), "model.tensor_model_parallel_size=1",
                                "nutp.replicas=[1]"],), ref_dir)
         rc = proc.wait(timeout=JOB_TIMEOUT_S)
     finally:
@@ -61,15 +69,15 @@ def bridge_job(tmp_path: Path, overrides: list[str], env: dict[str, str], *,
     text = log.read_text()
     assert rc == 0, text[-6000:]
     want = json.loads((ref_dir / "run_result.json").read_text())
-    assert len({row["lr"] for row in want}) == END  # a schedule that moves every step
+    assert len({row["lr"] for row in want}) == end  # a schedule that moves every step
     rows = metric_rows(out)  # every step, no gap
-    assert len(rows) == END
+    assert len(rows) == end
     for r, w in zip(rows, want, strict=True):
         assert rel(r["lr"], w["lr"]) <= 1e-12, (r, w)
         assert rel(r["loss"], w["loss"]) <= TOL, (r, w)
         assert rel(r["grad_norm"], w["grad_norm"]) <= TOL, (r, w)
     ref_evals = json.loads((ref_dir / "bridge_rank0.json").read_text())["evals"]
-    assert [e["step"] for e in ref_evals] == list(range(2, END + 1, 2)), ref_evals
+    assert [e["step"] for e in ref_evals] == list(range(2, end + 1, 2)), ref_evals
     got_evals = {r["step"] + 1: r["val_loss"] for r in rows if "val_loss" in r}
     assert sorted(got_evals) == [e["step"] for e in ref_evals], got_evals
     for e in ref_evals:
@@ -86,7 +94,7 @@ def bridge_job(tmp_path: Path, overrides: list[str], env: dict[str, str], *,
         assert e["resume_step"] == e["committed_step"] + 1, e
         assert e["checkpoint_bytes_read"] == 0, e
     assert not list(ckpt.glob("iter_*")) or all(  # no save before the end: nothing to read
-        int(p.name[5:]) == END for p in ckpt.glob("iter_*"))
+        int(p.name[5:]) == end for p in ckpt.glob("iter_*"))
     assert (out / "goodput.json").is_file() and (out / "training.png").is_file()
     return rows, ev, out
 
