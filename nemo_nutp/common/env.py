@@ -9,6 +9,7 @@ HEARTBEAT_DIR = "NUTP_HEARTBEAT_DIR"  # a rank's directory for step heartbeats a
 EVENTS = "NUTP_EVENTS"  # the recovery event log (recovery/events.jsonl) ranks append to
 CONTROL = "NUTP_CONTROL"  # host:port of the live control process's store (recovery.mode=live)
 SLURM_RESTART_COUNT = "SLURM_RESTART_COUNT"  # how often Slurm requeued this batch job
+REQUEUED = "NUTP_REQUEUED"  # how often the job was resubmitted after losing its batch host
 SLURM_NODE_NAME = "SLURMD_NODENAME"  # Slurm's name of the node a job step's task runs on
 AGENT_PID = "NUTP_AGENT_PID"  # a node agent's pid: its ranks die with it (recovery/world.py)
 PARENT_REPORTS = "NUTP_PARENT_REPORTS"  # "1": the local launcher prints its ranks' errors
@@ -41,10 +42,13 @@ AGENTS_PID = "NUTP_AGENTS_PID"  # the node agents' job step (background pid)
 
 
 def requeued(environ: dict[str, str] | None = None) -> int:
-    """How often Slurm requeued this job (``SLURM_RESTART_COUNT``; 0: the first run). A requeued
-    run is a new allocation that carries the health report and node table over and fires no
-    injected fault again."""
+    """How many runs of this job came before this one (0: the first run): the resubmissions
+    after a lost batch host (``NUTP_REQUEUED``, set by the node agent that resubmitted the job's
+    script: ``recovery/agent.py``) plus Slurm's own requeues of this job
+    (``SLURM_RESTART_COUNT``). A requeued run is a new allocation that carries the health
+    report and node table over and fires no injected fault again."""
     import os
 
-    value = (os.environ if environ is None else environ).get(SLURM_RESTART_COUNT, "")
-    return int(value) if value.isdigit() else 0
+    env = os.environ if environ is None else environ
+    return sum(int(v) for v in (env.get(REQUEUED, ""), env.get(SLURM_RESTART_COUNT, ""))
+               if v.isdigit())

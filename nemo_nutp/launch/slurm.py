@@ -69,7 +69,8 @@ class SbatchOptions:
     """Where the Dockerfile installed nemo_nutp inside the image (configs/ and recipes/)."""
     requeue: bool = False
     """``#SBATCH --requeue``: Slurm may requeue the job (node failure, preemption); the
-    requeued job starts the script again from the top."""
+    requeued job starts the script again from the top. Live mode: when the batch host is lost,
+    a node agent left resubmits the script as a new job (``recovery/agent.py: resubmit``)."""
 
     def __post_init__(self) -> None:
         if self.launcher not in LAUNCHERS:
@@ -353,7 +354,9 @@ _LIVE_DOC = """\
 # job's above and the agents' step's below) for a lost node. Slurm node id k is taken to be
 # cluster node k: pin hosts with --nodelist when GPU ids must match nodes. output.dir must
 # be on a filesystem every node shares. With --requeue: Slurm neither ends nor requeues a
-# --no-kill job whose batch host fails, so the agents left ask it to (scontrol requeue).
+# --no-kill job whose batch host fails, so an agent left resubmits this script as a new job
+# (NUTP_REQUEUED, after this one ends; it resumes from the newest checkpoint) and cancels
+# this one (at most recovery.max_restarts times).
 """
 
 
@@ -525,5 +528,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--nodelist", help="pin the hosts, in plan node order")
     p.add_argument("--repo", default="/opt/nemo_nutp", help="nemo_nutp's path in the image")
     p.add_argument("--requeue", action="store_true",
-                   help="#SBATCH --requeue: Slurm may requeue the job (node failure, preemption)")
+                   help="#SBATCH --requeue: Slurm may requeue the job (node failure, "
+                        "preemption); live mode: the batch host lost, the node agents left "
+                        "resubmit the job")
     p.set_defaults(func=run)

@@ -21,7 +21,9 @@ Processes fork from one fork server per agent that imported torch and megatron o
 (``world.PRELOAD``), as the CPU supervisor's do; each rank drives local GPU ``gpu %
 gpus_per_node`` of its node, and ends with the agent (``common.env.AGENT_PID``: an agent that is
 killed leaves no rank behind, as a lost node would). If the control process's store stops
-answering, the agent kills its processes and exits 3 (nobody is left to re-plan).
+answering, the agent kills its processes and exits 3 (nobody is left to re-plan); with
+``--max-requeues`` (``nutp sbatch --requeue``) it first resubmits the job's script, which resumes
+from the newest checkpoint, and cancels the old job (``resubmit``).
 
 Cost: per agent O(ranks on its node) processes and one store request per exit, per command and
 per beat; nothing per training step.
@@ -34,14 +36,16 @@ import os
 import pickle
 import signal
 import socket
+import subprocess
 import threading
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import wait as wait_sentinels
 from pathlib import Path
 from typing import Any
 
-from ..common.env import AGENT_PID, EVENTS, SLURM_NODE_NAME, requeued
+from ..common.env import AGENT_PID, EVENTS, REQUEUED, SLURM_NODE_NAME, requeued
 from .hosts import BEAT_S, agent_key, agent_store
 from .world import PRELOAD, join_main, rank_main
 
@@ -59,7 +63,7 @@ class Agent:
                  max_requeues: int = 0) -> None:
         import multiprocessing as mp
 
-        self.max_requeues = max_requeues  # > 0: ask Slurm to requeue when the control is lost
+        self.max_requeues = max_requeues  # > 0: resubmit the job when the control is lost
         self.events: str | None = None  # the job's event log, from the first start request
         self.node = node
         # how the reasons name this node: Slurm's node name (several slurmd may share a host)
@@ -233,40 +237,125 @@ class Agent:
             left = list(self._procs)
         self._kill(left)
         if self.code == EXIT_LOST and self.max_requeues:
-            what = request_requeue(os.environ.get("SLURM_JOB_ID"), self.max_requeues)
-            print(f"nutp agent {self.node} ({self.name}): {what}", flush=True)
+            # the run's recovery folder (shared by every node), else where the job's output is
+            where = (Path(self.events).parent if self.events is not None
+                     else Path(os.environ.get("SLURM_SUBMIT_DIR", ".")))
+            done = resubmit(os.environ.get("SLURM_JOB_ID"), self.max_requeues, where)
+            print(f"nutp agent {self.node} ({self.name}): {done.line}", flush=True)
             if self.events is not None:  # this node's output may have gone with the batch host
                 from ..common.events import log_event
 
                 log_event("control_lost", file=self.events, node=self.node, host=self.name,
-                          requeue=what)
+                          requeue=done.line)
+            if done.cancel is not None:
+                print(f"nutp agent {self.node} ({self.name}): {cancel(done.cancel)}",
+                      flush=True)
         return self.code
 
 
-def request_requeue(job: str | None, max_requeues: int) -> str:
-    """Ask Slurm to requeue ``job`` after its control process was lost (its host, the batch
-    host, failed): a ``--no-kill`` job whose batch host fails is neither ended nor requeued by
-    Slurm, so a surviving node's agent does it (``scontrol requeue``; another agent's request
-    for the same job fails harmlessly). At most ``max_requeues`` times (``recovery.
-    max_restarts``). Returns one line saying what happened."""
+@dataclass(frozen=True)
+class Requeue:
+    """What an agent did about its job after the control process was lost."""
+
+    line: str
+    """One line saying it (the ``control_lost`` event's ``requeue``)."""
+    cancel: str | None = None
+    """The old job, to cancel once the line is logged (cancelling it ends this agent too)."""
+
+
+def _sbatch_env(requeue: int) -> dict[str, str]:
+    """This agent's environment for ``sbatch``: the job's own (the submitter's, as Slurm passed
+    it on) without what Slurm set for this job and step -- ``SLURM_*`` (but ``SLURM_CONF``),
+    ``SLURMD_*``, ``SRUN_*``: inherited, they would steer the new job's ``srun`` calls (CPUs per
+    task, tasks per node) -- and with the resubmission's count (``env.requeued``)."""
+    env = {k: v for k, v in os.environ.items()
+           if k == "SLURM_CONF" or not k.startswith(("SLURM_", "SLURMD_", "SRUN_"))}
+    env[REQUEUED] = str(requeue)
+    return env
+
+
+def resubmit(job: str | None, max_requeues: int, lock_dir: Path) -> Requeue:
+    """Resubmit ``job``'s batch script as a fresh job after its control process was lost (its
+    host, the batch host, failed), to resume from the newest checkpoint.
+
+    Slurm neither ends nor requeues a ``--no-kill`` job whose batch host fails, and a job that
+    ``scontrol requeue`` gives a new allocation after losing a node cannot start GPU job steps
+    on Slurm 22.05 (``_step_get_gres_cnt ... node offset invalid``). So the script Slurm keeps
+    (``scontrol write batch_script``) goes to ``sbatch`` with ``NUTP_REQUEUED`` = the runs so far
+    + 1 (``env.requeued``: the health report and node table carry over, injected faults do not
+    fire again) and ``--dependency=afterany:<job>`` (it starts once the old job has ended, on
+    the nodes Slurm has then: never a DOWN one); the caller cancels ``job`` (``Requeue.cancel``).
+    At most ``max_requeues`` runs after the first (``recovery.max_restarts``). Of the agents
+    left, the first to create ``<lock_dir>/resubmit.<job>`` (the run's shared recovery folder)
+    resubmits; the others leave it."""
     import shutil
-    import subprocess
 
     if not job:
-        return "not under Slurm (no SLURM_JOB_ID): nothing to requeue"
+        return Requeue("not under Slurm (no SLURM_JOB_ID): nothing to resubmit")
     done = requeued()
     if done >= max_requeues:
-        return (f"job {job} was requeued {done} time(s) already (recovery.max_restarts="
-                f"{max_requeues}): not requeued again")
-    exe = shutil.which("scontrol")
-    if exe is None:
-        return (f"scontrol is not in this container: requeue the job with `scontrol requeue "
-                f"{job}` (it resumes from the newest checkpoint)")
-    r = subprocess.run([exe, "requeue", job], capture_output=True, text=True, timeout=60)
+        return Requeue(f"job {job} is run {done + 1} of this job already, the last one "
+                       f"recovery.max_restarts={max_requeues} allows: not resubmitted again")
+    exes = {n: shutil.which(n) for n in ("scontrol", "sbatch", "scancel")}
+    missing = [n for n, exe in exes.items() if exe is None]
+    if missing:
+        return Requeue(f"{', '.join(missing)} not in this container: resubmit job {job} by "
+                       f"hand (`scontrol write batch_script {job} - | {REQUEUED}={done + 1} "
+                       f"sbatch`; it resumes from the newest checkpoint) and cancel it")
+    lock = lock_dir / f"resubmit.{job}"
+    try:
+        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return Requeue(f"another node's agent resubmits job {job} ({lock})")
+    except OSError as e:
+        return Requeue(f"cannot create {lock} ({e.strerror}): resubmit job {job} by hand")
+
+    def run(*cmd: str, **kw: Any) -> subprocess.CompletedProcess:
+        return _run([exes[cmd[0]] or cmd[0], *cmd[1:]], **kw)
+
+    with os.fdopen(fd, "w") as f:
+        script = run("scontrol", "write", "batch_script", job, "-")
+        if script.returncode != 0 or not script.stdout.startswith("#!"):
+            f.write("failed\n")
+            return Requeue(f"scontrol write batch_script {job}: {_why(script)}: resubmit the "
+                           "job by hand")
+        where = os.environ.get("SLURM_SUBMIT_DIR")  # where the first run's output went
+        new = run("sbatch", "--parsable", f"--dependency=afterany:{job}",
+                  *([f"--chdir={where}"] if where else []), input=script.stdout,
+                  env=_sbatch_env(done + 1))
+        if new.returncode != 0:
+            f.write("failed\n")
+            return Requeue(f"sbatch of job {job}'s script: {_why(new)}: resubmit the job by "
+                           "hand")
+        new_id = new.stdout.strip().split(";")[0]
+        f.write(f"{new_id}\n")
+    return Requeue(f"resubmitted job {job}'s script as job {new_id} (run {done + 2}; it "
+                   f"starts when job {job} has ended and resumes from the newest checkpoint); "
+                   f"cancelling job {job}", cancel=job)
+
+
+def cancel(job: str) -> str:
+    """``scancel job``: the old job, once its resubmission is logged (Slurm ends this agent,
+    part of it, too). One line if it fails."""
+    import shutil
+
+    r = _run([shutil.which("scancel") or "scancel", job])
     if r.returncode == 0:
-        return f"asked Slurm to requeue job {job} (it resumes from the newest checkpoint)"
-    why = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
-    return f"scontrol requeue {job}: {why} (another node's agent may have asked first)"
+        return f"cancelled job {job}"
+    return f"scancel {job}: {_why(r)}: cancel it by hand (its resubmission waits for its end)"
+
+
+def _run(cmd: list[str], **kw: Any) -> subprocess.CompletedProcess:
+    """``cmd``'s result; one that cannot start or takes over a minute fails with the reason in
+    ``stderr`` (never an exception)."""
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=60, **kw)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return subprocess.CompletedProcess(cmd, -1, "", f"{cmd[0]}: {e}")
+
+
+def _why(r: subprocess.CompletedProcess) -> str:
+    return (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -281,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=600.0,
                     help="seconds to wait for the control process to come up")
     ap.add_argument("--max-requeues", type=int, default=0,
-                    help="ask Slurm to requeue the job when the control process is lost, at "
+                    help="resubmit the job's script when the control process is lost, at "
                          "most this many times per job (0: never; `nutp sbatch --requeue`)")
     args = ap.parse_args(argv)
     node = args.node if args.node is not None else int(os.environ.get("SLURM_NODEID", "0"))

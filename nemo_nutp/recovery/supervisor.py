@@ -164,20 +164,22 @@ def supervise(cfg: JobConfig, console: Any, host: Host | None = None,
     rdir = Path(cfg.output.dir) / "recovery"
     rdir.mkdir(parents=True, exist_ok=True)
     events, health = rdir / "events.jsonl", rdir / "health.json"
-    requeue = requeued()  # Slurm requeued the job: the health report and node table carry over
+    requeue = requeued()  # a run after the first: the health report and node table carry over
     watch.archive_previous_run(rdir, watch.CARRIED if requeue else ())
     failed = frozenset(cfg.health.as_report().failed_gpus)
     names = host.node_names if host is not None else ()
     if names:  # the agents' nodes in Slurm's order: GPU ids of this allocation
         gpn = cfg.cluster.gpus_per_node
         if requeue:
-            carried = nodes.carry(nodes.read_table(rdir), watch.read_health(health) or (),
-                                  names, gpn)
+            table, report = nodes.read_table(rdir), watch.read_health(health)
+            if table is not None and report is not None:
+                # the run before's report (the job's health.failed_gpus included), carried with
+                # its hosts: the job's own ids would name this allocation's nodes
+                failed = nodes.carry(table, report, names, gpn)
             log_event("requeued", file=events, run=requeue, hosts=list(names),
-                      failed_gpus=sorted(carried))
+                      failed_gpus=sorted(failed))
             console.print(f"[yellow]recovery:[/] requeued run {requeue} on {', '.join(names)}: "
-                          f"failed GPUs carried over {sorted(carried)}")
-            failed |= carried
+                          f"failed GPUs {sorted(failed)} (carried over with their hosts)")
         nodes.write_table(rdir, nodes.place(None, list(names), cfg.cluster.num_gpus // gpn))
     slow: dict[int, float] = {}  # stragglers found while running (nutp.exclude_stragglers)
     watch.write_health(health, failed)

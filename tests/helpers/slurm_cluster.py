@@ -76,7 +76,7 @@ MailProg=/bin/true
 ReturnToService=2
 SlurmdParameters=config_overrides
 SchedulerType=sched/backfill
-SchedulerParameters=batch_sched_delay=0,sched_min_interval=100000
+SchedulerParameters=batch_sched_delay=0,sched_min_interval=100000,bf_interval=1
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 GresTypes=gpu

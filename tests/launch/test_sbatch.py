@@ -161,8 +161,12 @@ def test_requeue_flag(tmp_path: Path) -> None:
                    "checkpoint.interval=2"]):
         assert main(["sbatch", *extra, "--out", str(out)]) == 0
         assert "#SBATCH --requeue" not in out.read_text()
+        assert "--max-requeues" not in out.read_text()
         assert main(["sbatch", *extra, "--requeue", "--out", str(out)]) == 0
-        assert re.findall(r"^#SBATCH --requeue$", out.read_text(), re.M) == ["#SBATCH --requeue"]
+        text = out.read_text()
+        assert re.findall(r"^#SBATCH --requeue$", text, re.M) == ["#SBATCH --requeue"]
+        # live mode: the agents left resubmit the job when the batch host is lost
+        assert ("--timeout=300 --max-requeues=3 &" in text) == ("recovery.mode=live" in extra)
 
 
 def test_plan_accepts_recipe(tmp_path: Path) -> None:

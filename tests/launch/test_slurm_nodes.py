@@ -13,9 +13,11 @@ run of stock megatron-core within 1e-5.
 
 from __future__ import annotations
 
+import json
+import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -50,17 +52,23 @@ class Lost:
     hosts: list[str]
     state: dict[str, str]
     text: str  # the job's output file
+    new_job: str = ""  # ``resubmitted``: the job an agent resubmitted ``job``'s script as
+    new_state: dict[str, str] = field(default_factory=dict)
+    new_text: str = ""
+    resubmit_s: float = 0.0  # from the crash to the agent's ``control_lost`` event
 
 
 def _lose_a_node(slurm: SlurmCluster, tmp_path: Path, over: tuple[str, ...], *, node: int,
                  how: str,
                  until: Callable[[SlurmCluster, Path, str], Callable[[], bool]] | None = None,
-                 requeue: bool = False, **env: str) -> Lost:
+                 requeue: bool = False, resubmitted: bool = False, **env: str) -> Lost:
     """Render the script for ``over`` (+ ``output.dir``), submit it, and after the checkpoint of
     step ``DOWN_AT`` lose node ``node`` of the job: ``how`` = ``"down"`` (``scontrol update
     State=DOWN``, as an operator or health checker does) or ``"crash"`` (``crash_node``: slurmd
     and the job's processes there SIGKILLed). Then wait until ``until(slurm, out, job)()``
-    holds (default: the job ended); the node is returned to service either way."""
+    holds (default: the job ended). ``resubmitted``: then wait for the job an agent
+    resubmitted the script as (named in its ``control_lost`` event) to end. The node is
+    returned to service after all that, either way."""
     out = tmp_path / "out"
     script = tmp_path / "job.sbatch"
     script.write_text(render((*over, f"output.dir={out}"), master_port=free_port(),
@@ -68,7 +76,9 @@ def _lose_a_node(slurm: SlurmCluster, tmp_path: Path, over: tuple[str, ...], *, 
                              job_name="nutp-loss", requeue=requeue))
     job = submit(slurm, script, **env)
     watch = Watch(slurm, job)
-    lost = None
+    lost = new = None
+    new_watch = None
+    crashed = 0.0
     try:
         deadline = time.monotonic() + JOB_TIMEOUT_S
         watch.until(saved(out, DOWN_AT), deadline, f"the checkpoint of step {DOWN_AT}")
@@ -77,14 +87,23 @@ def _lose_a_node(slurm: SlurmCluster, tmp_path: Path, over: tuple[str, ...], *, 
         if how == "down":
             slurm.run("scontrol", "update", f"NodeName={lost}", "State=DOWN", "Reason=test")
         else:
+            crashed = time.time()
             assert slurm.crash_node(lost, job), f"no process of the job on {lost}"
         if until is None:
             watch.finish(deadline)
         else:
             watch.until(until(slurm, out, job), deadline, "the end of the test's wait")
         watch.running()
+        if resubmitted:  # the old job ends (its record is kept only MinJobAge s), then the new
+            watch.finish(deadline)
+            (said,) = [e for e in _all_events(out) if e["event"] == "control_lost"]
+            m = re.search(r"as job (\d+)", said["requeue"])
+            assert m, said
+            new = m.group(1)
+            new_watch = Watch(slurm, new)
+            new_watch.finish(deadline)
     finally:
-        slurm.run("scancel", job, check=False)
+        slurm.run("scancel", job, *([new] if new else []), check=False)
         if lost is not None and how == "down":
             slurm.run("scontrol", "update", f"NodeName={lost}", "State=RESUME", check=False)
         elif lost is not None:
@@ -94,16 +113,26 @@ def _lose_a_node(slurm: SlurmCluster, tmp_path: Path, over: tuple[str, ...], *, 
     if until is None:
         assert (watch.state["JobState"], watch.state["ExitCode"]) == ("COMPLETED", "0:0"), \
             text[-6000:]
-    return Lost(job, hosts, dict(watch.state), text)
+    lost_at = Lost(job, hosts, dict(watch.state), text)
+    if new_watch is not None:
+        lost_at.new_job, lost_at.new_state = new, dict(new_watch.state)
+        lost_at.new_text = (tmp_path / f"nutp-loss-{new}.out").read_text()
+        assert "Traceback" not in lost_at.new_text, lost_at.new_text[-6000:]
+        (said,) = [e for e in _all_events(out) if e["event"] == "control_lost"]
+        lost_at.resubmit_s = said["t"] - crashed
+    return lost_at
 
 
-def _exact(over: tuple[str, ...], tmp_path: Path) -> list[dict]:
+def _exact(over: tuple[str, ...], tmp_path: Path, steps: int = STEPS) -> list[dict]:
     """Every step of the job equal to an uninterrupted one-process run of stock megatron-core
     (within 1e-5; clipping on); the metric rows."""
-    return check_steps(tmp_path / "out", stock_reference(over, STEPS, tmp_path), TOL)
+    return check_steps(tmp_path / "out", stock_reference(over, steps, tmp_path), TOL)
 
 
 LIVE_JOB = (*BASE, *LIVE, f"train.steps={STEPS}")
+REQUEUE_STEPS = 20  # the resubmitted run trains 16 of them: the time goes to waiting for Slurm
+REQUEUE_JOB = (*BASE, *LIVE, f"train.steps={REQUEUE_STEPS}")
+FAULT_AT = DOWN_AT + 6  # the first run is lost before this step; a requeued run fires no fault
 RESTART_JOB = ("train.seed=7", "train.global_batch_size=12", "train.micro_batch_size=2",
                "train.clip_grad=0.5", "recovery.enabled=true", *LIVE, f"train.steps={STEPS}")
 
@@ -169,36 +198,67 @@ def test_restart_kill_then_node_set_down_continues_on_fewer_nodes(slurm: SlurmCl
     assert _exact(RESTART_JOB, tmp_path)[-1]["replica_tp"] == [[3]]
 
 
-def _requeued(slurm: SlurmCluster, out: Path, job: str) -> Callable[[], bool]:
-    """Slurm requeued ``job`` and an agent logged why."""
-    events = out / "recovery" / "events.jsonl"
-    return lambda: (int(slurm.job(job).get("Restarts", 0)) >= 1 and events.exists()
-                    and '"event": "control_lost"' in events.read_text())
+def _all_events(out: Path) -> list[dict]:
+    """The events of every run in ``out``: the runs before (``recovery/prev-*/``, archived by
+    the run after them), then this one."""
+    files = [*sorted((out / "recovery").glob("prev-*/events.jsonl")),
+             out / "recovery" / "events.jsonl"]
+    return [json.loads(x) for f in files if f.exists() for x in f.read_text().splitlines()]
+
+
+def _resubmitted(slurm: SlurmCluster, out: Path, job: str) -> Callable[[], bool]:
+    """An agent logged that it resubmitted ``job``'s script (``control_lost``)."""
+    return lambda: any(e["event"] == "control_lost" and "as job" in e["requeue"]
+                       for e in _all_events(out))
 
 
 @pytest.mark.dist
 @pytest.mark.timeout(JOB_TIMEOUT_S + 120)
-def test_live_batch_host_lost_is_requeued_by_the_agents_left(slurm: SlurmCluster,
-                                                            tmp_path: Path) -> None:
-    """The batch host (it runs the control process) crashes after step ``DOWN_AT``. Slurm
-    neither ends nor requeues a ``--no-kill`` job whose batch host fails (22.05: it kills the
-    batch step and the job sits allocated), so the other node's agent, finding the control
-    store gone, stops its ranks and asks Slurm to requeue the job (``nutp sbatch --requeue``:
-    ``scontrol requeue``). The job is requeued, its newest checkpoint intact.
-
-    Not here: the requeued run training to the end. On Slurm 22.05 a requeued job that lost a
-    node cannot create GPU job steps ("Invalid generic resource (gres) specification";
-    slurmctld: ``_step_get_gres_cnt ... node offset invalid``), a Slurm bug; the carry-over
-    of the health report and node table is tested without Slurm
-    (``tests/train/test_elastic.py``, ``tests/health/test_nodes.py``)."""
-    r = _lose_a_node(slurm, tmp_path, LIVE_JOB, node=0, how="crash", until=_requeued,
-                     requeue=True)
+def test_live_batch_host_lost_the_resubmitted_job_resumes_exactly(slurm: SlurmCluster,
+                                                                  tmp_path: Path) -> None:
+    """The batch host (node 0: it runs the control process) crashes after step ``DOWN_AT``.
+    Slurm neither ends nor requeues a ``--no-kill`` job whose batch host fails (22.05: it kills
+    the batch step and the job sits allocated), and a job that ``scontrol requeue`` gives a new
+    allocation after losing a node cannot start GPU job steps on 22.05 (``_step_get_gres_cnt
+    ... node offset invalid``). So the other node's agent (``nutp sbatch --requeue``), finding
+    the control store gone, stops its ranks, resubmits the job's script as a fresh job
+    (``NUTP_REQUEUED=1``, after the old job has ended) and cancels the old job. The new job
+    runs on the two nodes Slurm has left -- never the crashed one -- carries GPU 7's failure
+    over with its host (now Slurm node 0's GPU 3), fires no fault again, resumes from the
+    newest checkpoint, and every step equals an uninterrupted single-process run of stock
+    megatron-core within 1e-5. A kill injected for step ``FAULT_AT`` (which the first run does
+    not reach) does not fire in the new run. No traceback in either job's output."""
+    r = _lose_a_node(slurm, tmp_path, REQUEUE_JOB, node=0, how="crash", until=_resubmitted,
+                     requeue=True, resubmitted=True, NUTP_FAULT=f"kill:rank=1:step={FAULT_AT}")
     out = tmp_path / "out"
+    ev = _all_events(out)
     # the agent's own lines went out through the srun on the batch host: its event says it
-    (lost,) = [e for e in read_events(out) if e["event"] == "control_lost"]
+    (lost,) = [e for e in ev if e["event"] == "control_lost"]
     assert (lost["node"], lost["host"]) == (1, r.hosts[1]), lost
-    assert lost["requeue"].startswith(f"asked Slurm to requeue job {r.job}"), lost
-    assert r.state["Requeue"] == "1" and int(r.state["Restarts"]) == 1, r.state
-    newest = max((out / "checkpoints").glob("iter_*"))
-    assert int(newest.name.split("_")[1]) >= DOWN_AT and not list(
-        (out / "checkpoints").glob("*.tmp*")), list((out / "checkpoints").iterdir())
+    assert lost["requeue"].startswith(f"resubmitted job {r.job}'s script as job {r.new_job} "
+                                      "(run 2;"), lost
+    assert r.state["JobState"] == "CANCELLED", r.state  # the old job, ended by the agent
+    assert r.new_state["JobState"] == "COMPLETED" and r.new_state["ExitCode"] == "0:0", \
+        r.new_text[-6000:]
+    new_hosts = _hosts(slurm, r.new_job)
+    assert r.hosts[0] not in new_hosts and r.hosts[1] in new_hosts, (r.hosts, new_hosts)
+    # the first run's newest checkpoint (written before the crash) is where the new run resumed
+    saves = [e["step"] for e in ev[:ev.index(lost)] if e["event"] == "checkpoint"]
+    assert max(saves) >= DOWN_AT, saves
+    now = read_events(out)  # the new run's own events
+    (requeued,) = [e for e in now if e["event"] == "requeued"]
+    assert requeued["run"] == 1 and requeued["hosts"] == new_hosts, requeued
+    (start,) = [e for e in now if e["event"] == "start"]
+    # GPU 7 (n2's GPU 3) is failed: n2 is Slurm node 0 of the new job, so GPU 3 -- no other
+    assert requeued["failed_gpus"] == start["failed_gpus"] == [3], (requeued, start)
+    (resumed,) = [e for e in now if e["event"] == "resumed"]
+    assert resumed["step"] == max(saves) and Path(resumed["checkpoint"]).name == \
+        f"iter_{max(saves):07d}", (resumed, saves)
+    # the kill injected at step FAULT_AT (the first run did not get there) does not fire
+    assert [e for e in ev if e["event"] in ("failure", "live_relayout", "fault")] == [], ev
+    assert (f"requeued run 1 on {', '.join(new_hosts)}: failed GPUs [3] (carried over with "
+            "their hosts)") in r.new_text, r.new_text[-3000:]
+    rows = _exact(REQUEUE_JOB, tmp_path, REQUEUE_STEPS)
+    assert rows[0]["replica_tp"] == [[4], [3]] and rows[-1]["replica_tp"] == [[4], [3]], rows
+    print(f"slurm batch host crashed after step {DOWN_AT}: job {r.new_job} resumed at step "
+          f"{resumed['step']} on {', '.join(new_hosts)} {r.resubmit_s:.1f} s after the crash")
