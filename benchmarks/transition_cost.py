@@ -34,7 +34,8 @@ numbers come from the run's own ``recovery/events.jsonl`` / ``recovery/summary.j
   share: 0 on this path (all state comes back through the checkpoint, counted above).
 
 ``live_zero``: ``live`` with ``train.distributed_optimizer=true recovery.live_redundancy=true``
-(kill, hang).
+(kill, hang). ``live_spare``: ``live`` with one hot spare slice (``recovery.spares=1``; kill,
+hang): the failed slice swapped for the spare's standby processes.
 
 Usage: python benchmarks/transition_cost.py [--quick] [--paths restart] [--events kill,hang]
            [--out runs/bench/transitions.json]
@@ -313,6 +314,27 @@ def live_zero(event: str, opts: Options) -> dict[str, Any] | None:
     out = opts.work / f"live_zero_{event}"
     over = [*JOB, "recovery.mode=live", "train.distributed_optimizer=true",
             "recovery.live_redundancy=true", f"train.steps={opts.steps}"]
+    if event == "hang":
+        over.append(f"recovery.heartbeat_timeout_s={opts.hang_timeout_s}")
+    with Job(out, over, env={"NUTP_FAULT": f"{event}:rank=1:step={opts.fault_step}"}) as job:
+        job.wait()
+    return _live_entry(out)
+
+
+@path("live_spare")
+def live_spare(event: str, opts: Options) -> dict[str, Any] | None:
+    """``live`` with ``recovery.spares=1``: the job's cluster grows by one TP slice held back as
+    a hot spare, its standby processes started with the job; a kill or hang swaps the failed
+    slice for it (the replica keeps its base TP; ``processes_started`` 0: the standbys were
+    started before the failure; the spare's ranks receive their state from a healthy replica).
+    Kill and hang only."""
+    if event not in ("kill", "hang"):
+        return None
+    out = opts.work / f"live_spare_{event}"
+    # the same two TP2 replicas, plus one spare slice: 6 GPUs, nodes of one domain each
+    over = [o for o in JOB if not o.startswith(("cluster.num_gpus=", "cluster.gpus_per_node="))]
+    over += ["cluster.num_gpus=6", "cluster.gpus_per_node=2", "recovery.mode=live",
+             "recovery.spares=1", f"train.steps={opts.steps}"]
     if event == "hang":
         over.append(f"recovery.heartbeat_timeout_s={opts.hang_timeout_s}")
     with Job(out, over, env={"NUTP_FAULT": f"{event}:rank=1:step={opts.fault_step}"}) as job:

@@ -8,7 +8,7 @@ import dataclasses
 from ..layout import ClusterSpec, PlanRequest
 from ..layout.cost import CostSpec
 from ..layout.memory import MemorySpec
-from ..layout.plan import fit_cluster, slices_of
+from ..layout.plan import fit_cluster, slices_of, spare_slices
 from ..layout.specs import normalize_replicas
 from .hardware import cost_spec as hardware_cost_spec
 from .hardware import hardware_spec
@@ -59,10 +59,16 @@ def memory_spec(cfg: JobConfig) -> MemorySpec | None:
 
 
 def plan_request(cfg: JobConfig, *, world_size: int | None = None) -> PlanRequest:
-    """The planner's input for a job."""
+    """The planner's input for a job (``recovery.spares``: the last TP slices held back, until
+    the job's health names what it holds back)."""
+    health = cfg.health.as_report()
+    if cfg.health.reserved_gpus is None and cfg.recovery.spares:
+        held = [g for s in spare_slices(cfg.cluster, cfg.parallel.tp_base, cfg.recovery.spares)
+                for g in s]
+        health = dataclasses.replace(health, reserved_gpus=tuple(held))
     return PlanRequest(
         cluster=cfg.cluster, model=cfg.model, parallel=cfg.parallel,
-        health=cfg.health.as_report(), policy=cfg.nutp.policy,
+        health=health, policy=cfg.nutp.policy,
         replicas=None if cfg.nutp.replicas is None else tuple(cfg.nutp.replicas),
         global_batch=cfg.train.num_microbatches, world_size=world_size,
         micro_batch_size=cfg.train.micro_batch_size, cost=cost_spec(cfg.cluster),

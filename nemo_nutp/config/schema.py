@@ -343,6 +343,10 @@ class HealthConfig:
     slow_gpus: dict[int, float] | None = None
     """Stragglers: ``{gpu_id: relative_speed}``, speed in (0, 1] (the planner keeps or excludes
     each, whichever it predicts faster); None = none."""
+    reserved_gpus: list[int] | None = None
+    """GPUs held back from the plan while healthy: the hot spares and the healthy GPUs of a
+    slice a spare replaced (set by a live job as it swaps spares in). None: the last
+    ``recovery.spares`` TP slices."""
     slow_links: dict[int, float] | None = None
     """GPUs with a slow scale-out NIC: ``{gpu_id: relative_rate}``, rate in (0, 1]. Their
     replicas hand the GPU's cross-replica gradient units to its TP peers (a NIC-aware sync
@@ -366,7 +370,8 @@ class HealthConfig:
             ids += list(rep.failed_gpus)
             slow.update(rep.slow_gpus)
             links.update(rep.slow_links)
-        return HealthReport(tuple(ids), tuple(slow.items()), tuple(links.items()))
+        return HealthReport(tuple(ids), tuple(slow.items()), tuple(links.items()),
+                            tuple(self.reserved_gpus or ()))
 
 
 @dataclass(frozen=True)
@@ -691,6 +696,12 @@ class RecoveryConfig:
     """Time a (re)started world may take to reach its first step."""
     probe_timeout_s: float = 60.0
     """Under a launcher: time a worker's device probe may take before its GPU counts as failed."""
+    spares: int = 0
+    """Hot spares (``recovery.mode=live``): the last this many TP slices of the cluster are held
+    back from the plan, their ranks started as standby processes (imported, connected to the
+    control process). A failure while one is free swaps the failed slice for it in one live
+    re-layout: the replica keeps its base TP, no process starts; with none free, NUTP's
+    degraded layout. 0: none."""
     live_redundancy: bool = False
     """``train.distributed_optimizer``: keep a copy of every optimizer slice on the next member
     of its sync group (ring), updated in the same step, so a live re-layout survives one rank's
@@ -713,6 +724,8 @@ class RecoveryConfig:
             raise bad_value("recovery.rate_per_gpu_day", self.rate_per_gpu_day, "must be >= 0")
         if self.max_restarts < 0:
             raise bad_value("recovery.max_restarts", self.max_restarts, "must be >= 0")
+        if self.spares < 0:
+            raise bad_value("recovery.spares", self.spares, "must be >= 0")
         if self.mode not in ("restart", "live"):
             raise bad_value("recovery.mode", self.mode, "must be restart or live")
         for name in ("heartbeat_timeout_s", "startup_timeout_s", "probe_timeout_s"):
@@ -761,6 +774,12 @@ class JobConfig:
         if self.recovery.live_redundancy and not self.train.distributed_optimizer:
             raise bad_value("recovery.live_redundancy", True, "needs train.distributed_optimizer="
                             "true (the non-distributed optimizer's state is replicated already)")
+        if self.recovery.spares and not (self.recovery.enabled and self.recovery.mode == "live"):
+            raise bad_value("recovery.spares", self.recovery.spares, "hot spares need "
+                            "recovery.enabled=true recovery.mode=live (standby processes)")
+        if self.recovery.spares and self.nutp.replicas is not None:
+            raise bad_value("recovery.spares", self.recovery.spares,
+                            "takes the cluster's last TP slices: not with explicit nutp.replicas")
         if self.recovery.enabled and not self.checkpoint.saves:
             raise bad_value("checkpoint.interval", self.checkpoint.interval,
                             "must be > 0 when recovery.enabled is true")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import signal
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -258,11 +258,13 @@ def lost_steps(last_done: int | None, resume_step: int) -> int:
 
 
 def job_for(cfg: JobConfig, failed: frozenset[int], slow: Mapping[int, float] | None = None,
-            links: Mapping[int, float] | None = None) -> JobConfig:
+            links: Mapping[int, float] | None = None,
+            reserved: Iterable[int] | None = None) -> JobConfig:
     """The job config for a set of failed GPUs and stragglers (``slow``: GPU -> relative speed,
     found while running; added to the configured ones) and slow NICs (``links``: GPU ->
     relative scale-out rate found while running, replacing the configured ones; None: the
-    configured ones). The policy re-plans degrees from health.
+    configured ones), and the GPUs held back as spares (``reserved``; None: as configured). The
+    policy re-plans degrees from health.
 
     Explicit ``nutp.replicas`` cannot describe a new failure, so it is dropped once the health
     differs from the configured one (the health report's entries are carried over)."""
@@ -270,11 +272,12 @@ def job_for(cfg: JobConfig, failed: frozenset[int], slow: Mapping[int, float] | 
     speeds = {**dict(health.slow_gpus), **dict(slow or {})}
     nics = dict(health.slow_links) if links is None else {int(g): float(v)
                                                           for g, v in links.items()}
+    held = cfg.health.reserved_gpus if reserved is None else sorted(set(reserved))
     if (failed == frozenset(health.failed_gpus) and speeds == dict(health.slow_gpus)
-            and nics == dict(health.slow_links)):
+            and nics == dict(health.slow_links) and held == cfg.health.reserved_gpus):
         return cfg
     now = dataclasses.replace(cfg.health, failed_gpus=sorted(failed), slow_gpus=speeds or None,
-                              slow_links=nics or None, report=None)
+                              slow_links=nics or None, reserved_gpus=held, report=None)
     if failed == frozenset(health.failed_gpus) and speeds == dict(health.slow_gpus):
         return dataclasses.replace(cfg, health=now)  # the sync layout alone changes
     nutp = dataclasses.replace(cfg.nutp, replicas=None)

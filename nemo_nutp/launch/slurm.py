@@ -486,6 +486,10 @@ def run(args: argparse.Namespace) -> int:
         if cfg.recovery.mode == "live" and not cfg.recovery.enabled:
             raise ValueError("recovery.mode='live': needs recovery.enabled=true (the control "
                              "process supervises the job)")
+        if cfg.recovery.spares:
+            raise ValueError(f"recovery.spares={cfg.recovery.spares}: hot spares run under the "
+                             "CPU supervisor only; the node agents start no standby processes "
+                             "yet")
         plan = build_plan(plan_request(cfg))
         opts = SbatchOptions(partition=args.partition, account=args.account, image=args.image,
                              mounts=tuple(m for arg in args.mounts for m in arg.split(",") if m),

@@ -37,7 +37,14 @@ import numpy as np
 
 from .cost import StageTime, stage_time, sync_seconds
 from .memory import fits_every_stage, stage_memory, why_not
-from .specs import ClusterSpec, ModelDims, PlanRequest, bad_value, interleave_error
+from .specs import (
+    ClusterSpec,
+    ModelDims,
+    ParallelSpec,
+    PlanRequest,
+    bad_value,
+    interleave_error,
+)
 from .sync import SyncLayout, make_sync_layout, nic_aware, reshard_plan
 from .units import (
     PARAM_KINDS,
@@ -321,10 +328,24 @@ def plan_slices(req: PlanRequest) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     starts = (np.arange(full)[:, None] * c.domain_size + np.arange(per)[None, :] * tb).ravel()
     rem = c.num_gpus - full * c.domain_size
     starts = np.concatenate([starts, full * c.domain_size + np.arange(rem // tb) * tb])
-    failed = np.zeros(c.num_gpus, dtype=bool)
+    failed = np.zeros(c.num_gpus, dtype=bool)  # unusable: failed, or held back as spares
     failed[list(req.health.failed_gpus)] = True
+    failed[list(req.health.reserved_gpus)] = True
     healthy = tb - failed[starts[:, None] + np.arange(tb)[None, :]].sum(axis=1)
     return starts.astype(np.int64), healthy.astype(np.int64), failed
+
+
+def spare_slices(cluster: ClusterSpec, tp_base: int, spares: int) -> list[tuple[int, ...]]:
+    """The GPUs of the last ``spares`` TP slices of the cluster (hot spares: whole slices, as a
+    TP group stays inside one scale-up domain)."""
+    if spares <= 0:
+        return []
+    req = PlanRequest(cluster=cluster, parallel=ParallelSpec(tp_base=tp_base))
+    starts = plan_slices(req)[0]
+    if spares >= len(starts):
+        raise bad_value("recovery.spares", spares, f"the cluster holds {len(starts)} TP slices "
+                        f"of parallel.tp_base={tp_base}: at least one must train")
+    return [tuple(range(int(s), int(s) + tp_base)) for s in starts[-spares:]]
 
 
 def apportion(speeds: np.ndarray, total: int, field_name: str = "global_batch"
@@ -556,7 +577,9 @@ def build_plan(req: PlanRequest) -> Plan:
     _validate(req)
     p = req.parallel
     starts, healthy, failed = plan_slices(req)
-    n_full = len(starts) // p.pp
+    reserved = set(req.health.reserved_gpus) - set(req.health.failed_gpus)
+    held = {int(s) for s in starts if reserved & set(range(int(s), int(s) + p.tp_base))}
+    n_full = (len(starts) - len(held)) // p.pp  # spare slices are not the job's
     speed = _Speed(req)
     if req.replicas is not None:
         sl, deg = _explicit(req, healthy, len(starts))
@@ -638,7 +661,8 @@ def _assemble(req: PlanRequest, starts: np.ndarray, healthy: np.ndarray, failed:
     t_plan = float((shares / speeds).max())
     used = {g for g in rank_to_gpu}
     in_slices = {int(starts[x]) + j for x in sl.ravel() for j in range(p.tp_base)}
-    idle = sum(1 for g in in_slices if not failed[g] and g not in used)
+    reserved = set(req.health.reserved_gpus) - set(req.health.failed_gpus)  # spares: idle
+    idle = sum(1 for g in in_slices if not failed[g] and g not in used) + len(reserved)
     return Plan(request=req, replicas=replicas, world_size=world, rank_to_gpu=tuple(rank_to_gpu),
                 full_replicas=n_full, predicted_throughput=float(t_full / t_plan),
                 capacity=float(speeds.sum() / n_full), dropped_replicas=n_full - len(live),

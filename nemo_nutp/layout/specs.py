@@ -154,7 +154,16 @@ class HealthReport:
     (a mapping is accepted). Their replicas' sync layouts hand the GPU's cross-replica units to
     its TP peers (``layout.sync.nic_aware``); compute is not affected."""
 
+    reserved_gpus: tuple[int, ...] = ()
+    """GPUs held back from the plan while healthy: hot spares (``recovery.spares``) and the
+    healthy GPUs of a slice a spare replaced. Counted as idle healthy GPUs."""
+
     def __post_init__(self) -> None:
+        for g in self.reserved_gpus:
+            if isinstance(g, bool) or not isinstance(g, int) or g < 0:
+                raise bad_value("health.reserved_gpus", g,
+                                "GPU ids must be non-negative integers")
+        object.__setattr__(self, "reserved_gpus", tuple(sorted(set(self.reserved_gpus))))
         for g in self.failed_gpus:
             if isinstance(g, bool) or not isinstance(g, int) or g < 0:
                 raise bad_value("health.failed_gpus", g, "GPU ids must be non-negative integers")
@@ -191,6 +200,10 @@ class HealthReport:
                 "health.failed_gpus", bad[0],
                 f"GPU id out of range for cluster.num_gpus={cluster.num_gpus}",
             )
+        bad = [g for g in self.reserved_gpus if g >= cluster.num_gpus]
+        if bad:
+            raise bad_value("health.reserved_gpus", bad[0],
+                            f"GPU id out of range for cluster.num_gpus={cluster.num_gpus}")
         for key, pairs in (("slow_gpus", self.slow_gpus), ("slow_links", self.slow_links)):
             bad = [g for g, _ in pairs if g >= cluster.num_gpus]
             if bad:

@@ -250,7 +250,8 @@ class LiveManager(Generic[R]):
 
         links = ({int(g): float(v) for g, v in d["slow_links"].items()}
                  if "slow_links" in d else None)
-        job = job_for(self.cfg, frozenset(d["failed_gpus"]), _slow(d), links)
+        job = job_for(self.cfg, frozenset(d["failed_gpus"]), _slow(d), links,
+                      d.get("reserved_gpus"))
         plan = replan(old_plan, job)
         if list(plan.rank_to_gpu) != d["rank_to_gpu"]:
             raise RuntimeError(f"re-planned rank_to_gpu={list(plan.rank_to_gpu)} but the "

@@ -101,6 +101,10 @@ class World:
 
     links: dict[int, float] = field(default_factory=dict)  # slow NICs planned around (GPU ->
     # relative rate; rank 0's link watch, ``train/links.py``)
+    reserved: list[int] | None = None  # GPUs held back (spares, replaced slices; None: the
+    # job's own ``recovery.spares``)
+    spares: list[tuple[int, ...]] = field(default_factory=list)  # free spare slices
+    standby: dict[int, Any] = field(default_factory=dict)  # spare GPU -> its standby process
 
     def alive(self) -> list[int]:
         return [r for r, p in enumerate(self.procs) if p.exitcode is None]
@@ -179,6 +183,44 @@ def _reports(store: Any, w: World, failure: Failure) -> tuple[Failure, dict[int,
         time.sleep(POLL_S)
 
 
+def swap_spares(w: World, failed: frozenset[int]
+                ) -> tuple[list[int] | None, list[tuple[int, ...]],
+                           list[tuple[tuple[int, ...], tuple[int, ...]]]]:
+    """Hot spares (``recovery.spares``): every TP slice of the running plan that lost a GPU,
+    while a spare slice is free, is swapped for one (its healthy GPUs held back, the spare
+    taken out of the held-back set). Returns the held-back GPUs (None: the job's own, no
+    spares), the spare slices still free and the swaps (replaced slice, spare)."""
+    if not w.standby and not w.spares:
+        return w.reserved, list(w.spares), []
+    from ..layout.plan import plan_slices
+
+    tb = w.plan.request.parallel.tp_base
+    held = set(w.reserved if w.reserved is not None else w.plan.request.health.reserved_gpus)
+    spares, swaps = list(w.spares), []
+    new = failed - w.failed
+    slices = [tuple(range(int(s), int(s) + tb)) for s in plan_slices(w.plan.request)[0]]
+    used = {s for s in slices if set(s) & set(w.plan.rank_to_gpu)}
+    for worn in sorted({s for s in used if new & set(s)}):
+        if not spares:
+            break
+        spare = spares.pop(0)
+        held = (held - set(spare)) | (set(worn) - failed)
+        swaps.append((worn, spare))
+    return sorted(held), spares, swaps
+
+
+def activate_standby(store: Any, proc: Any, gpu: int, slot: int, old_plan: Plan, gen: int,
+                     hb: Path) -> Any:
+    """Wake ``gpu``'s standby process (``world.standby_main``): it joins world ``gen`` as
+    ``slot``, its state moved from the survivors. Returns its handle."""
+    import pickle
+
+    from .world import STANDBY_KEY
+
+    store.set(STANDBY_KEY.format(gpu=gpu), pickle.dumps((slot, old_plan, gen, str(hb))))
+    return proc
+
+
 def relayout(store: Any, cfg: JobConfig, w: World, failure: Failure, *, detected: float,
              rdir: Path, attempt: int) -> tuple[World, dict[str, Any]]:
     """Steps 2-4 of the module docstring. Returns the new world and the event's fields;
@@ -208,7 +250,8 @@ def _relayout(store: Any, cfg: JobConfig, w: World, folded: list[Failure], *, de
             raise Fallback(str(e)) from None
         gpus = tuple(w.plan.rank_to_gpu[r] for r in failure.ranks)
         failed = next_failed(w.failed, gpus, watch.read_health(rdir / "health.json"))
-        job = job_for(cfg, failed, w.slow, w.links)
+        reserved, spares, swaps = swap_spares(w, failed)
+        job = job_for(cfg, failed, w.slow, w.links, reserved)
         try:
             plan = replan(w.plan, job)
         except ValueError as e:
@@ -221,7 +264,11 @@ def _relayout(store: Any, cfg: JobConfig, w: World, folded: list[Failure], *, de
     rank_map = {o: n for o, n in renumber(tuple(w.plan.rank_to_gpu),
                                           tuple(plan.rank_to_gpu)).items()
                 if n is not None and o not in failure.ranks}
-    mv = plan_move(w.plan, plan, rank_map)
+    joiners = sorted(set(range(plan.world_size)) - set(rank_map.values()))  # spares' ranks
+    missing = [plan.rank_to_gpu[n] for n in joiners if plan.rank_to_gpu[n] not in w.standby]
+    if missing:
+        raise Fallback(f"GPUs {missing} of the new layout have no process (no standby)")
+    mv = plan_move(w.plan, plan, rank_map, joiners=frozenset(joiners))
     if not mv.possible:
         raise Fallback(f"state cannot move: {mv.reason}")
     watch.write_health(rdir / "health.json", failed)
@@ -233,14 +280,21 @@ def _relayout(store: Any, cfg: JobConfig, w: World, folded: list[Failure], *, de
         "failed_gpus": sorted(failed), "rank_to_gpu": list(plan.rank_to_gpu),
         "dead_ranks": list(failure.ranks), "detected_at": detected, "heartbeat_dir": str(hb),
         "slow_gpus": {str(g): v for g, v in w.slow.items()},
-        "slow_links": {str(g): v for g, v in w.links.items()}}))
-    new_procs, new_slots = [], []
-    for g in plan.rank_to_gpu:
-        old = list(w.plan.rank_to_gpu).index(g)
-        new_procs.append(w.procs[old])
-        new_slots.append(w.slots[old])
-    nw = World(job, plan, new_procs, new_slots, failed, gen, hb, w.next_slot, dict(w.slow),
-               w.nodes, dict(w.links))
+        "slow_links": {str(g): v for g, v in w.links.items()},
+        "reserved_gpus": reserved, "joiners": joiners}))
+    inv = {n: o for o, n in rank_map.items()}
+    new_procs, new_slots, nxt = [], [], w.next_slot
+    standby = dict(w.standby)
+    for n, g in enumerate(plan.rank_to_gpu):
+        if n in inv:
+            new_procs.append(w.procs[inv[n]])
+            new_slots.append(w.slots[inv[n]])
+            continue
+        new_procs.append(activate_standby(store, standby.pop(g), g, nxt, w.plan, gen, hb))
+        new_slots.append(nxt)
+        nxt += 1
+    nw = World(job, plan, new_procs, new_slots, failed, gen, hb, nxt, dict(w.slow),
+               w.nodes, dict(w.links), reserved, spares, standby)
     _wait_keys(store, [f"started{gen}"], nw, list(range(len(new_procs))), START_TIMEOUT_S,
                "the new world was being built")
     started = json.loads(store.get(f"started{gen}"))
@@ -259,7 +313,10 @@ def _relayout(store: Any, cfg: JobConfig, w: World, folded: list[Failure], *, de
               "peak_memory_ratio": started["peak_memory_ratio"], "move_s": started["move_s"],
               "checkpoint_bytes_read": 0, "processes_started": 0,
               "world_size": plan.world_size, "replica_tp": watch.layout_of(plan),
-              "pids": [p.pid for p in new_procs]}
+              "pids": [p.pid for p in new_procs],
+              "spares_used": [list(spare) for _, spare in swaps],
+              "replaced_slices": [list(worn) for worn, _ in swaps],
+              "spares_free": len(spares), "joiners": joiners}
     return nw, fields
 
 
@@ -326,7 +383,7 @@ def _grow_plan(store: Any, cfg: JobConfig, w: World, rdir: Path
     posted, links = _posted_slow(store, w)
     slow.update(posted)
     links = dict(w.links) if links is None else links
-    job = job_for(cfg, failed, slow, links)
+    job = job_for(cfg, failed, slow, links, w.reserved)
     try:
         plan = replan(w.plan, job)
     except ValueError as e:
@@ -372,7 +429,7 @@ def grow(store: Any, cfg: JobConfig, w: World, why: str, *, detected: float, rdi
     store.set(f"decision{w.gen}", json.dumps({
         "action": "live", "step": dec.step, "apply": [], "failed_gpus": sorted(failed),
         "slow_gpus": {str(g): v for g, v in slow.items()},
-        "slow_links": {str(g): v for g, v in links.items()},
+        "slow_links": {str(g): v for g, v in links.items()}, "reserved_gpus": w.reserved,
         "rank_to_gpu": list(plan.rank_to_gpu), "dead_ranks": [], "joiners": joiners,
         "detected_at": detected, "heartbeat_dir": str(hb)}))
     inv = {n: o for o, n in rank_map.items()}
@@ -385,7 +442,8 @@ def grow(store: Any, cfg: JobConfig, w: World, why: str, *, detected: float, rdi
         procs.append(start_joiner(nxt, w.plan, plan.rank_to_gpu[n], gen, hb))
         slots.append(nxt)
         nxt += 1
-    nw = World(job, plan, procs, slots, failed, gen, hb, nxt, slow, w.nodes, links)
+    nw = World(job, plan, procs, slots, failed, gen, hb, nxt, slow, w.nodes, links, w.reserved,
+               list(w.spares), dict(w.standby))
     joined = [procs[n] for n in joiners]
     log_event("live_joiners", file=rdir / "events.jsonl", gen=gen, joiners=joiners,
               pids=[p.pid for p in joined])
@@ -435,7 +493,7 @@ def gpus_back(cfg: JobConfig, w: World, rdir: Path) -> tuple[frozenset[int], str
     if not back and not slow_back:
         return frozenset(), None
     slow = {g: v for g, v in w.slow.items() if g not in slow_back}
-    fuller = build_plan(plan_request(job_for(cfg, w.failed - back, slow, w.links)))
+    fuller = build_plan(plan_request(job_for(cfg, w.failed - back, slow, w.links, w.reserved)))
     if watch.layout_of(fuller) == watch.layout_of(w.plan):
         return back | slow_back, "the layout does not change"
     return back | slow_back, None
@@ -538,6 +596,13 @@ def run_world(cfg: JobConfig, job: JobConfig, plan: Plan,
               pids=[p.pid for p in procs])
     w = World(job, plan, procs, list(range(plan.world_size)), failed, 0, hb, plan.world_size,
               nodes=host.node_names, links=dict(plan.request.health.slow_links))
+    if job.recovery.spares:  # hot spares: standby processes, started with the job
+        from ..layout.plan import spare_slices
+
+        w.spares = spare_slices(job.cluster, job.parallel.tp_base, job.recovery.spares)
+        w.standby = {g: host.start_standby(job, g, env) for s in w.spares for g in s}
+        log_event("spares_standby", file=rdir / "events.jsonl", slices=[list(s) for s in w.spares],
+                  pids=[p.pid for p in w.standby.values()])
 
     def start_joiner(slot: int, old_plan: Plan, gpu: int, gen: int, hb: Path) -> Any:
         return host.start_joiner(slot, job, old_plan, gpu, gen,
@@ -572,6 +637,7 @@ def run_world(cfg: JobConfig, job: JobConfig, plan: Plan,
                        health=planned if job.train.distributed_optimizer else None,
                        nodes=w.nodes)
         if v.done:
+            host.stop(list(w.standby.values()))  # spares still standing by: the job is over
             return Attempt(True, None, None, None, now, None, tuple(w.plan.rank_to_gpu), {},
                            0.0)
         failure, cause, scale = v.failure, v.cause, v.scale_up
@@ -617,6 +683,6 @@ def run_world(cfg: JobConfig, job: JobConfig, plan: Plan,
         where = {r: watch.read_where(hb, w.slots[r])
                  for r in (failure.ranks if failure is not None else ())}
         last = watch.last_done(w.hb, w.plan.world_size)
-        host.stop(w.procs)
+        host.stop([*w.procs, *w.standby.values()])
         return Attempt(False, failure, None if failure is None else cause, scale, detected,
                        last, tuple(w.plan.rank_to_gpu), where, time.time() - detected)

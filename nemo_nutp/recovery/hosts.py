@@ -86,6 +86,9 @@ class Host(Protocol):
                      env: dict[str, str]) -> Proc:
         """Start a returning GPU's process, to join world ``gen`` (grow back)."""
 
+    def start_standby(self, job: JobConfig, gpu: int, env: dict[str, str]) -> Proc:
+        """Start a hot spare's standby process for ``gpu`` (``world.standby_main``)."""
+
     def stop(self, procs: list[Proc]) -> None:
         """Kill ``procs`` and wait for them (whole process groups)."""
 
@@ -151,6 +154,13 @@ class LocalHost:
                      env: dict[str, str]) -> Proc:
         p = self._ctx.Process(target=self.entry.join,
                               args=(slot, job, old_plan, gpu, gen, env))
+        p.start()
+        return LocalProc(p)
+
+    def start_standby(self, job: JobConfig, gpu: int, env: dict[str, str]) -> Proc:
+        from .world import standby_main
+
+        p = self._ctx.Process(target=standby_main, args=(self.entry.join, job, gpu, env))
         p.start()
         return LocalProc(p)
 
@@ -296,6 +306,14 @@ class AgentHost:
                                                "env": env})}
         p.pid = int(self._replies(sent)[p.node]["pids"][0][1])
         return p
+
+    def start_standby(self, job: JobConfig, gpu: int, env: dict[str, str]) -> Proc:
+        """Not under node agents yet (``nutp sbatch`` refuses ``recovery.spares`` first)."""
+        from ..layout.specs import bad_value
+
+        raise bad_value("recovery.spares", job.recovery.spares,
+                        "hot spares run under the CPU supervisor only: the node agents start "
+                        "no standby processes yet")
 
     def kill(self, procs: list[RemoteProc]) -> None:
         by_node: dict[int, list[int]] = {}

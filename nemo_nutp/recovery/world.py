@@ -90,6 +90,41 @@ def join_main(slot: int, cfg: JobConfig, old_plan: Plan, gpu: int, gen: int,
     join_rank(slot, cfg, old_plan, gpu, gen)
 
 
+STANDBY_KEY = "standby/{gpu}"
+"""Where the control process activates a hot spare's standby process (``standby_main``)."""
+
+
+def standby_main(join: Callable[..., None], cfg: JobConfig, gpu: int,
+                 env: dict[str, str]) -> None:
+    """A hot spare's standby process (``recovery.spares``): started with the job, its imports
+    done (the fork server's preload), connected to the control process's store, it waits until
+    a failure's re-layout takes its GPU, then joins that world as a returning GPU's process
+    does (``join``: the entry's, with the activation's slot, old plan, generation and
+    heartbeat directory). Ends quietly when the control process goes away first."""
+    import pickle
+    from datetime import timedelta
+
+    from ..common.env import CONTROL
+    from ..live.link import connect
+
+    enter(env)
+    host, _, port = env[CONTROL].rpartition(":")
+    key = STANDBY_KEY.format(gpu=gpu)
+    try:
+        store = connect(host, int(port), cfg.recovery.startup_timeout_s)
+        while True:
+            try:
+                store.wait([key], timedelta(seconds=30))
+                break
+            except RuntimeError as e:  # a wait that timed out: still standing by
+                if "timeout" not in str(e).lower() and "timed out" not in str(e).lower():
+                    raise
+        slot, old_plan, gen, hb = pickle.loads(store.get(key))
+    except Exception:  # the control process ended (the job is over): nothing to join
+        os._exit(0)
+    join(slot, cfg, old_plan, gpu, gen, {**env, HEARTBEAT_DIR: hb})
+
+
 @dataclass(frozen=True)
 class RankEntry:
     """How the restart path starts one rank: ``target(rank, world, job, plan, port, env)`` in a
