@@ -777,6 +777,10 @@ class JobConfig:
         if self.recovery.spares and not (self.recovery.enabled and self.recovery.mode == "live"):
             raise bad_value("recovery.spares", self.recovery.spares, "hot spares need "
                             "recovery.enabled=true recovery.mode=live (standby processes)")
+        if self.recovery.spares and self.train.distributed_optimizer:
+            raise bad_value("recovery.spares", self.recovery.spares,
+                            "not with train.distributed_optimizer yet: its slices do not move "
+                            "to joiners live (the replaced slice's ranks hold their state)")
         if self.recovery.spares and self.nutp.replicas is not None:
             raise bad_value("recovery.spares", self.recovery.spares,
                             "takes the cluster's last TP slices: not with explicit nutp.replicas")

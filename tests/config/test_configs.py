@@ -524,3 +524,31 @@ def test_schedule_loads_with_megatron_names() -> None:
 def test_evaluation_bad_values_name_the_key(overrides: list[str], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         load_config(overrides)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["recovery.spares=-1"],
+    ["recovery.spares=1"],  # restart mode: no standby processes
+    ["recovery.enabled=true", "recovery.mode=live", "checkpoint.interval=2", "recovery.spares=1",
+     "train.distributed_optimizer=true"],
+    ["recovery.enabled=true", "recovery.mode=live", "checkpoint.interval=2", "recovery.spares=1",
+     "nutp.replicas=[2,2]"],
+])
+def test_spares_bad_values_name_the_key(overrides: list[str]) -> None:
+    with pytest.raises(ValueError, match=r"recovery\.spares="):
+        load_config(overrides)
+
+
+def test_spares_hold_back_the_last_slices() -> None:
+    """``recovery.spares=1`` on three 4-GPU slices: the plan trains on GPUs 0-7, GPUs 8-11 are
+    held back (idle healthy GPUs of the plan); all slices as spares is refused."""
+    from nemo_nutp.config.derived import plan_request
+    from nemo_nutp.layout import build_plan
+
+    live = ["recovery.enabled=true", "recovery.mode=live", "checkpoint.interval=2",
+            "health=none", "cluster.num_gpus=12", "cluster.gpus_per_node=4", "parallel.tp_base=4"]
+    plan = build_plan(plan_request(load_config([*live, "recovery.spares=1"])))
+    assert plan.rank_to_gpu == tuple(range(8)) and plan.idle_healthy_gpus == 4
+    assert plan.request.health.reserved_gpus == (8, 9, 10, 11) and plan.full_replicas == 2
+    with pytest.raises(ValueError, match=r"recovery\.spares=3"):
+        plan_request(load_config([*live, "recovery.spares=3"]))
