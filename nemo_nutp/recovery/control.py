@@ -54,6 +54,7 @@ from ..health.decisions import (
     exits_reason,
     job_for,
     next_failed,
+    returned_gpus,
 )
 
 if TYPE_CHECKING:
@@ -207,6 +208,29 @@ def swap_spares(w: World, failed: frozenset[int]
         held = (held - set(spare)) | (set(worn) - failed)
         swaps.append((worn, spare))
     return sorted(held), spares, swaps
+
+
+def refill_spares(w: World, back: frozenset[int]) -> list[tuple[int, ...]]:
+    """GPUs reported back that make a held-back (replaced) slice whole again: those slices go
+    back to the spare pool first (``recovery.spares``), before any grow. Returns them (w is
+    updated: the GPUs no longer failed, held back, the slices free spares)."""
+    if w.reserved is None or not back:
+        return []
+    from ..layout.plan import plan_slices
+
+    tb = w.plan.request.parallel.tp_base
+    held, failed = set(w.reserved), w.failed - back
+    out = []
+    for st in plan_slices(w.plan.request)[0]:
+        s = tuple(range(int(st), int(st) + tb))
+        if set(s) & back and set(s) <= held | back and not set(s) & failed:
+            out.append(s)
+    gpus = {g for s in out for g in s}
+    if out:
+        w.failed = w.failed - gpus
+        w.reserved = sorted(held | gpus)
+        w.spares = [*w.spares, *out]
+    return out
 
 
 def activate_standby(store: Any, proc: Any, gpu: int, slot: int, old_plan: Plan, gen: int,
@@ -655,6 +679,18 @@ def run_world(cfg: JobConfig, job: JobConfig, plan: Plan,
             failure, scale = _fell_back(w, frozenset(), now)
         elif grows and now >= next_health:
             next_health = now + watch.HEALTH_POLL_S
+            back = returned_gpus(w.failed, watch.read_health(rdir / "health.json"))
+            refilled = refill_spares(w, back)
+            if refilled:  # a replaced slice whole again: a spare first, the layout unchanged
+                for sl in refilled:
+                    w.standby.update({g: host.start_standby(job, g, env) for g in sl})
+                watch.write_health(rdir / "health.json", w.failed)
+                log_event("spare_refilled", file=rdir / "events.jsonl",
+                          slices=[list(sl) for sl in refilled], spares_free=len(w.spares),
+                          pids=[w.standby[g].pid for sl in refilled for g in sl])
+                console.print(f"[green]recovery:[/] GPUs {sorted(back)} back: slices "
+                              f"{[list(sl) for sl in refilled]} are hot spares again")
+                continue
             back, why = gpus_back(cfg, w, rdir)
             if back and back != seen and why is not None:
                 log_event("gpu_back", file=rdir / "events.jsonl", gpus=sorted(back), deferred=why)

@@ -17,10 +17,17 @@ megatron-core within 1e-5; replicas are bitwise equal after each move; no traceb
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from nemo_nutp.common.procs import kill_session
+from tests.helpers.launch import start_train
 from tests.helpers.live import (
     BASE,
     JOB_TIMEOUT_S,
@@ -70,3 +77,57 @@ def test_a_kill_with_a_free_spare_keeps_the_base_tp_live(tmp_path: Path) -> None
     assert sorted(digests) == [1, 2], digests
     for gen, reps in digests.items():  # replicas bitwise equal after every move
         assert len(set().union(*reps.values())) == 1, (gen, reps)
+
+
+def _wait_event(out: Path, proc: Any, log: Path, name: str, deadline: float) -> dict[str, Any]:
+    while True:
+        found = [e for e in (read_events(out) if (out / "recovery" / "events.jsonl").exists()
+                             else []) if e["event"] == name]
+        if found:
+            return found[0]
+        assert proc.poll() is None, log.read_text()[-6000:]
+        assert time.monotonic() < deadline, f"no {name} within the job timeout"
+        time.sleep(0.05)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(JOB_TIMEOUT_S + 120)
+def test_a_gpu_back_refills_the_spares_first(tmp_path: Path) -> None:
+    """Rank 1 killed at step 2: the spare (GPUs 8-11) takes slice 0-3's place. GPU 1 is then
+    reported back (the health report rewritten, as an operator would): slice 0-3 is whole again
+    and becomes the spare, its four standby processes started; the layout does not change (no
+    grow). A rank of the new world killed from outside is then swapped for that refilled spare:
+    the layout stays [[4],[4]]. Every step exact against stock megatron-core."""
+    steps = 40
+    job = (*JOB[:-2], f"train.steps={steps}", "checkpoint.interval=100")
+    out, log = tmp_path / "refill", tmp_path / "refill.log"
+    proc = start_train([f"output.dir={out}", *job], log=log,
+                       env={"NUTP_FAULT": "kill:rank=1:step=2:phase=forward",
+                            "NUTP_LIVE_DIGEST": "1"})
+    try:
+        deadline = time.monotonic() + JOB_TIMEOUT_S
+        swap = _wait_event(out, proc, log, "live_relayout", deadline)
+        health = out / "recovery" / "health.json"
+        assert json.loads(health.read_text())["failed_gpus"] == [1]
+        tmp = health.with_suffix(".test-tmp")
+        tmp.write_text(json.dumps({"failed_gpus": []}))
+        os.replace(tmp, health)  # GPU 1 is back
+        refill = _wait_event(out, proc, log, "spare_refilled", deadline)
+        os.kill(swap["pids"][0], signal.SIGKILL)  # a rank of the new world
+        rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        kill_session(proc.pid)
+        proc.wait()
+    text = log.read_text()
+    assert rc == 0, text[-6000:]
+    assert "Traceback" not in text, text[-6000:]
+    rows = check_steps(out, stock_reference(job, steps, tmp_path), TOL)
+    ev = read_events(out)
+    assert refill["slices"] == [[0, 1, 2, 3]] and refill["spares_free"] == 1, refill
+    first, second = [e for e in ev if e["event"] == "live_relayout"]
+    assert first["spares_used"] == [[8, 9, 10, 11]], first
+    assert second["spares_used"] == [[0, 1, 2, 3]] and second["replica_tp"] == [[4], [4]]
+    assert set(refill["pids"]) <= set(second["pids"]), (refill, second)  # they joined
+    assert second["processes_started"] == 0, second
+    assert not [e for e in ev if e["event"] in ("scale_up_requested", "live_fallback")], ev
+    assert all(r["replica_tp"] == [[4], [4]] for r in rows)
