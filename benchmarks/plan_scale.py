@@ -1,7 +1,10 @@
 """Plan 131,072 GPUs in NVL72 domains with 1% failed GPUs; print wall time per phase.
 
 Target (issue 2): build_plan < 2 s on a 2-core machine. Writes runs/bench/plan_scale.json.
-Usage: python benchmarks/plan_scale.py [--gpus N] [--fail-frac F] [--repeat R]
+``--slow-links K`` adds a row ``nutp+links``: the ``nutp`` plan with K random GPUs' NICs at a
+quarter rate (``health.slow_links``: NIC-aware sync owners, issue #36), its time and sync groups
+beside the plain one.
+Usage: python benchmarks/plan_scale.py [--gpus N] [--fail-frac F] [--repeat R] [--slow-links K]
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ def main() -> None:
     ap.add_argument("--gpus", type=int, default=131072)
     ap.add_argument("--fail-frac", type=float, default=0.01)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--slow-links", type=int, default=16)
     ap.add_argument("--out", default="runs/bench/plan_scale.json")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
@@ -47,9 +51,15 @@ def main() -> None:
                 "throughput", "capacity"):
         table.add_column(col, justify="right")
     results = {}
-    for pol in POLICIES:
+    healthy = sorted(set(range(args.gpus)) - set(failed))
+    links = tuple((int(g), 0.25) for g in rng.choice(healthy, args.slow_links, replace=False))
+    rows = [(pol, HealthReport(failed)) for pol in POLICIES]
+    if args.slow_links:
+        rows.append(("nutp+links", HealthReport(failed, slow_links=links)))
+    for name, health in rows:
+        pol = name.split("+")[0]
         req = PlanRequest(cluster=ClusterSpec(args.gpus, 72, 4), model=dims,
-                          parallel=ParallelSpec(tp_base=72), health=HealthReport(failed),
+                          parallel=ParallelSpec(tp_base=72), health=health,
                           policy=pol, global_batch=4096)
         t_plan, t_groups = [], []
         for _ in range(args.repeat):
@@ -60,19 +70,19 @@ def main() -> None:
             n_sync = sum(len(plan.sync_groups(0, s)) for s in SPACES)
             t_plan.append(t1 - t0)
             t_groups.append(time.perf_counter() - t1)
-        results[pol] = {"plan_s": min(t_plan), "groups_s": min(t_groups),
+        results[name] = {"plan_s": min(t_plan), "groups_s": min(t_groups),
                         "world_size": plan.world_size, "replicas": len(plan.replicas),
                         "groups": n_groups, "sync_groups": n_sync,
                         "predicted_throughput": plan.predicted_throughput,
                         "capacity": plan.capacity}
-        table.add_row(pol, f"{min(t_plan):.3f}", f"{min(t_groups):.3f}", str(plan.world_size),
+        table.add_row(name, f"{min(t_plan):.3f}", f"{min(t_groups):.3f}", str(plan.world_size),
                       str(len(plan.replicas)), str(n_sync), f"{plan.predicted_throughput:.4f}",
                       f"{plan.capacity:.4f}")
     Console().print(table)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"gpus": args.gpus, "failed": len(failed), "results": results},
-                              indent=1))
+    out.write_text(json.dumps({"gpus": args.gpus, "failed": len(failed),
+                               "slow_links": args.slow_links, "results": results}, indent=1))
     print(f"wrote {out}")
 
 
