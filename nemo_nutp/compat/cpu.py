@@ -18,7 +18,11 @@ Contract:
   same proxy, whose ``cuda.Stream``/``cuda.Event`` are the synchronous :class:`CpuStream` /
   :class:`CpuEvent` (the all-to-all dispatcher's device-to-host stream, the MoE layer's and shared
   experts' side streams) and whose ``current_device()`` places the router's weights and aux-loss
-  buffers on CPU. Modules that do not exist in the installed megatron-core are skipped.
+  buffers on CPU. Modules that do not exist in the installed megatron-core are skipped. The
+  all-to-all dispatcher's ``maybe_move_tensor_to_cpu`` (its device-to-host copy of the split
+  sizes, which turns them into numpy for ``all_to_all_single``) also converts CPU tensors
+  (:func:`_splits_to_host`): on CUDA only CUDA tensors are converted, and on CPU they would
+  reach ``all_to_all_single`` as tensors, which it refuses (expert parallelism > 1 only).
 - GPTModel needs an explicit attention mask on CPU (no fused/flash kernels):
   :func:`cpu_attention_mask`.
 """
@@ -214,6 +218,16 @@ class TorchProxy(types.ModuleType):
         return getattr(torch, name)
 
 
+def _splits_to_host(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def wrapper(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            return tensor.numpy()
+        return fn(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    return wrapper
+
+
 def _cpu_get_rng_state(
     device: Any = "cuda", clone: bool = False, graph_safe: bool = False
 ) -> torch.Tensor:
@@ -293,6 +307,10 @@ def apply_cpu_patches() -> list[str]:
         module = importlib.import_module(modname)
         module.torch = proxy  # type: ignore[attr-defined]
         done.append(f"{modname}.torch")
+        if hasattr(module, "maybe_move_tensor_to_cpu") and modname.endswith("token_dispatcher"):
+            module.maybe_move_tensor_to_cpu = _splits_to_host(  # type: ignore[attr-defined]
+                module.maybe_move_tensor_to_cpu)
+            done.append(f"{modname}.maybe_move_tensor_to_cpu")
     random = importlib.import_module("megatron.core.tensor_parallel.random")
     random._get_cuda_rng_state = _cpu_get_rng_state  # type: ignore[attr-defined]
     random._set_cuda_rng_state = _cpu_set_rng_state  # type: ignore[attr-defined]

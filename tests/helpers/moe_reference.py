@@ -37,7 +37,7 @@ import torch
 from nemo_nutp.model.init import normalize_name
 
 QWEN3_MOE: dict[str, Any] = dict(
-    num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, kv_channels=8,
+    num_layers=2, hidden_size=32, num_attention_heads=8, num_query_groups=4, kv_channels=8,
     ffn_hidden_size=64, vocab_size=96, seq_length=12, qk_layernorm=True,
     normalization="RMSNorm", gated_linear_unit=True, add_bias_linear=False)
 """The dense part of the tiny Qwen3-MoE shape (``nemo_nutp.config.ModelConfig`` fields)."""
