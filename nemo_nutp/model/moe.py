@@ -298,6 +298,9 @@ def build_moe_gpt_model(plan: Any, rank: int, model_cfg: Any, moe: MoEDims, grou
             gname = expert_global_name(p.nutp_name, mlp.local_expert_indices)
             p.nutp_name = gname  # type: ignore[attr-defined]
             p.nutp_expert = mlp.local_expert_indices[local]  # type: ignore[attr-defined]
+            # megatron marks experts (its expert-DP buffers) only at EP > 1; NUTP syncs every
+            # replica's experts by ExpertSync, TP1 replicas' too
+            p.allreduce = False  # type: ignore[attr-defined]
             init_param_(p, name=gname, kind=None, units=None, dims=model_cfg, seed=seed,
                         std=std)
     return model

@@ -136,3 +136,163 @@ def compare(ref: dict[str, Any], res: dict[str, Any]) -> dict[str, Any]:
             "grads": errs, "flips": flips,
             "missing": sorted(k for k in grads if (".experts." in k or ".router." in k)
                               and k not in res["grads"])}
+
+
+# ---------------------------------------------------------------- layouts of several replicas
+
+def _shards(model: Any, *, grads: bool) -> dict[str, tuple[Any, Any, torch.Tensor]]:
+    """name -> (kind, units, tensor) of this rank; experts under their global names."""
+    out = {}
+    for name, p in model.named_parameters():
+        t = (p.main_grad if grads else p).detach().float().clone()
+        key = p.nutp_name if getattr(p, "nutp_expert", None) is not None else (
+            name.removeprefix("module."))
+        out[key] = (getattr(p, "nutp_kind", None), getattr(p, "nutp_units", None), t)
+    return out
+
+
+def gather_replicas(s: Any, *, grads: bool = False) -> list[dict[str, torch.Tensor]] | None:
+    """Every replica's global tensors (rank 0 returns them; None elsewhere)."""
+    import torch.distributed as dist
+
+    from nemo_nutp.model.assemble import assemble
+
+    every: list[Any] = [None] * dist.get_world_size()
+    ctx = s.groups.ctx
+    dist.all_gather_object(every, (ctx.replica, ctx.tp_rank, _shards(s.model, grads=grads)))
+    if dist.get_rank() != 0:
+        return None
+    out = []
+    for i in range(len(s.plan.replicas)):
+        mine = [sh for r, _, sh in sorted((e for e in every if e[0] == i), key=lambda e: e[1])]
+        dense = [{k: v for k, v in sh.items() if ".experts." not in k} for sh in mine]
+        merged = assemble(dense, s.model_cfg)
+        for sh in mine:
+            merged.update({k: v[2] for k, v in sh.items() if ".experts." in k})
+        out.append(merged)
+    return out
+
+
+def _routing(s: Any, maps: list[torch.Tensor]) -> list[torch.Tensor]:
+    import torch.distributed as dist
+
+    tp = s.groups.tp
+    full = []
+    for m in maps:
+        parts = [torch.empty_like(m) for _ in range(tp.size())]
+        dist.all_gather(parts, m.contiguous(), group=tp)
+        full.append(torch.cat(parts))
+    return full
+
+
+def layout_run(case: MoECase, replicas: tuple[int, ...], control: str | None,
+               ref: dict[str, Any]) -> dict[str, Any] | None:
+    """``case`` on an NUTP layout (sequence parallel, clipping): per step the global loss, the
+    grad norm (every rank's, which must be the same bits), the global aux loss and the router
+    flips against ``ref``; step 0's synchronised gradients and the final parameters of every
+    replica (rank 0 returns the record)."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from nemo_nutp.config import ModelConfig
+    from nemo_nutp.layout import ClusterSpec, ParallelSpec, PlanRequest, build_plan
+    from nemo_nutp.train.session import build_session
+    from nemo_nutp.train.step import StepOptions, reduce_replica_loss
+
+    from .moe_reference import aux_loss_of_step, reset_moe_globals
+
+    reset_moe_globals()
+    tb = max(replicas)
+    plan = build_plan(PlanRequest(
+        cluster=ClusterSpec(num_gpus=tb * len(replicas), domain_size=tb, gpus_per_node=tb),
+        model=ModelConfig(**case.model),
+        parallel=ParallelSpec(tp_base=tb, sequence_parallel=True), replicas=replicas,
+        global_batch=case.global_batch))
+    moe = moe_dims(case)
+    degree = plan.replicas[plan.rank_index[dist.get_rank()][0]].tp[0]
+    if control == "aux_per_rank":
+        moe = dataclasses.replace(moe, moe_aux_loss_coeff=moe.moe_aux_loss_coeff * degree)
+    s = build_session(plan, dims(case), lr=case.lr, seed=case.seed,
+                      micro_batch_size=case.micro_batch_size,
+                      opts=StepOptions(clip_grad=case.clip_grad), moe=moe)
+    ctx = s.groups.ctx
+    maps = record_routing(s.gpt)
+    rec: dict[str, Any] = {"losses": [], "grad_norms": [], "aux_losses": [], "flips": [],
+                           "norms_equal": True}
+    grads: list[Any] = []
+    L = case.model["num_layers"]
+    for k in range(case.steps):
+        maps.clear()
+        res = s.step(k, after_sync=(lambda: grads.append(gather_replicas(s, grads=True)))
+                     if k == 0 else None)
+        norms: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(norms, res.grad_norm)
+        rec["norms_equal"] &= len(set(norms)) == 1
+        aux = reduce_replica_loss(aux_loss_of_step(ctx.microbatches) * 1.0, weight=ctx.weight,
+                                  degree=1, stage_group=s.groups.stage)
+        rec["aux_losses"].append(aux)  # each TP rank its own tokens' part: summed, not /t
+        full = _routing(s, maps)
+        want = ref["routing"][k][ctx.microbatch_offset * L:(ctx.microbatch_offset
+                                                            + ctx.microbatches) * L]
+        flips = sum(int((a != b).any(dim=1).sum()) for a, b in zip(full, want, strict=True))
+        t = torch.tensor([flips if ctx.tp_rank == 0 else 0])
+        dist.all_reduce(t, group=s.groups.stage)
+        rec["flips"].append(int(t))
+        rec["losses"].append(res.loss)
+        rec["grad_norms"].append(res.grad_norm)
+    params = gather_replicas(s)
+    if dist.get_rank() != 0:
+        return None
+    rec["grads"], rec["params"] = grads[0], params
+    return rec
+
+
+def layout_worker(rank: int, world: int, port: int, case: MoECase, replicas: tuple[int, ...],
+                  controls: list[str | None], ref_path: str, outdir: str) -> None:
+    from tests.helpers.dist import gloo_rank
+
+    def body() -> None:
+        import faulthandler
+
+        hang = open(os.path.join(outdir, f"hang_rank{rank}.txt"), "w")
+        faulthandler.dump_traceback_later(float(os.environ.get("NUTP_MOE_HANG_S", "240")),
+                                          exit=True, file=hang)
+        ref = torch.load(ref_path, weights_only=False)
+        for control in controls:
+            rec = layout_run(case, replicas, control, ref)
+            if rec is not None:
+                name = "_".join(map(str, replicas))
+                torch.save(rec, os.path.join(outdir, f"moe_{name}_{control}.pt"))
+        faulthandler.cancel_dump_traceback_later()
+        hang.close()
+
+    gloo_rank(rank, world, port, outdir, body)
+
+
+def layout_errors(ref: dict[str, Any], rec: dict[str, Any]) -> dict[str, Any]:
+    """Per step relative errors of loss, grad norm, aux loss; step 0's worst gradient (and
+    where), the final parameters' worst; whether replicas are bitwise equal."""
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+    def worst(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> tuple[float, str]:
+        errs = {k: rel(got[k], want[k]) for k in want}
+        k = max(errs, key=lambda n: errs[n])
+        return errs[k], k
+
+    reps = rec["params"]
+    equal = all(torch.equal(r[k], reps[0][k]) for r in reps[1:] for k in reps[0])
+    gequal = all(torch.equal(r[k], rec["grads"][0][k]) for r in rec["grads"][1:]
+                 for k in rec["grads"][0]
+                 if ".experts." in k or ".router." in k or "norm" in k)
+    return {
+        "loss": [abs(a - b) / abs(b) for a, b in zip(rec["losses"], ref["losses"], strict=True)],
+        "grad_norm": [abs(a - b) / abs(b) for a, b in zip(rec["grad_norms"],
+                                                         ref["grad_norms"], strict=True)],
+        "aux": [abs(a - b) / abs(b) for a, b in zip(rec["aux_losses"], ref["aux_losses"],
+                                                   strict=True)],
+        "grads": worst(rec["grads"][0], ref["grads"]),
+        "params": worst(reps[0], ref["params"]),
+        "replicas_equal": equal, "replica_grads_equal": gequal,
+        "norms_equal": rec["norms_equal"], "flips": rec["flips"]}
