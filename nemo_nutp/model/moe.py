@@ -14,9 +14,8 @@ What is NUTP's here, and why (megatron's classes, subclassed, never edited):
   ``NUTPAlltoAllTokenDispatcher``.
 * ``NUTPAlltoAllTokenDispatcher`` (``MoEAlltoAllTokenDispatcher``): megatron's split sizes and
   chunk sort orders reshape ``[E]`` as ``[ep_size, E / ep_size]``; here the per-rank split is the
-  sum over each rank's own expert range (what ``layout.experts.rank_token_counts`` computes,
-  here in torch) and the chunk
-  orders are built for ``ep_size x local experts`` chunks. Dropless only (no capacity factor).
+  sum over each rank's own expert range (``layout.experts.rank_token_counts``, in torch) and
+  the chunk orders are built for ``ep_size x local experts`` chunks. Dropless only.
 * ``moe_pg_collection``: megatron's MoE reads ``ep``, ``tp_ep``, ``expt_tp``, ``tp_cp`` and
   ``tp_dp_cp`` from the collection; NUTP sets ``ep = tp_ep = tp_cp =`` the replica's TP group,
   ``expt_tp =`` this rank alone, ``tp_dp_cp =`` the stage (only logging averages over it).
