@@ -255,9 +255,9 @@ def layout_worker(rank: int, world: int, port: int, case: MoECase, replicas: tup
     def body() -> None:
         import faulthandler
 
+        # a hung collective leaves every rank's stack here (the test's timeout is longer)
         hang = open(os.path.join(outdir, f"hang_rank{rank}.txt"), "w")
-        faulthandler.dump_traceback_later(float(os.environ.get("NUTP_MOE_HANG_S", "240")),
-                                          exit=True, file=hang)
+        faulthandler.dump_traceback_later(240.0, exit=True, file=hang)
         ref = torch.load(ref_path, weights_only=False)
         for control in controls:
             rec = layout_run(case, replicas, control, ref)
