@@ -44,6 +44,7 @@ import numpy as np
 import torch
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_layer import BaseMoELayer, MoELayer
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
@@ -152,8 +153,7 @@ class _UnevenExperts(BaseMoELayer):
                  pg_collection: ProcessGroupCollection | None = None,
                  is_mtp_layer: bool = False) -> None:
         assert pg_collection is not None
-        torch.nn.Module.__init__(self)
-        self.config = config
+        MegatronModule.__init__(self, config)  # what BaseMoELayer's super() call runs
         self.layer_number = layer_number
         self.is_mtp_layer = is_mtp_layer
         self.ep_group = pg_collection.ep
@@ -233,6 +233,9 @@ def moe_transformer_config(model_cfg: Any, moe: MoEDims, *, degree: int,
         setattr(config, k, v)
     config.tensor_model_parallel_size = degree
     config.sequence_parallel = sequence_parallel and degree > 1
+    # what megatron's expert linears read: expert parallelism = the replica's TP group, ETP 1
+    config.expert_model_parallel_size = degree
+    config.expert_tensor_parallel_size = 1
     return config
 
 
