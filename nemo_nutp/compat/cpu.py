@@ -14,6 +14,15 @@ Contract:
      generator, so the stock ``CudaRNGStatesTracker`` (``model_parallel_cuda_manual_seed``) works.
   3. Functions that assert ``Tensor.type() == 'torch.cuda.FloatTensor'`` (clip_grads, fp16 and
      distributed optimizers) see CUDA type names for CPU tensors while they run.
+- MoE (megatron-core 0.19; 0.16's MoE needs TE): the modules in ``_MOE_SHIMMED_MODULES`` get the
+  same proxy, whose ``cuda.Stream``/``cuda.Event`` are the synchronous :class:`CpuStream` /
+  :class:`CpuEvent` (the all-to-all dispatcher's device-to-host stream, the MoE layer's and shared
+  experts' side streams) and whose ``current_device()`` places the router's weights and aux-loss
+  buffers on CPU. Modules that do not exist in the installed megatron-core are skipped. The
+  all-to-all dispatcher's ``maybe_move_tensor_to_cpu`` (its device-to-host copy of the split
+  sizes, which turns them into numpy for ``all_to_all_single``) also converts CPU tensors
+  (:func:`_splits_to_host`): on CUDA only CUDA tensors are converted, and on CPU they would
+  reach ``all_to_all_single`` as tensors, which it refuses (expert parallelism > 1 only).
 - GPTModel needs an explicit attention mask on CPU (no fused/flash kernels):
   :func:`cpu_attention_mask`.
 """
@@ -23,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import importlib.util
 import logging
 import types
 from collections.abc import Callable, Iterator
@@ -68,6 +78,14 @@ _SHIMMED_MODULES = (
     "megatron.core.dist_checkpointing.strategies.async_utils",  # current_device() flags
     "megatron.core.dist_checkpointing.tensor_aware_state_dict",  # torch.cuda.synchronize()
     "megatron.core.dist_checkpointing.exchange_utils",  # empty_like(device="cuda")
+)
+# MoE modules given the proxy where present (megatron-core 0.19.x; each line: why).
+_MOE_SHIMMED_MODULES = (
+    "megatron.core.transformer.moe.token_dispatcher",  # cuda.Stream() for device-to-host copies
+    "megatron.core.transformer.moe.router",  # weights, aux-loss buffers on current_device()
+    "megatron.core.transformer.moe.moe_layer",  # cuda.Stream/Event, current_stream() waits
+    "megatron.core.transformer.moe.moe_utils",  # record_stream(current_stream())
+    "megatron.core.transformer.moe.shared_experts",  # cuda.Stream() of overlapped shared experts
 )
 # (module, qualified attribute) run with CUDA type names for CPU tensors (why: Tensor.type() check).
 _CUDA_TYPE_NAME_FUNCS = (
@@ -116,6 +134,32 @@ class CpuStream:
     def synchronize(self) -> None:
         return None
 
+    def record_event(self, event: Any = None) -> CpuEvent:
+        return CpuEvent() if event is None else event
+
+
+class CpuEvent:
+    """A CUDA event on the one synchronous CPU "stream": always complete."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def record(self, stream: Any = None) -> None:
+        return None
+
+    def wait(self, stream: Any = None) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
+
+
+def _cpu_stream(*args: Any, **kwargs: Any) -> CpuStream:
+    return CpuStream()
+
 
 class _CudaProxy(types.SimpleNamespace):
     """``torch.cuda`` as megatron sees it on CPU; unknown names fall through to ``torch.cuda``."""
@@ -135,6 +179,9 @@ class _CudaProxy(types.SimpleNamespace):
     @staticmethod
     def current_stream(device: Any = None) -> CpuStream:
         return CpuStream()
+
+    Stream = staticmethod(_cpu_stream)
+    Event = CpuEvent
 
     @staticmethod
     def stream(stream: Any) -> contextlib.AbstractContextManager[None]:
@@ -169,6 +216,16 @@ class TorchProxy(types.ModuleType):
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch, name)
+
+
+def _splits_to_host(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def wrapper(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            return tensor.numpy()
+        return fn(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    return wrapper
 
 
 def _cpu_get_rng_state(
@@ -244,6 +301,16 @@ def apply_cpu_patches() -> list[str]:
         module = importlib.import_module(modname)
         module.torch = proxy  # type: ignore[attr-defined]
         done.append(f"{modname}.torch")
+    for modname in _MOE_SHIMMED_MODULES:
+        if importlib.util.find_spec(modname) is None:
+            continue
+        module = importlib.import_module(modname)
+        module.torch = proxy  # type: ignore[attr-defined]
+        done.append(f"{modname}.torch")
+        if hasattr(module, "maybe_move_tensor_to_cpu") and modname.endswith("token_dispatcher"):
+            module.maybe_move_tensor_to_cpu = _splits_to_host(  # type: ignore[attr-defined]
+                module.maybe_move_tensor_to_cpu)
+            done.append(f"{modname}.maybe_move_tensor_to_cpu")
     random = importlib.import_module("megatron.core.tensor_parallel.random")
     random._get_cuda_rng_state = _cpu_get_rng_state  # type: ignore[attr-defined]
     random._set_cuda_rng_state = _cpu_set_rng_state  # type: ignore[attr-defined]

@@ -1,5 +1,9 @@
 """megatron-core DDP with NUTP cross-replica gradient sync.
 
+MoE expert parameters (``model/moe.py``; ``num_experts`` given): megatron's expert bucket groups
+become ``NUTPExpertBucketGroup`` (no collectives of their own) and ``sync/experts.py`` reduces
+the experts after the dense engine; without ``num_experts`` expert parameters are refused.
+
 ``NUTPDistributedDataParallel`` *is* megatron-core's ``DistributedDataParallel``: its contiguous
 grad buffers, ``main_grad`` accumulation, ``no_sync`` micro-batching, backward hooks and bucket
 readiness tracking are unchanged. Only the communication of a bucket group is NUTP's: each
@@ -25,6 +29,7 @@ from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketG
 from ..layout import Plan
 from ..parallel.groups import NUTPGroups
 from .engine import DEFAULT_BUCKET_SIZE, GradSyncEngine
+from .experts import ExpertSync
 
 
 class NUTPBucketGroup(_ParamAndGradBucketGroup):
@@ -53,11 +58,24 @@ class NUTPBucketGroup(_ParamAndGradBucketGroup):
         self.nutp_engine.reset()
 
 
+class NUTPExpertBucketGroup(_ParamAndGradBucketGroup):
+    """megatron's bucket group of MoE expert parameters: its collectives (over megatron's
+    expert-data-parallel group) are replaced by ``ExpertSync``, which runs after the dense
+    engine in ``finish_grad_sync``."""
+
+    def start_grad_sync(self, force_all_reduce: bool | None = False) -> None:
+        return None
+
+    def finish_grad_sync(self, force_all_reduce: bool | None = False) -> None:
+        self.param_gather_dispatched = False
+
+
 class NUTPDistributedDataParallel(DistributedDataParallel):
     """megatron-core DDP for one NUTP rank; pass the plan and this rank's groups."""
 
     def __init__(self, config: Any, ddp_config: DistributedDataParallelConfig,
-                 module: Any, *, plan: Plan, groups: NUTPGroups) -> None:
+                 module: Any, *, plan: Plan, groups: NUTPGroups,
+                 num_experts: int | None = None, pg_collection: Any = None) -> None:
         if ddp_config.use_distributed_optimizer:
             raise ValueError("ddp.use_distributed_optimizer=True: megatron's distributed "
                              "optimizer buffers do not apply to NUTP; train.distributed_optimizer"
@@ -68,13 +86,22 @@ class NUTPDistributedDataParallel(DistributedDataParallel):
             ddp_config = dataclasses.replace(ddp_config, bucket_size=DEFAULT_BUCKET_SIZE)
         elif ddp_config.bucket_size < 1:
             raise ValueError(f"sync.bucket_size={ddp_config.bucket_size}: must be >= 1")
-        super().__init__(config, ddp_config, module, pg_collection=groups.pgs)
-        if self.expert_parallel_bucket_groups:
-            raise ValueError("expert parallel parameters are not supported with NUTP yet")
+        super().__init__(config, ddp_config, module, pg_collection=pg_collection or groups.pgs)
+        self.nutp_experts: ExpertSync | None = None
+        if self.expert_parallel_bucket_groups and num_experts is None:
+            raise ValueError("expert parallel parameters are not supported with NUTP yet "
+                             "(outside model/moe.py's MoE layers: pass num_experts)")
+        if num_experts is not None:  # collective: every rank builds the expert groups
+            self.nutp_experts = ExpertSync(plan, groups, list(module.named_parameters()),
+                                           num_experts=num_experts)
+            for bucket_group in self.expert_parallel_bucket_groups:
+                bucket_group.__class__ = NUTPExpertBucketGroup
         if not ddp_config.overlap_grad_reduce:
             raise ValueError("ddp.overlap_grad_reduce must be True with NUTP (backward hooks "
                              "drive the canonical launch order)")
-        self.nutp_engine = GradSyncEngine(plan, groups, list(module.named_parameters()),
+        dense = [(n, p) for n, p in module.named_parameters()
+                 if getattr(p, "nutp_expert", None) is None]  # experts: ExpertSync's
+        self.nutp_engine = GradSyncEngine(plan, groups, dense,
                                           bucket_size=ddp_config.bucket_size)
         for bucket_group in self.bucket_groups:
             bucket_group.__class__ = NUTPBucketGroup
@@ -96,3 +123,5 @@ class NUTPDistributedDataParallel(DistributedDataParallel):
                                "step; every parameter must take part in the loss")
         super().finish_grad_sync(*args, **kwargs)
         self.nutp_engine.finish(strict=True)
+        if self.nutp_experts is not None:
+            self.nutp_experts.finish(self.nutp_engine)

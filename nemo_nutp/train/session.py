@@ -260,14 +260,16 @@ def build_session(plan: Plan, model_cfg: Any, *, lr: float, seed: int, micro_bat
                   device: torch.device | None = None, data_path: str | None = None,
                   distributed_optimizer: bool = False,
                   live_redundancy: bool = False, schedule: Schedule | None = None,
-                  valid_data_path: str | None = None) -> RankSession:
+                  valid_data_path: str | None = None, moe: Any = None) -> RankSession:
     """Collective over the world: create groups (unless given), the model, DDP and optimizer.
 
     bf16/fp16: the model is megatron's ``Float16Module`` around the NUTP GPT (half-precision
     params, fp32 ``main_grad`` accumulation and cross-replica reduction unless
     ``grad_reduce_in_fp32`` is off), and megatron's mixed-precision optimizer keeps fp32 master
     weights. ``schedule``: the lr / weight-decay schedule (megatron's scheduler, advanced per
-    successful update); None: ``lr`` and ``weight_decay`` constant.
+    successful update); None: ``lr`` and ``weight_decay`` constant. ``moe``
+    (``model.moe.MoEDims``, megatron-core 0.19, fp32, one stage): every layer's MLP is
+    ``NUTPMoELayer`` (experts as units inside each replica, ``sync/experts.py`` across them).
     """
     opts = opts or StepOptions()
     prec = precision or Precision()
@@ -277,15 +279,26 @@ def build_session(plan: Plan, model_cfg: Any, *, lr: float, seed: int, micro_bat
     ctx = groups.ctx
     tensor_parallel.model_parallel_cuda_manual_seed(seed, tp_rank=ctx.tp_rank, ep_rank=0,
                                                     etp_rank=0)
-    chunks = build_gpt_chunks(plan, ctx.rank, model_cfg, groups.pgs, seed=seed,
-                              precision=prec.precision)
+    pgs = groups.pgs
+    if moe is not None:
+        from ..model.moe import build_moe_gpt_model, moe_pg_collection
+
+        if prec.precision != "fp32" or distributed_optimizer:
+            raise ValueError("NUTP MoE trains fp32 with the plain optimizer so far "
+                             f"(train.precision={prec.precision!r}, "
+                             f"train.distributed_optimizer={distributed_optimizer})")
+        pgs = moe_pg_collection(groups.pgs, single=groups.single, stage=groups.stage)
+        chunks = [build_moe_gpt_model(plan, ctx.rank, model_cfg, moe, groups, seed=seed)]
+    else:
+        chunks = build_gpt_chunks(plan, ctx.rank, model_cfg, groups.pgs, seed=seed,
+                                  precision=prec.precision)
     if device is not None:
         chunks = [c.to(device) for c in chunks]
         if device.type == "cuda":
             enable_cuda_math(prec.precision)
     config = transformer_config(model_cfg, degree=ctx.degree, precision=prec.precision,
                                 sequence_parallel=plan.request.parallel.sequence_parallel,
-                                pp=plan.pp, vp=plan.vp)
+                                pp=plan.pp, vp=plan.vp) if moe is None else chunks[0].config
     gpt: Any
     module: Any
     if plan.vp == 1:  # one model
@@ -299,8 +312,10 @@ def build_session(plan: Plan, model_cfg: Any, *, lr: float, seed: int, micro_bat
         overlap_grad_reduce=True, bucket_size=bucket_size,
         grad_reduce_in_fp32=prec.grad_reduce_in_fp32 or prec.precision == "fp32",
         check_for_nan_in_grad=False)  # checked on the global norm instead (train/step.py)
-    model = NUTPDistributedDataParallel(config, ddp_cfg, module, plan=plan, groups=groups)
-    opt = build_optimizer(model, groups.pgs, lr=lr, optimizer=optimizer,
+    model = NUTPDistributedDataParallel(
+        config, ddp_cfg, module, plan=plan, groups=groups, pg_collection=pgs,
+        num_experts=None if moe is None else moe.num_moe_experts)
+    opt = build_optimizer(model, pgs, lr=lr, optimizer=optimizer,
                           weight_decay=weight_decay, clip_grad=opts.clip_grad,
                           precision=prec.precision, initial_loss_scale=prec.initial_loss_scale,
                           min_loss_scale=prec.min_loss_scale,

@@ -178,6 +178,18 @@ def optimizer_step(model: Any, optimizer: Any, opts: StepOptions, checks: GradCh
     return True, grad_norm
 
 
+def set_moe_loss_scale(model: Any, value: float) -> None:
+    """MoE models: the scale of the aux losses' gradient, the main loss's (megatron's
+    ``schedules.forward_step`` sets it per micro-batch: loss scale / micro-batches). With the
+    replica's weight applied by the sync, as for the main loss, each aux loss counts as in one
+    process over the global batch."""
+    if getattr(getattr(model, "config", None), "num_moe_experts", None) is None:
+        return
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(value))
+
+
 def clock(device: torch.device | None) -> float:
     """``perf_counter`` once the device has finished its queued work: CUDA kernels run
     asynchronously, so without the sync a phase's GPU time (the optimizer's, the sync's) lands
@@ -213,6 +225,7 @@ def train_step(model: Any, optimizer: Any, batches: list[MicroBatch], mask: torc
     for i, mb in enumerate(batches):
         ctx = model.no_sync() if i < n - 1 else contextlib.nullcontext()
         t_mb = time.perf_counter()
+        set_moe_loss_scale(model, scale / n)
         with ctx:
             loss = model(mb.tokens.to(device), mb.position_ids.to(device),
                          None if mask is None else mask.to(device),

@@ -18,10 +18,11 @@ from tests.helpers.dist import free_port
 
 _INERT_SCRIPT = textwrap.dedent(
     """
-    import importlib, torch
+    import importlib, importlib.util, torch
     torch.cuda.is_available = lambda: True
     from nemo_nutp.compat import cpu
     names = [m for m in cpu._SHIMMED_MODULES] + [m for m, _ in cpu._CUDA_TYPE_NAME_FUNCS]
+    names += [m for m in cpu._MOE_SHIMMED_MODULES if importlib.util.find_spec(m) is not None]
     mods = {n: importlib.import_module(n) for n in names}
     rnd = mods["megatron.core.tensor_parallel.random"]
     before = {n: dict(vars(m)) for n, m in mods.items()}
