@@ -272,6 +272,15 @@ def _live_entry(out: Path) -> dict[str, Any]:
     }
 
 
+def _live_fault(event: str, opts: Options, out: Path, over: list[str]) -> dict[str, Any]:
+    """A kill or hang of rank 1 at the fault step in a live-mode job; its measured entry."""
+    if event == "hang":
+        over = [*over, f"recovery.heartbeat_timeout_s={opts.hang_timeout_s}"]
+    with Job(out, over, env={"NUTP_FAULT": f"{event}:rank=1:step={opts.fault_step}"}) as job:
+        job.wait()
+    return _live_entry(out)
+
+
 @path("live")
 def live(event: str, opts: Options) -> dict[str, Any] | None:
     """``recovery.mode=live``: survivors keep their processes, re-plan, new groups, state moved
@@ -294,13 +303,8 @@ def live(event: str, opts: Options) -> dict[str, Any] | None:
         return _live_entry(out)
     if event not in ("kill", "hang"):
         return None
-    out = opts.work / f"live_{event}"
-    over = [*JOB, "recovery.mode=live", f"train.steps={opts.steps}"]
-    if event == "hang":
-        over.append(f"recovery.heartbeat_timeout_s={opts.hang_timeout_s}")
-    with Job(out, over, env={"NUTP_FAULT": f"{event}:rank=1:step={opts.fault_step}"}) as job:
-        job.wait()
-    return _live_entry(out)
+    return _live_fault(event, opts, opts.work / f"live_{event}",
+                       [*JOB, "recovery.mode=live", f"train.steps={opts.steps}"])
 
 
 @path("live_zero")
@@ -311,14 +315,9 @@ def live_zero(event: str, opts: Options) -> dict[str, Any] | None:
     distributed optimizer is the planned restart)."""
     if event not in ("kill", "hang"):
         return None
-    out = opts.work / f"live_zero_{event}"
-    over = [*JOB, "recovery.mode=live", "train.distributed_optimizer=true",
-            "recovery.live_redundancy=true", f"train.steps={opts.steps}"]
-    if event == "hang":
-        over.append(f"recovery.heartbeat_timeout_s={opts.hang_timeout_s}")
-    with Job(out, over, env={"NUTP_FAULT": f"{event}:rank=1:step={opts.fault_step}"}) as job:
-        job.wait()
-    return _live_entry(out)
+    return _live_fault(event, opts, opts.work / f"live_zero_{event}",
+                       [*JOB, "recovery.mode=live", "train.distributed_optimizer=true",
+                        "recovery.live_redundancy=true", f"train.steps={opts.steps}"])
 
 
 @path("live_spare")
@@ -330,16 +329,11 @@ def live_spare(event: str, opts: Options) -> dict[str, Any] | None:
     Kill and hang only."""
     if event not in ("kill", "hang"):
         return None
-    out = opts.work / f"live_spare_{event}"
     # the same two TP2 replicas, plus one spare slice: 6 GPUs, nodes of one domain each
     over = [o for o in JOB if not o.startswith(("cluster.num_gpus=", "cluster.gpus_per_node="))]
-    over += ["cluster.num_gpus=6", "cluster.gpus_per_node=2", "recovery.mode=live",
-             "recovery.spares=1", f"train.steps={opts.steps}"]
-    if event == "hang":
-        over.append(f"recovery.heartbeat_timeout_s={opts.hang_timeout_s}")
-    with Job(out, over, env={"NUTP_FAULT": f"{event}:rank=1:step={opts.fault_step}"}) as job:
-        job.wait()
-    return _live_entry(out)
+    return _live_fault(event, opts, opts.work / f"live_spare_{event}",
+                       [*over, "cluster.num_gpus=6", "cluster.gpus_per_node=2",
+                        "recovery.mode=live", "recovery.spares=1", f"train.steps={opts.steps}"])
 
 
 # --------------------------------------------------------------------------- report
