@@ -36,7 +36,15 @@ DEPRECATED_SECTIONS = ("failures",)
 """Deprecated names of NUTP sections (``failures`` -> ``health``), also NUTP's: ``load_job``
 maps them with a warning (``config/loading.py: SECTION_ALIASES``)."""
 
-RECIPE_STAND_INS = ("checkpoint.interval=1", "train.distributed_optimizer=true")
+def recipe_stand_ins(nutp: list[str]) -> list[str]:
+    """What the recipe will set, standing in for NUTP's early checks: a checkpoint interval,
+    and the distributed optimizer where a NUTP key needs it (``recovery.live_redundancy``);
+    left off otherwise, as ``recovery.spares`` needs it off (the whole job is checked again
+    once the recipe's values are known)."""
+    keys = {o.split("=", 1)[0].lstrip("+~"): o.split("=", 1)[-1] for o in nutp}
+    zero = keys.get("recovery.live_redundancy", "false").lower() == "true"
+    return ["checkpoint.interval=1", f"train.distributed_optimizer={_value(zero)}"]
+
 
 OUTPUT_DIR = "runs/bridge"
 """``output.dir`` of ``nutp-bridge`` unless set (``output.dir=`` or ``--output-dir``)."""
@@ -140,8 +148,8 @@ def load_bridge_job(recipe: str, config_file: str | None, overrides: list[str], 
     # optimizer, pipeline_model_parallel_size for the replicas' per-stage degrees) are not
     # known yet, so their cross-checks pass here with stand-ins (the replicas are left out)
     # and run on the whole job below, as does the degree
-    early = load_nutp([*RECIPE_STAND_INS, *(o for o in nutp if not o.lstrip("+~")
-                                            .startswith("nutp.replicas="))], tp=1)
+    early = load_nutp([*recipe_stand_ins(nutp), *(o for o in nutp if not o.lstrip("+~")
+                                                    .startswith("nutp.replicas="))], tp=1)
     check_nutp_unused(early.nutp, early.recovery)
     from ..compat.bridge_cpu import install_import_shim
 
