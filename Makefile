@@ -37,7 +37,7 @@ TESTS_BRIDGE ?= tests/integrations/test_bridge_shim.py tests/integrations/test_b
 	tests/integrations/test_bridge_readme.py tests/integrations/test_bridge_recovery.py \
 	tests/integrations/test_bridge_live.py tests/integrations/test_bridge_stragglers.py \
 	tests/integrations/test_recipe_coverage.py tests/integrations/test_gemma_hf_parity.py \
-	tests/model/test_gemma_reference.py
+	tests/model/test_gemma_reference.py tests/launch/test_bridge_slurm.py
 
 # The real Slurm the tests start (tests/helpers/slurm_cluster.py: munged, slurmctld, 3 slurmd on
 # loopback; tests/launch runs the scripts `nutp sbatch` renders on it): Debian's Slurm 22.05 and
@@ -112,7 +112,7 @@ test-311: $(STAMP) slurm
 test-312: $(STAMP312)
 	$(VENV312)/bin/python -m pytest -q --durations=20 $(TESTS_312)
 
-test-bridge: $(STAMPBRIDGE)
+test-bridge: $(STAMPBRIDGE) slurm
 	$(VENV312)/bin/python -m pytest -q --durations=20 $(TESTS_BRIDGE)
 
 # recipe_coverage.py needs Megatron-Bridge: the Python 3.12 environment.

@@ -15,6 +15,15 @@ world, its GPU is marked failed, the job is re-planned and relaunched, and the n
 inside Bridge's ``train()`` from the newest checkpoint under ``checkpoint.save`` (Bridge's
 ``checkpoint.load`` pointed at it: ``integrations/bridge_recovery.py``). Events, summary and
 heartbeats go to ``<output.dir>/recovery/``.
+
+On a Slurm cluster (docs/cluster.md): ``nutp-bridge sbatch <the job's arguments> [--out
+job.sbatch --partition ... --image ...]`` renders the batch script ``nutp sbatch`` renders
+(``launch/slurm.py``, the same options) with Bridge ranks: the recipe, config file and
+overrides carried verbatim. ``recovery.mode=restart``: each srun task is a recovery worker
+(``train/elastic.py``, the srun loop restarts the attempt; here under ``srun``/``torchrun``
+with ``recovery.enabled=true``); ``recovery.mode=live``: ``nutp-bridge control`` (the live
+control process, ``launch/control.py``) and one node agent per node, which start Bridge's
+ranks (``bridge_entry``).
 """
 
 from __future__ import annotations
@@ -46,15 +55,18 @@ def _rank(rank: int, world: int, port: int, argv: list[str], backend: str) -> No
 
 
 def recovery_rank(argv: list[str], rank: int, world: int, job: Any, plan: Any, port: int,
-                  env: dict[str, str]) -> None:
-    """One rank the recovery supervisor starts (``recovery.world.RankEntry``): the Bridge job
-    from ``argv`` with the supervisor's NUTP job of this attempt (its failed GPUs) and plan; a
-    relaunch reads the newest checkpoint under ``checkpoint.save``. An error ends the rank as a
+                  env: dict[str, str], local: int | None = None) -> None:
+    """One rank the recovery supervisor (or a node agent) starts (``recovery.world.RankEntry``):
+    the Bridge job from ``argv`` with the supervisor's NUTP job of this attempt (its failed
+    GPUs) and plan; a relaunch reads the newest checkpoint under ``checkpoint.save``. ``local``:
+    its device on its node (a node agent's rank; ``LOCAL_RANK``). An error ends the rank as a
     ``nutp-train`` rank's does (``train/worker.py``: one record, exit 2 for bad input, else 1)."""
     from nemo_nutp.health import watch
     from nemo_nutp.recovery.world import enter
 
     enter(env)
+    if local is not None:
+        os.environ["LOCAL_RANK"] = str(local)
     watch.start_stack_watcher(Path(env[HEARTBEAT_DIR]) / f"rank{rank}.stack")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
@@ -130,24 +142,148 @@ BRIDGE_PRELOAD = ("nemo_nutp.integrations.bridge_preload", "nemo_nutp.health.wat
 """Imported once by the supervisor's fork server: Bridge and the NUTP modules its ranks run."""
 
 
+def bridge_entry(argv: list[str]) -> Any:
+    """What a rank and a returning GPU's process of ``argv``'s job run
+    (``recovery.world.RankEntry``): ``recovery_rank``/``join_rank`` on ``BRIDGE_PRELOAD``. The
+    one place it is made: the supervisor's fork server starts it on this machine, and a Slurm
+    job's node agents get it, pickled, from ``nutp-bridge control`` (``recovery/agent.py``)."""
+    from functools import partial
+
+    from nemo_nutp.launch import bridge_cli  # by its module name, also when run as __main__
+    from nemo_nutp.recovery.world import RankEntry
+
+    return RankEntry(partial(bridge_cli.recovery_rank, argv), BRIDGE_PRELOAD,
+                     partial(bridge_cli.join_rank, argv))
+
+
 def _supervise(job: Any, argv: list[str]) -> int:
     """``recovery.enabled=true``: the world under the recovery supervisor (module docstring)."""
+    from nemo_nutp.common.console import make_console
+    from nemo_nutp.recovery.supervisor import supervise
+
+    cfg = job.nutp  # output.dir: --output-dir's too
+    return supervise(cfg, make_console(), entry=bridge_entry(argv))
+
+
+def worker_train(argv: list[str], attempt: int, job: Any, plan: Any, *, device: Any,
+                 on_checkpoint: Any) -> None:
+    """A recovery worker's training under a launcher (``train/elastic.py: run_worker``'s
+    ``train``; the srun loop of ``nutp-bridge sbatch``): ``argv``'s Bridge job on the worker's
+    NUTP job of this attempt (its failed GPUs) and plan, in the attempt's process group;
+    attempt > 0 resumes from the newest checkpoint under ``checkpoint.save``. Bridge's own
+    checkpointing saves, so ``on_checkpoint`` (a GPU back found at a save) is left to the
+    health watch's own poll (every 0.5 s)."""
+    from nemo_nutp.compat.bridge_cpu import apply_bridge_cpu_patches
+    from nemo_nutp.integrations.bridge_recovery import resume_at_save
+    from nemo_nutp.integrations.bridge_run import train_rank
+
+    apply_bridge_cpu_patches()
+    _, bridge_job = _job(argv)
+    bridge_job.nutp = job
+    resume_at_save(bridge_job.bridge, attempt)
+    train_rank(bridge_job, plan, job.output.dir, seed=job.train.seed)
+
+
+def _worker(job: Any, argv: list[str], slot: int) -> int:
+    """``recovery.enabled=true`` under ``srun``/``torchrun``: one recovery worker per GPU slot
+    (``train/elastic.py``), each attempt re-planned, Bridge's ``train()`` on the plan's ranks."""
     from functools import partial
 
     from nemo_nutp.common.console import make_console
-    from nemo_nutp.launch import bridge_cli  # by its module name, also when run as __main__
-    from nemo_nutp.recovery.supervisor import supervise
-    from nemo_nutp.recovery.world import RankEntry
+    from nemo_nutp.launch import bridge_cli
+    from nemo_nutp.train import elastic
 
-    cfg = job.nutp  # output.dir: --output-dir's too
-    entry = RankEntry(partial(bridge_cli.recovery_rank, argv), BRIDGE_PRELOAD,
-                      partial(bridge_cli.join_rank, argv))
-    return supervise(cfg, make_console(), entry=entry)
+    rank, world, local = _launched()
+    attempt = elastic.attempt_number(dict(os.environ))
+    try:
+        code = elastic.run_worker(job.nutp,
+                                  elastic.LauncherEnv(rank, world, local, attempt, slot),
+                                  make_console(),
+                                  train=partial(bridge_cli.worker_train, argv, attempt))
+    except SystemExit as e:  # a worker's error: its one line and exit record are written
+        code = e.code if isinstance(e.code, int) else 1
+    # Leave without the interpreter's teardown: the exit record is written and the attempt's
+    # store may close under it (its host, worker 0, leaves last), while a worker that imported
+    # Bridge takes seconds to tear down; a store thread failing inside it aborts the process
+    # (SIGABRT, 134 -- the srun loop would count a finished attempt as failed).
+    _exit(code)
+    return code
+
+
+def _launched() -> tuple[int, int, int]:
+    env = os.environ
+    return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", "0"))
+
+
+def _control(argv: list[str]) -> int:
+    """``nutp-bridge control --listen PORT [--address HOST] <the job's arguments>``: the live
+    control process of a Slurm job (``launch/control.py: serve``), its node agents starting
+    Bridge's ranks (``bridge_entry``)."""
+    from nemo_nutp.common.console import make_console, print_error
+    from nemo_nutp.launch import control
+
+    ap = argparse.ArgumentParser(prog="nutp-bridge control", allow_abbrev=False,
+                                 description=_control.__doc__)
+    ap.add_argument("--listen", type=int, required=True, help="port of the agents' store")
+    ap.add_argument("--address", default=None,
+                    help="this host as the agents and ranks reach it (default: hostname)")
+    args, rest = ap.parse_known_args(argv)
+    try:
+        _, job, _ = _load(rest)
+        control.check_live(job.nutp)
+    except ValueError as e:
+        print_error(str(e))
+        return 2
+    print_notices(job.bridge)
+    os.makedirs(job.nutp.output.dir, exist_ok=True)
+    return control.serve(job.nutp, args.listen, args.address, make_console(),
+                         entry=bridge_entry(rest))
+
+
+def _sbatch(argv: list[str]) -> int:
+    """``nutp-bridge sbatch``: the batch script of ``nutp sbatch`` for this Bridge job."""
+    from nemo_nutp.common.console import make_console, print_error
+    from nemo_nutp.launch import slurm
+
+    ap = argparse.ArgumentParser(prog="nutp-bridge sbatch", description=(
+        "Render a Slurm batch script (pyxis container) that runs this Megatron-Bridge recipe "
+        "with nutp-bridge: the options of `nutp sbatch`, and the job's arguments as "
+        "nutp-bridge takes them, carried verbatim."))
+    _job_arguments(ap)
+    slurm.add_options(ap)
+    args = ap.parse_intermixed_args(argv)
+    try:
+        job_argv = ["--recipe", args.recipe]
+        if args.config_file is not None:  # the ranks run in the image's repo: an absolute path
+            path = Path(args.config_file)
+            if not path.is_file():
+                raise ValueError(f"--config-file={args.config_file}: no such file")
+            job_argv += ["--config-file", str(path.resolve())]
+        if args.output_dir is not None:
+            job_argv += ["--output-dir", args.output_dir]
+        job_argv += args.overrides
+        command = slurm.bridge_command(job_argv)
+        _, job, plan = _load(job_argv)
+        cfg = job.nutp
+        slurm.check_live_enabled(cfg)
+        opts = slurm.options(args)
+        text = slurm.render_sbatch(plan, opts, command=command,
+                                   recovery=cfg.recovery if cfg.recovery.enabled else None)
+    except ValueError as e:
+        print_error(str(e))
+        return 2
+    print_notices(job.bridge)
+    slurm.write_script(text, args.out, plan, cfg, opts, make_console())
+    return 0
 
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="nutp-bridge", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    return _job_arguments(ap)
+
+
+def _job_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ap.add_argument("--recipe", required=True, help="module:function returning a ConfigContainer")
     ap.add_argument("--config-file", default=None, help="YAML overrides (Bridge keys + nutp:)")
     ap.add_argument("--output-dir", default=None,
@@ -188,21 +324,31 @@ def print_notices(cfg: Any) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # the sub-commands: an override is a=b, so neither word is one
+    if argv[:1] == ["sbatch"]:
+        return _sbatch(argv[1:])
+    if argv[:1] == ["control"]:
+        return _control(argv[1:])
     from nemo_nutp.common.console import print_error
 
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     try:
         _, job, plan = _load(argv)
+        worker = launched and job.nutp.recovery.enabled
+        if worker:  # one recovery worker per GPU slot (before any process group)
+            from nemo_nutp.train import elastic
+
+            _, world, local = _launched()
+            elastic.check_world(job.nutp, world)
+            slot = elastic.gpu_slot(dict(os.environ), world, local,
+                                    job.nutp.cluster.gpus_per_node)
     except ValueError as e:
         print_error(str(e))
         return 2
-    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    if launched and job.nutp.recovery.enabled:
-        print_error("recovery.enabled=true: nutp-bridge recovers the world it spawns itself; "
-                    "under torchrun that is not built yet (run it without torchrun, or set "
-                    "recovery.enabled=false)")
-        return 2
     print_notices(job.bridge)
     os.makedirs(job.nutp.output.dir, exist_ok=True)
+    if worker:
+        return _worker(job, argv, slot)
     if job.nutp.recovery.enabled:
         return _supervise(job, argv)
     import torch

@@ -1,10 +1,12 @@
 """The live control process as a process of its own (Slurm: ``nutp sbatch ... recovery.mode=live``).
 
-``python -m nemo_nutp.launch.control --listen PORT [--address HOST] <overrides>`` is the
-CPU supervisor (``supervisor.supervise``, the live control loop of ``control.py``: the same
-code, not a copy) with one difference: its ranks are started, killed and watched through the
-node agents (``recovery/agent.py``, one per node, ``hosts.AgentHost``) instead of a fork server
-on this machine. It trains nothing and holds no GPU. It
+``python -m nemo_nutp.launch.control --listen PORT [--address HOST] <overrides>`` (and, for a
+Megatron-Bridge recipe, ``nutp-bridge control --listen PORT [--address HOST] <its arguments>``:
+the same process through ``serve``, whose ranks are Bridge's) is the CPU supervisor
+(``supervisor.supervise``, the live control loop of ``control.py``: the same code, not a copy)
+with one difference: its ranks are started, killed and watched through the node agents
+(``recovery/agent.py``, one per node, ``hosts.AgentHost``) instead of a fork server on this
+machine. It trains nothing and holds no GPU. It
 
 * validates and plans the job before anything starts (one line and exit 2 on bad input, as
   ``nutp-train``), takes the output directory's lock;
@@ -30,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ..config import JobConfig
+    from ..recovery.world import RankEntry
 
 
 def check_live(cfg: JobConfig) -> None:
@@ -41,22 +44,42 @@ def check_live(cfg: JobConfig) -> None:
                          "runs recovery.mode=live only")
 
 
-def _serve(cfg: JobConfig, args: argparse.Namespace, console: Any) -> int:
+def serve(cfg: JobConfig, listen: int, address: str | None, console: Any,
+          entry: RankEntry | None = None) -> int:
+    """Serve the node agents on ``listen`` and run the job through them to its end; the exit
+    code. ``entry``: what the agents start for a rank (``recovery.world.RankEntry``; default
+    ``nutp-train``'s, ``nutp-bridge control`` passes Bridge's). Bad input (the port, the
+    output directory in use) is one line and 2, before anything starts."""
+    from ..common.console import print_error
+    from ..common.output_lock import OutputLock
     from ..recovery.hosts import AgentHost, agent_store
     from ..recovery.supervisor import supervise
+    from ..recovery.world import RankEntry
 
-    c = cfg.cluster
-    # the server listens on every interface; this host is only its own client's way in
-    store = agent_store("127.0.0.1", args.listen, is_master=True,
-                        timeout_s=cfg.recovery.startup_timeout_s)
-    host = AgentHost(store, nodes=c.num_gpus // c.gpus_per_node, gpus_per_node=c.gpus_per_node,
-                     address=args.address or socket.gethostname(),
-                     reply_timeout_s=cfg.recovery.startup_timeout_s)
     try:
-        host.wait_names()  # before the first plan: a requeued run's failed GPUs follow hosts
-        return supervise(cfg, console, host)
+        if not 1024 <= listen < 65536:
+            raise ValueError(f"--listen={listen}: must be a port in 1024..65535")
+        lock = OutputLock(cfg.output.dir).acquire()
+    except ValueError as e:
+        print_error(str(e))
+        return 2
+    try:
+        c = cfg.cluster
+        # the server listens on every interface; this host is only its own client's way in
+        store = agent_store("127.0.0.1", listen, is_master=True,
+                            timeout_s=cfg.recovery.startup_timeout_s)
+        host = AgentHost(store, nodes=c.num_gpus // c.gpus_per_node,
+                         gpus_per_node=c.gpus_per_node,
+                         address=address or socket.gethostname(),
+                         reply_timeout_s=cfg.recovery.startup_timeout_s,
+                         entry=entry or RankEntry())
+        try:
+            host.wait_names()  # before the first plan: a requeued run's failed GPUs follow hosts
+            return supervise(cfg, console, host)
+        finally:
+            host.close()
     finally:
-        host.close()
+        lock.release()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,7 +93,6 @@ def main(argv: list[str] | None = None) -> int:
                     help="this host as the agents and ranks reach it (default: hostname)")
     args = ap.parse_intermixed_args(argv)
     from ..common.console import make_console, print_error
-    from ..common.output_lock import OutputLock
     from ..common.quiet import quiet_optional_kernel_notes
     from ..config import plan_request
     from ..config.recipes import load_job
@@ -86,14 +108,10 @@ def main(argv: list[str] | None = None) -> int:
         check_live(cfg)
         plan = build_plan(plan_request(cfg))
         preflight(cfg, plan)
-        lock = OutputLock(cfg.output.dir).acquire()
     except ValueError as e:
         print_error(str(e))
         return 2
-    try:
-        return _serve(cfg, args, console)
-    finally:
-        lock.release()
+    return serve(cfg, args.listen, args.address, console)
 
 
 if __name__ == "__main__":

@@ -7,20 +7,23 @@ trains nothing and decides nothing. It connects to the control process's store
 
 * **commands** (one blocking wait on ``agent<node>/cmd<seq>`` at a time, no polling): ``start``
   (a world's ranks on this node: the pickled job config, planned here with the same
-  ``build_plan`` and checked against the posted rank -> GPU map), ``join`` (one returning GPU's
-  process, ``world.join_main``; the stopped world's plan pickled; logged as the event
-  ``agent_join``), ``watch`` (be the node watchdog of a new world: ``aggregate.NodeWatch``
-  over its ranks' heartbeat and stack files, one digest per half-second; the previous world's
-  watchdog stops), ``kill`` (SIGKILL to the
-  processes' groups), ``exit`` (kill what is left, leave 0); each answered on ``re<seq>``;
+  ``build_plan`` and checked against the posted rank -> GPU map, and the job's rank entry,
+  ``world.RankEntry``: what a rank runs -- ``nutp-train``'s ``world.rank_main`` or
+  ``nutp-bridge``'s Bridge rank -- as the control process says, never chosen here), ``join``
+  (one returning GPU's process, the entry's ``join``; the stopped world's plan pickled; logged
+  as the event ``agent_join``), ``watch`` (be the node watchdog of a new world:
+  ``aggregate.NodeWatch`` over its ranks' heartbeat and stack files, one digest per
+  half-second; the previous world's watchdog stops), ``kill`` (SIGKILL to the processes'
+  groups), ``exit`` (kill what is left, leave 0); each answered on ``re<seq>``;
 * **exits**: the main thread waits on its processes' sentinels and appends ``"<id> <code>"`` to
   the job's exit log (``exits``, counter ``exits_n``);
 * **liveness**: a counter ``agent<node>/beat`` bumped every ``hosts.BEAT_S``.
 
-Processes fork from one fork server per agent that imported torch and megatron once
-(``world.PRELOAD``), as the CPU supervisor's do; each rank drives local GPU ``gpu %
-gpus_per_node`` of its node, and ends with the agent (``common.env.AGENT_PID``: an agent that is
-killed leaves no rank behind, as a lost node would). If the control process's store stops
+Processes fork from one fork server per agent that imported torch and megatron once (the
+entry's ``preload``, from the first ``start`` or ``join``), as the CPU supervisor's do; each
+rank drives local GPU ``gpu % gpus_per_node`` of its node, and ends with the agent
+(``common.env.AGENT_PID``: an agent that is killed leaves no rank behind, as a lost node
+would). If the control process's store stops
 answering, the agent kills its processes and exits 3 (nobody is left to re-plan); with
 ``--max-requeues`` (``nutp sbatch --requeue``) it first resubmits the job's script, which resumes
 from the newest checkpoint, and cancels the old job (``resubmit``).
@@ -47,7 +50,7 @@ from typing import Any
 
 from ..common.env import AGENT_PID, EVENTS, REQUEUED, SLURM_NODE_NAME, requeued
 from .hosts import BEAT_S, agent_key, agent_store
-from .world import PRELOAD, join_main, rank_main
+from .world import RankEntry
 
 EXIT_LOST = 3  # the control process's store is gone
 
@@ -72,7 +75,7 @@ class Agent:
         self.reports = agent_store(host, port, is_master=False, timeout_s=timeout_s)
         self._report_lock = threading.Lock()
         self._ctx = mp.get_context("forkserver")
-        self._ctx.set_forkserver_preload(list(PRELOAD))
+        self._entry: RankEntry | None = None  # the job's, from its first start or join
         self.watcher = agent_store(host, port, is_master=False, timeout_s=timeout_s)
         self._watching = 0  # the newest ``watch`` request (older watchdog threads stop)
         self._procs: dict[int, Any] = {}  # id -> multiprocessing process, while it runs
@@ -86,7 +89,8 @@ class Agent:
         from ..config import plan_request
         from ..layout import build_plan
 
-        job = pickle.loads(self.cmds.get(op["key"]))
+        job, entry = pickle.loads(self.cmds.get(op["key"]))
+        self._use(entry)
         plan = build_plan(plan_request(job))
         if list(plan.rank_to_gpu) != op["rank_to_gpu"]:
             raise RuntimeError(f"node {self.node} planned rank_to_gpu={list(plan.rank_to_gpu)} "
@@ -95,8 +99,8 @@ class Agent:
         gpn = job.cluster.gpus_per_node
         started = []
         for rank, gpu, pid_id in op["ranks"]:
-            p = self._ctx.Process(target=rank_main, args=(rank, plan.world_size, job, plan, 0,
-                                                           _env(op)),
+            p = self._ctx.Process(target=entry.target, args=(rank, plan.world_size, job, plan,
+                                                              0, _env(op)),
                                   kwargs={"local": gpu % gpn})
             started.append(self._add(pid_id, p))
         return started
@@ -104,13 +108,25 @@ class Agent:
     def _join(self, op: dict[str, Any]) -> list[list[int]]:
         from ..common.events import log_event
 
-        job, old_plan = pickle.loads(self.cmds.get(op["key"]))
-        p = self._ctx.Process(target=join_main, args=(op["slot"], job, old_plan, op["gpu"],
+        job, old_plan, entry = pickle.loads(self.cmds.get(op["key"]))
+        self._use(entry)
+        p = self._ctx.Process(target=entry.join, args=(op["slot"], job, old_plan, op["gpu"],
                                                        op["gen"], _env(op)))
         started = self._add(op["id"], p)
         log_event("agent_join", file=op["env"][EVENTS], node=self.node, gpu=op["gpu"],
                   slot=op["slot"], gen=op["gen"], pid=started[1])
         return [started]
+
+    def _use(self, entry: RankEntry) -> None:
+        """The job's rank entry: the first one names the fork server's preload (the server
+        starts with the first process and keeps it); a later preload that differs is an
+        error (a job has one entry)."""
+        if self._entry is None:
+            self._entry = entry
+            self._ctx.set_forkserver_preload(list(entry.preload))
+        elif entry.preload != self._entry.preload:
+            raise RuntimeError(f"node {self.node}: the control process changed the ranks' "
+                               f"preload from {self._entry.preload} to {entry.preload}")
 
     def _add(self, pid_id: int, p: Any) -> list[int]:
         p.start()

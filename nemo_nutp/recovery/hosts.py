@@ -216,6 +216,9 @@ class AgentHost:
     gpus_per_node: int
     address: str  # how the ranks reach this control process (its host name)
     reply_timeout_s: float = REPLY_TIMEOUT_S  # an agent's answer (the first: its container start)
+    entry: RankEntry = field(default_factory=RankEntry)
+    """How the agents start a rank and a joiner (``world.RankEntry``: ``nutp-train``'s by
+    default, ``nutp-bridge``'s from its control process); it travels with the job."""
     _seq: dict[int, int] = field(default_factory=dict)
     _next_id: int = 0
     _exits: dict[int, int] = field(default_factory=dict)
@@ -277,16 +280,17 @@ class AgentHost:
         return p
 
     def start_world(self, job: JobConfig, plan: Plan, env: dict[str, str]) -> list[Proc]:
-        """One ``start`` per node with that node's ranks. The job config travels pickled (a
-        few KB); each agent plans from it with the same ``build_plan`` as the supervisor (the
-        plan itself is O(W)) and checks its rank -> GPU map is the one posted."""
+        """One ``start`` per node with that node's ranks. The job config and the rank entry
+        (``entry``) travel pickled (a few KB); each agent plans from the job with the same
+        ``build_plan`` as the supervisor (the plan itself is O(W)), checks its rank -> GPU map
+        is the one posted, and starts the entry's ranks."""
         gpn = self.gpus_per_node
         procs = [self._new(g // gpn) for g in plan.rank_to_gpu]
         by_node: dict[int, list[list[int]]] = {}
         for r, (g, p) in enumerate(zip(plan.rank_to_gpu, procs, strict=True)):
             by_node.setdefault(g // gpn, []).append([r, g, p.id])
         key = f"job{procs[0].id}"
-        self.store.set(key, pickle.dumps(job))
+        self.store.set(key, pickle.dumps((job, self.entry)))
         common = {"op": "start", "key": key, "rank_to_gpu": list(plan.rank_to_gpu), "env": env}
         sent = {n: self._request(n, {**common, "ranks": ranks}) for n, ranks in by_node.items()}
         for reply in self._replies(sent).values():
@@ -300,7 +304,7 @@ class AgentHost:
         travels pickled: the live planner's plans depend on the previous one)."""
         p = self._new(gpu // self.gpus_per_node)
         key = f"joiner{p.id}"
-        self.store.set(key, pickle.dumps((job, old_plan)))
+        self.store.set(key, pickle.dumps((job, old_plan, self.entry)))
         sent = {p.node: self._request(p.node, {"op": "join", "id": p.id, "slot": slot,
                                                "gpu": gpu, "gen": gen, "key": key,
                                                "env": env})}

@@ -66,7 +66,7 @@ def _run_world(cfg: JobConfig, job: JobConfig, plan: Plan,
                console: Any, host: Host | None = None, entry: RankEntry | None = None
                ) -> Attempt:
     if job.recovery.mode == "live":  # survivors keep their processes (recovery/control.py)
-        assert entry is None or host is None, "a cluster's node agents start nutp-train's ranks"
+        assert entry is None or host is None, "a host starts its own entry's ranks"
         from .control import run_world
 
         return run_world(cfg, job, plan, failed, attempt, rdir, console, host, entry)
@@ -152,9 +152,10 @@ def supervise(cfg: JobConfig, console: Any, host: Host | None = None,
               entry: RankEntry | None = None) -> int:
     """Run the job to completion through failures and planned restarts. Returns an exit code.
     ``host`` (``recovery.mode=live`` only, ``hosts.py``): where the ranks run; default this
-    machine. The Slurm control process (``launch/control.py``) passes its node agents.
-    ``entry`` (restart path): how a rank starts; default ``nutp-train``'s (``world.RankEntry``;
-    ``nutp-bridge`` passes Bridge's)."""
+    machine. The Slurm control process (``launch/control.py``) passes its node agents, which
+    carry the job's rank entry (``hosts.AgentHost.entry``). ``entry`` (without ``host``): how a
+    rank starts on this machine; default ``nutp-train``'s (``world.RankEntry``; ``nutp-bridge``
+    passes Bridge's)."""
     from rich.markup import escape
 
     from ..common.plan_report import replicas_table

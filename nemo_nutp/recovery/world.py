@@ -127,9 +127,13 @@ def standby_main(join: Callable[..., None], cfg: JobConfig, gpu: int,
 
 @dataclass(frozen=True)
 class RankEntry:
-    """How the restart path starts one rank: ``target(rank, world, job, plan, port, env)`` in a
-    process forked from a server that imported ``preload`` once. Default: ``nutp-train``'s rank
-    (``rank_main``); ``nutp-bridge`` passes its own (``launch/bridge_cli.py``)."""
+    """How a rank process starts: ``target(rank, world, job, plan, port, env)`` (a node
+    agent's rank also gets ``local=``, its device index on its node) in a process forked from a
+    server that imported ``preload`` once. Default: ``nutp-train``'s rank (``rank_main``);
+    ``nutp-bridge`` passes its own (``launch/bridge_cli.py: bridge_entry``). The supervisor's
+    fork server and ``hosts.LocalHost`` use it on this machine; ``hosts.AgentHost`` sends it,
+    pickled with the job, to the node agents (``recovery/agent.py``), which start the same
+    entry on their nodes: it must pickle (module-level functions, ``functools.partial``)."""
 
     target: Callable[..., None] = rank_main
     preload: tuple[str, ...] = PRELOAD

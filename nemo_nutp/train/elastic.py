@@ -538,8 +538,12 @@ def _spawn_aggregator(cfg: JobConfig, rdir: Path, attempt: int, prefix: str, wor
                     timeout_s=rec.heartbeat_timeout_s, startup_timeout_s=rec.startup_timeout_s)
 
 
-def run_worker(cfg: JobConfig, env: LauncherEnv, console: Any) -> int:
-    """One attempt of one worker. Returns the process exit code."""
+def run_worker(cfg: JobConfig, env: LauncherEnv, console: Any,
+               train: Callable[..., None] | None = None) -> int:
+    """One attempt of one worker. Returns the process exit code. ``train(job, plan, *,
+    device, on_checkpoint)``: a plan rank's training inside the attempt's process group
+    (default ``nutp-train``'s ``loop.train_rank``; ``nutp-bridge`` passes Bridge's,
+    ``launch/bridge_cli.py: worker_train``)."""
     import torch
     import torch.distributed as dist
 
@@ -648,9 +652,12 @@ def run_worker(cfg: JobConfig, env: LauncherEnv, console: Any) -> int:
         dist.init_process_group(backend, store=dist.PrefixStore("train/", store), rank=prank,
                                 world_size=plan.world_size, timeout=pg_timeout)
         try:
-            from .loop import train_rank
+            if train is None:
+                from .loop import train_rank
 
-            train_rank(job, plan, device=device, on_checkpoint=on_checkpoint)
+                train_rank(job, plan, device=device, on_checkpoint=on_checkpoint)
+            else:
+                train(job, plan, device=device, on_checkpoint=on_checkpoint)
         finally:
             dist.destroy_process_group()
         if prank == 0:

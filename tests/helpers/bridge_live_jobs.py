@@ -34,40 +34,39 @@ def rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-30)
 
 
-def bridge_job(tmp_path: Path, overrides: list[str], env: dict[str, str], *,
-               grow: bool = False, end: int = END
-               ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], Path]:
-    """One ``nutp-bridge`` job (``overrides``: e.g. ``LIVE``; ``env``: faults; ``grow``: GPU 3
-    reported back as it starts; ``end``: its steps) and the uninterrupted run of the same
-    recipe (one process)
-    beside it: (the job's metrics rows, after checking every step and validation loss against
-    the uninterrupted run's; its events; its output dir)."""
-    from nemo_nutp.common.procs import kill_session
-    from tests.helpers.bridge_jobs import PARITY, RECIPE, TINY, run_worker
+def job_args(tmp_path: Path, overrides: list[str], end: int = END) -> list[str]:
+    """``nutp-bridge``'s arguments for the shrunk recipe's job (``overrides``: e.g. ``LIVE``;
+    ``end``: its steps): output in ``tmp_path/run``, checkpoints (at the end only) in
+    ``tmp_path/ckpt``."""
+    from tests.helpers.bridge_jobs import PARITY, RECIPE, TINY
+
+    return ["--recipe", RECIPE, "--config-file", str(TINY), "--output-dir",
+            str(tmp_path / "run"), *PARITY, *schedule(end), *overrides,
+            f"checkpoint.save={tmp_path / 'ckpt'}", "checkpoint.save_interval=1000"]
+
+
+def reference(tmp_path: Path, end: int = END) -> Path:
+    """The uninterrupted run of the same recipe (one process, megatron's own optimizer), in
+    ``tmp_path/ref``: run it beside the job."""
+    from tests.helpers.bridge_jobs import run_worker
     from tests.helpers.dist import spawn
+
+    ref_dir = tmp_path / "ref"
+    ref_dir.mkdir()
+    spawn(run_worker, 1, ([*schedule(end), "model.tensor_model_parallel_size=1",
+                           "nutp.replicas=[1]"],), ref_dir)
+    return ref_dir
+
+
+def check_job(tmp_path: Path, end: int = END
+              ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], Path]:
+    """The job of ``job_args(tmp_path, ...)`` against ``reference(tmp_path)``: every step's lr
+    (1e-12), loss and grad norm (``TOL``) and every validation loss equal to the uninterrupted
+    run's; under the supervisor one ``start``, no failure, restart or checkpoint read, nothing
+    lost. (The job's metrics rows, its events, its output dir.)"""
     from tests.helpers.live import metric_rows, read_events
 
     out, ckpt, ref_dir = tmp_path / "run", tmp_path / "ckpt", tmp_path / "ref"
-    ref_dir.mkdir()
-    log = tmp_path / "run.log"
-    cmd = [sys.executable, "-m", "nemo_nutp.launch.bridge_cli", "--recipe", RECIPE,
-           "--config-file", str(TINY), "--output-dir", str(out), *PARITY, *schedule(end),
-           *overrides, f"checkpoint.save={ckpt}", "checkpoint.save_interval=1000"]
-    with log.open("w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True, env={**os.environ, **env})
-    try:
-        if grow:
-            report_back(out, proc, log)
-        # the uninterrupted run (one process, megatron's own optimizer) beside the live job
-        spawn(run_worker, 1, ([*schedule(end), "model.tensor_model_parallel_size=1",
-                               "nutp.replicas=[1]"],), ref_dir)
-        rc = proc.wait(timeout=JOB_TIMEOUT_S)
-    finally:
-        kill_session(proc.pid)
-        proc.wait()
-    text = log.read_text()
-    assert rc == 0, text[-6000:]
     want = json.loads((ref_dir / "run_result.json").read_text())
     assert len({row["lr"] for row in want}) == end  # a schedule that moves every step
     rows = metric_rows(out)  # every step, no gap
@@ -97,6 +96,35 @@ def bridge_job(tmp_path: Path, overrides: list[str], env: dict[str, str], *,
         int(p.name[5:]) == end for p in ckpt.glob("iter_*"))
     assert (out / "goodput.json").is_file() and (out / "training.png").is_file()
     return rows, ev, out
+
+
+def bridge_job(tmp_path: Path, overrides: list[str], env: dict[str, str], *,
+               grow: bool = False, end: int = END
+               ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], Path]:
+    """One ``nutp-bridge`` job on this machine (``overrides``: e.g. ``LIVE``; ``env``: faults;
+    ``grow``: GPU 3 reported back as it starts; ``end``: its steps) and the uninterrupted run
+    of the same recipe (one process) beside it: ``check_job``'s (the job's metrics rows, its
+    events, its output dir)."""
+    from nemo_nutp.common.procs import kill_session
+
+    out = tmp_path / "run"
+    log = tmp_path / "run.log"
+    cmd = [sys.executable, "-m", "nemo_nutp.launch.bridge_cli",
+           *job_args(tmp_path, overrides, end)]
+    with log.open("w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True, env={**os.environ, **env})
+    try:
+        if grow:
+            report_back(out, proc, log)
+        reference(tmp_path, end)  # beside the live job
+        rc = proc.wait(timeout=JOB_TIMEOUT_S)
+    finally:
+        kill_session(proc.pid)
+        proc.wait()
+    text = log.read_text()
+    assert rc == 0, text[-6000:]
+    return check_job(tmp_path, end)
 
 
 def report_back(out: Path, proc: subprocess.Popen[str], log: Path) -> None:

@@ -72,7 +72,11 @@ def test_readme_bridge_commands_run(tmp_path: Path) -> None:
         # (``utils/import_utils.py`` safe_import_from: "Import of X from Y failed with: ...").
         real = out.replace("failed with: Traceback", "failed with:")
         assert "Traceback" not in real, f"README: {cmd}\n{out[-4000:]}"
-        if Path(argv[0]).name == "nutp-bridge":  # nutp-train's outputs, in output.dir
+        if argv[1:2] == ["sbatch"]:  # the batch script (docs/cluster.md), valid bash
+            script = tmp_path / argv[argv.index("--out") + 1]
+            assert subprocess.run(["bash", "-n", str(script)]).returncode == 0, cmd
+            assert "nutp-bridge" in script.read_text(), cmd
+        elif Path(argv[0]).name == "nutp-bridge":  # nutp-train's outputs, in output.dir
             d = tmp_path / next((v.split("=", 1)[1] for v in argv if v.startswith(
                 "output.dir=")), argv[argv.index("--output-dir") + 1]
                 if "--output-dir" in argv else "runs/bridge")

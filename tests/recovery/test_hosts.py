@@ -8,6 +8,7 @@ dead), the agent's answers to ``kill``/``exit`` and its exit when the control st
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -177,3 +178,44 @@ def test_ranks_die_with_their_agent(tmp_path) -> None:
     while _alive(pid):
         assert time.monotonic() < deadline, "a rank outlived its agent"
         time.sleep(0.05)
+
+
+def test_the_agent_starts_the_entry_the_control_process_sends(tmp_path, monkeypatch) -> None:
+    """What a rank runs is the control process's choice (``AgentHost.entry``: ``nutp-train``'s
+    by default, ``nutp-bridge control`` sends Bridge's), carried with the job to the agent,
+    which starts that entry -- for the world's ranks and for a returning GPU's process -- with
+    each rank's device on its node; never its own default."""
+    from functools import partial
+
+    from nemo_nutp.common.env import EVENTS
+    from nemo_nutp.config import load_config, plan_request
+    from nemo_nutp.layout import build_plan
+    from nemo_nutp.recovery.world import RankEntry
+    from tests.helpers.entries import record_join, record_rank
+
+    monkeypatch.setattr(agent, "BEAT_S", 0.05)
+    job = load_config(["cluster.num_gpus=8", "cluster.gpus_per_node=4",
+                       "health.failed_gpus=[3]"])
+    plan = build_plan(plan_request(job))
+    port = free_port()
+    store = _store(port, True)
+    entry = RankEntry(partial(record_rank, str(tmp_path)), (), partial(record_join,
+                                                                       str(tmp_path)))
+    h = hosts.AgentHost(store, nodes=2, gpus_per_node=4, address="127.0.0.1", entry=entry)
+    nodes = [agent.Agent("127.0.0.1", port, n, timeout_s=30) for n in (0, 1)]
+    threads = [threading.Thread(target=node.run, daemon=True) for node in nodes]
+    for t in threads:
+        t.start()
+    procs = h.start_world(job, plan, {"TEST_MARKER": "bridge"})
+    joiner = h.start_joiner(7, job, plan, 3, 1, {EVENTS: str(tmp_path / "events.jsonl")})
+    for p in [*procs, joiner]:
+        p.join(60)
+    assert [p.exitcode for p in [*procs, joiner]] == [0] * (plan.world_size + 1)
+    for r, gpu in enumerate(plan.rank_to_gpu):
+        got = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert got == {"world": plan.world_size, "local": gpu % 4,
+                       "rank_to_gpu": list(plan.rank_to_gpu), "marker": "bridge"}, got
+    assert json.loads((tmp_path / "join7.json").read_text()) == {"gpu": 3, "gen": 1}
+    h.close()
+    for t in threads:
+        t.join(30)
