@@ -528,9 +528,7 @@ def check_live_enabled(cfg: Any) -> None:
     if cfg.recovery.mode == "live" and not cfg.recovery.enabled:
         raise ValueError("recovery.mode='live': needs recovery.enabled=true (the control "
                          "process supervises the job)")
-    if cfg.recovery.spares:
-        raise ValueError(f"recovery.spares={cfg.recovery.spares}: hot spares run under the "
-                         "CPU supervisor only; the node agents start no standby processes yet")
+
 
 
 def options(args: argparse.Namespace) -> SbatchOptions:

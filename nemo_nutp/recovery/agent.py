@@ -117,6 +117,20 @@ class Agent:
                   slot=op["slot"], gen=op["gen"], pid=started[1])
         return [started]
 
+    def _standby(self, op: dict[str, Any]) -> list[list[int]]:
+        """A hot spare's standby process on this node (``world.standby_main``): the entry's
+        joiner once the control process wakes it."""
+        from ..common.events import log_event
+        from .world import standby_main
+
+        job, entry = pickle.loads(self.cmds.get(op["key"]))
+        self._use(entry)
+        p = self._ctx.Process(target=standby_main, args=(entry.join, job, op["gpu"], _env(op)))
+        started = self._add(op["id"], p)
+        log_event("agent_standby", file=op["env"][EVENTS], node=self.node, gpu=op["gpu"],
+                  pid=started[1])
+        return [started]
+
     def _use(self, entry: RankEntry) -> None:
         """The job's rank entry: the first one names the fork server's preload (the server
         starts with the first process and keeps it); a later preload that differs is an
@@ -186,6 +200,8 @@ class Agent:
                     reply["pids"] = self._start(op)
                 elif op["op"] == "join":
                     reply["pids"] = self._join(op)
+                elif op["op"] == "standby":
+                    reply["pids"] = self._standby(op)
                 elif op["op"] == "kill":
                     self._kill(op["ids"])
                 elif op["op"] == "watch":

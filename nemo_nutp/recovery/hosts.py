@@ -312,12 +312,14 @@ class AgentHost:
         return p
 
     def start_standby(self, job: JobConfig, gpu: int, env: dict[str, str]) -> Proc:
-        """Not under node agents yet (``nutp sbatch`` refuses ``recovery.spares`` first)."""
-        from ..layout.specs import bad_value
-
-        raise bad_value("recovery.spares", job.recovery.spares,
-                        "hot spares run under the CPU supervisor only: the node agents start "
-                        "no standby processes yet")
+        """A hot spare's standby process, started by its node's agent (``agent._standby``)."""
+        p = self._new(gpu // self.gpus_per_node)
+        key = f"standby{p.id}"
+        self.store.set(key, pickle.dumps((job, self.entry)))
+        sent = {p.node: self._request(p.node, {"op": "standby", "id": p.id, "gpu": gpu,
+                                               "key": key, "env": env})}
+        p.pid = int(self._replies(sent)[p.node]["pids"][0][1])
+        return p
 
     def kill(self, procs: list[RemoteProc]) -> None:
         by_node: dict[int, list[int]] = {}

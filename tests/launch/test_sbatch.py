@@ -270,14 +270,3 @@ def test_recovery_script_runs_a_worker_per_gpu_slot_under_restarts(launcher: str
 def test_ft_launcher_needs_recovery() -> None:
     with pytest.raises(ValueError, match=r"ft_launcher.*recovery.enabled=true"):
         _render(JOBS["cpu_local_one_gpu"], launcher="ft_launcher")
-
-
-def test_spares_are_refused_on_slurm_in_one_line(tmp_path: Path, capsys) -> None:
-    """Hot spares need standby processes, which the node agents do not start yet: the render
-    says so in one line naming the field (not a job whose spares silently never stand by)."""
-    out = tmp_path / "job.sbatch"
-    rc = main(["sbatch", "cluster=node_pair", "recovery.enabled=true", "recovery.mode=live",
-               "recovery.spares=1", "checkpoint.interval=2", "--out", str(out)])
-    err = capsys.readouterr().err.strip()
-    assert rc == 2 and not out.exists()
-    assert err.count("\n") == 0 and "recovery.spares=1" in err, err

@@ -262,3 +262,42 @@ def test_live_batch_host_lost_the_resubmitted_job_resumes_exactly(slurm: SlurmCl
     assert rows[0]["replica_tp"] == [[4], [3]] and rows[-1]["replica_tp"] == [[4], [3]], rows
     print(f"slurm batch host crashed after step {DOWN_AT}: job {r.new_job} resumed at step "
           f"{resumed['step']} on {', '.join(new_hosts)} {r.resubmit_s:.1f} s after the crash")
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(JOB_TIMEOUT_S + 120)
+def test_live_spare_node_takes_a_failed_slice(slurm: SlurmCluster, tmp_path: Path) -> None:
+    """``recovery.spares=1`` on all three nodes: n1 and n2 train TP4+TP4, n3's agent starts the
+    spare slice's four standby processes (imported, connected to the control process). Rank 1
+    (n1) is killed in step 2's forward: one live re-layout swaps n1's slice for the spare node,
+    the layout stays [[4],[4]], no process starts inside the transition (the new world's
+    processes all existed before), every step equal to stock megatron-core within 1e-5."""
+    steps = 8
+    out = tmp_path / "out"
+    over = (*BASE, *LIVE, "health=none", "cluster.num_gpus=12", "parallel.tp_base=4",
+            "recovery.spares=1", f"train.steps={steps}", f"output.dir={out}")
+    script = tmp_path / "job.sbatch"
+    script.write_text(render(over, master_port=free_port(), partition=PARTITION,
+                             account="nutp", repo=str(REPO), job_name="nutp-spare"))
+    job = submit(slurm, script, NUTP_FAULT="kill:rank=1:step=2:phase=forward",
+                 NUTP_LIVE_DIGEST="1")
+    watch = Watch(slurm, job)
+    try:
+        watch.finish(time.monotonic() + JOB_TIMEOUT_S)
+    finally:
+        slurm.run("scancel", job, check=False)
+    text = (tmp_path / f"nutp-spare-{job}.out").read_text()
+    assert (watch.state["JobState"], watch.state["ExitCode"]) == ("COMPLETED", "0:0"), text[-6000:]
+    assert "Traceback" not in text, text[-6000:]
+    assert _hosts(slurm, job) == ["n1", "n2", "n3"]
+    rows = check_steps(out, stock_reference(over, steps, tmp_path), TOL)
+    ev = read_events(out)
+    standby = [e for e in ev if e["event"] == "agent_standby"]
+    assert sorted((e["node"], e["gpu"]) for e in standby) == [(2, g) for g in range(8, 12)]
+    (world,) = [e for e in ev if e["event"] == "live_world"]
+    (swap,) = [e for e in ev if e["event"] == "live_relayout"]
+    assert swap["spares_used"] == [[8, 9, 10, 11]] and swap["replica_tp"] == [[4], [4]], swap
+    assert swap["processes_started"] == 0 and swap["gpus"] == [1], swap
+    assert set(swap["pids"]) <= set(world["pids"]) | {e["pid"] for e in standby}, swap
+    assert all(r["replica_tp"] == [[4], [4]] for r in rows)
+    assert [e["event"] for e in ev].count("start") == 1
