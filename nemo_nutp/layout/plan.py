@@ -224,6 +224,8 @@ def nic_aware_sync(req: PlanRequest, replicas: tuple[Replica, ...],
             load: dict[int, float] = {}
             elems = unit_elems(req.model, len(rep.tp), s)
             for space in sorted(SPACES, key=lambda sp: -elems[sp]):  # big units first
+                if elems[space] == 0:  # no gradient of this space in this stage
+                    continue
                 out[(s, space)] = nic_aware(out[(s, space)], i, rep.tp[s], rates, load,
                                             unit_bytes=float(elems[space]))
     return out

@@ -145,7 +145,9 @@ def _waterfill(load: np.ndarray, rate: np.ndarray, unit: float, units: int) -> n
     ``(load + n * unit) / rate``: the water level ``T`` with ``sum(max(0, (T rate - load) /
     unit)) = units`` found by bisection, rounded down, each unit left over where it then
     finishes soonest. O(ranks x 60)."""
-    unit = max(float(unit), 1e-12)
+    if unit <= 0:  # units without bytes: any owner costs nothing; an even split
+        return np.diff(np.linspace(0, units, len(rate) + 1).round().astype(np.int64))
+    unit = float(unit)
     lo, hi = 0.0, float((load.max() + units * unit) / rate.min())
     for _ in range(60):
         mid = (lo + hi) / 2
@@ -155,7 +157,7 @@ def _waterfill(load: np.ndarray, rate: np.ndarray, unit: float, units: int) -> n
             lo = mid
     n = np.minimum(np.floor(np.maximum(0.0, (hi * rate - load) / unit)), units).astype(np.int64)
     while n.sum() > units:  # bisection's level can round a little high
-        j = int(np.argmax((load + n * unit) / rate))
+        j = int(np.argmax(np.where(n > 0, (load + n * unit) / rate, -np.inf)))
         n[j] -= 1
     for _ in range(units - int(n.sum())):
         j = int(np.argmin((load + (n + 1) * unit) / rate))

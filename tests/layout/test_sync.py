@@ -186,3 +186,26 @@ def test_nic_aware_plan_predicts_the_mitigated_sync() -> None:
     five = [g for g, _ in aware.sync_traffic() if 5 in g]
     assert not five  # GPU 5 reduces nothing across replicas
     assert sum(b for _, b in aware.sync_traffic()) == sum(b for _, b in healthy.sync_traffic())
+
+
+@settings(max_examples=200, deadline=None)
+@given(load=st.lists(st.floats(0, 1e10), min_size=1, max_size=8),
+       unit=st.sampled_from([0.0, 1.0, 128.0, 6144.0, 3e6]), units=st.integers(0, 200_000),
+       data=st.data())
+def test_waterfill_counts_are_a_partition(load: list[float], unit: float, units: int,
+                                          data: st.DataObject) -> None:
+    """``_waterfill`` gives every rank >= 0 units summing to ``units`` (a space without bytes
+    per unit -- the vocab space of a middle pipeline stage -- included), and no unit could
+    finish sooner elsewhere by more than one unit's time."""
+    from nemo_nutp.layout.sync import _waterfill
+
+    rate = np.array(data.draw(st.lists(st.sampled_from([0.25, 0.5, 1.0]), min_size=len(load),
+                                       max_size=len(load))))
+    ld = np.array(load)
+    n = _waterfill(ld, rate, unit, units)
+    assert n.min() >= 0 and int(n.sum()) == units, n
+    if unit > 0 and units:
+        finish = (ld + n * unit) / rate
+        start_more = (ld + (n + 1) * unit) / rate
+        busy = n > 0
+        assert finish[busy].max() <= start_more.min() * (1 + 1e-9) + 1e-6, (n, finish)
