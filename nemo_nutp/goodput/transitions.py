@@ -41,7 +41,8 @@ Contract:
   bottleneck; ``spare_transitions`` replays the pool per trial. With ``transitions.measured``
   the measured tiny-job numbers replace them, scaled: restart ``transition_s * (N /
   processes_started) ** k`` plus the scenario's checkpoint read at ``storage_gbps``; live
-  ``transition_s`` plus the scenario's bytes (live_spare: the live kill's ``transition_s``
+  ``transition_s`` plus the scenario's bytes (live_spare: its own measured kill when the
+  benchmark ran the ``live_spare`` path, else the live kill's ``transition_s``
   plus the spare's bytes); detection as measured (does not grow with N); live: (lost +
   recomputed in-flight) steps x the scenario's step time.
 * ``stall_fraction``: per trial the union of ``[t, t + hold)`` clipped to the horizon, plus per
@@ -191,7 +192,11 @@ def scenario_costs(cfg: SimConfig, dims: Any, hw: Any, step_s: float, n_replicas
         planned_live = (float(lv["gpu_back"]["transition_s"]) + live_bytes / bw
                         if "gpu_back" in lv else live)
         source = f"measured {t.measured} (scaled)"
-    spare = relayout + spare_bytes / bw  # modelled: no runtime to measure yet (docstring)
+    spare = relayout + spare_bytes / bw  # the spare's ranks receive a whole shard
+    if t.measured:  # benchmarks/transition_cost.py's live_spare path, when it ran
+        sp = _read_measured(t.measured).get("live_spare", {})
+        if "kill" in sp:
+            spare = float(sp["kill"]["transition_s"]) + spare_bytes / bw
     return Costs(detect_s=det, restart_s=restart, planned_restart_s=planned,
                  straggler_restart_s=strag, live_s=live, planned_live_s=planned_live,
                  live_lost_s=live_lost, interval_s=t.checkpoint_interval_hours * H,

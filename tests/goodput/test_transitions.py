@@ -548,3 +548,22 @@ def test_simulator_reads_what_transition_cost_wrote(monkeypatch: pytest.MonkeyPa
     assert c.planned_live_s == pytest.approx(lv["gpu_back"]["transition_s"] + live_bytes / bw)
     redo = lv["kill"]["lost_steps"] + lv["kill"]["recomputed_steps"]
     assert redo >= 1 and c.live_lost_s == pytest.approx(redo * ctx.tables.parts_s["step_s"])
+
+
+def test_measured_live_spare_path_prices_the_spare_swap(tmp_path: Path) -> None:
+    """When ``benchmarks/transition_cost.py`` ran its ``live_spare`` path, the simulator's spare
+    swap is that measured transition plus the scenario's spare bytes (else the live kill's)."""
+    path = Path(__file__).parent / "data" / "transitions_measured.json"
+    data = json.loads(path.read_text())
+    data["paths"]["live_spare"] = {"kill": {**data["paths"]["live"]["kill"],
+                                            "transition_s": 1.234}}
+    mine = tmp_path / "measured.json"
+    mine.write_text(json.dumps(data))
+    base = make_context(load_sim_config(["sim.trials=2", f"sim.transitions.measured={path}"]))
+    cfg = load_sim_config(["sim.trials=2", f"sim.transitions.measured={mine}"])
+    ctx = make_context(cfg)
+    _, _, spare_bytes = trn._state_bytes(cfg, ctx.dims, ctx.clusters["nutp"].n_use)
+    bw = ctx.hw.network_gbps * 1e9
+    assert ctx.costs.live_spare_s == pytest.approx(1.234 + spare_bytes / bw)
+    assert base.costs.live_spare_s == pytest.approx(
+        data["paths"]["live"]["kill"]["transition_s"] + spare_bytes / bw)
