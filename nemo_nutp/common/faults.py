@@ -33,8 +33,11 @@ for one release, each parsed to the same ``Fault`` with one warning line on stde
 positional forms ``NUTP_FAULT=kill|hang|save_crash:RANK:STEP``,
 ``NUTP_FAULT=slow:RANK:FACTOR[:STEP]`` and ``NUTP_LIVE_FAULT=kill|hang:SLOT:STEP:PHASE[:GEN]``
 (its faults are added to the others').
-Faults act in the supervisor's first attempt only (``NUTP_ATTEMPT`` unset or 0): a restarted
-world runs through.
+A fault acts in one attempt of the restart path: ``attempt`` (default 0, the first;
+``NUTP_ATTEMPT``, the CPU supervisor's or the ``nutp sbatch`` srun loop's attempt number), so a
+restarted world runs through unless a fault names its attempt (tests of several restarts in one
+job, e.g. ``slow:rank=1:factor=4:attempt=2``); never in a run Slurm requeued or an agent
+resubmitted.
 
 Events (``common/events.py``): a fatal fault logs ``FATAL_EVENT`` ("fault": kind, rank, step,
 pid; phase and gen for a phase fault) just before it acts — failure detection and the transition
@@ -67,7 +70,7 @@ FATAL_EVENT = "fault"
 SLOW_EVENT = "slow_fault"
 SLOW_LINK_EVENT = "slow_link_fault"
 _SPEC = ("each fault is KIND[:FIELD=VALUE...] (KIND kill|hang|save_crash|slow|slow_link; FIELD "
-         "rank, step, phase, gen, factor, until), faults separated by commas")
+         "rank, step, phase, gen, factor, until, attempt), faults separated by commas")
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,7 @@ class Fault:
     gen: int = 0
     factor: float = 1.0
     until: int | None = None
+    attempt: int = 0
 
     def __post_init__(self) -> None:
         why = self._problem()
@@ -90,7 +94,7 @@ class Fault:
     def _problem(self) -> tuple[str, str] | None:
         if self.kind not in KINDS:
             return "kind", "must be kill, hang, save_crash, slow or slow_link"
-        for name in ("rank", "step", "gen"):
+        for name in ("rank", "step", "gen", "attempt"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 return name, "must be an integer >= 0"
@@ -159,7 +163,7 @@ def _deprecated(name: str, spec: str) -> None:
           file=sys.stderr, flush=True)
 
 
-_INTS = ("rank", "step", "gen", "until")
+_INTS = ("rank", "step", "gen", "until", "attempt")
 
 
 def _parse_one(part: str, *, live: bool) -> tuple[Fault, bool]:
@@ -212,7 +216,7 @@ def from_config(fc: Any, key: str) -> Fault | None:
     slow = fc.kind in SLOWDOWNS
     try:
         return Fault(fc.kind, fc.rank, fc.step, fc.phase, fc.gen, fc.factor if slow else 1.0,
-                     fc.until if slow else None)
+                     fc.until if slow else None, fc.attempt)
     except ValueError as e:
         raise ValueError(f"{key}.{e}") from None
 
@@ -241,11 +245,13 @@ class Faults:
     @classmethod
     def from_env_or_config(cls, cfg: Any) -> Faults | None:
         """The faults of ``$NUTP_FAULT`` (it wins) or else of the config's ``recovery``, plus the
-        deprecated ``$NUTP_LIVE_FAULT``; None on a restart (``NUTP_ATTEMPT`` > 0), in a run
-        Slurm requeued (``env.requeued``: the faults fired in the first run) or without any.
-        ``cfg``: a ``JobConfig`` (None: the environment only)."""
-        if os.environ.get(ATTEMPT, "0") not in ("", "0") or requeued():
+        deprecated ``$NUTP_LIVE_FAULT``, those of this attempt (``NUTP_ATTEMPT``, unset: 0;
+        a fault's ``attempt``); None in a run Slurm requeued (``env.requeued``: the faults fired
+        in the first run) or without any. ``cfg``: a ``JobConfig`` (None: the environment
+        only)."""
+        if requeued():
             return None
+        attempt = int(os.environ.get(ATTEMPT) or 0)
         spec = os.environ.get(FAULT)
         if spec:
             found = parse(spec)
@@ -254,6 +260,7 @@ class Faults:
         live = os.environ.get(LIVE_FAULT)
         if live:
             found += parse(live, name=LIVE_FAULT)
+        found = [f for f in found if f.attempt == attempt]
         return cls(found) if found else None
 
     # -- start of a step, saves, the slowdown (train/loop.py, checkpoint/hooks.py, Bridge) ----

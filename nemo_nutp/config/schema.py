@@ -662,8 +662,8 @@ class FaultConfig:
     """Global rank that fails (a phase fault: the process's rank in world 0, its slot;
     slow_link: the GPU this rank has in world 0)."""
     step: int = 0
-    """Step (0-based) at whose start (or in whose ``phase``) the fault fires (first attempt
-    only)."""
+    """Step (0-based) at whose start (or in whose ``phase``) the fault fires (in attempt
+    ``attempt`` only)."""
     phase: str | None = None
     """kill/hang under ``recovery.mode=live``: the phase of the step (forward, backward, sync,
     vote, optimizer, gather, relayout); None: the step's start."""
@@ -675,6 +675,9 @@ class FaultConfig:
     until: int | None = None
     """kind 'slow' or 'slow_link': the step it ends at (not slowed from there on); None:
     never."""
+    attempt: int = 0
+    """The restart attempt it fires in (``NUTP_ATTEMPT``: 0 the first; a later one: a fault
+    after a restart)."""
 
 
 @dataclass(frozen=True)

@@ -40,15 +40,15 @@ class Verdict:
     scale_up: watch.ScaleUp | None = None  # GPUs reported back: a planned restart is due
 
 
-def hang_in(hb: Path, world: int, *, now: float, started: float, rec: RecoveryConfig,
-            stacks: bool = True) -> Failure | None:
+def hang_in(hb: Path, world: int, *, now: float, started: float, rec: RecoveryConfig
+            ) -> Failure | None:
     """``blame_hang`` over the ``world`` ranks' files in the heartbeat directory ``hb``: step
-    heartbeats and, with ``stacks``, the stack watchers' activity and collective counts (their
-    files are named by world-0 rank: a live re-layout's later worlds go without them)."""
+    heartbeats, the stack watchers' activity and collective counts (a live re-layout's later
+    worlds too: each rank's watcher follows it there, ``watch.follow_world``)."""
     return blame_hang(watch.read_progress(hb, world), now=now, timeout_s=rec.heartbeat_timeout_s,
                       started_at=started, startup_timeout_s=rec.startup_timeout_s,
-                      activity=watch.read_activity(hb, world) if stacks else None,
-                      collectives=watch.read_collectives(hb, world) if stacks else None)
+                      activity=watch.read_activity(hb, world),
+                      collectives=watch.read_collectives(hb, world))
 
 
 class FailureCheck:

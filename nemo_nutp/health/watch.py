@@ -86,6 +86,12 @@ class CollectiveLog:
             raise ValueError("a process group without a name")
         return str(name)
 
+    def reset(self) -> None:
+        """Count from zero (a new world: ``follow_world``); the depth stays (a wait still in
+        progress is one)."""
+        self.entered, self._pending, self.reached = {}, {}, {}
+        self._mine, self._seen_groups = {}, -1
+
     def _enter(self, k: str) -> None:
         self.entered[k] = self.entered.get(k, 0) + 1
         if self._event is not None:
@@ -171,15 +177,42 @@ def device_event() -> Any:
     return lambda: torch.cuda.Event(enable_timing=False)
 
 
+@dataclass
+class _Watcher:
+    """This process's stack watcher: the file it writes now and its collective counts."""
+
+    path: Path
+    log: CollectiveLog
+
+
+_WATCHER: _Watcher | None = None
+
+
 def start_stack_watcher(path: Path) -> threading.Thread:
     """Start this rank's stack watcher (a daemon thread writing ``path``; see ``watch_stack``)
     and count its collectives (``CollectiveLog``)."""
+    global _WATCHER
     log = CollectiveLog(event=device_event())
     log.install()
+    _WATCHER = _Watcher(path, log)
     t = threading.Thread(target=watch_stack, name="nutp-stack-watch", daemon=True,
-                         args=(path, threading.main_thread(), log))
+                         args=(path, threading.main_thread(), log, _WATCHER))
     t.start()
     return t
+
+
+def follow_world(path: Path) -> None:
+    """A live re-layout's next world (``live/manager.py``): the stack watcher writes ``path``
+    from now on (the new world's heartbeat directory, the rank's new number: where the hang
+    check of that world reads it) and counts the new world's collectives from zero (the old
+    world's groups are gone; their counts, uneven where the failure interrupted them, would
+    blame the wrong rank). A process without a watcher (a returning GPU's) starts one."""
+    w = _WATCHER
+    if w is None:
+        start_stack_watcher(path)
+        return
+    w.log.reset()
+    w.path = path
 
 
 def read_progress(hb_dir: Path, world: int) -> dict[int, Progress | None]:
@@ -238,17 +271,21 @@ def cpu_s(main_clock: int) -> float:
     return total
 
 
-def watch_stack(path: Path, main: threading.Thread, log: CollectiveLog | None = None) -> None:
+def watch_stack(path: Path, main: threading.Thread, log: CollectiveLog | None = None,
+                follow: _Watcher | None = None) -> None:
     """Rank side, a daemon thread: every ``SAMPLE_S`` write ``waiting changed_t t``, the
     innermost frame of the main thread and (JSON) the collectives entered per group: is it
     blocked on communication, when did it last show activity (its stack changed, or, outside
     communication, it or its child processes used CPU), now. Works while the main thread is
-    blocked in C: collectives and sleeps release the GIL."""
+    blocked in C: collectives and sleeps release the GIL. ``follow``: the file moves with
+    ``follow.path`` (``follow_world``)."""
     clock = time.pthread_getcpuclockid(main.ident or 0)
     last: tuple[tuple[str, int], ...] = ()
     changed, cpu = time.time(), cpu_s(clock)
-    tmp = path.with_name(path.name + ".tmp")
     while True:
+        if follow is not None:
+            path = follow.path
+        tmp = path.with_name(path.name + ".tmp")
         frame = sys._current_frames().get(main.ident or -1)
         stack = []
         f = frame
@@ -346,7 +383,8 @@ def summary(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
                         "gpus": e["gpus"], "reason": e["reason"], "lost_steps": e["lost_steps"],
                         "detect_s": t - e["requested_at"]})
         elif e["event"] == "relayout":  # nutp.exclude_stragglers: planned, nothing lost
-            out.append({"detected_at": e["t"], "cause": e.get("cause", "straggler"),
+            out.append({"detected_at": e.get("detected_at", e["t"]),
+                        "cause": e.get("cause", "straggler"),
                         "ranks": [], "gpus": e["gpus"], "reason": e["reason"],
                         "lost_steps": e["lost_steps"], "detect_s": None})
         elif e["event"] == "resumed" and out and "restart_s" not in out[-1]:

@@ -27,12 +27,14 @@ import json
 import math
 import os
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from ..common.env import HEARTBEAT_DIR, LIVE_DIGEST
+from ..health import watch
 from ..health.commit import UNMOVABLE, renumber, replan
 from .link import Committed, LiveLink, is_stop, move, reduce_max
 
@@ -182,6 +184,8 @@ class LiveManager(Generic[R]):
         rank = list(plan.rank_to_gpu).index(gpu)
         link.rejoin(rank=rank, world=plan.world_size, device=self.device)
         os.environ[HEARTBEAT_DIR] = d["heartbeat_dir"]
+        # the new world's hang check reads this rank's stack file there, by its new number
+        watch.follow_world(Path(d["heartbeat_dir"]) / f"rank{rank}.stack")
         session = self.trainer.build(job, plan)
         rank_map = _rank_map(old.plan, plan, d)
         # gone: dead, or healthy but left out by the new plan (those exited above)
@@ -212,6 +216,8 @@ class LiveManager(Generic[R]):
         rank = list(plan.rank_to_gpu).index(gpu)
         from . import backend
 
+        if os.environ.get(HEARTBEAT_DIR):  # the world's hang check reads it, by the rank's number
+            watch.follow_world(Path(os.environ[HEARTBEAT_DIR]) / f"rank{rank}.stack")
         backend.join(link.store, gen=link.gen, rank=rank, world=plan.world_size,
                      backend="nccl" if self.device is not None and self.device.type == "cuda"
                      else "gloo", timeout_s=link.timeout_s)

@@ -646,8 +646,7 @@ def run_world(cfg: JobConfig, job: JobConfig, plan: Plan,
             watched = (w, host.watch(w, started=started, rec=job.recovery))
         if watched[1] is not None:
             return watched[1].poll(now)
-        return hang_in(w.hb, w.plan.world_size, now=now, started=started, rec=job.recovery,
-                       stacks=w.gen == 0)
+        return hang_in(w.hb, w.plan.world_size, now=now, started=started, rec=job.recovery)
 
     def planned(now: float) -> watch.ScaleUp | None:
         """GPUs back under the distributed optimizer (no live moves of its slices yet): a
@@ -716,7 +715,7 @@ def run_world(cfg: JobConfig, job: JobConfig, plan: Plan,
                 w, started = out, time.time()
                 continue
             failure = out
-        where = {r: watch.read_where(hb, w.slots[r])
+        where = {r: watch.read_where(w.hb, r)
                  for r in (failure.ranks if failure is not None else ())}
         last = watch.last_done(w.hb, w.plan.world_size)
         host.stop([*w.procs, *w.standby.values()])

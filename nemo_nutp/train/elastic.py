@@ -29,11 +29,14 @@ them). The launcher restarts the whole worker group when one worker dies (torchr
    ``abort`` key, so every worker exits and the launcher restarts the group. A thread on plan
    rank 0 reads the health report: GPUs reported back trigger a planned restart at the
    first checkpoint completed after the report (``scaleup.<attempt>.json``), and the next
-   attempt plans the fuller layout. Under ft_launcher (nvidia-resiliency-ext) every worker
-   also sends the rank monitor liveness heartbeats from a thread, so a worker frozen as a whole
-   is terminated by ft_launcher (keep ``recovery.heartbeat_timeout_s`` below ft_launcher's
-   ``--ft-rank-heartbeat-timeout`` so the watchdog, which can name the rank that hung, acts
-   first).
+   attempt plans the fuller layout. A straggler found with ``nutp.exclude_stragglers`` is a
+   planned restart too: the run stops after the next checkpoint, plan rank 0 records it
+   (``straggler.<attempt>.json``) and ends the attempt, and the next attempt re-plans with it
+   as a slow GPU (kept in every later attempt's record). Under ft_launcher
+   (nvidia-resiliency-ext) every worker also sends the rank monitor liveness heartbeats from a
+   thread, so a worker frozen as a whole is terminated by ft_launcher (keep
+   ``recovery.heartbeat_timeout_s`` below ft_launcher's ``--ft-rank-heartbeat-timeout`` so the
+   watchdog, which can name the rank that hung, acts first).
 
 Events (``recovery/events.jsonl``) and the per-restart summary (``recovery/summary.json``) have
 the same form as under the CPU supervisor (``recovery/supervisor.py``).
@@ -74,6 +77,8 @@ EXIT_SCALE_UP = 76  # worker exit code for a planned restart: GPUs reported back
 EXIT_ABORT = 77  # another worker ended the attempt (store key "abort"), or the store is gone
 CONTROL_S = 1.0  # retry period of the control thread while the store does not answer
 WAIT_S = 60.0  # one blocking wait on the abort key lasts this long, then it is renewed
+HOST_GRACE_S = 1.0  # the store's host outlives an abort this long: the others see the abort,
+# not a closed store (whose errors every worker printed, C++ frames included)
 
 
 @dataclass(frozen=True)
@@ -340,10 +345,13 @@ def decide(cfg: JobConfig, rdir: Path, attempt: int, posts: list[dict[str, Any]]
     reported_set = (frozenset(reported["failed_gpus"]) if reported is not None and attempt
                     else None)
     blamed: tuple[int, ...] = ()
+    # stragglers excluded so far (nutp.exclude_stragglers): GPU -> relative speed
+    slow = {int(g): float(v) for g, v in ((prev or {}).get("slow_gpus") or {}).items()}
     if prev is not None:
         exits = read_exits(rdir / f"exits.{prev_n}")
         hang = _read_json(rdir / f"hang.{prev_n}.json")
         scale = _read_json(rdir / f"scaleup.{prev_n}.json")
+        slowed = _read_json(rdir / f"straggler.{prev_n}.json")
         gpus = prev["rank_to_gpu"]
         last = (_read_json(rdir / f"progress.{prev_n}.json") or {}).get("last_done")
         resume = watch.resume_step(cfg.checkpoint_dir)
@@ -354,6 +362,12 @@ def decide(cfg: JobConfig, rdir: Path, attempt: int, posts: list[dict[str, Any]]
             log_event("scale_up", file=events, attempt=prev_n, gpus=scale["gpus"],
                       reason="GPU back", requested_at=scale["requested_at"],
                       detected_at=scale["detected_at"], step=scale["step"],
+                      lost_steps=lost_steps(last, resume), resume_step=resume)
+        elif slowed is not None:  # nutp.exclude_stragglers: planned, as the CPU supervisor's
+            slow.update({int(g): float(v) for g, v in slowed["gpus"].items()})
+            log_event("relayout", file=events, attempt=prev_n, cause="straggler",
+                      gpus=sorted(int(g) for g in slowed["gpus"]), slow_gpus=slowed["gpus"],
+                      reason="straggler", detected_at=slowed["detected_at"],
                       lost_steps=lost_steps(last, resume), resume_step=resume)
         else:
             failure = lost_nodes(gpus, placed.absent, gpn, names) or \
@@ -371,7 +385,7 @@ def decide(cfg: JobConfig, rdir: Path, attempt: int, posts: list[dict[str, Any]]
     failed -= nodes.node_gpus(placed.replaced, gpn)  # a new machine in a gone one's place
     failed |= {g for g, why in probes.items() if why is not None}
     failed |= absent  # not in this allocation: its GPUs cannot run
-    job = job_for(cfg, frozenset(failed))
+    job = job_for(cfg, frozenset(failed), slow)
     try:
         plan = build_plan(plan_request(job))
     except ValueError as e:
@@ -384,6 +398,7 @@ def decide(cfg: JobConfig, rdir: Path, attempt: int, posts: list[dict[str, Any]]
     nodes.write_table(rdir, placed)
     record = {"attempt": attempt, "failed_gpus": sorted(failed), "slots": slots,
               "rank_to_gpu": list(plan.rank_to_gpu), "t": time.time(),
+              "slow_gpus": {str(g): v for g, v in sorted(slow.items())},
               "probes": {str(g): why for g, why in probes.items() if why is not None}}
     write_json_atomic(record, rdir / f"attempt.{attempt}.json")
     log_event("start", file=events, attempt=attempt, failed_gpus=sorted(failed),
@@ -416,7 +431,7 @@ def start_health_watch(cfg: JobConfig, job: JobConfig, plan: Plan,
                               rdir / f"scaleup.{attempt}.json")
             exits.write("scale_up", f"GPUs {list(scale.gpus)} back")
             control.abort("scale_up")
-            os._exit(EXIT_SCALE_UP)
+            control.exit(EXIT_SCALE_UP)
 
     def run() -> None:
         while True:
@@ -476,6 +491,7 @@ class Control:
         self.store, self.exits, self.world, self.host = store, exits, world, host
         self.waiter = waiter if waiter is not None else store
         self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
 
     def start(self) -> None:
         """One blocking ``wait`` on the ``abort`` key (no polling: W ranks would make W store
@@ -500,9 +516,16 @@ class Control:
                         os._exit(EXIT_ABORT)
                 if aborted and not self._stopped.is_set():
                     self.exits.write("aborted", "another worker ended the attempt")
-                    os._exit(EXIT_ABORT)
+                    self.exit(EXIT_ABORT)
 
-        threading.Thread(target=run, name="nutp-control", daemon=True).start()
+        self._thread = threading.Thread(target=run, name="nutp-control", daemon=True)
+        self._thread.start()
+
+    def exit(self, code: int) -> None:
+        """End this worker now (after the attempt was aborted); the store's host last."""
+        if self.host:
+            time.sleep(HOST_GRACE_S)
+        os._exit(code)
 
     def abort(self, why: str) -> None:
         try:
@@ -511,12 +534,27 @@ class Control:
             pass
 
     def leave(self, timeout_s: float = 120.0) -> None:
+        """A normal end, two barriers: every worker has left (``left``), then the host wakes
+        every control thread (``abort`` = ``done``: a stopped thread ends on it) and exits only
+        after each worker's thread ended (``quiet``). A control thread still blocked in its
+        ``wait`` when the host's store closes throws inside the C++ call while its interpreter
+        shuts down: ``terminate called without an active exception``, SIGABRT, and the srun
+        loop counted the finished job's attempt as failed (found on the Slurm test cluster)."""
         self._stopped.set()
+        deadline = time.time() + timeout_s
         try:
             self.store.add("left", 1)
-            deadline = time.time() + timeout_s
-            while self.host and self.store.add("left", 0) < self.world and time.time() < deadline:
+            if not self.host:
+                thread = self._thread
+                if thread is not None:  # woken by the host's "done", or the store gone
+                    thread.join(max(0.0, min(deadline - time.time(), WAIT_S + 5 * CONTROL_S)))
+                self.store.add("quiet", 1)
+                return
+            while self.store.add("left", 0) < self.world and time.time() < deadline:
                 time.sleep(0.2)
+            self.store.set("abort", "done")
+            while self.store.add("quiet", 0) < self.world - 1 and time.time() < deadline:
+                time.sleep(0.05)
         except Exception:
             pass
 
@@ -588,7 +626,8 @@ def run_worker(cfg: JobConfig, env: LauncherEnv, console: Any,
         failed = frozenset(decision["failed_gpus"])
         slot = int(decision["slots"][env.rank])  # by host name (health/nodes.py)
         exits.path = exits.path.with_name(f"gpu{slot}")
-        job = job_for(cfg, failed)
+        job = job_for(cfg, failed, {int(g): float(v) for g, v in
+                                    (decision.get("slow_gpus") or {}).items()})
         gpn = cfg.cluster.gpus_per_node
         if env.rank == 0:  # the job-level hang aggregator: its own process, off the ranks
             _spawn_aggregator(cfg, rdir, env.attempt, prefix, len(decision["rank_to_gpu"]))
@@ -651,15 +690,19 @@ def run_worker(cfg: JobConfig, env: LauncherEnv, console: Any,
         pg_timeout = timedelta(seconds=max(600.0, 3 * cfg.recovery.heartbeat_timeout_s))
         dist.init_process_group(backend, store=dist.PrefixStore("train/", store), rank=prank,
                                 world_size=plan.world_size, timeout=pg_timeout)
+        stopped: dict[str, Any] = {}  # nutp.exclude_stragglers: (resume step, stragglers)
         try:
             if train is None:
                 from .loop import train_rank
 
-                train_rank(job, plan, device=device, on_checkpoint=on_checkpoint)
-            else:
+                train_rank(job, plan, device=device, on_checkpoint=on_checkpoint,
+                           on_stop=lambda step, slow: stopped.update(step=step, slow=slow))
+            else:  # nutp-bridge's worker (exclude_stragglers: its own planned stop)
                 train(job, plan, device=device, on_checkpoint=on_checkpoint)
         finally:
             dist.destroy_process_group()
+        if stopped:
+            _straggler_restart(rdir, env.attempt, prank, stopped, exits, control)
         if prank == 0:
             log_event("finished", file=rdir / "events.jsonl", attempt=env.attempt)
             _write_summary(rdir, console)
@@ -677,6 +720,24 @@ def run_worker(cfg: JobConfig, env: LauncherEnv, console: Any,
 
         # one line on stderr, the traceback in <output.dir>/logs (exit 2: bad input, else 1)
         raise SystemExit(report_error(cfg.output.dir, env.rank, e)) from None
+
+
+def _straggler_restart(rdir: Path, attempt: int, prank: int, stopped: dict[str, Any],
+                       exits: ExitRecorder, control: Control) -> None:
+    """The run stopped after a checkpoint to exclude a straggler (``nutp.exclude_stragglers``,
+    the same step on every rank): a planned restart, as for GPUs reported back. Plan rank 0
+    records the stragglers (``straggler.<attempt>.json``: the next attempt's worker 0 re-plans
+    with them as slow GPUs and logs ``relayout``) and ends the attempt; the other ranks wait for
+    that (their control thread exits them). Never returns."""
+    if prank == 0:
+        write_json_atomic({"gpus": {str(g): v for g, v in sorted(stopped["slow"].items())},
+                           "step": stopped["step"], "detected_at": time.time()},
+                          rdir / f"straggler.{attempt}.json")
+        exits.write("straggler", f"GPUs {sorted(stopped['slow'])} excluded")
+        control.abort("straggler")
+        control.exit(EXIT_SCALE_UP)
+    while True:  # the abort (or the store gone) ends this worker: its control thread
+        time.sleep(CONTROL_S)
 
 
 def _write_summary(rdir: Path, console: Any) -> None:

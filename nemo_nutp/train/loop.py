@@ -346,7 +346,8 @@ class Run:
 
 def train_rank(cfg: JobConfig, plan: Plan, *, device: torch.device | None = None,
                link: LiveLink | None = None, joining: int | None = None,
-               on_checkpoint: Callable[[int], None] | None = None
+               on_checkpoint: Callable[[int], None] | None = None,
+               on_stop: Callable[[int, dict[int, float]], None] | None = None
                ) -> list[dict[str, Any]] | None:
     """Run the whole job on this rank (process group already initialised). ``link``: the
     rank's connection to the live control process (``recovery.mode=live``): a
@@ -354,7 +355,10 @@ def train_rank(cfg: JobConfig, plan: Plan, *, device: torch.device | None = None
     of an error, and GPUs reported back into a grow-back re-layout at the step boundary the
     vote agreed on. ``joining``: this process is a returning GPU's (its id; ``plan`` is the
     stopped world's, no group yet). ``on_checkpoint(step)``: called at every completed save
-    (a launcher worker's planned restart, ``train/elastic.py``)."""
+    (a launcher worker's planned restart, ``train/elastic.py``). ``on_stop(step, slow)``:
+    called on every rank when the run stopped before ``train.steps`` for
+    ``nutp.exclude_stragglers`` (restart mode), after the checkpoint it resumes from (``step``)
+    is complete; ``slow``: the stragglers, GPU -> relative speed."""
     trainer = Trainer(device, live=link is not None, on_checkpoint=on_checkpoint)
     manager: LiveManager[Run] | None = None
     if link is not None:
@@ -393,6 +397,8 @@ def train_rank(cfg: JobConfig, plan: Plan, *, device: torch.device | None = None
                 continue
             step += 1
         run.hooks.finish()  # a background save in flight completes before the run ends
+        if step + 1 < cfg.train.steps and manager is None and on_stop is not None:
+            on_stop(step + 1, run.balance.exclusion() or {})  # stopped for a straggler
         if manager is not None:
             manager.final_check(run)  # tests only (NUTP_LIVE_DIGEST)
     finally:

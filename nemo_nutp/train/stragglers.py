@@ -12,7 +12,8 @@ a ``straggler`` event with its GPU id and estimated relative speed, and written 
 ``<output.dir>/stragglers.json`` as a health report (``slow_gpus``) that the planner reads via
 ``health.report`` to keep or exclude it. With ``nutp.exclude_stragglers`` the run stops after
 the next checkpoint save (event ``relayout_requested``), so that the relaunch with that report
-re-plans at reduced TP and resumes from the checkpoint.
+re-plans at reduced TP and resumes from the checkpoint: under recovery the CPU supervisor's
+next world or a launcher's next attempt (``train/elastic.py``), else by hand.
 """
 
 from __future__ import annotations

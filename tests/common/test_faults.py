@@ -106,6 +106,31 @@ def test_env_wins_and_first_attempt_only(monkeypatch: pytest.MonkeyPatch) -> Non
     assert Faults.from_env_or_config(load_config([])) is None
 
 
+def test_a_fault_names_its_attempt(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``attempt``: the restart attempt a fault fires in (default 0), so one job can inject a
+    fault after a restart (tests/launch/test_slurm_faults.py: a straggler in attempt 2); from
+    the config too; a bad value is one line naming the field."""
+    for var in ("NUTP_FAULT", "NUTP_LIVE_FAULT", "NUTP_ATTEMPT", "NUTP_REQUEUED"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("NUTP_FAULT", "hang:rank=3:step=2,slow:rank=1:factor=4:attempt=2")
+    hang, slow = Fault("hang", 3, 2), Fault("slow", 1, 0, factor=4.0, attempt=2)
+    assert parse(os.environ["NUTP_FAULT"]) == [hang, slow]
+    for attempt, want in (("0", (hang,)), ("1", None), ("2", (slow,))):
+        monkeypatch.setenv("NUTP_ATTEMPT", attempt)
+        f = Faults.from_env_or_config(None)
+        assert (f.faults if f is not None else None) == want, attempt
+    monkeypatch.delenv("NUTP_FAULT")
+    cfg = load_config(["recovery.fault.kind=kill", "recovery.fault.rank=1",
+                       "recovery.fault.attempt=2"])
+    f = Faults.from_env_or_config(cfg)
+    assert f is not None and f.faults == (Fault("kill", 1, 0, attempt=2),)
+    with pytest.raises(ValueError, match=r"^NUTP_FAULT='kill:rank=1:attempt=-1': .*"
+                                         r"attempt=-1: must be an integer >= 0"):
+        parse("kill:rank=1:attempt=-1")
+    with pytest.raises(ValueError, match=r"recovery\.fault\.attempt=-1: must be an integer"):
+        load_config(["recovery.fault.kind=kill", "recovery.fault.attempt=-1"])
+
+
 def test_slowdown_is_logged_apart_and_never_fatal(tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """A slow fault (alone, or beside fatal faults of other ranks/steps) logs only

@@ -82,6 +82,37 @@ def test_live_relayout_tp4_tp3_phases_and_rank0(tmp_path: Path) -> None:
 
 @pytest.mark.dist
 @pytest.mark.timeout(JOB_TIMEOUT_S + 120)
+def test_a_hang_after_a_live_relayout_is_blamed_and_relaid_out_live(tmp_path: Path) -> None:
+    """Rank 1 killed in its forward at step 1 (TP3+TP3 live), then slot 5 hangs in its forward
+    at step 4 of that second world: its peers wait in its collectives, the control loop reads
+    that world's stack files (each rank's watcher followed it there, ``watch.follow_world``)
+    and blames slot 5 alone -- a live re-layout to TP3+TP2, not "all ranks stalled" and a
+    restart, which is what happened while the watchers stayed on world 0's files."""
+    steps, timeout_s = 8, 10
+    over = (*BASE, "checkpoint.interval=2", f"train.steps={steps}",
+            f"recovery.heartbeat_timeout_s={timeout_s}")
+    out = tmp_path / "hang"
+    rc, log = run_job(out, over, {"NUTP_FAULT": "kill:rank=1:step=1:phase=forward,"
+                                                "hang:rank=5:step=4:phase=forward:gen=1",
+                                  "NUTP_LIVE_DIGEST": "1"})
+    assert rc == 0, log[-6000:]
+    assert "Traceback" not in log, log[-6000:]
+    kill, hang = check_live(read_events(out), relayouts=2)
+    assert (kill["cause"], kill["gpus"]) == ("exit", [1]), kill
+    # slot 5 is GPU 5, rank 4 of the second world (GPUs 0, 2, 3, 4, 5, 6)
+    assert (hang["cause"], hang["ranks"], hang["gpus"]) == ("hang", [4], [5]), hang
+    assert "hung" in hang["reason"] and "behind its peers" in hang["reason"], hang
+    (s,) = [x for x in json.loads((out / "recovery" / "summary.json").read_text())
+            if x["cause"] == "hang"]
+    assert timeout_s - 1 <= s["detect_s"] < timeout_s + 10, s
+    rows = check_steps(out, stock_reference(over, steps, tmp_path), TOL)
+    assert rows[-1]["replica_tp"] == [[3], [2]], rows[-1]
+    print(f"hang after a re-layout: detect {s['detect_s']:.2f} s, relayout_s "
+          f"{hang['relayout_s']:.2f}")
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(JOB_TIMEOUT_S + 120)
 def test_live_relayout_pp2_bf16_sp_and_twice(tmp_path: Path) -> None:
     """Pipeline stages (pp=2, [[2,2],[2,1]]), bf16, sequence parallelism, clipping: a rank
     killed in its backward (live); then one killed inside the sync buckets (buckets posted, not
