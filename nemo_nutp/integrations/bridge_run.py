@@ -100,7 +100,7 @@ def check_moe(cfg: Any, plan: Any = None) -> None:
     moe = moe_of(m)
     if moe is None:
         return
-    on = f"NUTP MoE (model.num_moe_experts={moe.num_moe_experts})"
+    on = f"NUTP MoE ({moe.num_moe_experts} experts)"
     for half in ("bf16", "fp16"):
         if getattr(m, half, False):
             raise ValueError(f"model.{half}=True: {on} trains fp32 so far "

@@ -177,3 +177,48 @@ def nutp_worker(rank: int, world: int, port: int, overrides: list[str], control:
         Path(outdir, f"nutp_{control}.json").write_text(json.dumps(out))
 
     gloo_rank(rank, world, port, outdir, body)
+
+
+def recipe_stock_worker(rank: int, world: int, port: int,
+                        runs: list[tuple[str, str, list[str]]], outdir: str) -> None:
+    """One process: Bridge's stock run of every MoE recipe in turn (``runs``: name, recipe
+    spec, overrides making it one process), each from NUTP's initial weights; writes
+    ``ref_<name>.pt`` (losses, grad norms, final parameters by name), the reference of
+    ``benchmarks/recipe_coverage.py``'s MoE recipes."""
+    from tests.helpers.dist import gloo_rank
+
+    def body() -> None:
+        from tests.helpers.hf_offline import offline_hf
+
+        offline_hf()
+        for name, spec, overrides in runs:
+            try:  # (a failure is recorded, the next recipe runs)
+                stock_recipe(name, spec, overrides)
+            except Exception as e:
+                Path(outdir, f"ref_{name}.err").write_text(f"{type(e).__name__}: {e}")
+
+    def stock_recipe(name: str, spec: str, overrides: list[str]) -> None:
+        from nemo_nutp.integrations.bridge_config import load_bridge_job
+        from nemo_nutp.model.init import normalize_name
+        from tests.helpers.bridge_stock import stock_rank
+        from tests.helpers.moe_reference import initial_weight, reset_moe_globals
+
+        job = load_bridge_job(spec, None, overrides)
+        d, seed = job.nutp.model, job.nutp.train.seed
+        built: list[Any] = []
+
+        def prepare(model: list[Any]) -> None:
+            reset_moe_globals()
+            built.extend(model)
+            with torch.no_grad():
+                for pname, p in model[0].named_parameters():
+                    p.copy_(initial_weight(d, seed, pname, tuple(p.shape)))
+
+        record = stock_rank(job, outdir, Path(outdir, "stock_init"), prepare=prepare)
+        params = {normalize_name(k): p.detach().float().clone()
+                  for k, p in built[0].named_parameters()}
+        torch.save({"losses": [r["loss"] for r in record],
+                    "grad_norms": [r["grad_norm"] for r in record], "params": params},
+                   Path(outdir, f"ref_{name}.pt"))
+
+    gloo_rank(rank, world, port, outdir, body)
