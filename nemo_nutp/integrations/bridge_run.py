@@ -93,9 +93,10 @@ def moe_of(provider: Any) -> Any:
 
 def check_moe(cfg: Any, plan: Any = None) -> None:
     """What NUTP's MoE layers do not run yet, one line naming the field (nothing without
-    ``model.num_moe_experts``): bf16/fp16, the distributed optimizer, pipeline stages; with
-    ``plan``: each replica's degree (experts over its ranks, ``model.num_moe_experts``) and
-    sequence parallelism at a degree above 1 (megatron's ``MoELayer`` needs it)."""
+    ``model.num_moe_experts``): bf16/fp16, the distributed optimizer, pipeline stages,
+    checkpoints (so recovery too); with ``plan``: each replica's degree (experts over its
+    ranks, ``model.num_moe_experts``) and sequence parallelism at a degree above 1
+    (megatron's ``MoELayer`` needs it)."""
     m = cfg.model
     moe = moe_of(m)
     if moe is None:
@@ -111,6 +112,12 @@ def check_moe(cfg: Any, plan: Any = None) -> None:
     if int(m.pipeline_model_parallel_size) != 1:
         raise ValueError(f"model.pipeline_model_parallel_size={m.pipeline_model_parallel_size}:"
                          f" {on} builds one pipeline stage so far")
+    for name in ("save", "load"):  # (recovery.* needs checkpoint.save: refused with it)
+        path = getattr(cfg.checkpoint, name, None)
+        if path:
+            raise ValueError(f"checkpoint.{name}={path}: {on} has no checkpoints yet (NUTP's "
+                             "store does not hold experts; megatron's MoE sharded keys are "
+                             "not built): set checkpoint.save=null checkpoint.load=null")
     if plan is None:
         return
     for degree in sorted({d for rep in plan.replicas for d in rep.tp}):
