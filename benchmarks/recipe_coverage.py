@@ -11,7 +11,9 @@ dropped by function identity; vision-language and diffusion recipes excluded by 
   256, sequence 32, windows 8; every switch kept:
   normalisation and its epsilon, activation and gating, biases, QKV bias, qk-layernorm, tied
   embeddings, position embedding and every RoPE setting, window pattern, MoE / MTP / ... as
-  shipped), in fp32 at replicas [2,1] with clipping, through ``nutp-bridge``'s own checks
+  shipped; a MoE recipe's experts cut to 8, top-k to 2 at most, expert FFN 16, its every MoE
+  switch kept, with sequence parallelism on and the CPU MoE kernels, ``MOE_RUNTIME``), in fp32
+  at replicas [2,1] with clipping, through ``nutp-bridge``'s own checks
   (``bridge_config.load_bridge_job``: Bridge's overrides, the precision and dataset checks,
   ``bridge_run.model_config_of``, ``nutp-train``'s schema) and the NUTP planner. The runtime
   settings are the parity runs' (``tests/helpers/bridge_jobs.PARITY``: fp32, no distributed
@@ -21,7 +23,9 @@ dropped by function identity; vision-language and diffusion recipes excluded by 
   is ``error`` (a bug). ``--train``: each accepted model trains 3 steps through Bridge's own
   ``train()`` at [2,1] (one 3-rank gloo world trains every recipe in turn) against stock
   single-process megatron-core on the same batches (``tests/helpers/reference.py``, one process
-  for every recipe): losses and grad norms within 1e-5 (``TOL``) and the final parameters within
+  for every recipe; a MoE recipe: Bridge's own stock run of the same shrunk recipe in one
+  process from NUTP's initial weights, ``tests/helpers/bridge_moe_jobs.py``, one process for
+  every MoE recipe): losses and grad norms within 1e-5 (``TOL``) and the final parameters within
   ``TENSOR_TOL`` per tensor -> ``trains``, else ``mismatch`` with the numbers.
 * ``as_shipped``: the recipe unshrunk, as shipped, through the same checks and the planner
   (on ``configs/cluster/dgx_h100.yaml``, H100 nodes, as many GPUs as the recipe's name says,
@@ -153,12 +157,35 @@ def shrink(provider: Any) -> list[str]:
            "model.seq_length=32", "model.hidden_dropout=0.0", "model.attention_dropout=0.0"]
     if provider.num_query_groups is not None:
         out.append(f"model.num_query_groups={g}")
+    if getattr(provider, "num_moe_experts", None):  # MoE: 8 experts, top-2 at most, FFN 16
+        out += [*MOE_SHRINK, f"model.moe_router_topk={min(int(provider.moe_router_topk), 2)}"]
     w = provider.window_size
     if isinstance(w, (tuple, list)):
         out.append(f"model.window_size=[8,{min(int(w[1]), 8)}]")
     elif w is not None:  # a provider's own per-layer scheme (Gemma 3): the same type
         out.append("model.window_size=8")
     return out
+
+
+MOE_SHRINK = ["model.num_moe_experts=8", "model.moe_ffn_hidden_size=16"]
+"""A MoE recipe's experts, shrunk (with top-k cut to 2 at most): every MoE switch kept."""
+
+MOE_RUNTIME = ["model.sequence_parallel=true", "model.moe_token_dispatcher_type=alltoall",
+               "model.moe_grouped_gemm=false", "model.moe_permute_fusion=false",
+               "model.moe_router_fusion=false", "model.expert_tensor_parallel_size=1",
+               "model.cuda_graph_impl=none",
+               "model.recompute_granularity=null", "model.recompute_method=null",
+               "model.recompute_num_layers=null"]
+"""A MoE recipe's run around the shrunk model, after ``RUNTIME``: sequence parallelism on
+(megatron's MoE layer needs it at TP2, where NUTP's expert parallelism runs), the CPU MoE
+kernels (NUTP's all-to-all dispatcher for the flex one, ``SequentialMLP`` experts for grouped
+GEMM, the permute and router fusions off; ``bridge_fields.SUBSTITUTED``), expert TP 1, no
+CUDA graphs (a substitution too: the stock reference asserts TE for them), no recompute (not
+math; the stock reference's recomputed forwards would route twice)."""
+
+STOCK_MOE = ["model.tensor_model_parallel_size=1", "model.sequence_parallel=false",
+             "nutp.replicas=[1]"]
+"""The MoE reference: Bridge's own stock run of the same shrunk recipe in one process."""
 
 
 RUNTIME = ["model.tensor_model_parallel_size=2", "model.pipeline_model_parallel_size=1",
@@ -227,7 +254,9 @@ def model_overrides(spec: str) -> list[str]:
     from nemo_nutp.integrations.bridge_config import load_recipe
     from tests.helpers.bridge_jobs import PARITY
 
-    return [*shrink(load_recipe(spec).model), *RUNTIME, *PARITY]
+    provider = load_recipe(spec).model
+    moe = MOE_RUNTIME if getattr(provider, "num_moe_experts", None) else []
+    return [*shrink(provider), *RUNTIME, *moe, *PARITY]
 
 
 def classify(exc: BaseException) -> tuple[str, str, str]:
@@ -250,7 +279,7 @@ def config_half(spec: str) -> tuple[dict[str, Any], Any]:
     """``{model, model_field}`` of the shrunk recipe, and its job when accepted."""
     from nemo_nutp.config import plan_request
     from nemo_nutp.integrations.bridge_config import load_bridge_job
-    from nemo_nutp.integrations.bridge_run import validate_as_uniform
+    from nemo_nutp.integrations.bridge_run import check_moe, validate_as_uniform
     from nemo_nutp.layout import build_plan
 
     offline_hf()
@@ -258,7 +287,8 @@ def config_half(spec: str) -> tuple[dict[str, Any], Any]:
         overrides = model_overrides(spec)
         job = load_bridge_job(spec, None, overrides)
         plan = build_plan(plan_request(job.nutp))
-        validate_as_uniform(job.bridge, plan)  # what train_rank runs first
+        check_moe(job.bridge, plan)  # what train_rank runs first
+        validate_as_uniform(job.bridge, plan)
     except Exception as e:
         status, field, msg = classify(e)
         return {"model": status, "model_field": field.removeprefix("model."),
@@ -422,13 +452,24 @@ def train_half(rows: list[dict[str, Any]], jobs: dict[str, Any], tmp: Path) -> N
     from tests.helpers.parity import TENSOR_TOL, run_references
 
     todo = [r for r in rows if r["model"] == "accepted"]
-    cases, runs = [], []
+    cases, runs, moe = [], [], []
     for r in todo:
+        runs.append((r["name"], r["spec"], r["overrides"]))
+        if jobs[r["name"]].bridge.model.num_moe_experts:  # Bridge's own stock run, below
+            moe.append((r["name"], r["spec"], [*r["overrides"], *STOCK_MOE]))
+            continue
         data = reference_batches(r["spec"], r["overrides"], tmp / f"batches_{r['name']}.pt")
         case = reference_case(jobs[r["name"]], data)
         cases.append(type(case)(**{**case.__dict__, "name": r["name"]}))
-        runs.append((r["name"], r["spec"], r["overrides"]))
     run_references(cases, tmp)
+    if moe:  # MoE: Bridge's stock run of the same shrunk recipe in one process, from NUTP's
+        # initial weights (tests/helpers/bridge_moe_jobs.py), for want of a MoE checkpoint
+        from tests.helpers.bridge_moe_jobs import recipe_stock_worker
+
+        try:
+            spawn(recipe_stock_worker, 1, (moe,), tmp)
+        except Exception as e:  # the rows without a reference are errors below
+            print(f"MoE reference world failed: {type(e).__name__}: {e}")
     shipped = [r for r in todo if r["as_shipped"] == "accepted"]
     for r in shipped:  # the same world, after the model runs
         runs.append((f"shipped_{r['name']}", r["spec"], shipped_overrides(r["spec"])))
@@ -454,8 +495,14 @@ def train_half(rows: list[dict[str, Any]], jobs: dict[str, Any], tmp: Path) -> N
         if not path.exists():
             r.update(model="error", model_field="train world failed before this recipe")
             continue
+        ref = tmp / f"ref_{r['name']}.pt"
+        if not ref.exists():
+            err = ref.with_suffix(".err")
+            why = " ".join(err.read_text().split())[:300] if err.exists() else "failed"
+            r.update(model="error", model_field=f"its reference run: {why}")
+            continue
         zc = bool(jobs[r["name"]].nutp.model.layernorm_zero_centered_gamma)
-        got = compare(torch.load(path), torch.load(tmp / f"ref_{r['name']}.pt"),
+        got = compare(torch.load(path), torch.load(ref),
                       zero_centered=zc)
         r.update(got)
         ok = got["max_rel_loss"] <= TOL and got["max_rel_grad_norm"] <= TOL and \

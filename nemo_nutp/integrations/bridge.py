@@ -33,11 +33,14 @@ from ..layout import Plan
 from ..parallel.groups import NUTPGroups
 
 
-def nutp_provider(provider: Any, plan: Plan, groups: NUTPGroups, *, seed: int = 1234) -> Any:
+def nutp_provider(provider: Any, plan: Plan, groups: NUTPGroups, *, seed: int = 1234,
+                  moe: Any = None) -> Any:
     """A copy of a Bridge ``GPTModelProvider`` whose ``provide()`` builds this rank's NUTP GPT.
 
     The model shape is read from the provider (``num_layers``, ``hidden_size``, ...) and must
-    match ``plan.request.model`` (checked)."""
+    match ``plan.request.model`` (checked). ``moe`` (``model.moe.MoEDims``, from
+    ``bridge_run.moe_of``): every layer's MLP is NUTP's MoE layer (experts as units inside each
+    replica, ``model/moe.py``; fp32, one stage)."""
     from ..model import build_gpt_model
 
     dims = plan.request.model
@@ -51,6 +54,10 @@ def nutp_provider(provider: Any, plan: Plan, groups: NUTPGroups, *, seed: int = 
     class NUTPProvider(base):  # type: ignore[misc, valid-type]
         def provide(self, pre_process: Any = None, post_process: Any = None,
                     vp_stage: Any = None) -> Any:
+            if moe is not None:
+                from ..model.moe import build_moe_gpt_model
+
+                return build_moe_gpt_model(plan, groups.ctx.rank, dims, moe, groups, seed=seed)
             # virtual pipeline stages: chunk ``vp_stage`` (Bridge's get_model asks for each)
             return build_gpt_model(plan, groups.ctx.rank, dims, groups.pgs, seed=seed,
                                    precision=precision,
@@ -61,12 +68,14 @@ def nutp_provider(provider: Any, plan: Plan, groups: NUTPGroups, *, seed: int = 
     return out
 
 
-def nutp_ddp(chunks: list[Any], ddp_config: Any, plan: Plan, groups: NUTPGroups) -> list[Any]:
+def nutp_ddp(chunks: list[Any], ddp_config: Any, plan: Plan, groups: NUTPGroups, *,
+             moe: Any = None) -> list[Any]:
     """Wrap model chunks (from ``provide_distributed_model(wrap_with_ddp=False)``) in the NUTP
     DDP; ``ddp_config.overlap_grad_reduce`` must be on. Virtual pipeline stages: one DDP over
     all of them (``model.ModelChunks``: one grad buffer and sync engine, every chunk's
     parameters sync at the stage's degree), as ``nutp-train`` has them; Bridge's list of chunks
-    is then ``bridge_pipeline.chunk_views`` of it."""
+    is then ``bridge_pipeline.chunk_views`` of it. ``moe``: the experts' cross-replica sync
+    (``sync/experts.py``) over megatron's MoE groups of the replica (``moe_groups``)."""
     from ..model import ModelChunks
     from ..sync import NUTPDistributedDataParallel
 
@@ -74,8 +83,22 @@ def nutp_ddp(chunks: list[Any], ddp_config: Any, plan: Plan, groups: NUTPGroups)
         module = ModelChunks(chunks)
         return [NUTPDistributedDataParallel(chunks[0].config, ddp_config, module, plan=plan,
                                             groups=groups)]
+    if moe is not None:
+        return [NUTPDistributedDataParallel(chunk.config, ddp_config, chunk, plan=plan,
+                                            groups=groups, num_experts=moe.num_moe_experts,
+                                            pg_collection=moe_groups(groups))
+                for chunk in chunks]
     return [NUTPDistributedDataParallel(chunk.config, ddp_config, chunk, plan=plan,
                                         groups=groups) for chunk in chunks]
+
+
+def moe_groups(groups: NUTPGroups) -> Any:
+    """The rank's process-group collection with megatron's MoE groups of its replica
+    (``model.moe.moe_pg_collection``: expert parallelism = the replica's TP group, expert
+    TP 1), what the MoE model, its DDP and optimizer read."""
+    from ..model.moe import moe_pg_collection
+
+    return moe_pg_collection(groups.pgs, single=groups.single, stage=groups.stage)
 
 
 def exact_grad_norm(optimizer: Any, ddp: Any) -> Any:

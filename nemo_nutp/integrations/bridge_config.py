@@ -349,7 +349,7 @@ def bridge_keys(cfg: Any) -> list[str]:
 
     from .bridge_data import check_dataset
     from .bridge_fields import check_container
-    from .bridge_run import model_config_of, precision_of
+    from .bridge_run import check_moe, model_config_of, precision_of
 
     tokenizer_vocabulary(cfg)
     check_container(cfg)
@@ -357,6 +357,7 @@ def bridge_keys(cfg: Any) -> list[str]:
     check_dataset(cfg)
     vocab = cfg.model.vocab_size
     model = model_config_of(cfg.model, vocab_size=int(vocab))
+    check_moe(cfg)
     t = cfg.train
     zero = bool(cfg.optimizer.use_distributed_optimizer or cfg.ddp.use_distributed_optimizer)
     if cfg.optimizer.use_precision_aware_optimizer and not zero:  # megatron's own rule

@@ -19,7 +19,17 @@ Each field is in exactly one class:
   field before any process group (``refusals``). ``ABSENT``: a family's own field, which passes
   only absent or off; ``BRIDGE_DEFAULT``: Bridge's own default (the GPT provider's
   layer spec, the plain optimizer override provider). A field under ``ONLY_WITH`` is read only
-  with its switch on (e.g. ``model.moe_*`` with ``model.num_moe_experts``), as megatron reads it.
+  with its switch on (e.g. ``model.moe_*`` with ``model.num_moe_experts``), as megatron reads it:
+  it is refused, or a substitution noticed, only then. The switch itself is refused, or (MoE:
+  ``model.num_moe_experts``) honoured.
+
+MoE (``model.num_moe_experts``, ``bridge_run.moe_of``; docs/moe.md): the experts, top-k, expert
+FFN size, load-balancing type (``aux_loss`` or ``none``) and coefficient and router dtype are
+honoured; the dispatcher (NUTP's all-to-all inside each replica), grouped GEMM, the permute and
+router fusions, DeepEP and expert TP (1) are substitutions; the flex dispatcher's backend and
+kernel settings are not math; everything else (shared experts, z-loss, capacity factor and
+dropping, sigmoid routing, expert bias, group-limited top-k, MoE layer frequency, expert
+parallelism outside the replica, ...) is refused away from megatron's default.
 
 "Off" values are equivalent (``None``, ``False``, ``0``, ``[]``), so a recipe that spells the
 default differently passes. ``model.transformer_layer_spec`` is accepted at the GPT provider's
@@ -68,6 +78,8 @@ PIPELINE = ("tests/integrations/test_bridge_pipeline.py"
             "::test_bridge_pipeline_matches_bridge_stock_run")
 VIRTUAL = ("tests/integrations/test_bridge_pipeline.py"
            "::test_bridge_virtual_stages_match_bridge_stock_run")
+BRIDGE_MOE = ("tests/integrations/test_bridge_moe.py"
+              "::test_bridge_qwen3_moe_nutp_2_1_matches_bridge_stock_run")
 ROUNDING = "same math, other rounding"
 KERNELS = "same math, other kernels"
 SCHEDULING = "same math, other scheduling"
@@ -131,9 +143,15 @@ HONOURED: dict[str, str] = {  # the test that proves the effect
     "model.kv_channels": SETTINGS,
     "model.layernorm_epsilon": SETTINGS,
     "model.layernorm_zero_centered_gamma": SETTINGS,
+    "model.moe_aux_loss_coeff": BRIDGE_MOE,
+    "model.moe_ffn_hidden_size": BRIDGE_MOE,
+    "model.moe_router_dtype": BRIDGE_MOE,
+    "model.moe_router_load_balancing_type": BRIDGE_MOE,
+    "model.moe_router_topk": BRIDGE_MOE,
     "model.normalization": PARITY,
     "model.num_attention_heads": BRIDGE_TRAIN,
     "model.num_layers": BRIDGE_TRAIN,
+    "model.num_moe_experts": BRIDGE_MOE,
     "model.num_query_groups": PARITY,
     "model.output_layer_init_method": INIT,
     "model.params_dtype": PARITY,
@@ -493,6 +511,19 @@ NOT_MATH: frozenset[str] = frozenset({
     "model.min_offloaded_tensor_size",
     "model.mlp_chunks_for_prefill",
     "model.mlp_chunks_for_training",
+    "model.moe_deepep_num_sms",
+    "model.moe_flex_dispatcher_backend",
+    "model.moe_flex_dispatcher_num_sms",
+    "model.moe_hybridep_num_blocks_permute",
+    "model.moe_hybridep_num_blocks_unpermute",
+    "model.moe_hybridep_num_sms",
+    "model.moe_hybridep_num_sms_preprocessing",
+    "model.moe_hybridep_pad_uneven_dispatch_inputs",
+    "model.moe_layer_recompute",
+    "model.moe_ncclep_static_shape",
+    "model.moe_ncclep_zero_copy",
+    "model.moe_per_layer_logging",
+    "model.moe_permute_fusion_into_hybridep",
     "model.nccl_all_reduce_for_prefill",
     "model.no_sync_func",
     "model.num_microbatches_with_partial_activation_checkpoints",
@@ -667,6 +698,7 @@ SUBSTITUTED: dict[str, tuple[Any, str]] = {
     "model.deterministic_mode": (False, f"no deterministic-kernel mode ({KERNELS})"),
     "model.disable_bf16_reduced_precision_matmul": (False, f"torch's bf16 matmuls ({ROUNDING})"),
     "model.enable_cuda_graph": (False, f"no CUDA graphs ({KERNELS})"),
+    "model.expert_tensor_parallel_size": (1, f"each expert on one rank: expert TP 1 ({ROUNDING})"),
     "model.external_cuda_graph": (False, f"no CUDA graphs ({KERNELS})"),
     "model.flash_attention_version": (None, f"the NUTP model's core attention ({KERNELS})"),
     "model.fp16_lm_cross_entropy": (False, f"the cross entropy in fp32 ({ROUNDING})"),
@@ -675,6 +707,13 @@ SUBSTITUTED: dict[str, tuple[Any, str]] = {
     "model.gradient_accumulation_fusion": (False, f"weight gradients unfused ({ROUNDING})"),
     "model.masked_softmax_fusion": (False, f"the attention softmax unfused ({ROUNDING})"),
     "model.memory_efficient_layer_norm": (False, f"torch's norm ({ROUNDING})"),
+    "model.moe_enable_deepep": (False, f"NUTP's all-to-all dispatcher, not DeepEP ({KERNELS})"),
+    "model.moe_grouped_gemm": (
+        False, f"megatron's SequentialMLP experts, no grouped GEMM ({KERNELS})"),
+    "model.moe_permute_fusion": (False, f"the token permutation unfused ({KERNELS})"),
+    "model.moe_router_fusion": (False, f"the router's top-k and scores unfused ({KERNELS})"),
+    "model.moe_token_dispatcher_type": (
+        "alltoall", f"NUTP's all-to-all dispatcher inside each replica ({KERNELS})"),
     "model.persist_layer_norm": (False, f"torch's norm ({ROUNDING})"),
     "model.symmetric_ar_type": (None, f"torch.distributed all-reduce ({ROUNDING})"),
     "model.tp_comm_overlap": (False, f"no TP communication overlap ({SCHEDULING})"),
@@ -788,7 +827,6 @@ REFUSED: dict[str, Any] = {  # the NUTP model's value; any other is refused
     "model.expert_gtp_weight_remat_size": 1,
     "model.expert_model_parallel_size": 1,
     "model.expert_tensor_parallel_num_weight_shards": None,
-    "model.expert_tensor_parallel_size": None,
     "model.falconh1_ratio": ABSENT,
     "model.falconh1_stack_spec": ABSENT,
     "model.first_last_layers_bf16": False,
@@ -857,53 +895,31 @@ REFUSED: dict[str, Any] = {  # the NUTP model's value; any other is refused
     "model.mla_down_proj_fusion": False,
     "model.mlp_multipliers": ABSENT,
     "model.moe_apply_probs_on_input": False,
-    "model.moe_aux_loss_coeff": 0.0,
-    "model.moe_deepep_num_sms": None,
-    "model.moe_enable_deepep": False,
     "model.moe_enable_routing_replay": False,
     "model.moe_expert_capacity_factor": None,
     "model.moe_expert_rank_capacity_factor": None,
-    "model.moe_ffn_hidden_size": None,
-    "model.moe_flex_dispatcher_backend": 'deepep',
-    "model.moe_flex_dispatcher_num_sms": None,
     "model.moe_grad_scale_func": None,
-    "model.moe_grouped_gemm": False,
-    "model.moe_hybridep_num_blocks_permute": None,
-    "model.moe_hybridep_num_blocks_unpermute": None,
-    "model.moe_hybridep_num_sms": None,
-    "model.moe_hybridep_num_sms_preprocessing": 108,
-    "model.moe_hybridep_pad_uneven_dispatch_inputs": False,
     "model.moe_input_jitter_eps": None,
     "model.moe_latent_size": None,
     "model.moe_layer_freq": 1,
-    "model.moe_layer_recompute": False,
     "model.moe_mlp_glu_interleave_size": None,
-    "model.moe_ncclep_static_shape": False,
-    "model.moe_ncclep_zero_copy": False,
     "model.moe_pad_expert_input_to_capacity": False,
     "model.moe_pad_experts_for_cuda_graph_inference": False,
     "model.moe_paged_stash": False,
     "model.moe_paged_stash_buffer_size_factor_cpu": 0.0,
     "model.moe_paged_stash_buffer_size_factor_cuda": 1.1,
     "model.moe_paged_stash_page_size": 64,
-    "model.moe_per_layer_logging": False,
-    "model.moe_permute_fusion": False,
-    "model.moe_permute_fusion_into_hybridep": False,
     "model.moe_router_bias_update_rate": 0.001,
-    "model.moe_router_dtype": None,
     "model.moe_router_enable_expert_bias": False,
     "model.moe_router_force_biased": None,
     "model.moe_router_force_load_balancing": False,
-    "model.moe_router_fusion": False,
     "model.moe_router_group_topk": None,
-    "model.moe_router_load_balancing_type": 'aux_loss',
     "model.moe_router_num_groups": None,
     "model.moe_router_padding_for_fp8": False,
     "model.moe_router_padding_for_quantization": False,
     "model.moe_router_pre_softmax": False,
     "model.moe_router_quantile_balancing_ema": 0.0,
     "model.moe_router_score_function": 'softmax',
-    "model.moe_router_topk": 2,
     "model.moe_router_topk_limited_devices": None,
     "model.moe_router_topk_scaling_factor": None,
     "model.moe_shared_expert_gate": False,
@@ -912,7 +928,6 @@ REFUSED: dict[str, Any] = {  # the NUTP model's value; any other is refused
     "model.moe_shared_expert_overlap": False,
     "model.moe_single_grouped_bias": False,
     "model.moe_single_grouped_weight": False,
-    "model.moe_token_dispatcher_type": 'allgather',
     "model.moe_token_drop_policy": 'probs',
     "model.moe_token_dropping": False,
     "model.moe_z_loss_coeff": None,
@@ -942,7 +957,6 @@ REFUSED: dict[str, Any] = {  # the NUTP model's value; any other is refused
     "model.num_layers_at_start_in_bf16": 1,
     "model.num_layers_in_first_pipeline_stage": None,
     "model.num_layers_in_last_pipeline_stage": None,
-    "model.num_moe_experts": None,
     "model.original_max_position_embeddings": 4096,
     "model.pipeline_model_parallel_layout": None,
     "model.projector_bias": ABSENT,
@@ -1176,7 +1190,8 @@ def _switch_on(cfg: Any, name: str) -> bool:
     """A field under ``ONLY_WITH`` counts only while its switch is on (itself refused)."""
     for prefix, switch in ONLY_WITH.items():
         if name.startswith(prefix) and name != switch:
-            return not at_accepted(switch, _value(cfg, switch), REFUSED[switch])
+            # (a switch NUTP honours, e.g. model.num_moe_experts: on unless off)
+            return not at_accepted(switch, _value(cfg, switch), REFUSED.get(switch))
     return True
 
 
@@ -1231,7 +1246,8 @@ def notices(cfg: Any) -> list[str]:
     out = []
     for name, (plain, text) in SUBSTITUTED.items():
         value = _value(cfg, name)  # None: unset, the library's default
-        if value is not None and not at_accepted(name, value, plain):
+        if value is not None and not at_accepted(name, value, plain) and \
+                _switch_on(cfg, name):  # (a MoE kernel of a dense model: never read)
             out.append(f"{name}={_short(_plain(value))}: {text}")
     iters = getattr(getattr(cfg, "validation", None), "eval_iters", 0) or 0
     if iters > 0:  # nutp-bridge calls Bridge's train(), not pretrain(), which evaluates after it

@@ -35,6 +35,7 @@ def model_config_of(provider: Any, *, vocab_size: int) -> Any:
     from .bridge_fields import check_model
 
     check_model(provider)
+    moe_of(provider)
     gated = bool(provider.gated_linear_unit)
     act = _activation_name(provider.activation_func)
     pos = provider.position_embedding_type
@@ -62,6 +63,69 @@ def model_config_of(provider: Any, *, vocab_size: int) -> Any:
         hidden_dropout=float(provider.hidden_dropout),
         attention_dropout=float(provider.attention_dropout), cross_entropy_loss_fusion=fused_ce,
         **_rope_of(provider))
+
+
+def moe_of(provider: Any) -> Any:
+    """NUTP's MoE layer settings (``model.moe.MoEDims``) of a provider with
+    ``num_moe_experts``, else None. What they carry is honoured as megatron reads it
+    (``bridge_fields.HONOURED``); the dispatcher is always NUTP's all-to-all one inside each
+    replica (``model.moe_token_dispatcher_type``: ``bridge_fields.SUBSTITUTED``); every other
+    MoE setting is refused away from megatron's default by ``check_model``. One-line
+    ``ValueError`` naming the field for a value NUTP's MoE layer does not build."""
+    experts = getattr(provider, "num_moe_experts", None)
+    if not experts:
+        return None
+    from ..model.moe import MoEDims
+
+    coeff = provider.moe_aux_loss_coeff
+    if isinstance(coeff, (list, tuple)):  # megatron: one coefficient per load-balancing type
+        raise ValueError(f"model.moe_aux_loss_coeff={list(coeff)}: NUTP MoE takes one "
+                         "coefficient (one load-balancing type)")
+    moe = MoEDims(num_moe_experts=int(experts), moe_router_topk=int(provider.moe_router_topk),
+                  moe_ffn_hidden_size=int(provider.moe_ffn_hidden_size or
+                                          provider.ffn_hidden_size),
+                  moe_aux_loss_coeff=float(coeff or 0.0),
+                  moe_router_load_balancing_type=str(provider.moe_router_load_balancing_type),
+                  moe_router_dtype=provider.moe_router_dtype)
+    moe.check(1)
+    return moe
+
+
+def check_moe(cfg: Any, plan: Any = None) -> None:
+    """What NUTP's MoE layers do not run yet, one line naming the field (nothing without
+    ``model.num_moe_experts``): bf16/fp16, the distributed optimizer, pipeline stages,
+    checkpoints (so recovery too); with ``plan``: each replica's degree (experts over its
+    ranks, ``model.num_moe_experts``) and sequence parallelism at a degree above 1
+    (megatron's ``MoELayer`` needs it)."""
+    m = cfg.model
+    moe = moe_of(m)
+    if moe is None:
+        return
+    on = f"NUTP MoE ({moe.num_moe_experts} experts)"
+    for half in ("bf16", "fp16"):
+        if getattr(m, half, False):
+            raise ValueError(f"model.{half}=True: {on} trains fp32 so far "
+                             "(mixed_precision=null, model.bf16=false, model.fp16=false)")
+    if cfg.optimizer.use_distributed_optimizer or cfg.ddp.use_distributed_optimizer:
+        raise ValueError(f"optimizer.use_distributed_optimizer=True: not with {on} yet "
+                         "(its experts are not in NUTP's ZeRO-1)")
+    if int(m.pipeline_model_parallel_size) != 1:
+        raise ValueError(f"model.pipeline_model_parallel_size={m.pipeline_model_parallel_size}:"
+                         f" {on} builds one pipeline stage so far")
+    for name in ("save", "load"):  # (recovery.* needs checkpoint.save: refused with it)
+        path = getattr(cfg.checkpoint, name, None)
+        if path:
+            raise ValueError(f"checkpoint.{name}={path}: {on} has no checkpoints yet (NUTP's "
+                             "store does not hold experts; megatron's MoE sharded keys are "
+                             "not built): set checkpoint.save=null checkpoint.load=null")
+    if plan is None:
+        return
+    for degree in sorted({d for rep in plan.replicas for d in rep.tp}):
+        moe.check(degree)
+        if degree > 1 and not m.sequence_parallel:
+            raise ValueError(f"model.sequence_parallel=False: {on} needs it at a replica of "
+                             f"degree {degree} (megatron's MoE layer refuses TP > 1 without "
+                             "it; its experts are spread over the replica's TP group)")
 
 
 def _activation_name(func: Any) -> str:
@@ -367,12 +431,14 @@ def build_world(job: Any, plan: Any, *, seed: int) -> BridgeWorld:
 
     from ..compat.bridge_cpu import apply_bridge_cpu_patches
     from ..parallel import build_groups
-    from .bridge import exact_grad_norm, nutp_ddp, nutp_provider
+    from .bridge import exact_grad_norm, moe_groups, nutp_ddp, nutp_provider
     from .bridge_pipeline import PipelineFinish, chunk_views
     from .bridge_zero import overlap_param_gather, setup_zero_optimizer, wants_zero
 
     apply_bridge_cpu_patches()
     cfg = job.bridge
+    check_moe(cfg, plan)
+    moe = moe_of(cfg.model)
     validate_as_uniform(cfg, plan)
     cfg.dist.use_decentralized_pg = True  # explicit process groups (NUTP's), never mpu globals
     if not torch.cuda.is_available():  # megatron's local attention needs the explicit mask
@@ -391,12 +457,12 @@ def build_world(job: Any, plan: Any, *, seed: int) -> BridgeWorld:
         # NUTP's own forward pre-hooks complete the gather (bridge_zero): off on the config,
         # so that Bridge's loop does not toggle megatron's
         cfg.ddp.overlap_param_gather = cfg.optimizer.overlap_param_gather = False
-    provider = nutp_provider(cfg.model, plan, groups, seed=seed)
+    provider = nutp_provider(cfg.model, plan, groups, seed=seed, moe=moe)
     chunks = provider.provide_distributed_model(
         ddp_config=cfg.ddp, wrap_with_ddp=False, pg_collection=groups.pgs,
         use_cpu_initialization=True)  # bf16/fp16: Bridge's default Float16Module wrapper
     cfg.ddp.overlap_grad_reduce = True
-    (ddp,) = nutp_ddp(chunks, cfg.ddp, plan, groups)
+    (ddp,) = nutp_ddp(chunks, cfg.ddp, plan, groups, moe=moe)
     model = chunk_views(ddp) if plan.vp > 1 else [ddp]
     if zero:
         optimizer, scheduler = setup_zero_optimizer(
@@ -404,7 +470,8 @@ def build_world(job: Any, plan: Any, *, seed: int) -> BridgeWorld:
     else:
         optimizer, scheduler = setup_optimizer(
             optimizer_config=cfg.optimizer, scheduler_config=cfg.scheduler, model=[ddp],
-            use_gloo_process_groups=False, pg_collection=groups.pgs)
+            use_gloo_process_groups=False,
+            pg_collection=groups.pgs if moe is None else moe_groups(groups))
         exact_grad_norm(optimizer, ddp)
     mc = ddp.config
     mc.no_sync_func = ddp.no_sync

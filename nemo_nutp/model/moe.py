@@ -61,7 +61,7 @@ class MoEDims:
     moe_aux_loss_coeff: float = 0.0
     moe_router_load_balancing_type: str = "aux_loss"
     moe_router_score_function: str = "softmax"
-    moe_router_dtype: str = "fp32"
+    moe_router_dtype: str | None = "fp32"  # None: routing in the model's dtype (megatron's)
     moe_token_dispatcher_type: str = "alltoall"
 
     def check(self, degree: int) -> None:
@@ -284,7 +284,9 @@ def build_moe_gpt_model(plan: Any, rank: int, model_cfg: Any, moe: MoEDims, grou
     block = TransformerBlockSubmodules(layer_specs=[layer] * model_cfg.num_layers,
                                        layer_norm=NUTPNorm)
     v0, v1 = unit_range(model_cfg, "word_embedding", degree, j, balance)
+    fused = getattr(model_cfg, "cross_entropy_loss_fusion", False)  # as build_gpt_model
     model = NUTPGPTModel(config, block, vocab_range=(v0, v1),
+                         bf16_loss_grad=plan.replicas[i].weight if fused else None,
                          max_sequence_length=model_cfg.seq_length,
                          position_embedding_type=getattr(model_cfg, "position_embedding_type",
                                                          "rope"),

@@ -121,6 +121,8 @@ def build_groups(plan: Plan, *, backend: str | None = None) -> NUTPGroups:
     pgs.tp_ep_pp = replica
     pgs.dp = mine["stage"]
     pgs.dp_cp = mine["stage"]
+    # megatron 0.19's MoE metrics average over it (no GTP re-materialisation: ``dp_cp``)
+    pgs.dp_cp_gtp_remat = mine["stage"]
     pgs.intra_dp_cp = mine["stage"]
     pgs.expt_dp = mine["stage"]
     pgs.embd = None

@@ -269,6 +269,10 @@ def recipe_worker(rank: int, world: int, port: int, runs: list[tuple[str, str, l
         for name, spec, overrides in runs:
             try:  # (a failure every rank sees alike: recorded, the next recipe runs)
                 job = load_bridge_job(spec, None, overrides)
+                if job.bridge.model.num_moe_experts:  # megatron's process-global MoE state
+                    from tests.helpers.moe_reference import reset_moe_globals
+
+                    reset_moe_globals()
                 plan = build_plan(plan_request(job.nutp))
                 got = train_rank(job, plan, outdir, seed=job.nutp.train.seed)
             except Exception as e:
@@ -276,9 +280,16 @@ def recipe_worker(rank: int, world: int, port: int, runs: list[tuple[str, str, l
                     Path(outdir, f"nutp_{name}.err").write_text(f"{type(e).__name__}: {e}")
                 dist.barrier()
                 continue
-            reps = _gather_replicas(SimpleNamespace(groups=got["groups"], model=got["model"],
-                                                    plan=plan))
+            view = SimpleNamespace(groups=got["groups"], model=got["model"], plan=plan,
+                                   model_cfg=job.nutp.model)
+            if job.bridge.model.num_moe_experts:  # experts under their global names
+                from tests.helpers.moe_jobs import gather_replicas
+
+                reps = gather_replicas(view)
+            else:
+                reps = _gather_replicas(view)
             if rank == 0:
+                assert reps is not None
                 equal = all(torch.equal(r[k], reps[0][k]) for r in reps[1:] for k in reps[0])
                 torch.save({"steps": got["steps"], "params": reps[0], "equal": equal},
                            Path(outdir, f"nutp_{name}.pt"))

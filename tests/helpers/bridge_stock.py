@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,8 +53,12 @@ def save_initial(model: list[Any], root: Path, pgs: Any) -> Path:
     return path
 
 
-def stock_rank(job: Any, out_dir: str, init_root: Path) -> list[dict[str, float]]:
-    """Collective: Bridge's stock TPxDP run of ``job.bridge``; returns the per-step record."""
+def stock_rank(job: Any, out_dir: str, init_root: Path, *,
+               prepare: Callable[[list[Any]], None] | None = None) -> list[dict[str, float]]:
+    """Collective: Bridge's stock TPxDP run of ``job.bridge``; returns the per-step record.
+    ``prepare(model)``: called on Bridge's model chunks before the optimizer exists (it may set
+    the initial weights, then nothing is saved, and hook modules); None: Bridge's own initial
+    weights, saved under ``init_root``."""
     from megatron.bridge.data.loaders import setup_data_iterators
     from megatron.bridge.training import initialize as bridge_init
     from megatron.bridge.training import train as bridge_train
@@ -80,6 +85,8 @@ def stock_rank(job: Any, out_dir: str, init_root: Path) -> list[dict[str, float]
     cfg.validate()  # the uniform layout passes Bridge's own checks as they are
     # (looked up after the CPU patches: gloo groups where Bridge asks for NCCL)
     pgs = bridge_init._create_pg_collection(cfg.model, num_distributed_optimizer_instances=1)
+    if getattr(pgs, "dp_cp_gtp_remat", None) is None:  # megatron's MoE metrics read it (else
+        pgs.dp_cp_gtp_remat = pgs.dp_cp  # its global parallel_state, which GPU setup makes)
     if getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None) is None:
         parallel_state._set_global_memory_buffer()
     seed = cfg.rng.seed
@@ -99,12 +106,15 @@ def stock_rank(job: Any, out_dir: str, init_root: Path) -> list[dict[str, float]
     state.cfg = cfg
     cfg.model.timers = state.timers
     cfg.optimizer.timers = state.timers
+    if prepare is not None:
+        prepare(model)
     optimizer, scheduler = setup_optimizer(
         optimizer_config=cfg.optimizer, scheduler_config=cfg.scheduler, model=model,
         use_gloo_process_groups=False, pg_collection=pgs)
     _update_model_config_funcs(model, cfg.model, cfg.ddp, optimizer,
                                align_grad_reduce=cfg.dist.align_grad_reduce, pg_collection=pgs)
-    save_initial(model, init_root, pgs)
+    if prepare is None:
+        save_initial(model, init_root, pgs)
     dp = pgs.dp.size()
     mbs = cfg.train.micro_batch_size
     destroy_num_microbatches_calculator()

@@ -94,12 +94,19 @@ def moe_config(case: MoECase, *, tp: int = 1, sequence_parallel: bool = False) -
 def global_weight(case: MoECase, name: str, shape: tuple[int, ...]) -> torch.Tensor:
     """The case's initial value of parameter ``name`` (global expert index in expert names): a
     pure function of (seed, name), the NUTP run's input too."""
+    return initial_weight(dims(case), case.seed, name, shape)
+
+
+def initial_weight(d: Any, seed: int, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """NUTP's initial value of parameter ``name`` (global expert index in expert names) of a
+    MoE model of ``d`` (``ModelConfig``): what ``model.moe.build_moe_gpt_model`` gives every
+    replica, a pure function of (seed, name)."""
     from nemo_nutp.model.build import param_kind
     from nemo_nutp.model.init import init_global
 
-    d = dims(case)
+    name = normalize_name(name)
     kind = None if ".experts." in name or ".router." in name else param_kind(name)
-    return init_global(name, kind, d, seed=case.seed, std=d.init_std, shape=shape)
+    return init_global(name, kind, d, seed=seed, std=d.init_std, shape=shape)
 
 
 def reset_moe_globals() -> None:

@@ -139,7 +139,9 @@ def test_every_field_is_classified_once_and_every_entry_exists() -> None:
     for table in (bf.HONOURED, bf.SUBSTITUTED, bf.REFUSED, bf.ONLY_WITH):  # merges stay easy
         assert list(table) == sorted(table), [a for a, b in zip(table, sorted(table)) if a != b]
     dead = [p for p in bf.ONLY_WITH if not any(n.startswith(p) for n in bf.REFUSED)]
-    assert not dead and all(s in bf.REFUSED for s in bf.ONLY_WITH.values()), dead
+    # a switch is refused, or honoured (MoE: model.num_moe_experts)
+    assert not dead and all(s in bf.REFUSED or s in bf.HONOURED
+                            for s in bf.ONLY_WITH.values()), dead
     assert len(recipe_functions()) == 93  # Bridge 0.6.2's distinct text-LLM pretraining recipes
 
 
@@ -210,8 +212,8 @@ def test_a_refused_model_field_is_one_line_naming_it(name: str) -> None:
     from nemo_nutp.integrations.bridge_run import model_config_of
 
     provider = copy.copy(tiny_provider())
-    for field in filter(None, (_switch(name), name)):
-        setattr(provider, field.split(".", 1)[1], _bad(bf.REFUSED[field]))
+    for field in filter(None, (_switch(name), name)):  # (an honoured switch: off is None)
+        setattr(provider, field.split(".", 1)[1], _bad(bf.REFUSED.get(field)))
     with pytest.raises(ValueError) as e:
         model_config_of(provider, vocab_size=256)
     msg = str(e.value)
@@ -268,6 +270,9 @@ def test_an_active_substitution_is_noticed(name: str) -> None:
     cfg.model = copy.copy(tiny_provider())
     section, attr = name.split(".", 1)
     _with_section(cfg, section)
+    switch = _switch(name)  # a MoE kernel: noticed only with model.num_moe_experts on
+    if switch is not None:
+        setattr(cfg.model, switch.split(".", 1)[1], _bad(bf.REFUSED.get(switch)))
     setattr(getattr(cfg, section), attr, bf.SUBSTITUTED[name][0])
     assert not [n for n in bf.notices(cfg) if n.startswith(f"{name}=")]
     setattr(getattr(cfg, section), attr, _bad(bf.SUBSTITUTED[name][0]))
@@ -285,6 +290,19 @@ def test_nutp_bridge_prints_each_notice_once(capfd: pytest.CaptureFixture[str]) 
     err = [ln for ln in capfd.readouterr().err.splitlines() if ln.startswith("notice:")]
     te = [ln for ln in err if "model.transformer_impl=transformer_engine" in ln]
     assert len(te) == 1 and "megatron's local layers" in te[0], err
+
+
+def test_moe_kernels_of_a_dense_model_are_not_noticed() -> None:
+    """A MoE substitution (``model.moe_token_dispatcher_type``, grouped GEMM, ...) is read only
+    with ``model.num_moe_experts``: a dense model at megatron's defaults gets no notice."""
+    cfg = copy.deepcopy(tiny_container())
+    cfg.model = copy.copy(tiny_provider())
+    cfg.model.moe_grouped_gemm = True
+    assert cfg.model.moe_token_dispatcher_type != "alltoall"  # megatron's default: allgather
+    assert not [n for n in bf.notices(cfg) if n.startswith(("model.moe_", "model.expert_"))]
+    cfg.model.num_moe_experts = 8
+    noticed = {n.split("=")[0] for n in bf.notices(cfg)}
+    assert {"model.moe_grouped_gemm", "model.moe_token_dispatcher_type"} <= noticed, noticed
 
 
 def test_no_final_evaluation_is_noticed() -> None:
