@@ -304,10 +304,12 @@ def _job(argv: list[str]) -> tuple[Any, Any]:
 
 def _load(argv: list[str]) -> tuple[Any, Any, Any]:
     from nemo_nutp.config import plan_request
+    from nemo_nutp.integrations.bridge_run import preflight
     from nemo_nutp.layout import build_plan
 
     args, job = _job(argv)
     plan = build_plan(plan_request(job.nutp))
+    preflight(job, plan)
     return args, job, plan
 
 

@@ -116,6 +116,19 @@ def test_nutp_bridge_cli_bad_key_exits_2_with_one_line(capfd: pytest.CaptureFixt
     assert len(err) == 1 and "nutp.replicaz" in err[0], err
 
 
+def test_a_bridge_config_error_is_one_line_before_any_process(
+        capfd: pytest.CaptureFixture[str]) -> None:
+    """A sequence length the dataset and the model disagree on fails Bridge's own check in
+    every rank; a recovery supervisor then blamed every GPU. The launcher says it in one line
+    naming the field and starts nothing."""
+    from nemo_nutp.launch.bridge_cli import main
+
+    base = ["--recipe", RECIPE, "--config-file", str(TINY), "nutp.replicas=[1]"]
+    assert main([*base, "dataset.seq_length=16", "recovery.enabled=true"]) == 2
+    err = [line for line in capfd.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(err) == 1 and "dataset.seq_length=16" in err[0] and "model.seq_length=32" in err[0]
+
+
 def test_cpu_patch_targets_still_exist_and_call_cuda() -> None:
     """Every function the CPU redirections are for still exists in the pinned Bridge /
     megatron-core and still makes the CUDA call the patch redirects."""
