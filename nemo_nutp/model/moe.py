@@ -265,6 +265,16 @@ def nutp_moe_layer_spec(model_cfg: Any, moe: MoEDims, *, degree: int, tp_rank: i
     return spec
 
 
+def check_moe_plan(plan: Any, moe: MoEDims) -> None:
+    """``ValueError`` naming the setting, before any process group: virtual pipeline stages,
+    and every stage degree of every replica checked against the experts (``MoEDims.check``)."""
+    if plan.vp != 1:
+        raise ValueError(f"parallel.virtual_pipeline_model_parallel_size={plan.vp}: NUTP MoE "
+                         "builds no virtual pipeline stages yet")
+    for degree in sorted({t for rep in plan.replicas for t in rep.tp}):
+        moe.check(degree)
+
+
 def build_moe_gpt_model(plan: Any, rank: int, model_cfg: Any, moe: MoEDims, groups: Any, *,
                         seed: int = 1234) -> Any:
     """This rank's NUTP GPT model with a MoE MLP in every layer (fp32):
@@ -280,9 +290,7 @@ def build_moe_gpt_model(plan: Any, rank: int, model_cfg: Any, moe: MoEDims, grou
     from .init import init_param_
     from .layers import NUTPGPTModel, NUTPNorm
 
-    if plan.vp != 1:
-        raise ValueError(f"parallel.virtual_pipeline_model_parallel_size={plan.vp}: NUTP MoE "
-                         "builds no virtual pipeline stages yet")
+    check_moe_plan(plan, moe)
     i, stage, j = plan.rank_index[rank]
     degree = plan.replicas[i].tp[stage]
     pgs = moe_pg_collection(groups.pgs, single=groups.single, stage=groups.stage)

@@ -274,6 +274,10 @@ def build_session(plan: Plan, model_cfg: Any, *, lr: float, seed: int, micro_bat
     """
     opts = opts or StepOptions()
     prec = precision or Precision()
+    if moe is not None:  # before any process group
+        from ..model.moe import check_moe_plan
+
+        check_moe_plan(plan, moe)
     groups = groups or build_groups(plan)
     if getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None) is None:
         parallel_state._set_global_memory_buffer()  # scratch buffers only; no groups

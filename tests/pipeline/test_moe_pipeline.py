@@ -1,6 +1,7 @@
 """NUTP MoE over two pipeline stages at per-stage degrees against stock megatron-core 0.19 in
 one process (``tests/helpers/moe_reference.py``, the Qwen3-MoE-shaped tiny model with 4
-layers: 2 per stage). Layout: replicas [3, 1] and [1, 2] (world 7): stage 0 holds the 8
+layers: 2 per stage). Layout: replicas [3, 1] and [1, 2] (world 7; 2 and 3 of the 5
+micro-batches): stage 0 holds the 8
 experts as 2/3/3 (degree 3) and 8 (degree 1), stage 1 as 8 and 4/4; every boundary changes
 degree (3 -> 1, 1 -> 2) under sequence parallelism; clipping on every step, fp32, 4 steps
 (``tests/helpers/moe_pipeline_jobs.py``):
@@ -46,7 +47,8 @@ def _within(err: dict) -> bool:
 @pytest.mark.dist
 @pytest.mark.timeout(900)
 def test_moe_pipeline_matches_stock(tmp_path: Path) -> None:
-    case = MoECase(name="qwen3_moe_pp2", model=dict(QWEN3_MOE, num_layers=4))
+    # 5 micro-batches: shares 2 and 3 (weights 0.4 / 0.6; aux-loss scales 1/2 and 1/3)
+    case = MoECase(name="qwen3_moe_pp2", model=dict(QWEN3_MOE, num_layers=4), global_batch=5)
     spawn(moe_reference_worker, 1, ([case],), tmp_path)
     path = tmp_path / f"moe_ref_{case.name}.pt"
     ref = torch.load(path, weights_only=False)
@@ -58,6 +60,7 @@ def test_moe_pipeline_matches_stock(tmp_path: Path) -> None:
     rec = torch.load(tmp_path / "moe_pp_None.pt", weights_only=False)
     err = layout_errors(ref, rec)
     print(f"{REPLICAS} shares={rec['shares']}: {err}")
+    assert rec["shares"] == [2, 3], rec["shares"]
     assert err["replicas_equal"] and err["norms_equal"], err
     assert err["flips"] == [0] * case.steps, err["flips"]
     assert _within(err), err
@@ -72,3 +75,22 @@ def test_moe_pipeline_matches_stock(tmp_path: Path) -> None:
     assert not _within(bad), bad
     assert bad["grads"][0] > 100 * TOL and "router" in bad["grads"][1], bad["grads"]
     assert "layers.2." in bad["grads"][1] or "layers.3." in bad["grads"][1], bad["grads"]
+
+
+def test_moe_pipeline_refusals() -> None:
+    """Refused by name before any process group: virtual pipeline stages with MoE, and a stage
+    degree the experts do not cover."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from nemo_nutp.model.moe import MoEDims, check_moe_plan
+    from tests.helpers.moe_pipeline_jobs import make_plan
+
+    case = MoECase(name="refusals", model=dict(QWEN3_MOE, num_layers=4))
+    moe = MoEDims(**{k: v for k, v in case.moe.fields().items() if k != "moe_grouped_gemm"})
+    plan = make_plan(case, REPLICAS)
+    check_moe_plan(plan, moe)  # the tested layout passes
+    with pytest.raises(ValueError, match=r"parallel\.virtual_pipeline_model_parallel_size=2"):
+        check_moe_plan(SimpleNamespace(vp=2, replicas=plan.replicas), moe)
+    with pytest.raises(ValueError, match=r"model\.num_moe_experts=2"):
+        check_moe_plan(plan, dataclasses.replace(moe, num_moe_experts=2, moe_router_topk=1))
