@@ -111,7 +111,8 @@ def check_moe(cfg: Any, plan: Any = None) -> None:
                          "(its experts are not in NUTP's ZeRO-1)")
     if int(m.pipeline_model_parallel_size) != 1:
         raise ValueError(f"model.pipeline_model_parallel_size={m.pipeline_model_parallel_size}:"
-                         f" {on} builds one pipeline stage so far")
+                         f" not with {on} through nutp-bridge yet (Bridge's MoE metrics reduce "
+                         "over megatron's pipeline group; untested here)")
     for name in ("save", "load"):  # (recovery.* needs checkpoint.save: refused with it)
         path = getattr(cfg.checkpoint, name, None)
         if path:

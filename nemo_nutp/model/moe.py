@@ -28,6 +28,13 @@ its own tokens' probabilities with the replica's token counts (summed over ``tp_
 replica's token total, so summed over the replica every token counts once, not once per TP rank.
 Its gradient scale is the main loss's (``MoEAuxLossAutoScaler.set_loss_scale``, per micro-batch).
 
+Pipeline stages (``plan.pp > 1``, no virtual stages): each stage's MoE layers use that stage's
+TP group of the replica as expert parallelism (its own expert ranges, e.g. 2/3/3 on a degree-3
+stage and 4/4 on a degree-2 one); megatron's schedule sets the aux-loss gradient scale on every
+stage after each forward (loss scale / the replica's micro-batches); megatron's tracker on each
+rank holds only its stage's layers (``tests/helpers/moe_pipeline_jobs.py`` sums it over the
+stages).
+
 Not built yet (refused by the builders here): capacity factor / token dropping, shared experts,
 the global and sequence aux losses, grouped GEMM, the gradient sync of expert weights across
 replicas (``sync/ddp.py`` still refuses expert-parallel parameters).
@@ -48,6 +55,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_layer import BaseMoELayer, MoELayer
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
+from ..layout import chunk_layers
 from ..layout.experts import expert_bounds, local_experts
 
 
@@ -218,14 +226,15 @@ def expert_global_name(name: str, local_to_global: list[int]) -> str:
 
 
 def moe_transformer_config(model_cfg: Any, moe: MoEDims, *, degree: int,
-                           sequence_parallel: bool, precision: str = "fp32") -> Any:
+                           sequence_parallel: bool, precision: str = "fp32", pp: int = 1) -> Any:
     """``build.transformer_config`` of the dense model plus the MoE fields (validated by
-    megatron at TP1, then the degree and sequence parallelism set, as for the dense model)."""
+    megatron at TP1, then the degree and sequence parallelism set, as for the dense model;
+    ``pp``: megatron's pipeline size, as ``transformer_config``'s)."""
     from megatron.core.transformer import TransformerConfig
 
     from .build import transformer_config
 
-    base = transformer_config(model_cfg, degree=1, precision=precision)
+    base = transformer_config(model_cfg, degree=1, precision=precision, pp=pp)
     extra = {k: v for k, v in vars(base).items()
              if k not in {f.name for f in dataclasses.fields(TransformerConfig)}}
     config = dataclasses.replace(base, **moe.config_fields())
@@ -256,33 +265,45 @@ def nutp_moe_layer_spec(model_cfg: Any, moe: MoEDims, *, degree: int, tp_rank: i
     return spec
 
 
+def check_moe_plan(plan: Any, moe: MoEDims) -> None:
+    """``ValueError`` naming the setting, before any process group: virtual pipeline stages,
+    and every stage degree of every replica checked against the experts (``MoEDims.check``)."""
+    if plan.vp != 1:
+        raise ValueError(f"parallel.virtual_pipeline_model_parallel_size={plan.vp}: NUTP MoE "
+                         "builds no virtual pipeline stages yet")
+    for degree in sorted({t for rep in plan.replicas for t in rep.tp}):
+        moe.check(degree)
+
+
 def build_moe_gpt_model(plan: Any, rank: int, model_cfg: Any, moe: MoEDims, groups: Any, *,
                         seed: int = 1234) -> Any:
-    """This rank's NUTP GPT model with a MoE MLP in every layer (one pipeline stage, fp32):
+    """This rank's NUTP GPT model with a MoE MLP in every layer (fp32):
     ``build.build_gpt_model``'s model with ``nutp_moe_layer_spec`` layers, initialised from the
     global weights; each local expert's tensors from its *global* name
-    (``...local_experts.<global index>...``), tagged ``nutp_expert`` and ``nutp_name``."""
+    (``...local_experts.<global index>...``), tagged ``nutp_expert`` and ``nutp_name``.
+    Pipeline stages (``plan.pp > 1``, no virtual stages): the rank's stage's layers at the
+    stage's degree, whose MoE layers use the stage's TP group of the replica as expert
+    parallelism (names and layer numbers global, as ``build_gpt_model``'s)."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     from .build import load_global_init, rope_kwargs, unit_range
     from .init import init_param_
     from .layers import NUTPGPTModel, NUTPNorm
 
-    if plan.pp != 1 or plan.vp != 1:
-        raise ValueError(f"parallel.pp={plan.pp}: NUTP MoE builds one pipeline stage so far")
+    check_moe_plan(plan, moe)
     i, stage, j = plan.rank_index[rank]
     degree = plan.replicas[i].tp[stage]
     pgs = moe_pg_collection(groups.pgs, single=groups.single, stage=groups.stage)
     balance = plan.request.parallel.unit_balance
-    config = moe_transformer_config(model_cfg, moe, degree=degree,
+    config = moe_transformer_config(model_cfg, moe, degree=degree, pp=plan.pp,
                                     sequence_parallel=plan.request.parallel.sequence_parallel)
     if degree > 1 and not config.sequence_parallel:
         raise ValueError("parallel.sequence_parallel=False: megatron's MoE layer needs sequence "
                          "parallelism at TP > 1 (NUTP MoE expert parallelism is the TP group)")
     layer = nutp_moe_layer_spec(model_cfg, moe, degree=degree, tp_rank=j, tp_group=pgs.tp,
                                 balance=balance)
-    block = TransformerBlockSubmodules(layer_specs=[layer] * model_cfg.num_layers,
-                                       layer_norm=NUTPNorm)
+    first, last = chunk_layers(model_cfg.num_layers, plan.pp, 1)[stage][0]
+    block = TransformerBlockSubmodules(layer_specs=[layer] * (last - first), layer_norm=NUTPNorm)
     v0, v1 = unit_range(model_cfg, "word_embedding", degree, j, balance)
     fused = getattr(model_cfg, "cross_entropy_loss_fusion", False)  # as build_gpt_model
     model = NUTPGPTModel(config, block, vocab_range=(v0, v1),
@@ -292,10 +313,11 @@ def build_moe_gpt_model(plan: Any, rank: int, model_cfg: Any, moe: MoEDims, grou
                                                          "rope"),
                          **rope_kwargs(model_cfg),
                          share_embeddings_and_output_weights=model_cfg.tie_embeddings,
-                         parallel_output=True, pg_collection=pgs)
+                         parallel_output=True, pg_collection=pgs,
+                         pre_process=stage == 0, post_process=stage == plan.pp - 1)
     std = getattr(model_cfg, "init_std", 0.02)
     load_global_init(model, model_cfg, degree=degree, tp_rank=j, seed=seed, std=std,
-                     balance=balance)
+                     balance=balance, layer_offset=first)
     for layer_mod in model.decoder.layers:
         mlp = layer_mod.mlp
         for name, p in mlp.experts.named_parameters():

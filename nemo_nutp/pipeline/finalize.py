@@ -10,7 +10,8 @@ stage's parameters, the same bits in every replica).
   the rows ``[b0[j], b0[j+1]) ∩ [bL[k], bL[k+1])`` — never by rank position. Both sides then hold
   ``G0 + GL`` (added in that order on both, so the two copies stay the same bits and keep the
   same weights after the update).
-* **Grad norm**: every stage's sum of squares from the engine (the tied copies excluded),
+* **Grad norm**: every stage's sum of squares from the engine (the tied copies excluded;
+  MoE: plus the stage's expert gradients', ``sync/experts.ExpertSync.sumsq``),
   plus, when tied, the combined embedding gradient's per-row sums of squares (computed by the
   first stage's holder of each row: the same bits whichever rank holds it), go into one
   vector with one contributor per slot; one all-reduce over the replica fills it, and the same
@@ -36,6 +37,7 @@ class PipelineFinalizer:
     def __init__(self, plan: Plan, groups: NUTPGroups, model: Any) -> None:
         self.plan, self.groups, self.ctx = plan, groups, groups.ctx
         self.engine = model.nutp_engine
+        self.experts = getattr(model, "nutp_experts", None)  # MoE: sync/experts.ExpertSync
         ctx, pp = self.ctx, plan.pp
         rep = plan.replicas[ctx.replica]
         self.first, self.last = ctx.stage == 0, ctx.stage == pp - 1
@@ -99,6 +101,8 @@ class PipelineFinalizer:
         vec = torch.zeros(pp + 1 + self.vocab, dtype=torch.float64, device=device)
         if ctx.tp_rank == 0:
             vec[ctx.stage] = slots[self.keep.to(device)].sum()
+            if self.experts is not None:  # the stage's experts (summed over its TP group)
+                vec[ctx.stage] += self.experts.sumsq
             if self.last:
                 vec[pp] = replica_loss
         if rows is not None:

@@ -16,9 +16,13 @@ holds its experts and nothing moves inside a replica. Per step, after the dense 
    over the TP group (one contributor per slot: exact) and added to the engine's total in a
    fixed order, so every rank of every replica gets the same bits.
 
+Pipeline stages: each stage's experts are synced over that stage's ranks (the layout of the
+stage's degrees, one shard group per shard and stage); ``sumsq`` keeps the stage's expert sum
+of squares for ``pipeline.finalize``, which builds the whole model's norm itself.
+
 Not built yet: the ``base`` layout (moving experts to owners inside a replica), bucketing and
-overlap with backward (the all-reduces run after backward), the distributed optimizer, pipeline
-stages. The group creation is collective over the world.
+overlap with backward (the all-reduces run after backward), the distributed optimizer. The
+group creation is collective over the world (every stage's groups, in stage order).
 """
 
 from __future__ import annotations
@@ -43,21 +47,23 @@ class ExpertSync:
     def __init__(self, plan: Plan, groups: NUTPGroups,
                  named_params: list[tuple[str, torch.nn.Parameter]], *,
                  num_experts: int) -> None:
-        if plan.pp != 1:
-            raise ValueError(f"parallel.pp={plan.pp}: the expert sync builds one stage so far")
         self.ctx, self.tp = groups.ctx, groups.tp
-        degrees = [rep.tp[0] for rep in plan.replicas]
-        self.layout = expert_sync_layout(num_experts, degrees, "refine")
-        lay = self.layout
-        self.groups: list[dist.ProcessGroup | None] = []
+        self.sumsq = 0.0  # this stage's expert gradients' sum of squares (after ``finish``)
         made: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
-        for k in range(lay.num_shards):
-            owners = tuple(sorted(rep.ranks[0][int(lay.owners[rep.tp[0]][k])]
-                                  for rep in plan.replicas))
-            if owners not in made:
-                g = dist.new_group(ranks=list(owners))
-                made[owners] = g if self.ctx.rank in owners else None
-            self.groups.append(made[owners])
+        self.groups: list[dist.ProcessGroup | None] = []
+        for s in range(plan.pp):  # every stage's groups on every rank, in one order
+            degrees = [rep.tp[s] for rep in plan.replicas]
+            lay = expert_sync_layout(num_experts, degrees, "refine")
+            shard_groups: list[dist.ProcessGroup | None] = []
+            for k in range(lay.num_shards):
+                owners = tuple(sorted(rep.ranks[s][int(lay.owners[rep.tp[s]][k])]
+                                      for rep in plan.replicas))
+                if owners not in made:
+                    g = dist.new_group(ranks=list(owners))
+                    made[owners] = g if self.ctx.rank in owners else None
+                shard_groups.append(made[owners])
+            if s == self.ctx.stage:
+                self.layout, self.groups = lay, shard_groups
         # local expert tensors by shard, each shard's in global-name order
         self.params: list[list[tuple[str, torch.nn.Parameter]]] = [[] for _ in self.groups]
         forms: set[tuple[str, str]] = set()
@@ -68,12 +74,12 @@ class ExpertSync:
             m = _EXPERT.match(p.nutp_name)  # type: ignore[attr-defined]
             assert m is not None, p.nutp_name  # type: ignore[attr-defined]
             forms.add((m[1], m[3]))
-            k = int((lay.shards <= expert).sum()) - 1
+            k = int((self.layout.shards <= expert).sum()) - 1
             assert self.groups[k] is not None, (p.nutp_name, k)  # type: ignore[attr-defined]
             self.params[k].append((p.nutp_name, p))  # type: ignore[attr-defined]
         for items in self.params:
             items.sort(key=lambda item: item[0])
-        # every expert tensor of the model (all ranks know them all): its norm slot
+        # every expert tensor of the stage (its ranks know them all): its norm slot
         names = sorted(f"{a}{e}{b}" for a, b in forms for e in range(num_experts))
         self.slot = {n: i for i, n in enumerate(names)}
 
@@ -95,4 +101,5 @@ class ExpertSync:
                 slots[self.slot[name]] = torch.sum(piece.double() ** 2)
                 off += g.numel()
         dist.all_reduce(slots, group=self.tp)
-        engine.grad_sumsq = engine.grad_sumsq + float(slots.sum())
+        self.sumsq = float(slots.sum())
+        engine.grad_sumsq = engine.grad_sumsq + self.sumsq

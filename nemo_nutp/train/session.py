@@ -268,11 +268,16 @@ def build_session(plan: Plan, model_cfg: Any, *, lr: float, seed: int, micro_bat
     ``grad_reduce_in_fp32`` is off), and megatron's mixed-precision optimizer keeps fp32 master
     weights. ``schedule``: the lr / weight-decay schedule (megatron's scheduler, advanced per
     successful update); None: ``lr`` and ``weight_decay`` constant. ``moe``
-    (``model.moe.MoEDims``, megatron-core 0.19, fp32, one stage): every layer's MLP is
-    ``NUTPMoELayer`` (experts as units inside each replica, ``sync/experts.py`` across them).
+    (``model.moe.MoEDims``, megatron-core 0.19, fp32; pipeline stages without virtual ones):
+    every layer's MLP is ``NUTPMoELayer`` (experts as units inside each replica stage,
+    ``sync/experts.py`` across replicas, per stage).
     """
     opts = opts or StepOptions()
     prec = precision or Precision()
+    if moe is not None:  # before any process group
+        from ..model.moe import check_moe_plan
+
+        check_moe_plan(plan, moe)
     groups = groups or build_groups(plan)
     if getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None) is None:
         parallel_state._set_global_memory_buffer()  # scratch buffers only; no groups

@@ -72,6 +72,7 @@ REFUSED = [
     ("mixed_precision=bf16_mixed", "model.bf16=True"),
     ("optimizer.use_distributed_optimizer=true", "optimizer.use_distributed_optimizer=True"),
     ("checkpoint.save=/tmp/nutp_moe_ckpt", "checkpoint.save=/tmp/nutp_moe_ckpt"),
+    ("model.pipeline_model_parallel_size=2", "model.pipeline_model_parallel_size=2"),
 ]
 
 
