@@ -269,7 +269,8 @@ def build_session(plan: Plan, model_cfg: Any, *, lr: float, seed: int, micro_bat
     weights. ``schedule``: the lr / weight-decay schedule (megatron's scheduler, advanced per
     successful update); None: ``lr`` and ``weight_decay`` constant. ``moe``
     (``model.moe.MoEDims``, megatron-core 0.19, fp32, one stage): every layer's MLP is
-    ``NUTPMoELayer`` (experts as units inside each replica, ``sync/experts.py`` across them).
+    ``NUTPMoELayer`` (experts as units inside each replica, ``sync/experts.py`` across them;
+    with ``distributed_optimizer`` their state sliced among each shard's holders, ``sync/zero.py``).
     """
     opts = opts or StepOptions()
     prec = precision or Precision()
@@ -283,10 +284,8 @@ def build_session(plan: Plan, model_cfg: Any, *, lr: float, seed: int, micro_bat
     if moe is not None:
         from ..model.moe import build_moe_gpt_model, moe_pg_collection
 
-        if prec.precision != "fp32" or distributed_optimizer:
-            raise ValueError("NUTP MoE trains fp32 with the plain optimizer so far "
-                             f"(train.precision={prec.precision!r}, "
-                             f"train.distributed_optimizer={distributed_optimizer})")
+        if prec.precision != "fp32":
+            raise ValueError(f"train.precision={prec.precision!r}: NUTP MoE trains fp32 so far")
         pgs = moe_pg_collection(groups.pgs, single=groups.single, stage=groups.stage)
         chunks = [build_moe_gpt_model(plan, ctx.rank, model_cfg, moe, groups, seed=seed)]
     else:
