@@ -24,6 +24,16 @@ One step (``prepare_grads`` -> clipping in ``train/step.py`` -> ``step_with_read
    engine's reshard messages (the return path, carrying parameters); without sequence
    parallelism the leader broadcasts the replicated parameters in its TP group.
 
+MoE experts (``sync/experts.py``, ``model.nutp_experts``): one more space sliced the same way.
+Each expert shard's holders (one rank per replica) are its group: the weighted expert gradients
+are reduce-scattered among them (``ExpertSync.use_reduce_scatter``), member ``j`` keeps the
+masters and state of slice ``j`` of the shard's packed buffer (its segments follow the dense
+ones in each param group's flat master, ``_ExpertSegment``), and after the update the slices are
+all-gathered straight into the holders' expert parameters (in the step, before the dense
+gather; ``overlap_param_gather`` defers the dense gather only). The grad norm counts every
+expert element once (``ExpertSync``'s per-member slots). Not with experts yet: checkpoints of
+this optimizer (refused by name), ``recovery.live_redundancy`` (refused).
+
 Pipeline stages with tied embeddings are the exception: the pipeline finalizer adds the other
 stage's embedding gradient into ``main_grad`` after the sync, so there the buckets are
 all-reduced as without this optimizer and the slices are taken from ``main_grad``.
@@ -194,9 +204,6 @@ class ZeroOptimizer:
             if redundancy:
                 raise ValueError("recovery.live_redundancy=true: not with MoE experts under "
                                  "train.distributed_optimizer yet (no copies of expert slices)")
-            if overlap_param_gather:
-                raise ValueError("overlap_param_gather=True: not with MoE experts yet (the "
-                                 "expert slices are gathered in the step)")
             self.expert_segments = _expert_segments(self.experts, self.group_of, sizes)
         self.sizes = sizes
         # recovery.live_redundancy: a copy of the predecessor's slice of every bucket (ring

@@ -94,3 +94,23 @@ def zero_worker(rank: int, world: int, port: int, case: MoECase,
         hang.close()
 
     gloo_rank(rank, world, port, outdir, body)
+
+
+def bridge_zero_worker(rank: int, world: int, port: int, overrides: list[str],
+                       control: str | None, outdir: str) -> None:
+    """``bridge_moe_jobs.nutp_worker`` (``nutp-bridge`` on the shrunk Qwen3-MoE recipe at
+    [2,1]) with ``overrides``; ``control='expert_grad_not_reduced'`` as above (every
+    ``ExpertSync`` of this process); writes ``nutp_<control>.json``."""
+    from nemo_nutp.sync.experts import ExpertSync
+
+    from .bridge_moe_jobs import nutp_worker
+
+    if control == "expert_grad_not_reduced":
+        finish = ExpertSync.finish
+
+        def bad(self: Any, engine: Any) -> None:
+            with _own_slice_only():
+                finish(self, engine)
+
+        ExpertSync.finish = bad  # type: ignore[method-assign]
+    nutp_worker(rank, world, port, overrides, control, outdir)
