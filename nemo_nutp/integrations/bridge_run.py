@@ -93,7 +93,7 @@ def moe_of(provider: Any) -> Any:
 
 def check_moe(cfg: Any, plan: Any = None) -> None:
     """What NUTP's MoE layers do not run yet, one line naming the field (nothing without
-    ``model.num_moe_experts``): bf16/fp16, the distributed optimizer, pipeline stages,
+    ``model.num_moe_experts``): bf16/fp16, pipeline stages,
     checkpoints (so recovery too); with ``plan``: each replica's degree (experts over its
     ranks, ``model.num_moe_experts``) and sequence parallelism at a degree above 1
     (megatron's ``MoELayer`` needs it)."""
@@ -106,9 +106,6 @@ def check_moe(cfg: Any, plan: Any = None) -> None:
         if getattr(m, half, False):
             raise ValueError(f"model.{half}=True: {on} trains fp32 so far "
                              "(mixed_precision=null, model.bf16=false, model.fp16=false)")
-    if cfg.optimizer.use_distributed_optimizer or cfg.ddp.use_distributed_optimizer:
-        raise ValueError(f"optimizer.use_distributed_optimizer=True: not with {on} yet "
-                         "(its experts are not in NUTP's ZeRO-1)")
     if int(m.pipeline_model_parallel_size) != 1:
         raise ValueError(f"model.pipeline_model_parallel_size={m.pipeline_model_parallel_size}:"
                          f" not with {on} through nutp-bridge yet (Bridge's MoE metrics reduce "

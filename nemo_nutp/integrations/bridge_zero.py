@@ -28,7 +28,9 @@ the next batch); megatron's hooks go further, bucket by bucket through the forwa
 NUTP's one return exchange per step does not allow. ``bridge_run`` turns the field off on the
 config so that Bridge's loop does not toggle megatron's forward pre-hooks (the NUTP hooks are
 always on). Under ``recovery.mode=live`` the gather completes within ``step()`` (substituted,
-with a notice): the vote's boundary needs the parameters settled before the next step.
+with a notice): the vote's boundary needs the parameters settled before the next step. With
+MoE the experts' slices are gathered within ``step()`` (a notice says so); the dense buckets
+still overlap.
 """
 
 from __future__ import annotations
@@ -95,6 +97,13 @@ def overlap_param_gather(cfg: Any, recovery: Any) -> bool:
                   "within the optimizer step under recovery.mode=live (the vote's step "
                   "boundary needs them settled)", flush=True)
         return False
+    if getattr(cfg.model, "num_moe_experts", None):
+        from torch import distributed as dist
+
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print("nutp-bridge: ddp.overlap_param_gather=true: with MoE the expert parameters "
+                  "are gathered within the optimizer step (the dense ones overlap the next "
+                  "forward)", flush=True)
     return True
 
 

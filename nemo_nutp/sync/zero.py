@@ -24,6 +24,16 @@ One step (``prepare_grads`` -> clipping in ``train/step.py`` -> ``step_with_read
    engine's reshard messages (the return path, carrying parameters); without sequence
    parallelism the leader broadcasts the replicated parameters in its TP group.
 
+MoE experts (``sync/experts.py``, ``model.nutp_experts``): one more space sliced the same way.
+Each expert shard's holders (one rank per replica) are its group: the weighted expert gradients
+are reduce-scattered among them (``ExpertSync.use_reduce_scatter``), member ``j`` keeps the
+masters and state of slice ``j`` of the shard's packed buffer (its segments follow the dense
+ones in each param group's flat master, ``_ExpertSegment``), and after the update the slices are
+all-gathered straight into the holders' expert parameters (in the step, before the dense
+gather; ``overlap_param_gather`` defers the dense gather only). The grad norm counts every
+expert element once (``ExpertSync``'s per-member slots). Not with experts yet: checkpoints of
+this optimizer (refused by name), ``recovery.live_redundancy`` (refused).
+
 Pipeline stages with tied embeddings are the exception: the pipeline finalizer adds the other
 stage's embedding gradient into ``main_grad`` after the sync, so there the buckets are
 all-reduced as without this optimizer and the slices are taken from ``main_grad``.
@@ -111,6 +121,39 @@ class _Segment:
     piece: int = 0  # index of the piece in the bucket's ``spec.pieces``
 
 
+@dataclass(frozen=True)
+class _ExpertSegment:
+    """Elements ``[a, z)`` of expert slice ``slice``'s packed shard buffer (the slice starts
+    at ``lo``), inside item ``item`` of the shard (which starts at ``at``), at ``offset`` of the
+    flat master of param group ``group``."""
+
+    slice: int
+    a: int
+    z: int
+    lo: int
+    item: int
+    at: int
+    group: int
+    offset: int
+
+
+def _expert_segments(experts: Any, group_of: dict[int, int], sizes: list[int]
+                     ) -> list[_ExpertSegment]:
+    """This rank's expert slices (``ExpertSync.use_reduce_scatter``) per item, placed after
+    the dense segments in the flat tensor of their param group (``sizes`` grows)."""
+    out = []
+    for i, sl in enumerate(experts.use_reduce_scatter()):
+        at = 0
+        for j, (_, p) in enumerate(experts.items(sl.shard)):
+            a, z = max(at, sl.start), min(at + p.numel(), sl.stop)
+            if z > a:
+                g = group_of[id(p)]
+                out.append(_ExpertSegment(i, a, z, sl.start, j, at, g, sizes[g]))
+                sizes[g] += z - a
+            at += p.numel()
+    return out
+
+
 def bucket_slice(numel: int, size: int, index: int) -> tuple[int, int, int]:
     """(start, stop, chunk): member ``index`` of ``size`` keeps ``[start, stop)``; every slice
     is padded to ``chunk`` elements for the all-gather."""
@@ -153,6 +196,15 @@ class ZeroOptimizer:
         self.slices = [self._slice(b) for b in engine.buckets]
         self.segments, sizes = self._segments(self.group_of, len(groups),
                                               [(sl.start, sl.stop) for sl in self.slices])
+        # MoE experts (sync/experts.py): one more space, sliced among each shard's holders;
+        # their segments follow the dense ones in every param group's flat master
+        self.experts: Any = getattr(model, "nutp_experts", None)
+        self.expert_segments: list[_ExpertSegment] = []
+        if self.experts is not None:
+            if redundancy:
+                raise ValueError("recovery.live_redundancy=true: not with MoE experts under "
+                                 "train.distributed_optimizer yet (no copies of expert slices)")
+            self.expert_segments = _expert_segments(self.experts, self.group_of, sizes)
         self.sizes = sizes
         # recovery.live_redundancy: a copy of the predecessor's slice of every bucket (ring
         # order in the bucket's group), updated redundantly from its reduced gradient chunk
@@ -308,6 +360,10 @@ class ZeroOptimizer:
             raise RuntimeError("distributed optimizer: the gradient sync kept no reduced "
                                "buckets (finish_grad_sync must run before the step)")
         grads = _flats_of(bufs, self.segments, self.sizes, self._dev())
+        if self.experts is not None:  # this rank's reduce-scattered expert slices
+            for s in self.expert_segments:
+                grads[s.group][s.offset:s.offset + s.z - s.a].copy_(
+                    self.experts.out[s.slice][s.a - s.lo:s.z - s.lo])
         backs: list[torch.Tensor] = []
         if self.redundancy:
             copies = bufs
@@ -339,6 +395,9 @@ class ZeroOptimizer:
             return True
         if self.before_publish is not None:
             self.before_publish()  # slices updated, parameters not yet gathered
+        if self.experts is not None:  # the expert slices now (before the masters are freed)
+            self.experts.gather(self._expert_pieces(self.masters, self.param_dtype),
+                                {id(p): p.data for p in self.expert_params()})
         if self.overlap_param_gather:  # launched now, completed by ``settle``
             self._inflight = self._gathered(self.masters, self.param_dtype)
             return True
@@ -450,6 +509,7 @@ class ZeroOptimizer:
 
     def _load_masters(self) -> None:
         flats, backs = self._take([p.data for p in self.params])
+        self._take_experts(flats, lambda p: p.data)
         for m, flat in zip((*self.masters, *self.backups), (*flats, *backs), strict=True):
             m.data = flat
 
@@ -469,7 +529,49 @@ class ZeroOptimizer:
         tensors = [torch.empty(p.shape, dtype=torch.float32, device=p.device)
                    for p in self.params]
         self.mover.from_buckets(self._gather(flats, torch.float32), tensors)
-        return {id(p): t for p, t in zip(self.params, tensors, strict=True)}
+        out = {id(p): t for p, t in zip(self.params, tensors, strict=True)}
+        if self.experts is not None:
+            mine = {id(p): torch.empty(p.shape, dtype=torch.float32, device=p.device)
+                    for p in self.expert_params()}
+            self.experts.gather(self._expert_pieces(flats, torch.float32), mine)
+            out.update(mine)
+        return out
+
+    # ---------------------------------------------------------------- experts
+    def expert_params(self) -> list[torch.nn.Parameter]:
+        """This rank's local expert tensors (slice order, then packing order)."""
+        if self.experts is None:
+            return []
+        return [p for sl in self.experts.slices for _, p in self.experts.items(sl.shard)]
+
+    def _expert_pieces(self, flats: Sequence[torch.Tensor], dtype: torch.dtype
+                       ) -> list[torch.Tensor]:
+        """Per expert slice, this rank's values of it (``chunk`` long, zero padded) read from
+        the flat per-group tensors ``flats``."""
+        pieces = [torch.zeros(sl.chunk, dtype=dtype, device=self._dev())
+                  for sl in self.experts.slices]
+        for s in self.expert_segments:
+            pieces[s.slice][s.a - s.lo:s.z - s.lo].copy_(
+                flats[s.group][s.offset:s.offset + s.z - s.a])
+        return pieces
+
+    def _take_experts(self, flats: Sequence[torch.Tensor],
+                      value: Callable[[torch.nn.Parameter], torch.Tensor]) -> None:
+        """Write this rank's expert slice values of ``value(param)`` into ``flats``."""
+        if self.experts is None:
+            return
+        for s in self.expert_segments:
+            p = self.experts.items(self.experts.slices[s.slice].shard)[s.item][1]
+            flats[s.group][s.offset:s.offset + s.z - s.a].copy_(
+                value(p).reshape(-1)[s.a - s.at:s.z - s.at])
+
+    def full_grads(self) -> dict[int, torch.Tensor]:
+        """Every local parameter's reduced fp32 gradient (keyed by ``id``), assembled from
+        the members' slices of this step (after the sync, before the update: tests compare
+        the synchronised gradients); collective."""
+        self.before_vote()
+        assert self._ready is not None
+        return self._full(self._ready[0])
 
     def _state_keys(self) -> tuple[str, ...]:
         keys = STATE_KEYS[self.config.optimizer]
@@ -488,6 +590,7 @@ class ZeroOptimizer:
         )
 
         del metadata
+        self._no_expert_checkpoints()
         self.settle("checkpoint")
         index = {id(p): i for i, p in enumerate(self.in_order)}
         full = {}
@@ -520,6 +623,11 @@ class ZeroOptimizer:
              for p in self._group_params(gi)]
             for gi in range(len(self.masters))]}
 
+    def _no_expert_checkpoints(self) -> None:
+        if self.experts is not None:
+            raise ValueError("checkpoint: train.distributed_optimizer=true with MoE experts "
+                             "has no checkpoints yet (the expert slices' state is not saved)")
+
     def _group_params(self, gi: int) -> list[torch.nn.Parameter]:
         return [p for p in self.in_order if self.group_of[id(p)] == gi]
 
@@ -537,6 +645,7 @@ class ZeroOptimizer:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load what ``sharded_state_dict(..., is_loading=True)`` returned, filled; the model's
         parameters must already be loaded (fp32 masters are taken from them). Collective."""
+        self._no_expert_checkpoints()
         self.settle("load", publish=False)
         opt = state_dict["optimizer"] if self.config.bf16 else state_dict
         step = opt["state"].pop("common_step", None)

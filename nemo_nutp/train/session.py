@@ -270,7 +270,8 @@ def build_session(plan: Plan, model_cfg: Any, *, lr: float, seed: int, micro_bat
     successful update); None: ``lr`` and ``weight_decay`` constant. ``moe``
     (``model.moe.MoEDims``, megatron-core 0.19, fp32; pipeline stages without virtual ones):
     every layer's MLP is ``NUTPMoELayer`` (experts as units inside each replica stage,
-    ``sync/experts.py`` across replicas, per stage).
+    ``sync/experts.py`` across replicas, per stage; with ``distributed_optimizer`` their state
+    sliced among each shard's holders, ``sync/zero.py``).
     """
     opts = opts or StepOptions()
     prec = precision or Precision()
@@ -278,6 +279,9 @@ def build_session(plan: Plan, model_cfg: Any, *, lr: float, seed: int, micro_bat
         from ..model.moe import check_moe_plan
 
         check_moe_plan(plan, moe)
+        if distributed_optimizer and plan.pp > 1:
+            raise ValueError(f"train.distributed_optimizer=true: not with NUTP MoE over {plan.pp}"
+                             " pipeline stages yet (each is tested alone)")
     groups = groups or build_groups(plan)
     if getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None) is None:
         parallel_state._set_global_memory_buffer()  # scratch buffers only; no groups
@@ -288,10 +292,8 @@ def build_session(plan: Plan, model_cfg: Any, *, lr: float, seed: int, micro_bat
     if moe is not None:
         from ..model.moe import build_moe_gpt_model, moe_pg_collection
 
-        if prec.precision != "fp32" or distributed_optimizer:
-            raise ValueError("NUTP MoE trains fp32 with the plain optimizer so far "
-                             f"(train.precision={prec.precision!r}, "
-                             f"train.distributed_optimizer={distributed_optimizer})")
+        if prec.precision != "fp32":
+            raise ValueError(f"train.precision={prec.precision!r}: NUTP MoE trains fp32 so far")
         pgs = moe_pg_collection(groups.pgs, single=groups.single, stage=groups.stage)
         chunks = [build_moe_gpt_model(plan, ctx.rank, model_cfg, moe, groups, seed=seed)]
     else:

@@ -140,18 +140,22 @@ def compare(ref: dict[str, Any], res: dict[str, Any]) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- layouts of several replicas
 
-def _shards(model: Any, *, grads: bool) -> dict[str, tuple[Any, Any, torch.Tensor]]:
-    """name -> (kind, units, tensor) of this rank; experts under their global names."""
+def _shards(model: Any, *, grads: bool, values: dict[int, torch.Tensor] | None = None
+            ) -> dict[str, tuple[Any, Any, torch.Tensor]]:
+    """name -> (kind, units, tensor) of this rank; experts under their global names
+    (``values``: per ``id(param)`` instead of the parameters / their ``main_grad``)."""
     out = {}
     for name, p in model.named_parameters():
-        t = (p.main_grad if grads else p).detach().float().clone()
+        t = (values[id(p)] if values is not None else p.main_grad if grads else p
+             ).detach().float().clone()
         key = p.nutp_name if getattr(p, "nutp_expert", None) is not None else (
             name.removeprefix("module."))
         out[key] = (getattr(p, "nutp_kind", None), getattr(p, "nutp_units", None), t)
     return out
 
 
-def gather_replicas(s: Any, *, grads: bool = False) -> list[dict[str, torch.Tensor]] | None:
+def gather_replicas(s: Any, *, grads: bool = False, values: dict[int, torch.Tensor] | None = None
+                    ) -> list[dict[str, torch.Tensor]] | None:
     """Every replica's global tensors (rank 0 returns them; None elsewhere)."""
     import torch.distributed as dist
 
@@ -159,7 +163,8 @@ def gather_replicas(s: Any, *, grads: bool = False) -> list[dict[str, torch.Tens
 
     every: list[Any] = [None] * dist.get_world_size()
     ctx = s.groups.ctx
-    dist.all_gather_object(every, (ctx.replica, ctx.tp_rank, _shards(s.model, grads=grads)))
+    dist.all_gather_object(every, (ctx.replica, ctx.tp_rank, _shards(s.model, grads=grads,
+                                                                  values=values)))
     if dist.get_rank() != 0:
         return None
     out = []
@@ -186,11 +191,14 @@ def _routing(s: Any, maps: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def layout_run(case: MoECase, replicas: tuple[int, ...], control: str | None,
-               ref: dict[str, Any]) -> dict[str, Any] | None:
+               ref: dict[str, Any], *, zero: bool = False,
+               tweak: Any = None) -> dict[str, Any] | None:
     """``case`` on an NUTP layout (sequence parallel, clipping): per step the global loss, the
     grad norm (every rank's, which must be the same bits), the global aux loss and the router
     flips against ``ref``; step 0's synchronised gradients and the final parameters of every
-    replica (rank 0 returns the record)."""
+    replica (rank 0 returns the record). ``zero``: NUTP's distributed optimizer (the step-0
+    gradients assembled from the optimizer's slices: ``ZeroOptimizer.full_grads``);
+    ``tweak(session)`` runs once after the session is built (negative controls)."""
     import dataclasses
 
     import torch.distributed as dist
@@ -215,7 +223,10 @@ def layout_run(case: MoECase, replicas: tuple[int, ...], control: str | None,
         moe = dataclasses.replace(moe, moe_aux_loss_coeff=moe.moe_aux_loss_coeff * degree)
     s = build_session(plan, dims(case), lr=case.lr, seed=case.seed,
                       micro_batch_size=case.micro_batch_size,
-                      opts=StepOptions(clip_grad=case.clip_grad), moe=moe)
+                      opts=StepOptions(clip_grad=case.clip_grad), moe=moe,
+                      distributed_optimizer=zero)
+    if tweak is not None:
+        tweak(s)
     ctx = s.groups.ctx
     maps = record_routing(s.gpt)
     rec: dict[str, Any] = {"losses": [], "grad_norms": [], "aux_losses": [], "flips": [],
@@ -224,8 +235,9 @@ def layout_run(case: MoECase, replicas: tuple[int, ...], control: str | None,
     L = case.model["num_layers"]
     for k in range(case.steps):
         maps.clear()
-        res = s.step(k, after_sync=(lambda: grads.append(gather_replicas(s, grads=True)))
-                     if k == 0 else None)
+        res = s.step(k, after_sync=(lambda: grads.append(gather_replicas(
+            s, grads=True, values=s.optimizer.full_grads() if zero else None)))
+            if k == 0 else None)
         norms: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(norms, res.grad_norm)
         rec["norms_equal"] &= len(set(norms)) == 1
