@@ -86,6 +86,7 @@ _MOE_SHIMMED_MODULES = (
     "megatron.core.transformer.moe.moe_layer",  # cuda.Stream/Event, current_stream() waits
     "megatron.core.transformer.moe.moe_utils",  # record_stream(current_stream())
     "megatron.core.transformer.moe.shared_experts",  # cuda.Stream() of overlapped shared experts
+    "megatron.core.transformer.multi_token_prediction",  # MTP loss tracker on current_device()
 )
 # (module, qualified attribute) run with CUDA type names for CPU tensors (why: Tensor.type() check).
 _CUDA_TYPE_NAME_FUNCS = (

@@ -71,6 +71,9 @@ class MoEDims:
     moe_router_score_function: str = "softmax"
     moe_router_dtype: str | None = "fp32"  # None: routing in the model's dtype (megatron's)
     moe_token_dispatcher_type: str = "alltoall"
+    # multi-token prediction (``model/mtp.py``): None builds none
+    mtp_num_layers: int | None = None
+    mtp_loss_scaling_factor: float = 0.1
 
     def check(self, degree: int) -> None:
         """``ValueError`` naming the field for what this module does not build."""
@@ -289,8 +292,10 @@ def build_moe_gpt_model(plan: Any, rank: int, model_cfg: Any, moe: MoEDims, grou
     from .build import load_global_init, rope_kwargs, unit_range
     from .init import init_param_
     from .layers import NUTPGPTModel, NUTPNorm
+    from .mtp import check_mtp, nutp_mtp_block_spec
 
     check_moe_plan(plan, moe)
+    check_mtp(moe, pp=plan.pp, recompute=getattr(model_cfg, "recompute_granularity", None))
     i, stage, j = plan.rank_index[rank]
     degree = plan.replicas[i].tp[stage]
     pgs = moe_pg_collection(groups.pgs, single=groups.single, stage=groups.stage)
@@ -314,11 +319,14 @@ def build_moe_gpt_model(plan: Any, rank: int, model_cfg: Any, moe: MoEDims, grou
                          **rope_kwargs(model_cfg),
                          share_embeddings_and_output_weights=model_cfg.tie_embeddings,
                          parallel_output=True, pg_collection=pgs,
-                         pre_process=stage == 0, post_process=stage == plan.pp - 1)
+                         pre_process=stage == 0, post_process=stage == plan.pp - 1,
+                         mtp_block_spec=(nutp_mtp_block_spec(layer, moe.mtp_num_layers)
+                                         if moe.mtp_num_layers else None))
     std = getattr(model_cfg, "init_std", 0.02)
     load_global_init(model, model_cfg, degree=degree, tp_rank=j, seed=seed, std=std,
                      balance=balance, layer_offset=first)
-    for layer_mod in model.decoder.layers:
+    mtp = [m.mtp_model_layer for m in model.mtp.layers] if moe.mtp_num_layers else []
+    for layer_mod in [*model.decoder.layers, *mtp]:
         mlp = layer_mod.mlp
         for name, p in mlp.experts.named_parameters():
             local = int(name.split(".")[1])  # local_experts.<l>.<...>

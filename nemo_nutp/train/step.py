@@ -182,8 +182,14 @@ def set_moe_loss_scale(model: Any, value: float) -> None:
     """MoE models: the scale of the aux losses' gradient, the main loss's (megatron's
     ``schedules.forward_step`` sets it per micro-batch: loss scale / micro-batches). With the
     replica's weight applied by the sync, as for the main loss, each aux loss counts as in one
-    process over the global batch."""
-    if getattr(getattr(model, "config", None), "num_moe_experts", None) is None:
+    process over the global batch. The same for the multi-token prediction loss
+    (``MTPLossAutoScaler``, also set by megatron's schedule per micro-batch)."""
+    config = getattr(model, "config", None)
+    if getattr(config, "mtp_num_layers", None) is not None:
+        from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
+        MTPLossAutoScaler.set_loss_scale(torch.tensor(value))
+    if getattr(config, "num_moe_experts", None) is None:
         return
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 

@@ -16,6 +16,12 @@ batch of step 0 as the one process does, and records what the reference records 
 ``control='aux_per_rank'`` (negative control): every TP rank counts the aux loss of the replica's
 tokens ``t`` times over (its coefficient times the degree), as a layer that counted each token
 once per TP rank would.
+
+Multi-token prediction (``case.mtp_num_layers``, ``layout_run`` only): the MTP loss per step as
+megatron's tracker holds it (every TP rank the replica's whole loss) and two negative controls:
+``'mtp_per_rank'`` (the MTP loss counted once per TP rank: its scaling factor times the degree)
+and ``'mtp_replica_count'`` (the MTP loss's gradient normalised by the replica's micro-batch
+count instead of the global one: its scale divided by the replica's weight ``m_r/M``).
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ def moe_dims(case: MoECase, control: str | None = None) -> Any:
     from nemo_nutp.model.moe import MoEDims
 
     fields = {k: v for k, v in case.moe.fields().items() if k != "moe_grouped_gemm"}
-    return MoEDims(**fields)
+    return MoEDims(**fields, **case.mtp_fields())
 
 
 def _plan(case: MoECase, degree: int) -> Any:
@@ -208,7 +214,7 @@ def layout_run(case: MoECase, replicas: tuple[int, ...], control: str | None,
     from nemo_nutp.train.session import build_session
     from nemo_nutp.train.step import StepOptions, reduce_replica_loss
 
-    from .moe_reference import aux_loss_of_step, reset_moe_globals
+    from .moe_reference import aux_loss_of_step, mtp_loss_of_step, reset_moe_globals
 
     reset_moe_globals()
     tb = max(replicas)
@@ -221,6 +227,9 @@ def layout_run(case: MoECase, replicas: tuple[int, ...], control: str | None,
     degree = plan.replicas[plan.rank_index[dist.get_rank()][0]].tp[0]
     if control == "aux_per_rank":
         moe = dataclasses.replace(moe, moe_aux_loss_coeff=moe.moe_aux_loss_coeff * degree)
+    if control == "mtp_per_rank":
+        moe = dataclasses.replace(moe, mtp_loss_scaling_factor=moe.mtp_loss_scaling_factor
+                                  * degree)
     s = build_session(plan, dims(case), lr=case.lr, seed=case.seed,
                       micro_batch_size=case.micro_batch_size,
                       opts=StepOptions(clip_grad=case.clip_grad), moe=moe,
@@ -230,9 +239,11 @@ def layout_run(case: MoECase, replicas: tuple[int, ...], control: str | None,
     ctx = s.groups.ctx
     maps = record_routing(s.gpt)
     rec: dict[str, Any] = {"losses": [], "grad_norms": [], "aux_losses": [], "flips": [],
-                           "norms_equal": True}
+                           "norms_equal": True, "mtp_losses": []}
     grads: list[Any] = []
-    L = case.model["num_layers"]
+    L = case.model["num_layers"] + case.mtp_num_layers  # routers per micro-batch
+    if control == "mtp_replica_count":
+        _mtp_scale_per_replica(ctx.weight)
     for k in range(case.steps):
         maps.clear()
         res = s.step(k, after_sync=(lambda: grads.append(gather_replicas(
@@ -244,6 +255,10 @@ def layout_run(case: MoECase, replicas: tuple[int, ...], control: str | None,
         aux = reduce_replica_loss(aux_loss_of_step(ctx.microbatches) * 1.0, weight=ctx.weight,
                                   degree=1, stage_group=s.groups.stage)
         rec["aux_losses"].append(aux)  # each TP rank its own tokens' part: summed, not /t
+        rec["mtp_losses"].append([  # every TP rank the replica's whole loss: / t
+            reduce_replica_loss(v, weight=ctx.weight, degree=s.groups.tp.size(),
+                                stage_group=s.groups.stage)
+            for v in mtp_loss_of_step(ctx.microbatches)])
         full = _routing(s, maps)
         want = ref["routing"][k][ctx.microbatch_offset * L:(ctx.microbatch_offset
                                                             + ctx.microbatches) * L]
@@ -254,10 +269,26 @@ def layout_run(case: MoECase, replicas: tuple[int, ...], control: str | None,
         rec["losses"].append(res.loss)
         rec["grad_norms"].append(res.grad_norm)
     params = gather_replicas(s)
+    _mtp_scale_per_replica(None)
     if dist.get_rank() != 0:
         return None
     rec["grads"], rec["params"] = grads[0], params
     return rec
+
+
+def _mtp_scale_per_replica(weight: float | None) -> None:
+    """Negative control ``mtp_replica_count``: every MTP loss scale set is divided by the
+    replica's weight ``m_r/M`` (``None``: megatron's own ``set_loss_scale`` back)."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
+    stock = MTPLossAutoScaler.__dict__.get("_stock_set_loss_scale",
+                                           MTPLossAutoScaler.__dict__["set_loss_scale"])
+    MTPLossAutoScaler._stock_set_loss_scale = stock  # type: ignore[attr-defined]
+    if weight is None:
+        MTPLossAutoScaler.set_loss_scale = stock  # type: ignore[method-assign]
+        return
+    MTPLossAutoScaler.set_loss_scale = staticmethod(  # type: ignore[method-assign]
+        lambda scale: stock.__func__(scale / weight))
 
 
 def layout_worker(rank: int, world: int, port: int, case: MoECase, replicas: tuple[int, ...],
@@ -304,6 +335,9 @@ def layout_errors(ref: dict[str, Any], rec: dict[str, Any]) -> dict[str, Any]:
                                                          ref["grad_norms"], strict=True)],
         "aux": [abs(a - b) / abs(b) for a, b in zip(rec["aux_losses"], ref["aux_losses"],
                                                    strict=True)],
+        "mtp": [abs(a - b) / abs(b) for x, y in zip(rec.get("mtp_losses", []),
+                                                    ref.get("mtp_losses", []), strict=True)
+                for a, b in zip(x, y, strict=True)],
         "grads": worst(rec["grads"][0], ref["grads"]),
         "params": worst(reps[0], ref["params"]),
         "replicas_equal": equal, "replica_grads_equal": gequal,

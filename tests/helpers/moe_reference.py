@@ -71,6 +71,15 @@ class MoECase:
     lr: float = 1e-3
     clip_grad: float = 0.05  # below the tiny model's grad norms: every step clips
     seed: int = 1234
+    mtp_num_layers: int = 0  # multi-token prediction layers (megatron's ``mtp_num_layers``)
+    mtp_loss_scaling_factor: float = 0.1
+
+    def mtp_fields(self) -> dict[str, Any]:
+        """megatron's MTP fields of the case (none without MTP layers)."""
+        if not self.mtp_num_layers:
+            return {}
+        return {"mtp_num_layers": self.mtp_num_layers,
+                "mtp_loss_scaling_factor": self.mtp_loss_scaling_factor}
 
 
 def dims(case: MoECase) -> Any:
@@ -88,7 +97,8 @@ def moe_config(case: MoECase, *, tp: int = 1, sequence_parallel: bool = False) -
 
     base = _config(SimpleNamespace(precision="fp32"), dims(case))
     return dataclasses.replace(base, tensor_model_parallel_size=tp,
-                               sequence_parallel=sequence_parallel, **case.moe.fields())
+                               sequence_parallel=sequence_parallel, **case.moe.fields(),
+                               **case.mtp_fields())
 
 
 def global_weight(case: MoECase, name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -110,12 +120,33 @@ def initial_weight(d: Any, seed: int, name: str, shape: tuple[int, ...]) -> torc
 
 
 def reset_moe_globals() -> None:
-    """megatron's process-global MoE state: the metrics tracker and the aux-loss scale."""
+    """megatron's process-global MoE state: the metrics tracker and the aux-loss scale; the
+    MTP loss tracker and the MTP loss scale (its default, 1)."""
     from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+    from megatron.core.transformer.multi_token_prediction import (
+        MTPLossAutoScaler,
+        MTPLossLoggingHelper,
+    )
 
     destroy_moe_metrics_tracker()
     MoEAuxLossAutoScaler.main_loss_backward_scale = None
+    MTPLossLoggingHelper.tracker.clear()
+    MTPLossAutoScaler.main_loss_backward_scale = torch.tensor(1.0)
+
+
+def mtp_loss_of_step(num_microbatches: int) -> list[float]:
+    """The MTP losses megatron's tracker holds for the step (one per MTP layer, each
+    micro-batch's mean token loss, mean over micro-batches: ``track_mtp_metrics`` with the loss
+    scale ``1 / num_microbatches``, before its data-parallel average); clears the tracker."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    tracker = MTPLossLoggingHelper.tracker
+    if "loss_values" not in tracker:
+        return []
+    values = [float(v) / num_microbatches for v in tracker["loss_values"]]
+    MTPLossLoggingHelper.clean_metrics_in_tracker()
+    return values
 
 
 def aux_loss_of_step(num_microbatches: int) -> float:
@@ -134,14 +165,20 @@ def build(case: MoECase) -> tuple[Any, Any, Any]:
     """(model, DDP, optimizer): stock megatron GPTModel with MoE layers, the case's weights."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_mtp_block_spec,
+    )
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     d = dims(case)
     config = moe_config(case)
     spec = get_gpt_layer_local_spec(num_experts=case.moe.num_moe_experts, moe_grouped_gemm=False,
                                     qk_layernorm=d.qk_layernorm, normalization=d.normalization)
-    model = GPTModel(config, spec, vocab_size=d.vocab_size, max_sequence_length=d.seq_length,
+    mtp = (get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False)
+           if case.mtp_num_layers else None)
+    model = GPTModel(config, spec, mtp_block_spec=mtp, vocab_size=d.vocab_size,
+                     max_sequence_length=d.seq_length,
                      position_embedding_type=d.position_embedding_type,
                      rotary_base=d.rotary_base,
                      share_embeddings_and_output_weights=d.tie_embeddings, parallel_output=True)
@@ -187,12 +224,14 @@ def record_routing(model: Any) -> list[torch.Tensor]:
 def run_moe_reference(case: MoECase) -> dict[str, Any]:
     """Train ``case`` on stock megatron-core (TP1, EP1, this process); see the module doc."""
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
     reset_moe_globals()
     model, ddp, opt = build(case)
     maps = record_routing(model)
     mask = causal_mask(dims(case).seq_length)
-    out: dict[str, Any] = {"losses": [], "grad_norms": [], "aux_losses": [], "routing": []}
+    out: dict[str, Any] = {"losses": [], "grad_norms": [], "aux_losses": [], "routing": [],
+                           "mtp_losses": []}
     for step in range(case.steps):
         batches = step_batches(case, step)
         n = len(batches)
@@ -202,6 +241,7 @@ def run_moe_reference(case: MoECase) -> dict[str, Any]:
         total = 0.0
         for i, mb in enumerate(batches):
             MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / n))
+            MTPLossAutoScaler.set_loss_scale(torch.tensor(1.0 / n))  # schedules.forward_step
             ctx = ddp.no_sync() if i < n - 1 else _Null()
             with ctx:
                 loss = ddp(mb.tokens, mb.position_ids, mask, labels=mb.labels).float().mean()
@@ -216,6 +256,7 @@ def run_moe_reference(case: MoECase) -> dict[str, Any]:
         out["losses"].append(total / n)
         out["grad_norms"].append(float(norm))
         out["aux_losses"].append(aux_loss_of_step(n))
+        out["mtp_losses"].append(mtp_loss_of_step(n))
         out["routing"].append(list(maps))
     out["params"] = {normalize_name(k): p.detach().float().clone()
                      for k, p in ddp.named_parameters()}
