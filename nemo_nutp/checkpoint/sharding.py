@@ -19,6 +19,11 @@ equivalent uniform model (so a stock megatron model at any TP loads it with plai
   units ``[lo, hi)`` writes two chunks, gate rows ``[lo, hi)`` and up rows ``[F + lo, F + hi)``
   (megatron's ``apply_swiglu_sharded_factory`` with uneven offsets).
 
+* MoE experts (``model.moe``: whole experts per rank, tagged ``nutp_expert``) are written as
+  megatron's ``SequentialMLP`` writes them: ``decoder.layers.mlp.experts.experts.<name>`` of
+  global shape ``(num_layers, num_experts, *shape)``, each at its *global* expert index
+  (``expert_pieces``); the optimizer side is ``checkpoint/experts.py``.
+
 Uneven chunks get ``axis_fragmentations=None`` (megatron-core's uneven sharding: torch DCP
 validates coverage and reshards on load). Who writes: replica 0 (``replica_id`` all zero) writes
 sharded parameters; replicated ones (norms, row-parallel biases, extra state) are written by

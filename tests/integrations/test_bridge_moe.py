@@ -71,7 +71,7 @@ REFUSED = [
     ("model.expert_model_parallel_size=2", "model.expert_model_parallel_size="),
     ("mixed_precision=bf16_mixed", "model.bf16=True"),
     ("optimizer.use_distributed_optimizer=true", "optimizer.use_distributed_optimizer=True"),
-    ("checkpoint.save=/tmp/nutp_moe_ckpt", "checkpoint.save=/tmp/nutp_moe_ckpt"),
+    ("recovery.enabled=true", "recovery.enabled=True"),
 ]
 
 
@@ -79,7 +79,7 @@ def test_moe_settings_nutp_does_not_build_are_refused_by_name() -> None:
     """The MoE settings the first slice did not build (shared experts, z-loss, capacity factor,
     sigmoid routing, expert bias, the sequence aux loss, MoE layer frequency, expert parallelism
     outside the replica) and what NUTP's MoE does not run yet (bf16, the distributed
-    optimizer, checkpoints), each set on the shrunk recipe: one line naming it, before any
+    optimizer, recovery), each set on the shrunk recipe: one line naming it, before any
     process group; at a layout, sequence parallelism off at TP2 is named too. The recipe itself
     passes."""
     from nemo_nutp.config import plan_request
