@@ -35,9 +35,24 @@ RESUME = ((2, 2, 1), (3, 2))
 
 # ------------------------------------------------------------------------------ stock side
 
-def stock_step(ddp: Any, opt: Any, step: int) -> float:
+def stock_steps(ddp: Any, opt: Any, steps: range) -> dict[str, Any]:
+    """``stock_step`` for each of ``steps``: the losses, grad norms and the parameters after
+    (by name, experts by global index, as ``moe_reference`` records them)."""
+    from nemo_nutp.model.init import normalize_name
+
+    rec: dict[str, Any] = {"losses": [], "norms": []}
+    for k in steps:
+        loss, norm = stock_step(ddp, opt, k)
+        rec["losses"].append(loss)
+        rec["norms"].append(norm)
+    rec["params"] = {normalize_name(k): p.detach().float().clone()
+                     for k, p in ddp.named_parameters()}
+    return rec
+
+
+def stock_step(ddp: Any, opt: Any, step: int) -> tuple[float, float]:
     """One step of ``moe_reference.run_moe_reference``'s loop (megatron's no-pipelining
-    schedule written out); returns the mean micro-batch loss."""
+    schedule written out); returns the mean micro-batch loss and megatron's grad norm."""
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     from .moe_reference import aux_loss_of_step
@@ -59,10 +74,10 @@ def stock_step(ddp: Any, opt: Any, step: int) -> float:
             (loss / n).backward()
         total += float(loss.detach())
     ddp.finish_grad_sync()
-    ok, _, _ = opt.step()
+    ok, norm, _ = opt.step()
     assert ok
     aux_loss_of_step(n)  # clears megatron's tracker
-    return total / n
+    return total / n, float(norm)
 
 
 def _stock_init() -> None:
@@ -81,9 +96,9 @@ def stock_first(out: str) -> None:
     _stock_init()
     reset_moe_globals()
     _model, ddp, opt = build(CASE)
-    res: dict[str, Any] = {"stock_fresh": [stock_step(ddp, opt, k) for k in range(SAVE_AT)]}
+    res: dict[str, Any] = {"stock_fresh": stock_steps(ddp, opt, range(SAVE_AT))}
     stock_save(ddp, opt, Path(out) / "stock", SAVE_AT)
-    res["stock_continue"] = [stock_step(ddp, opt, k) for k in range(SAVE_AT, SAVE_AT + AFTER)]
+    res["stock_continue"] = stock_steps(ddp, opt, range(SAVE_AT, SAVE_AT + AFTER))
     torch.save(res, os.path.join(out, "stock_first.pt"))
     parallel_state.destroy_model_parallel()
 
@@ -104,7 +119,7 @@ def stock_loads(names: list[str], out: str) -> None:
         except Exception as e:  # the negative control may fail to load at all
             res[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
             continue
-        res[name] = [stock_step(ddp, opt, k) for k in range(SAVE_AT, SAVE_AT + AFTER)]
+        res[name] = stock_steps(ddp, opt, range(SAVE_AT, SAVE_AT + AFTER))
     torch.save(res, os.path.join(out, "stock_loads.pt"))
     parallel_state.destroy_model_parallel()
 
@@ -152,16 +167,22 @@ def _mislabelled_experts() -> Any:
     return undo
 
 
-def replicas_equal(s: Any) -> bool:
-    import torch.distributed as dist
-
+def nutp_steps(s: Any, steps: range) -> dict[str, Any]:
+    """The session's losses and grad norms for ``steps``, then (rank 0) replica 0's global
+    parameters and whether every replica's are bitwise equal."""
     from .moe_jobs import gather_replicas
 
+    rec: dict[str, Any] = {"losses": [], "norms": []}
+    for k in steps:
+        res = s.step(k)
+        rec["losses"].append(res.loss)
+        rec["norms"].append(res.grad_norm)
     reps = gather_replicas(s)
-    box = [None if reps is None else all(torch.equal(r[k], reps[0][k]) for r in reps[1:]
-                                         for k in reps[0])]
-    dist.broadcast_object_list(box, src=0)
-    return bool(box[0])
+    if reps is not None:
+        rec["params"] = reps[0]
+        rec["replicas_equal"] = all(torch.equal(r[k], reps[0][k]) for r in reps[1:]
+                                    for k in reps[0])
+    return rec
 
 
 def nutp(control: bool, out: str) -> None:
@@ -173,7 +194,7 @@ def nutp(control: bool, out: str) -> None:
     world = dist.get_world_size()
     if sum(SAVE_FROM) == world:
         s = nutp_session(SAVE_FROM)
-        res["nutp_fresh"] = [s.step(k).loss for k in range(SAVE_AT)]
+        res["nutp_fresh"] = nutp_steps(s, range(SAVE_AT))
         save_checkpoint(s, os.path.join(out, "nutp"), step=SAVE_AT)
         if control:
             undo = _mislabelled_experts()
@@ -181,7 +202,7 @@ def nutp(control: bool, out: str) -> None:
                 save_checkpoint(s, os.path.join(out, "nutp_mislabelled"), step=SAVE_AT)
             finally:
                 undo()
-        res["nutp_continue"] = [s.step(k).loss for k in range(SAVE_AT, SAVE_AT + AFTER)]
+        res["nutp_continue"] = nutp_steps(s, range(SAVE_AT, SAVE_AT + AFTER))
     for replicas in RESUME:
         if sum(replicas) != world:
             continue
@@ -189,8 +210,7 @@ def nutp(control: bool, out: str) -> None:
         s = nutp_session(replicas)
         info = load_checkpoint(s, os.path.join(out, "stock", f"iter_{SAVE_AT:07d}"))
         assert info["step"] == SAVE_AT and info["optimizer"], info
-        res[f"from_stock_{name}"] = [s.step(k).loss for k in range(SAVE_AT, SAVE_AT + AFTER)]
-        res[f"replicas_equal_{name}"] = replicas_equal(s)
+        res[f"from_stock_{name}"] = nutp_steps(s, range(SAVE_AT, SAVE_AT + AFTER))
     if dist.get_rank() == 0:
         torch.save(res, os.path.join(out, f"nutp_w{world}.pt"))
     dist.barrier()
