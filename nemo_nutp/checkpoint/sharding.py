@@ -19,6 +19,11 @@ equivalent uniform model (so a stock megatron model at any TP loads it with plai
   units ``[lo, hi)`` writes two chunks, gate rows ``[lo, hi)`` and up rows ``[F + lo, F + hi)``
   (megatron's ``apply_swiglu_sharded_factory`` with uneven offsets).
 
+* MoE experts (``model.moe``: whole experts per rank, tagged ``nutp_expert``) are written as
+  megatron's ``SequentialMLP`` writes them: ``decoder.layers.mlp.experts.experts.<name>`` of
+  global shape ``(num_layers, num_experts, *shape)``, each at its *global* expert index
+  (``expert_pieces``); the optimizer side is ``checkpoint/experts.py``.
+
 Uneven chunks get ``axis_fragmentations=None`` (megatron-core's uneven sharding: torch DCP
 validates coverage and reshards on load). Who writes: replica 0 (``replica_id`` all zero) writes
 sharded parameters; replicated ones (norms, row-parallel biases, extra state) are written by
@@ -180,6 +185,55 @@ def _chunks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [c.module if isinstance(c, Float16Module) else c for c in chunks]
 
 
+_EXPERT = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.(.+)$")
+
+
+def expert_indices(model: torch.nn.Module) -> dict[str, int]:
+    """``{"decoder.layers.<i>.mlp.experts.local_experts.<l>": global expert index}`` of the
+    model's local experts (``model.moe.NUTPMoELayer`` tags each expert module ``nutp_expert``);
+    empty for a dense model."""
+    return {name.removeprefix("module."): int(m.nutp_expert) for name, m in model.named_modules()
+            if getattr(m, "nutp_expert", None) is not None}
+
+
+def expert_pieces(name: str, experts: dict[str, int], dims: ModelDims, num_experts: int,
+                  local_shape: tuple[int, ...], kmap: dict[str, str]) -> list[Piece] | None:
+    """megatron's ``SequentialMLP`` chunks of a local expert's tensor (None: not an expert's):
+    key ``decoder.layers.mlp.experts.experts.<rest>``, global shape ``(L, E, *shape)``, this
+    expert at ``(layer, global index)``; gated fc1 as megatron's swiglu factory writes it, the
+    gate and up halves as two chunks. The expert is whole on its rank (expert TP 1)."""
+    m = _EXPERT.match(name)
+    if m is None:
+        return None
+    layer, local, rest = int(m[1]), int(m[2]), m[3]
+    e = experts[f"decoder.layers.{layer}.mlp.experts.local_experts.{local}"]
+    key, _ = megatron_key(f"decoder.layers.{layer}.mlp.experts.experts.{rest}", kmap)
+    lead, off = (dims.num_layers, num_experts), (layer, e)
+    rest0 = (0,) * len(local_shape)
+    if rest == "linear_fc1.weight" and getattr(dims, "gated_linear_unit", False):
+        n = local_shape[0] // 2
+        loc = (1, 1, n, *local_shape[1:])
+        return [Piece(key, (0, n), loc, lead + local_shape, off + rest0),
+                Piece(key, (n, 2 * n), loc, lead + local_shape,
+                      (*off, n, *rest0[1:]))]
+    return [Piece(key, None, (1, 1, *local_shape), lead + local_shape, off + rest0)]
+
+
+def _expert_object(name: str, obj: Any, dims: ModelDims, experts: dict[str, int],
+                   num_experts: int, kmap: dict[str, str], replica: int) -> ShardedObject | None:
+    m = _EXPERT.match(name)
+    if m is None:
+        return None
+    layer, e = int(m[1]), experts[f"decoder.layers.{m[1]}.mlp.experts.local_experts.{m[2]}"]
+    key, _ = megatron_key(f"decoder.layers.{layer}.mlp.experts.experts.{m[3]}", kmap)
+    return ShardedObject(key, obj, (dims.num_layers, num_experts), (layer, e),
+                         replica_id=(0, 0, replica))
+
+
+def _num_experts(model: torch.nn.Module) -> int:
+    return int(getattr(getattr(model, "config", None), "num_moe_experts", None) or 0)
+
+
 def megatron_sharded_state_dict(model: torch.nn.Module, dims: ModelDims, *, replica: int,
                                 tp_rank: int) -> dict[str, Any]:
     """``{name: ShardedTensor | ShardedTensorFactory | ShardedObject}`` of this rank's model in
@@ -197,11 +251,21 @@ def megatron_sharded_state_dict(model: torch.nn.Module, dims: ModelDims, *, repl
                                                         tp_rank=tp_rank).items()}
     kmap = keys_map(model)
     offset = layer_offset(model)
+    experts, num_experts = expert_indices(model), _num_experts(model)
     out: dict[str, Any] = {}
     for raw, value in model.state_dict(keep_vars=True).items():
         name = raw.removeprefix("module.")
         gname = global_name(name, layer_offset=offset)
         if name.endswith(_DROPPED):
+            continue
+        if experts and _EXPERT.match(name):  # megatron's SequentialMLP keys (one pipeline stage)
+            if name.endswith("_extra_state"):
+                out[name] = _expert_object(name, value, dims, experts, num_experts, kmap,
+                                           replica)
+                continue
+            parts = expert_pieces(name, experts, dims, num_experts, tuple(value.shape), kmap)
+            assert parts is not None
+            out[name] = _factory(value, parts, (0, 0, replica))
             continue
         if name.endswith("_extra_state"):
             out[name] = _extra_object(gname, value, dims, kmap, (0, tp_rank, replica))
@@ -226,9 +290,15 @@ def expected_global_shapes(model: torch.nn.Module, dims: ModelDims) -> dict[str,
                 for k, v in expected_global_shapes(chunk, dims).items()}
     kmap = keys_map(model)
     offset = layer_offset(model)
+    experts, num_experts = expert_indices(model), _num_experts(model)
     out: dict[str, list[int]] = {}
     for raw, p in model.named_parameters():
         name = global_name(raw, layer_offset=offset)
+        found = expert_pieces(name, experts, dims, num_experts, tuple(p.shape), kmap) \
+            if experts else None
+        if found is not None:
+            out.update({piece.key: list(piece.global_shape) for piece in found})
+            continue
         kind = getattr(p, "nutp_kind", None)
         if getattr(p, "nutp_tied_copy", False):
             name, kind = "embedding.word_embeddings.weight", "word_embedding"

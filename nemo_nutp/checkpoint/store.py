@@ -7,7 +7,8 @@ under a root, ``latest_checkpointed_iteration.txt`` beside them, NUTP's metadata
 What is stored (collective ``dist_checkpointing.save`` of one state dict)::
 
     model          megatron GPTModel keys/shapes (``sharding``), uneven NUTP shards as chunks
-    optimizer      megatron's optimizer.sharded_state_dict(model) (keys optimizer.state.*)
+    optimizer      megatron's optimizer.sharded_state_dict(model) (keys optimizer.state.*; a MoE
+                   model's dense + expert optimizers as stock EP1's one: ``experts``)
     iteration      steps completed (Megatron-LM's key), checkpoint_version 3.0
     nutp_train     step, extra (JSON-able, e.g. the goodput ledger), rank 0's CPU RNG state
     nutp_rng_state every rank's CPU/CUDA RNG state (restored only into the same plan)
@@ -41,6 +42,7 @@ import torch.distributed as dist
 from ..model.te_names import read_back_on_load
 from . import integrity
 from .bridge_state import align_param_groups
+from .experts import load_optimizer_state, optimizer_sharded_state_dict
 from .megatron_format import (
     META,
     candidates,
@@ -148,7 +150,7 @@ def save_checkpoint(session: RankSession, root: str | Path, *, step: int,
     _settle(session.optimizer, "checkpoint")  # a step's deferred parameter gather
     model = _model_state(session)
     state: dict[str, Any] = {"model": model,
-                             "optimizer": session.optimizer.sharded_state_dict(model)}
+                             "optimizer": optimizer_sharded_state_dict(session.optimizer, model)}
     # Identical on every rank (megatron checks the common part for consistency).
     state.update(_broadcast({"iteration": step, "checkpoint_version": 3.0,
                              "nutp_train": {"step": step, "extra": extra or {},
@@ -382,7 +384,8 @@ def _load(session: RankSession, path: Path, marker: dict[str, Any] | None, *,
     # Extra state is not read back (model/te_names.py: local <-> TE checkpoints interchange).
     state: dict[str, Any] = {"model": {k: v for k, v in model.items() if read_back_on_load(k)}}
     if load_optimizer:
-        state["optimizer"] = session.optimizer.sharded_state_dict(model, is_loading=True)
+        state["optimizer"] = optimizer_sharded_state_dict(session.optimizer, model,
+                                                          is_loading=True)
     # Per-rank RNG states come back only into the same plan (rank r is the same GPU and role);
     # another NUTP layout gets the saver's rank 0 CPU state on every rank; stock checkpoints
     # leave the RNG as it is.
@@ -397,7 +400,7 @@ def _load(session: RankSession, path: Path, marker: dict[str, Any] | None, *,
     if load_optimizer:
         # A Bridge / Megatron-LM optimizer's groups carry its scheduler's keys (bridge_state)
         align_param_groups(list(session.optimizer.param_groups), loaded["optimizer"])
-        session.optimizer.load_state_dict(loaded["optimizer"])
+        load_optimizer_state(session.optimizer, loaded["optimizer"])
     else:
         _refresh_master_weights(session.optimizer)
     train = loaded.get("nutp_train")

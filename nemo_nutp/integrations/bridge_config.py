@@ -169,6 +169,9 @@ def load_bridge_job(recipe: str, config_file: str | None, overrides: list[str], 
         except Exception as e:  # omegaconf / hydra errors: one line
             raise ValueError(f"bridge override: {' '.join(str(e).split())}") from None
     resolve_mixed_precision(cfg)
+    from .bridge_run import check_moe_recovery
+
+    check_moe_recovery(cfg, early.recovery)
     job = load_nutp([*bridge_keys(cfg), *checkpoint_keys(cfg), f"output.dir={OUTPUT_DIR}",
                      *nutp, *recovery_keys(cfg, early.recovery)],
                     tp=int(cfg.model.tensor_model_parallel_size))

@@ -93,8 +93,8 @@ def moe_of(provider: Any) -> Any:
 
 def check_moe(cfg: Any, plan: Any = None) -> None:
     """What NUTP's MoE layers do not run yet, one line naming the field (nothing without
-    ``model.num_moe_experts``): bf16/fp16, pipeline stages,
-    checkpoints (so recovery too); with ``plan``: each replica's degree (experts over its
+    ``model.num_moe_experts``): bf16/fp16, pipeline stages (recovery:
+    ``check_moe_recovery``); with ``plan``: each replica's degree (experts over its
     ranks, ``model.num_moe_experts``) and sequence parallelism at a degree above 1
     (megatron's ``MoELayer`` needs it)."""
     m = cfg.model
@@ -110,12 +110,15 @@ def check_moe(cfg: Any, plan: Any = None) -> None:
         raise ValueError(f"model.pipeline_model_parallel_size={m.pipeline_model_parallel_size}:"
                          f" not with {on} through nutp-bridge yet (Bridge's MoE metrics reduce "
                          "over megatron's pipeline group; untested here)")
-    for name in ("save", "load"):  # (recovery.* needs checkpoint.save: refused with it)
-        path = getattr(cfg.checkpoint, name, None)
-        if path:
-            raise ValueError(f"checkpoint.{name}={path}: {on} has no checkpoints yet (NUTP's "
-                             "store does not hold experts; megatron's MoE sharded keys are "
-                             "not built): set checkpoint.save=null checkpoint.load=null")
+    # checkpoint.save / load: NUTP's store writes megatron's MoE keys (checkpoint/sharding.py),
+    # not yet the distributed optimizer's expert slices (sync/zero.py refuses them at save time)
+    if cfg.optimizer.use_distributed_optimizer or cfg.ddp.use_distributed_optimizer:
+        for name in ("save", "load"):
+            path = getattr(cfg.checkpoint, name, None)
+            if path:
+                raise ValueError(f"checkpoint.{name}={path}: not with {on} and "
+                                 "optimizer.use_distributed_optimizer=true yet (the experts' "
+                                 "optimizer slices are not in the checkpoint format)")
     if plan is None:
         return
     for degree in sorted({d for rep in plan.replicas for d in rep.tp}):
@@ -124,6 +127,16 @@ def check_moe(cfg: Any, plan: Any = None) -> None:
             raise ValueError(f"model.sequence_parallel=False: {on} needs it at a replica of "
                              f"degree {degree} (megatron's MoE layer refuses TP > 1 without "
                              "it; its experts are spread over the replica's TP group)")
+
+
+def check_moe_recovery(cfg: Any, recovery: Any) -> None:
+    """``recovery.enabled=true`` with MoE: one line naming it (the live re-layout does not move
+    experts yet; the restart path is untested with MoE)."""
+    moe = moe_of(cfg.model)
+    if moe is not None and recovery.enabled:
+        raise ValueError(f"recovery.enabled=True: not with NUTP MoE ({moe.num_moe_experts} "
+                         "experts) yet (the live re-layout does not move experts; the restart "
+                         "path is untested with MoE): set recovery.enabled=false")
 
 
 def _activation_name(func: Any) -> str:

@@ -4,8 +4,7 @@ recipe in one process (``bridge_stock.stock_rank``), each recording every router
 
 The stock run starts from NUTP's initial weights (``moe_reference.initial_weight``: a pure
 function of seed and name, global expert index in expert names), set in Bridge's stock
-``GPTModel`` before its optimizer exists. (NUTP cannot load a stock MoE checkpoint yet: that
-needs megatron's MoE sharded keys, docs/moe.md.)
+``GPTModel`` before its optimizer exists.
 """
 
 from __future__ import annotations

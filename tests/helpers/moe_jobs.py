@@ -329,14 +329,15 @@ def layout_errors(ref: dict[str, Any], rec: dict[str, Any]) -> dict[str, Any]:
     gequal = all(torch.equal(r[k], rec["grads"][0][k]) for r in rec["grads"][1:]
                  for k in rec["grads"][0]
                  if ".experts." in k or ".router." in k or "norm" in k)
+    mtp_ref = ref.get("mtp_losses", [])  # per step, one per MTP layer ([] without MTP)
     return {
         "loss": [abs(a - b) / abs(b) for a, b in zip(rec["losses"], ref["losses"], strict=True)],
         "grad_norm": [abs(a - b) / abs(b) for a, b in zip(rec["grad_norms"],
                                                          ref["grad_norms"], strict=True)],
         "aux": [abs(a - b) / abs(b) for a, b in zip(rec["aux_losses"], ref["aux_losses"],
                                                    strict=True)],
-        "mtp": [abs(a - b) / abs(b) for x, y in zip(rec.get("mtp_losses", []),
-                                                    ref.get("mtp_losses", []), strict=True)
+        "mtp": [abs(a - b) / abs(b) for x, y in zip(rec.get("mtp_losses", [[] for _ in mtp_ref]),
+                                                    mtp_ref, strict=True)
                 for a, b in zip(x, y, strict=True)],
         "grads": worst(rec["grads"][0], ref["grads"]),
         "params": worst(reps[0], ref["params"]),

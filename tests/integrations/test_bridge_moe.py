@@ -70,18 +70,21 @@ REFUSED = [
     ("model.moe_layer_freq=2", "model.moe_layer_freq="),
     ("model.expert_model_parallel_size=2", "model.expert_model_parallel_size="),
     ("mixed_precision=bf16_mixed", "model.bf16=True"),
-    ("checkpoint.save=/tmp/nutp_moe_ckpt", "checkpoint.save=/tmp/nutp_moe_ckpt"),
     ("model.pipeline_model_parallel_size=2", "model.pipeline_model_parallel_size=2"),
+    ("recovery.enabled=true", "recovery.enabled=True"),
+    ("optimizer.use_distributed_optimizer=true checkpoint.save=/tmp/nutp_moe_ckpt",
+     "checkpoint.save=/tmp/nutp_moe_ckpt"),
 ]
 
 
 def test_moe_settings_nutp_does_not_build_are_refused_by_name() -> None:
     """The MoE settings the first slice did not build (shared experts, z-loss, capacity factor,
     sigmoid routing, expert bias, the sequence aux loss, MoE layer frequency, expert parallelism
-    outside the replica) and what NUTP's MoE does not run yet (bf16, checkpoints; the
-    distributed optimizer runs: ``test_bridge_moe_zero.py``), each set on the shrunk recipe:
-    one line naming it, before any process group; at a layout, sequence parallelism off at
-    TP2 is named too. The recipe itself passes."""
+    outside the replica) and what NUTP's MoE does not run yet (bf16, pipeline stages,
+    recovery; the distributed optimizer runs: ``test_bridge_moe_zero.py``; checkpoints:
+    ``test_bridge_moe_checkpoint.py``), each set on the shrunk recipe: one line naming it,
+    before any process group; at a layout, sequence parallelism off at TP2 is named too. The
+    recipe itself passes."""
     from nemo_nutp.config import plan_request
     from nemo_nutp.integrations.bridge_run import check_moe
     from nemo_nutp.layout import build_plan
@@ -91,7 +94,7 @@ def test_moe_settings_nutp_does_not_build_are_refused_by_name() -> None:
     check_moe(job.bridge, build_plan(plan_request(job.nutp)))
     for override, named in REFUSED:
         with pytest.raises(ValueError) as e:
-            load([*NUTP, override])
+            load([*NUTP, *override.split()])
         msg = str(e.value)
         assert named in msg and "\n" not in msg, (override, msg)
     job = load([*NUTP, "model.sequence_parallel=false"])
