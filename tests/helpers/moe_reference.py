@@ -55,9 +55,38 @@ class MoEShape:
     moe_router_score_function: str = "softmax"
     moe_router_dtype: str = "fp32"
     moe_token_dispatcher_type: str = "alltoall"
+    # DeepSeek-V3 routing (issue #34); the defaults are megatron's (off)
+    moe_router_enable_expert_bias: bool = False
+    moe_router_bias_update_rate: float = 1e-3
+    moe_router_num_groups: int | None = None
+    moe_router_group_topk: int | None = None
+    moe_router_topk_scaling_factor: float | None = None
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_layer_freq: int | tuple[int, ...] = 1  # megatron's list as a tuple
 
     def fields(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "moe_grouped_gemm": False}
+        out = {**dataclasses.asdict(self), "moe_grouped_gemm": False}
+        if not isinstance(self.moe_layer_freq, int):
+            out["moe_layer_freq"] = list(self.moe_layer_freq)
+        return out
+
+
+DEEPSEEK_V3_MOE: dict[str, Any] = dict(QWEN3_MOE, num_layers=3)
+"""The dense part of the tiny DeepSeek-V3-shaped routing case (GQA attention: MLA is not
+this case's): 3 layers, the first dense (``DEEPSEEK_V3_ROUTING``)."""
+
+DEEPSEEK_V3_ROUTING = MoEShape(
+    num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=16,
+    moe_aux_loss_coeff=1e-2, moe_router_load_balancing_type="aux_loss",
+    moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+    moe_router_bias_update_rate=1e-2, moe_router_num_groups=4, moe_router_group_topk=2,
+    moe_router_topk_scaling_factor=2.5, moe_shared_expert_intermediate_size=64,
+    moe_layer_freq=(0, 1, 1))
+"""DeepSeek-V3's routing in miniature: sigmoid scores with the aux-loss-free expert bias
+(update rate raised from DeepSeek's 1e-3 so the bias moves routing within 4 steps), 8 experts
+in 4 groups, top-2 from the best 2 groups, the routed weights scaled by 2.5, one shared expert
+(its intermediate size the dense FFN's: NUTP builds it over the dense FFN's units), the first
+layer dense."""
 
 
 @dataclass(frozen=True)
@@ -139,8 +168,14 @@ def build(case: MoECase) -> tuple[Any, Any, Any]:
 
     d = dims(case)
     config = moe_config(case)
-    spec = get_gpt_layer_local_spec(num_experts=case.moe.num_moe_experts, moe_grouped_gemm=False,
-                                    qk_layernorm=d.qk_layernorm, normalization=d.normalization)
+    spec: Any = get_gpt_layer_local_spec(num_experts=case.moe.num_moe_experts,
+                                         moe_grouped_gemm=False, qk_layernorm=d.qk_layernorm,
+                                         normalization=d.normalization)
+    if case.moe.moe_layer_freq != 1:  # dense and MoE layers: megatron's own block spec
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
+                                          normalization=d.normalization)
     model = GPTModel(config, spec, vocab_size=d.vocab_size, max_sequence_length=d.seq_length,
                      position_embedding_type=d.position_embedding_type,
                      rotary_base=d.rotary_base,
@@ -184,6 +219,12 @@ def record_routing(model: Any) -> list[torch.Tensor]:
     return maps
 
 
+def expert_biases(model: Any) -> dict[str, torch.Tensor]:
+    """Every router's ``expert_bias`` buffer by its global name (``...mlp.router``)."""
+    return {normalize_name(k).removesuffix(".expert_bias"): b.detach().clone()
+            for k, b in model.named_buffers() if k.endswith("expert_bias")}
+
+
 def run_moe_reference(case: MoECase) -> dict[str, Any]:
     """Train ``case`` on stock megatron-core (TP1, EP1, this process); see the module doc."""
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
@@ -208,6 +249,15 @@ def run_moe_reference(case: MoECase) -> dict[str, Any]:
                 (loss / n).backward()
             total += float(loss.detach())
         ddp.finish_grad_sync()
+        if case.moe.moe_router_enable_expert_bias:  # what finalize_model_grads does next
+            from megatron.core.distributed.finalize_model_grads import (
+                _update_router_expert_bias,
+                reset_model_temporary_tensors,
+            )
+
+            _update_router_expert_bias([model], model.config)
+            reset_model_temporary_tensors(model.config, [model])
+            out.setdefault("expert_bias", []).append(expert_biases(model))
         if step == 0:
             out["grads"] = {normalize_name(k): p.main_grad.detach().float().clone()
                             for k, p in ddp.named_parameters()}
