@@ -28,9 +28,18 @@ its own tokens' probabilities with the replica's token counts (summed over ``tp_
 replica's token total, so summed over the replica every token counts once, not once per TP rank.
 Its gradient scale is the main loss's (``MoEAuxLossAutoScaler.set_loss_scale``, per micro-batch).
 
-Not built yet (refused by the builders here): capacity factor / token dropping, shared experts,
-the global and sequence aux losses, grouped GEMM, the gradient sync of expert weights across
-replicas (``sync/ddp.py`` still refuses expert-parallel parameters).
+DeepSeek-V3 routing (megatron's router, unchanged): sigmoid scores, group-limited top-k, top-k
+scaling, the sequence aux loss and the z-loss are per token or reduced over ``tp_cp`` as above.
+The aux-loss-free expert bias is a replicated buffer; its update (``update_expert_bias``, run by
+``train_step`` after the gradient sync, as megatron's ``finalize_model_grads``) sums the token
+counts over the stage of *all* replicas (NUTP's data parallelism is not megatron's), so every
+rank applies the same update as one process. A shared expert (``NUTPSharedExpertMLP``) is a
+dense MLP over this rank's dense FFN units, tagged and synchronised like a dense MLP, so its
+intermediate size must equal ``ffn_hidden_size``. ``moe_layer_freq`` mixes dense (``NUTPMLP``)
+and MoE layers.
+
+Not built yet (refused by the builders here): capacity factor / token dropping, a shared expert
+of another size than the dense FFN, the shared-expert gate, the global aux loss, grouped GEMM.
 """
 
 from __future__ import annotations
@@ -72,6 +81,7 @@ class MoEDims:
     moe_router_topk_scaling_factor: float | None = None
     moe_shared_expert_intermediate_size: int | None = None
     moe_layer_freq: int | tuple[int, ...] = 1  # megatron's int or list (a tuple here)
+    moe_z_loss_coeff: float | None = None
 
     def moe_layers(self, num_layers: int) -> list[bool]:
         """Which layers are MoE (megatron's ``moe_layer_freq``: every N-th from layer 0, or a
@@ -92,10 +102,10 @@ class MoEDims:
         if self.moe_token_dispatcher_type != "alltoall":
             raise ValueError(f"model.moe_token_dispatcher_type="
                              f"{self.moe_token_dispatcher_type!r}: NUTP MoE builds 'alltoall'")
-        if self.moe_router_load_balancing_type not in ("aux_loss", "none"):
+        if self.moe_router_load_balancing_type not in ("aux_loss", "seq_aux_loss", "none"):
             raise ValueError(f"model.moe_router_load_balancing_type="
                              f"{self.moe_router_load_balancing_type!r}: NUTP MoE builds "
-                             "'aux_loss' or 'none' so far")
+                             "'aux_loss', 'seq_aux_loss' or 'none' so far")
         if not 1 <= self.moe_router_topk <= self.num_moe_experts:
             raise ValueError(f"model.moe_router_topk={self.moe_router_topk}: must be in "
                              f"[1, {self.num_moe_experts}]")

@@ -63,6 +63,7 @@ class MoEShape:
     moe_router_topk_scaling_factor: float | None = None
     moe_shared_expert_intermediate_size: int | None = None
     moe_layer_freq: int | tuple[int, ...] = 1  # megatron's list as a tuple
+    moe_z_loss_coeff: float | None = None
 
     def fields(self) -> dict[str, Any]:
         out = {**dataclasses.asdict(self), "moe_grouped_gemm": False}
@@ -77,16 +78,19 @@ this case's): 3 layers, the first dense (``DEEPSEEK_V3_ROUTING``)."""
 
 DEEPSEEK_V3_ROUTING = MoEShape(
     num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=16,
-    moe_aux_loss_coeff=1e-2, moe_router_load_balancing_type="aux_loss",
+    moe_aux_loss_coeff=1e-2, moe_router_load_balancing_type="seq_aux_loss",
     moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
-    moe_router_bias_update_rate=1e-2, moe_router_num_groups=4, moe_router_group_topk=2,
+    moe_router_bias_update_rate=1e-2, moe_router_num_groups=2, moe_router_group_topk=1,
     moe_router_topk_scaling_factor=2.5, moe_shared_expert_intermediate_size=64,
-    moe_layer_freq=(0, 1, 1))
-"""DeepSeek-V3's routing in miniature: sigmoid scores with the aux-loss-free expert bias
+    moe_layer_freq=(0, 1, 1), moe_z_loss_coeff=1e-3)
+"""DeepSeek-V3's routing in miniature: the sequence-level load-balancing loss (coefficient
+raised from DeepSeek's 1e-4 to be live), sigmoid scores with the aux-loss-free expert bias
 (update rate raised from DeepSeek's 1e-3 so the bias moves routing within 4 steps), 8 experts
-in 4 groups, top-2 from the best 2 groups, the routed weights scaled by 2.5, one shared expert
-(its intermediate size the dense FFN's: NUTP builds it over the dense FFN's units), the first
-layer dense."""
+in 2 groups, top-2 from the best group by its top-2 scores (DeepSeek's 8 groups, best 4, do not
+fit 8 experts; top-2 from the best 2 of 4 groups would always equal the plain top-2), the routed
+weights scaled by 2.5, one shared expert (its intermediate size the dense FFN's: NUTP builds it
+over the dense FFN's units), the first layer dense; and the router z-loss (not DeepSeek's;
+exercised here at 1e-3)."""
 
 
 @dataclass(frozen=True)
@@ -153,8 +157,10 @@ def aux_loss_of_step(num_microbatches: int) -> float:
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
     tracker = get_moe_metrics_tracker()
-    entry = tracker.metrics.get("load_balancing_loss")
-    value = 0.0 if entry is None else float(entry.values.sum()) / num_microbatches
+    value = 0.0
+    for name in ("load_balancing_loss", "seq_load_balancing_loss"):  # the type's (one is set)
+        entry = tracker.metrics.get(name)
+        value += 0.0 if entry is None else float(entry.values.sum()) / num_microbatches
     tracker.clear()
     return value
 
