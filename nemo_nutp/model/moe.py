@@ -410,8 +410,10 @@ def update_expert_bias(model: Any) -> None:
                and m.training and not getattr(m, "frozen_expert_bias", False)]
     if not routers:
         return
-    group = routers[0].nutp_count_group
-    assert all(r.nutp_count_group is group for r in routers)
+    group = getattr(routers[0], "nutp_count_group", None)
+    if group is None or any(getattr(r, "nutp_count_group", None) is not group for r in routers):
+        raise RuntimeError("model.moe_router_enable_expert_bias=True: a router without NUTP's "
+                           "count group (build the model with build_moe_gpt_model)")
     counts = torch.stack([r.local_tokens_per_expert for r in routers])
     bias = torch.stack([r.expert_bias for r in routers])
     new = get_updated_expert_bias(counts, bias, routers[0].config.moe_router_bias_update_rate,
