@@ -48,6 +48,9 @@ _KIND_OF = (
     (r"mlp\.linear_fc1\.weight$", "fc1_weight"),
     (r"mlp\.linear_fc1\.bias$", "fc1_bias"),
     (r"mlp\.linear_fc2\.weight$", "fc2_weight"),
+    # a MoE layer's shared expert: its FFN columns are the dense FFN's units (model/moe.py)
+    (r"mlp\.shared_experts\.linear_fc1\.weight$", "fc1_weight"),
+    (r"mlp\.shared_experts\.linear_fc2\.weight$", "fc2_weight"),
 )
 
 

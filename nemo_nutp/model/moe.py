@@ -35,9 +35,18 @@ stage after each forward (loss scale / the replica's micro-batches); megatron's 
 rank holds only its stage's layers (``tests/helpers/moe_pipeline_jobs.py`` sums it over the
 stages).
 
-Not built yet (refused by the builders here): capacity factor / token dropping, shared experts,
-the global and sequence aux losses, grouped GEMM, the gradient sync of expert weights across
-replicas (``sync/ddp.py`` still refuses expert-parallel parameters).
+DeepSeek-V3 routing (megatron's router, unchanged): sigmoid scores, group-limited top-k, top-k
+scaling, the sequence aux loss and the z-loss are per token or reduced over ``tp_cp`` as above.
+The aux-loss-free expert bias is a replicated buffer; its update (``update_expert_bias``, run by
+``train_step`` after the gradient sync, as megatron's ``finalize_model_grads``) sums the token
+counts over the stage of *all* replicas (NUTP's data parallelism is not megatron's), so every
+rank applies the same update as one process. A shared expert (``NUTPSharedExpertMLP``) is a
+dense MLP over this rank's dense FFN units, tagged and synchronised like a dense MLP, so its
+intermediate size must equal ``ffn_hidden_size``. ``moe_layer_freq`` mixes dense (``NUTPMLP``)
+and MoE layers.
+
+Not built yet (refused by the builders here): capacity factor / token dropping, a shared expert
+of another size than the dense FFN, the shared-expert gate, the global aux loss, grouped GEMM.
 """
 
 from __future__ import annotations
@@ -53,6 +62,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_layer import BaseMoELayer, MoELayer
+from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
 from ..layout import chunk_layers
@@ -74,6 +84,28 @@ class MoEDims:
     # multi-token prediction (``model/mtp.py``): None builds none
     mtp_num_layers: int | None = None
     mtp_loss_scaling_factor: float = 0.1
+    # DeepSeek-V3 routing (issue #34); the defaults are megatron's (off)
+    moe_router_enable_expert_bias: bool = False
+    moe_router_bias_update_rate: float = 1e-3
+    moe_router_num_groups: int | None = None
+    moe_router_group_topk: int | None = None
+    moe_router_topk_scaling_factor: float | None = None
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_layer_freq: int | tuple[int, ...] = 1  # megatron's int or list (a tuple here)
+    moe_z_loss_coeff: float | None = None
+
+    def moe_layers(self, num_layers: int) -> list[bool]:
+        """Which layers are MoE (megatron's ``moe_layer_freq``: every N-th from layer 0, or a
+        0/1 list per layer)."""
+        f = self.moe_layer_freq
+        if isinstance(f, int):
+            if f < 1:
+                raise ValueError(f"model.moe_layer_freq={f}: must be >= 1")
+            return [i % f == 0 for i in range(num_layers)]
+        if len(f) != num_layers or any(x not in (0, 1) for x in f):
+            raise ValueError(f"model.moe_layer_freq={list(f)}: must be {num_layers} entries of "
+                             "0 (dense) or 1 (MoE)")
+        return [x == 1 for x in f]
 
     def check(self, degree: int) -> None:
         """``ValueError`` naming the field for what this module does not build."""
@@ -81,16 +113,19 @@ class MoEDims:
         if self.moe_token_dispatcher_type != "alltoall":
             raise ValueError(f"model.moe_token_dispatcher_type="
                              f"{self.moe_token_dispatcher_type!r}: NUTP MoE builds 'alltoall'")
-        if self.moe_router_load_balancing_type not in ("aux_loss", "none"):
+        if self.moe_router_load_balancing_type not in ("aux_loss", "seq_aux_loss", "none"):
             raise ValueError(f"model.moe_router_load_balancing_type="
                              f"{self.moe_router_load_balancing_type!r}: NUTP MoE builds "
-                             "'aux_loss' or 'none' so far")
+                             "'aux_loss', 'seq_aux_loss' or 'none' so far")
         if not 1 <= self.moe_router_topk <= self.num_moe_experts:
             raise ValueError(f"model.moe_router_topk={self.moe_router_topk}: must be in "
                              f"[1, {self.num_moe_experts}]")
 
     def config_fields(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "moe_grouped_gemm": False}
+        out = {**dataclasses.asdict(self), "moe_grouped_gemm": False}
+        if not isinstance(self.moe_layer_freq, int):
+            out["moe_layer_freq"] = list(self.moe_layer_freq)
+        return out
 
 
 def moe_pg_collection(pgs: ProcessGroupCollection, *, single: Any,
@@ -188,10 +223,6 @@ class NUTPMoELayer(MoELayer, _UnevenExperts):
     def __init__(self, config: Any, submodules: Any = None, layer_number: int | None = None,
                  pg_collection: ProcessGroupCollection | None = None,
                  is_mtp_layer: bool = False, name: str | None = None) -> None:
-        if config.moe_shared_expert_intermediate_size is not None:
-            raise ValueError("model.moe_shared_expert_intermediate_size="
-                             f"{config.moe_shared_expert_intermediate_size}: shared experts "
-                             "are not built with NUTP MoE yet")
         # megatron's stock all-to-all dispatcher cannot be built for uneven experts (its chunk
         # orders reshape [E] by the local count); the layer is built with the all-gather one
         # (whose constructor only stores the expert range) and NUTP's replaces it below.
@@ -206,16 +237,52 @@ class NUTPMoELayer(MoELayer, _UnevenExperts):
             pg_collection=pg_collection)
         for i, expert in enumerate(self.experts.local_experts):
             expert.nutp_expert = self.local_expert_indices[i]
+        if self.shared_experts is not None and not isinstance(self.shared_experts,
+                                                              NUTPSharedExpertMLP):
+            raise TypeError("model.moe_shared_expert_intermediate_size: the layer spec must build "
+                            "NUTPSharedExpertMLP (nutp_moe_layer_spec), not megatron's "
+                            f"{type(self.shared_experts).__name__}")
 
 
-def nutp_moe_submodule(mlp: Any) -> Any:
+class NUTPSharedExpertMLP(SharedExpertMLP):
+    """megatron's shared expert over this rank's columns of the dense FFN unit space: its
+    ``linear_fc1``/``linear_fc2`` are tagged and synchronised like a dense MLP's
+    (``build.param_kind``), so its intermediate size is the dense ``ffn_hidden_size``."""
+
+    def __init__(self, config: Any, submodules: Any, gate: bool,
+                 pg_collection: ProcessGroupCollection | None = None, name: str | None = None,
+                 *, nutp_local_ffn: int) -> None:
+        if gate:
+            raise ValueError("model.moe_shared_expert_gate=True: not built with NUTP MoE yet")
+        if config.moe_shared_expert_overlap:
+            raise ValueError("model.moe_shared_expert_overlap=True: not built with NUTP MoE")
+        assert pg_collection is not None
+        cfg = copy.copy(config)
+        cfg.moe_shared_expert_intermediate_size = nutp_local_ffn * pg_collection.tp.size()
+        super().__init__(cfg, submodules, gate, pg_collection, name)
+
+
+def _shared_expert_builder(*, submodules: Any, local_ffn: int, config: Any,
+                           pg_collection: Any, gate: bool, name: str | None = None) -> Any:
+    return NUTPSharedExpertMLP(config, submodules, gate, pg_collection, name,
+                               nutp_local_ffn=local_ffn)
+
+
+def nutp_moe_submodule(mlp: Any, *, shared_local_ffn: int | None = None) -> Any:
     """A 0.19 local spec's MoE ``mlp`` entry (``partial(MoELayer, submodules=...)``) rebuilt to
-    construct ``NUTPMoELayer``."""
+    construct ``NUTPMoELayer``; with ``shared_local_ffn`` its shared expert is
+    ``NUTPSharedExpertMLP`` over that many FFN columns."""
     import functools
 
     if not (isinstance(mlp, functools.partial) and mlp.func is MoELayer):
         raise TypeError(f"not a megatron-core 0.19 MoE layer spec entry: {mlp!r}")
-    return functools.partial(NUTPMoELayer, *mlp.args, **mlp.keywords)
+    keywords = dict(mlp.keywords)
+    if shared_local_ffn is not None:
+        sub = keywords["submodules"]
+        keywords["submodules"] = dataclasses.replace(sub, shared_experts=functools.partial(
+            _shared_expert_builder, submodules=sub.shared_experts.keywords["submodules"],
+            local_ffn=shared_local_ffn))
+    return functools.partial(NUTPMoELayer, *mlp.args, **keywords)
 
 
 def expert_global_name(name: str, local_to_global: list[int]) -> str:
@@ -258,13 +325,23 @@ def nutp_moe_layer_spec(model_cfg: Any, moe: MoEDims, *, degree: int, tp_rank: i
     ``SequentialMLP`` experts)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from .build import nutp_layer_spec
+    from .build import nutp_layer_spec, unit_range
 
     moe.check(degree)
     spec = nutp_layer_spec(model_cfg, degree=degree, tp_rank=tp_rank, tp_group=tp_group,
                            balance=balance)
     stock = get_gpt_layer_local_spec(num_experts=moe.num_moe_experts, moe_grouped_gemm=False)
-    spec.submodules.mlp = nutp_moe_submodule(stock.submodules.mlp)
+    shared = None
+    if moe.moe_shared_expert_intermediate_size is not None:
+        if moe.moe_shared_expert_intermediate_size != model_cfg.ffn_hidden_size:
+            raise ValueError(
+                "model.moe_shared_expert_intermediate_size="
+                f"{moe.moe_shared_expert_intermediate_size}: NUTP builds the shared expert over "
+                f"the dense FFN's units, so it must equal model.ffn_hidden_size="
+                f"{model_cfg.ffn_hidden_size} (a unit space of its own is not built yet)")
+        f0, f1 = unit_range(model_cfg, "fc1_weight", degree, tp_rank, balance)
+        shared = f1 - f0
+    spec.submodules.mlp = nutp_moe_submodule(stock.submodules.mlp, shared_local_ffn=shared)
     return spec
 
 
@@ -274,6 +351,9 @@ def check_moe_plan(plan: Any, moe: MoEDims) -> None:
     if plan.vp != 1:
         raise ValueError(f"parallel.virtual_pipeline_model_parallel_size={plan.vp}: NUTP MoE "
                          "builds no virtual pipeline stages yet")
+    if plan.pp > 1 and moe.moe_router_enable_expert_bias:
+        raise ValueError(f"model.moe_router_enable_expert_bias=True: not with {plan.pp} pipeline"
+                         " stages yet (the bias update runs in the one-stage step)")
     for degree in sorted({t for rep in plan.replicas for t in rep.tp}):
         moe.check(degree)
 
@@ -289,7 +369,7 @@ def build_moe_gpt_model(plan: Any, rank: int, model_cfg: Any, moe: MoEDims, grou
     parallelism (names and layer numbers global, as ``build_gpt_model``'s)."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    from .build import load_global_init, rope_kwargs, unit_range
+    from .build import load_global_init, nutp_layer_spec, rope_kwargs, unit_range
     from .init import init_param_
     from .layers import NUTPGPTModel, NUTPNorm
     from .mtp import check_mtp, nutp_mtp_block_spec
@@ -307,8 +387,13 @@ def build_moe_gpt_model(plan: Any, rank: int, model_cfg: Any, moe: MoEDims, grou
                          "parallelism at TP > 1 (NUTP MoE expert parallelism is the TP group)")
     layer = nutp_moe_layer_spec(model_cfg, moe, degree=degree, tp_rank=j, tp_group=pgs.tp,
                                 balance=balance)
+    dense = nutp_layer_spec(model_cfg, degree=degree, tp_rank=j, tp_group=pgs.tp,
+                            balance=balance)  # moe_layer_freq's 0 layers: NUTPMLP
     first, last = chunk_layers(model_cfg.num_layers, plan.pp, 1)[stage][0]
-    block = TransformerBlockSubmodules(layer_specs=[layer] * (last - first), layer_norm=NUTPNorm)
+    block = TransformerBlockSubmodules(
+        layer_specs=[layer if is_moe else dense
+                     for is_moe in moe.moe_layers(model_cfg.num_layers)[first:last]],
+        layer_norm=NUTPNorm)
     v0, v1 = unit_range(model_cfg, "word_embedding", degree, j, balance)
     fused = getattr(model_cfg, "cross_entropy_loss_fusion", False)  # as build_gpt_model
     model = NUTPGPTModel(config, block, vocab_range=(v0, v1),
@@ -328,6 +413,10 @@ def build_moe_gpt_model(plan: Any, rank: int, model_cfg: Any, moe: MoEDims, grou
     mtp = [m.mtp_model_layer for m in model.mtp.layers] if moe.mtp_num_layers else []
     for layer_mod in [*model.decoder.layers, *mtp]:
         mlp = layer_mod.mlp
+        if not isinstance(mlp, MoELayer):  # a dense layer (moe_layer_freq)
+            continue
+        if mlp.router.expert_bias is not None:  # the bias update's token counts: global
+            mlp.router.nutp_count_group = groups.stage  # type: ignore[attr-defined]
         for name, p in mlp.experts.named_parameters():
             local = int(name.split(".")[1])  # local_experts.<l>.<...>
             gname = expert_global_name(p.nutp_name, mlp.local_expert_indices)
@@ -339,3 +428,30 @@ def build_moe_gpt_model(plan: Any, rank: int, model_cfg: Any, moe: MoEDims, grou
             init_param_(p, name=gname, kind=None, units=None, dims=model_cfg, seed=seed,
                         std=std)
     return model
+
+
+def update_expert_bias(model: Any) -> None:
+    """megatron's aux-loss-free expert-bias update (``finalize_model_grads``'s
+    ``_update_router_expert_bias`` and ``reset_model_temporary_tensors``), once per step after
+    the gradient sync: every router's token counts summed over its ``nutp_count_group`` (the
+    stage over all replicas, set by ``build_moe_gpt_model``: each rank routes only its own
+    sequence shard, so the sum counts every token of the global batch once, as one process
+    does), megatron's ``get_updated_expert_bias`` applied, the counts zeroed. Every rank gets
+    the same bias bits (the same summed counts, the same update)."""
+    from megatron.core.transformer.moe.moe_utils import get_updated_expert_bias
+
+    routers = [m for m in model.modules() if getattr(m, "expert_bias", None) is not None
+               and m.training and not getattr(m, "frozen_expert_bias", False)]
+    if not routers:
+        return
+    group = getattr(routers[0], "nutp_count_group", None)
+    if group is None or any(getattr(r, "nutp_count_group", None) is not group for r in routers):
+        raise RuntimeError("model.moe_router_enable_expert_bias=True: a router without NUTP's "
+                           "count group (build the model with build_moe_gpt_model)")
+    counts = torch.stack([r.local_tokens_per_expert for r in routers])
+    bias = torch.stack([r.expert_bias for r in routers])
+    new = get_updated_expert_bias(counts, bias, routers[0].config.moe_router_bias_update_rate,
+                                  tp_dp_cp_group=group)
+    for r, b in zip(routers, new, strict=True):
+        r.expert_bias.copy_(b)
+        r.local_tokens_per_expert.zero_()

@@ -245,6 +245,10 @@ def train_step(model: Any, optimizer: Any, batches: list[MicroBatch], mask: torc
     if phase is not None:
         phase("sync")
     model.finish_grad_sync()
+    if getattr(getattr(model, "config", None), "moe_router_enable_expert_bias", False):
+        from ..model.moe import update_expert_bias  # megatron-core 0.19 (MoE)
+
+        update_expert_bias(model)  # as megatron's finalize_model_grads: after the grad sync
     if after_sync is not None:
         after_sync()
     if before_update is not None:

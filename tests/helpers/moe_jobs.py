@@ -237,11 +237,18 @@ def layout_run(case: MoECase, replicas: tuple[int, ...], control: str | None,
     if tweak is not None:
         tweak(s)
     ctx = s.groups.ctx
+    if control == "bias_per_replica":  # the expert-bias counts of this replica only
+        for m in s.gpt.modules():
+            if getattr(m, "expert_bias", None) is not None:
+                m.nutp_count_group = s.groups.tp
     maps = record_routing(s.gpt)
     rec: dict[str, Any] = {"losses": [], "grad_norms": [], "aux_losses": [], "flips": [],
-                           "norms_equal": True, "mtp_losses": []}
+                           "norms_equal": True, "mtp_losses": [], "expert_bias": [],
+                           "bias_equal": True}
     grads: list[Any] = []
-    L = case.model["num_layers"] + case.mtp_num_layers  # routers per micro-batch
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    L = sum(isinstance(m, TopKRouter) for m in s.gpt.modules())  # MoE layers (MTP's included)
     if control == "mtp_replica_count":
         _mtp_scale_per_replica(ctx.weight)
     for k in range(case.steps):
@@ -268,6 +275,14 @@ def layout_run(case: MoECase, replicas: tuple[int, ...], control: str | None,
         rec["flips"].append(int(t))
         rec["losses"].append(res.loss)
         rec["grad_norms"].append(res.grad_norm)
+        if moe.moe_router_enable_expert_bias:  # every rank's biases after the step
+            from .moe_reference import expert_biases
+
+            every: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(every, expert_biases(s.gpt))
+            rec["bias_equal"] &= all(e.keys() == every[0].keys() and all(
+                torch.equal(e[k], every[0][k]) for k in e) for e in every)
+            rec["expert_bias"].append(every)
     params = gather_replicas(s)
     _mtp_scale_per_replica(None)
     if dist.get_rank() != 0:

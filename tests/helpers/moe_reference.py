@@ -55,9 +55,42 @@ class MoEShape:
     moe_router_score_function: str = "softmax"
     moe_router_dtype: str = "fp32"
     moe_token_dispatcher_type: str = "alltoall"
+    # DeepSeek-V3 routing (issue #34); the defaults are megatron's (off)
+    moe_router_enable_expert_bias: bool = False
+    moe_router_bias_update_rate: float = 1e-3
+    moe_router_num_groups: int | None = None
+    moe_router_group_topk: int | None = None
+    moe_router_topk_scaling_factor: float | None = None
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_layer_freq: int | tuple[int, ...] = 1  # megatron's list as a tuple
+    moe_z_loss_coeff: float | None = None
 
     def fields(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "moe_grouped_gemm": False}
+        out = {**dataclasses.asdict(self), "moe_grouped_gemm": False}
+        if not isinstance(self.moe_layer_freq, int):
+            out["moe_layer_freq"] = list(self.moe_layer_freq)
+        return out
+
+
+DEEPSEEK_V3_MOE: dict[str, Any] = dict(QWEN3_MOE, num_layers=3)
+"""The dense part of the tiny DeepSeek-V3-shaped routing case (GQA attention: MLA is not
+this case's): 3 layers, the first dense (``DEEPSEEK_V3_ROUTING``)."""
+
+DEEPSEEK_V3_ROUTING = MoEShape(
+    num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=16,
+    moe_aux_loss_coeff=1e-2, moe_router_load_balancing_type="seq_aux_loss",
+    moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+    moe_router_bias_update_rate=1e-2, moe_router_num_groups=2, moe_router_group_topk=1,
+    moe_router_topk_scaling_factor=2.5, moe_shared_expert_intermediate_size=64,
+    moe_layer_freq=(0, 1, 1), moe_z_loss_coeff=1e-3)
+"""DeepSeek-V3's routing in miniature: the sequence-level load-balancing loss (coefficient
+raised from DeepSeek's 1e-4 to be live), sigmoid scores with the aux-loss-free expert bias
+(update rate raised from DeepSeek's 1e-3 so the bias moves routing within 4 steps), 8 experts
+in 2 groups, top-2 from the best group by its top-2 scores (DeepSeek's 8 groups, best 4, do not
+fit 8 experts; top-2 from the best 2 of 4 groups would always equal the plain top-2), the routed
+weights scaled by 2.5, one shared expert (its intermediate size the dense FFN's: NUTP builds it
+over the dense FFN's units), the first layer dense; and the router z-loss (not DeepSeek's;
+exercised here at 1e-3)."""
 
 
 @dataclass(frozen=True)
@@ -155,8 +188,10 @@ def aux_loss_of_step(num_microbatches: int) -> float:
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
     tracker = get_moe_metrics_tracker()
-    entry = tracker.metrics.get("load_balancing_loss")
-    value = 0.0 if entry is None else float(entry.values.sum()) / num_microbatches
+    value = 0.0
+    for name in ("load_balancing_loss", "seq_load_balancing_loss"):  # the type's (one is set)
+        entry = tracker.metrics.get(name)
+        value += 0.0 if entry is None else float(entry.values.sum()) / num_microbatches
     tracker.clear()
     return value
 
@@ -173,9 +208,17 @@ def build(case: MoECase) -> tuple[Any, Any, Any]:
 
     d = dims(case)
     config = moe_config(case)
-    spec = get_gpt_layer_local_spec(num_experts=case.moe.num_moe_experts, moe_grouped_gemm=False,
-                                    qk_layernorm=d.qk_layernorm, normalization=d.normalization)
-    mtp = (get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False)
+    layer_spec: Any = get_gpt_layer_local_spec(num_experts=case.moe.num_moe_experts,
+                                               moe_grouped_gemm=False,
+                                               qk_layernorm=d.qk_layernorm,
+                                               normalization=d.normalization)
+    spec = layer_spec
+    if case.moe.moe_layer_freq != 1:  # dense and MoE layers: megatron's own block spec
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
+                                          normalization=d.normalization)
+    mtp = (get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=False)
            if case.mtp_num_layers else None)
     model = GPTModel(config, spec, mtp_block_spec=mtp, vocab_size=d.vocab_size,
                      max_sequence_length=d.seq_length,
@@ -221,6 +264,12 @@ def record_routing(model: Any) -> list[torch.Tensor]:
     return maps
 
 
+def expert_biases(model: Any) -> dict[str, torch.Tensor]:
+    """Every router's ``expert_bias`` buffer by its global name (``...mlp.router``)."""
+    return {normalize_name(k).removesuffix(".expert_bias"): b.detach().clone()
+            for k, b in model.named_buffers() if k.endswith("expert_bias")}
+
+
 def run_moe_reference(case: MoECase) -> dict[str, Any]:
     """Train ``case`` on stock megatron-core (TP1, EP1, this process); see the module doc."""
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
@@ -248,6 +297,15 @@ def run_moe_reference(case: MoECase) -> dict[str, Any]:
                 (loss / n).backward()
             total += float(loss.detach())
         ddp.finish_grad_sync()
+        if case.moe.moe_router_enable_expert_bias:  # what finalize_model_grads does next
+            from megatron.core.distributed.finalize_model_grads import (
+                _update_router_expert_bias,
+                reset_model_temporary_tensors,
+            )
+
+            _update_router_expert_bias([model], model.config)
+            reset_model_temporary_tensors(model.config, [model])
+            out.setdefault("expert_bias", []).append(expert_biases(model))
         if step == 0:
             out["grads"] = {normalize_name(k): p.main_grad.detach().float().clone()
                             for k, p in ddp.named_parameters()}

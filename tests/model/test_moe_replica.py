@@ -67,8 +67,8 @@ def test_moe_dims_refuse_what_is_not_built() -> None:
         ok.check(9)
     for field, value, match in (
             ("moe_token_dispatcher_type", "allgather", "moe_token_dispatcher_type='allgather'"),
-            ("moe_router_load_balancing_type", "seq_aux_loss",
-             "moe_router_load_balancing_type='seq_aux_loss'"),
+            ("moe_router_load_balancing_type", "global_aux_loss",
+             "moe_router_load_balancing_type='global_aux_loss'"),
             ("moe_router_topk", 9, "moe_router_topk=9")):
         bad = MoEDims(**{**ok.__dict__, field: value})
         with pytest.raises(ValueError, match=f"model.{match}"):
