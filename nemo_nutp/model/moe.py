@@ -257,11 +257,13 @@ def nutp_moe_layer_spec(model_cfg: Any, moe: MoEDims, *, degree: int, tp_rank: i
 
 
 def build_moe_gpt_model(plan: Any, rank: int, model_cfg: Any, moe: MoEDims, groups: Any, *,
-                        seed: int = 1234) -> Any:
+                        seed: int = 1234, mla: Any = None) -> Any:
     """This rank's NUTP GPT model with a MoE MLP in every layer (one pipeline stage, fp32):
     ``build.build_gpt_model``'s model with ``nutp_moe_layer_spec`` layers, initialised from the
     global weights; each local expert's tensors from its *global* name
-    (``...local_experts.<global index>...``), tagged ``nutp_expert`` and ``nutp_name``."""
+    (``...local_experts.<global index>...``), tagged ``nutp_expert`` and ``nutp_name``.
+    ``mla`` (``model.mla.MLADims``): multi-latent attention over this rank's heads
+    (``NUTPMLASelfAttention``) instead of GQA."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     from .build import load_global_init, rope_kwargs, unit_range
@@ -281,6 +283,14 @@ def build_moe_gpt_model(plan: Any, rank: int, model_cfg: Any, moe: MoEDims, grou
                          "parallelism at TP > 1 (NUTP MoE expert parallelism is the TP group)")
     layer = nutp_moe_layer_spec(model_cfg, moe, degree=degree, tp_rank=j, tp_group=pgs.tp,
                                 balance=balance)
+    if mla is not None:
+        from .mla import mla_transformer_config, nutp_mla_attention_spec
+
+        mla.check(model_cfg)
+        config = mla_transformer_config(config, mla)
+        h0, h1 = unit_range(model_cfg, "qkv_weight", degree, j, balance)
+        layer.submodules.self_attention = nutp_mla_attention_spec(local_heads=h1 - h0,
+                                                                  single=groups.single)
     block = TransformerBlockSubmodules(layer_specs=[layer] * model_cfg.num_layers,
                                        layer_norm=NUTPNorm)
     v0, v1 = unit_range(model_cfg, "word_embedding", degree, j, balance)
@@ -296,6 +306,10 @@ def build_moe_gpt_model(plan: Any, rank: int, model_cfg: Any, moe: MoEDims, grou
     std = getattr(model_cfg, "init_std", 0.02)
     load_global_init(model, model_cfg, degree=degree, tp_rank=j, seed=seed, std=std,
                      balance=balance)
+    if mla is not None:
+        from .mla import init_mla_params
+
+        init_mla_params(model, model_cfg, mla, heads=(h0, h1), seed=seed, std=std)
     for layer_mod in model.decoder.layers:
         mlp = layer_mod.mlp
         for name, p in mlp.experts.named_parameters():

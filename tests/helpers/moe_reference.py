@@ -71,6 +71,7 @@ class MoECase:
     lr: float = 1e-3
     clip_grad: float = 0.05  # below the tiny model's grad norms: every step clips
     seed: int = 1234
+    mla: Any = None  # mla_reference.MLAShape: multi-latent attention (model: DSV3_MLA)
 
 
 def dims(case: MoECase) -> Any:
@@ -87,6 +88,10 @@ def moe_config(case: MoECase, *, tp: int = 1, sequence_parallel: bool = False) -
     from .reference import _config
 
     base = _config(SimpleNamespace(precision="fp32"), dims(case))
+    if case.mla is not None:
+        from .mla_reference import mla_config
+
+        base = mla_config(base, case.mla)
     return dataclasses.replace(base, tensor_model_parallel_size=tp,
                                sequence_parallel=sequence_parallel, **case.moe.fields())
 
@@ -141,6 +146,11 @@ def build(case: MoECase) -> tuple[Any, Any, Any]:
     config = moe_config(case)
     spec = get_gpt_layer_local_spec(num_experts=case.moe.num_moe_experts, moe_grouped_gemm=False,
                                     qk_layernorm=d.qk_layernorm, normalization=d.normalization)
+    if case.mla is not None:
+        from .mla_reference import mla_layer_spec
+
+        spec = mla_layer_spec(case.moe.num_moe_experts, qk_layernorm=d.qk_layernorm,
+                              normalization=d.normalization)
     model = GPTModel(config, spec, vocab_size=d.vocab_size, max_sequence_length=d.seq_length,
                      position_embedding_type=d.position_embedding_type,
                      rotary_base=d.rotary_base,
