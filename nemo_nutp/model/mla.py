@@ -30,13 +30,15 @@ the four projections and two norms as ``MLASelfAttention.__init__`` does, but wi
 down-projections over the rank alone (megatron's constructor accepts only its own linear
 classes there, checked by identity). The forward is megatron's.
 
-Initialisation: the sharded MLA weights are rows of their global tensor
-(``init.init_global`` with ``kind=None``, one row a unit of the init), a pure function of
-(seed, name): every replica starts from the same model whatever its degree.
+Layout: the model's shape fields (``model.kv_lora_rank`` etc., ``layout.specs.ModelDims``) give
+the up-projections their unit kinds (``layout.units``: ``mla_q_weight``, ``mla_kv_up_weight``,
+rows, in the ``qg`` space), so initialisation, the cross-replica gradient sync and assembly
+treat them as they treat the fused QKV weight; the down-projections and latent norms are in
+``replicated_shapes``.
 
-Not built yet: MLA in ``nutp-train``'s config and in the layout's unit kinds (the cross-replica
-gradient sync and the memory model know GQA kinds only: MLA runs inside one replica so far),
-the TE spec, fused RoPE, ``cache_mla_latents``, DSA.
+Not built yet: MLA in ``nutp-train`` (refused by name) and through ``nutp-bridge``, the TE
+spec, fused RoPE, ``cache_mla_latents``, DSA; the layout's cost model still prices a head as a
+GQA query group.
 """
 
 from __future__ import annotations
@@ -46,7 +48,6 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.multi_latent_attention import (
@@ -77,7 +78,13 @@ class MLADims:
     mscale_all_dim: float = 0.0
 
     def check(self, model_cfg: Any) -> None:
-        """``ValueError`` naming the field for what this module does not build."""
+        """``ValueError`` naming the field for what this module does not build, or where the
+        model's MLA shape (what the layout reads) differs from these settings."""
+        for name in ("kv_lora_rank", "q_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+                     "v_head_dim"):
+            if getattr(model_cfg, name, None) != getattr(self, name):
+                raise ValueError(f"model.{name}={getattr(model_cfg, name, None)!r}: must be the "
+                                 f"MLA setting {getattr(self, name)!r}")
         for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -221,43 +228,3 @@ class NUTPMLASelfAttention(MLASelfAttention):
                                                     eps=c.layernorm_epsilon)
         self.kv_layernorm = layer["kv_layernorm"](hidden_size=c.kv_lora_rank, config=c,
                                                   eps=c.layernorm_epsilon)
-
-
-MLA_UP = {"linear_q_proj": "q", "linear_q_up_proj": "q", "linear_kv_up_proj": "kv"}
-"""The MLA weights sharded by head (rows), by the width of one head's rows."""
-
-
-def head_rows(mla: MLADims, which: str) -> int:
-    """Rows of one head in ``linear_q_(up_)proj`` ('q') or ``linear_kv_up_proj`` ('kv')."""
-    if which == "q":
-        return mla.qk_head_dim + mla.qk_pos_emb_head_dim
-    return mla.qk_head_dim + mla.v_head_dim
-
-
-def mla_up_kind(name: str) -> str | None:
-    """'q' / 'kv' for an MLA up-projection weight name, else None."""
-    for key, which in MLA_UP.items():
-        if name.endswith(f"self_attention.{key}.weight"):
-            return which
-    return None
-
-
-def init_mla_params(model: torch.nn.Module, model_cfg: Any, mla: MLADims, *, heads: tuple[int,
-                    int], seed: int, std: float) -> None:
-    """Re-initialise this rank's MLA up-projection weights as rows of their global tensors
-    (``load_global_init`` gives the other MLA parameters — replicated: whole — and
-    ``linear_proj`` — the ``proj_weight`` kind — their values); tags them ``nutp_mla_heads``."""
-    from .init import init_global
-
-    h0, h1 = heads
-    with torch.no_grad():
-        for p in model.parameters():
-            which = mla_up_kind(getattr(p, "nutp_name", ""))
-            if which is None:
-                continue
-            rows = head_rows(mla, which)
-            n = model_cfg.num_attention_heads
-            full = init_global(p.nutp_name, None, model_cfg, seed, std,
-                               shape=(n * rows, p.shape[1]))
-            p.copy_(full[h0 * rows:h1 * rows])
-            p.nutp_mla_heads = heads  # type: ignore[attr-defined]

@@ -306,10 +306,6 @@ def build_moe_gpt_model(plan: Any, rank: int, model_cfg: Any, moe: MoEDims, grou
     std = getattr(model_cfg, "init_std", 0.02)
     load_global_init(model, model_cfg, degree=degree, tp_rank=j, seed=seed, std=std,
                      balance=balance)
-    if mla is not None:
-        from .mla import init_mla_params
-
-        init_mla_params(model, model_cfg, mla, heads=(h0, h1), seed=seed, std=std)
     for layer_mod in model.decoder.layers:
         mlp = layer_mod.mlp
         for name, p in mlp.experts.named_parameters():

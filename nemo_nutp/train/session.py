@@ -260,7 +260,8 @@ def build_session(plan: Plan, model_cfg: Any, *, lr: float, seed: int, micro_bat
                   device: torch.device | None = None, data_path: str | None = None,
                   distributed_optimizer: bool = False,
                   live_redundancy: bool = False, schedule: Schedule | None = None,
-                  valid_data_path: str | None = None, moe: Any = None) -> RankSession:
+                  valid_data_path: str | None = None, moe: Any = None,
+                  mla: Any = None) -> RankSession:
     """Collective over the world: create groups (unless given), the model, DDP and optimizer.
 
     bf16/fp16: the model is megatron's ``Float16Module`` around the NUTP GPT (half-precision
@@ -270,6 +271,7 @@ def build_session(plan: Plan, model_cfg: Any, *, lr: float, seed: int, micro_bat
     successful update); None: ``lr`` and ``weight_decay`` constant. ``moe``
     (``model.moe.MoEDims``, megatron-core 0.19, fp32, one stage): every layer's MLP is
     ``NUTPMoELayer`` (experts as units inside each replica, ``sync/experts.py`` across them).
+    ``mla`` (``model.mla.MLADims``, with ``moe`` only): multi-latent attention, heads as units.
     """
     opts = opts or StepOptions()
     prec = precision or Precision()
@@ -288,8 +290,12 @@ def build_session(plan: Plan, model_cfg: Any, *, lr: float, seed: int, micro_bat
                              f"(train.precision={prec.precision!r}, "
                              f"train.distributed_optimizer={distributed_optimizer})")
         pgs = moe_pg_collection(groups.pgs, single=groups.single, stage=groups.stage)
-        chunks = [build_moe_gpt_model(plan, ctx.rank, model_cfg, moe, groups, seed=seed)]
+        chunks = [build_moe_gpt_model(plan, ctx.rank, model_cfg, moe, groups, seed=seed,
+                                      mla=mla)]
     else:
+        if mla is not None:
+            raise ValueError("model.kv_lora_rank: multi-latent attention is built with MoE "
+                             "only so far (build_session(moe=...))")
         chunks = build_gpt_chunks(plan, ctx.rank, model_cfg, groups.pgs, seed=seed,
                                   precision=prec.precision)
     if device is not None:

@@ -4,8 +4,8 @@ trains step 0's whole global batch as the one process does and records the loss,
 load-balancing loss (summed over the TP group), every token's routing map and *every*
 gradient under its global name, assembled over the TP group:
 
-* sharded by head: the up-projections (rows, ``nutp_mla_heads``) and ``linear_proj``
-  (columns, the ``proj_weight`` kind), concatenated in rank order;
+* sharded by head: the up-projections (rows, the ``mla_q_weight`` / ``mla_kv_up_weight``
+  kinds) and ``linear_proj`` (columns, the ``proj_weight`` kind), concatenated in rank order;
 * the word embedding / output layer (vocab rows), the dense kinds, concatenated likewise;
 * experts: each by its global index, from its holder;
 * replicated (down-projections, latent norms, layer norms, router): summed over the TP group
@@ -95,8 +95,6 @@ def mla_replica_step(case: MoECase, degree: int, control: str | None) -> dict[st
         name = p.nutp_name
         if getattr(p, "nutp_expert", None) is not None:
             experts[name] = g
-        elif getattr(p, "nutp_mla_heads", None) is not None:
-            grads[name] = _cat(g, tp, 0)
         elif p.nutp_kind is not None:
             grads[name] = _cat(g, tp, PARAM_KINDS[p.nutp_kind].axis)
         else:  # replicated: partial sums under sequence parallel
@@ -148,3 +146,40 @@ def mla_errors(ref: dict[str, Any], res: dict[str, Any]) -> dict[str, Any]:
             "aux": abs(res["aux"] - ref["aux_losses"][0]) / abs(ref["aux_losses"][0]),
             "grads": errs, "worst": (errs[worst], worst), "flips": flips,
             "missing": sorted(set(want) - set(res["grads"]))}
+
+
+def _unsummed_down_projections() -> None:
+    """Negative control: the down-projections' weights not marked partial, so the gradient
+    sync does not sum them over the TP group (each rank keeps its own tokens' part)."""
+    import nemo_nutp.model.mla as mla
+
+    stock = mla._replicated_linear
+
+    def patched(*args: Any, **kwargs: Any) -> Any:
+        lin = stock(*args, **kwargs)
+        lin.weight.sequence_parallel = False
+        return lin
+
+    mla._replicated_linear = patched  # type: ignore[assignment]
+
+
+def mla_layout_worker(rank: int, world: int, port: int, case: MoECase,
+                      replicas: tuple[int, ...], controls: list[str | None], ref_path: str,
+                      outdir: str) -> None:
+    """``moe_jobs.layout_run`` of an MLA case per control (None, or ``down_unsummed``: last,
+    it patches this process), each record saved as ``moe_<layout>_<control>.pt``."""
+    from tests.helpers.dist import gloo_rank
+
+    from .moe_jobs import layout_run
+
+    def body() -> None:
+        ref = torch.load(ref_path, weights_only=False)
+        for control in controls:
+            if control == "down_unsummed":
+                _unsummed_down_projections()
+            rec = layout_run(case, replicas, None, ref)
+            if rec is not None:
+                name = "_".join(map(str, replicas))
+                torch.save(rec, os.path.join(outdir, f"moe_{name}_{control}.pt"))
+
+    gloo_rank(rank, world, port, outdir, body)

@@ -30,10 +30,12 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 DSV3_MLA: dict[str, Any] = dict(
     num_layers=2, hidden_size=32, num_attention_heads=8, num_query_groups=8, kv_channels=8,
     ffn_hidden_size=64, vocab_size=96, seq_length=12, qk_layernorm=True,
-    normalization="RMSNorm", gated_linear_unit=True, add_bias_linear=False)
-"""The dense part of the tiny DeepSeek-V3 shape (``nemo_nutp.config.ModelConfig`` fields): MLA
-has one KV "group" per head (``num_query_groups = num_attention_heads``: heads are the units)
-and ``kv_channels = v_head_dim`` (the attention output width per head)."""
+    normalization="RMSNorm", gated_linear_unit=True, add_bias_linear=False,
+    q_lora_rank=16, kv_lora_rank=12, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=8)
+"""The tiny DeepSeek-V3 shape's ``nemo_nutp.config.ModelConfig`` fields (with ``MLAShape``): MLA
+has one KV "group" per head (``num_query_groups = num_attention_heads``: heads are the units),
+``kv_channels = v_head_dim`` (the attention output width per head), and its shape fields
+(the same as ``MLAShape``'s: what NUTP's layout reads)."""
 
 
 @dataclass(frozen=True)

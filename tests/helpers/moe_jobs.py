@@ -213,9 +213,11 @@ def layout_run(case: MoECase, replicas: tuple[int, ...], control: str | None,
     degree = plan.replicas[plan.rank_index[dist.get_rank()][0]].tp[0]
     if control == "aux_per_rank":
         moe = dataclasses.replace(moe, moe_aux_loss_coeff=moe.moe_aux_loss_coeff * degree)
+    from .mla_jobs import mla_dims
+
     s = build_session(plan, dims(case), lr=case.lr, seed=case.seed,
                       micro_batch_size=case.micro_batch_size,
-                      opts=StepOptions(clip_grad=case.clip_grad), moe=moe)
+                      opts=StepOptions(clip_grad=case.clip_grad), moe=moe, mla=mla_dims(case))
     ctx = s.groups.ctx
     maps = record_routing(s.gpt)
     rec: dict[str, Any] = {"losses": [], "grad_norms": [], "aux_losses": [], "flips": [],
