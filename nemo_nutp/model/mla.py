@@ -91,6 +91,9 @@ class MLADims:
                 raise ValueError(f"model.{name}={v!r}: must be a positive integer")
         if self.q_lora_rank is not None and self.q_lora_rank < 1:
             raise ValueError(f"model.q_lora_rank={self.q_lora_rank}: must be positive or None")
+        if self.q_lora_rank is None and getattr(model_cfg, "qk_layernorm", False):
+            raise ValueError("model.q_lora_rank=None: with model.qk_layernorm megatron's local "
+                             "MLA wants a fused norm+linear query projection (TE): not built")
         if self.rope_type not in ROPE_TYPES:
             raise ValueError(f"model.rope_type={self.rope_type!r}: must be one of {ROPE_TYPES}")
         if model_cfg.num_query_groups != model_cfg.num_attention_heads:
@@ -150,11 +153,15 @@ class MLADotProductAttention(DotProductAttention):
                              f"model.v_head_dim={v_channels} with MLA")
 
 
-def nutp_mla_attention_spec(*, local_heads: int, single: Any) -> Any:
+def nutp_mla_attention_spec(*, local_heads: int, single: Any, latent_norms: bool = True,
+                            q_latent: bool = True) -> Any:
     """The ``self_attention`` entry of a local layer spec for ``NUTPMLASelfAttention`` over
-    ``local_heads`` heads (megatron's local MLA submodules, NUTP's norms and core attention)."""
+    ``local_heads`` heads (megatron's local MLA submodules, NUTP's norms and core attention);
+    ``latent_norms``: ``model.qk_layernorm`` (the latent norms), ``q_latent``: a query latent
+    (``q_lora_rank`` set; its norm only then)."""
     from megatron.core.tensor_parallel import RowParallelLinear
     from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.multi_latent_attention import MLASelfAttentionSubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
 
@@ -167,7 +174,9 @@ def nutp_mla_attention_spec(*, local_heads: int, single: Any) -> Any:
         submodules=MLASelfAttentionSubmodules(
             linear_q_proj=ColumnParallelLinear, linear_q_up_proj=ColumnParallelLinear,
             linear_kv_up_proj=ColumnParallelLinear, core_attention=MLADotProductAttention,
-            linear_proj=RowParallelLinear, q_layernorm=NUTPNorm, kv_layernorm=NUTPNorm))
+            linear_proj=RowParallelLinear,
+            q_layernorm=NUTPNorm if latent_norms and q_latent else IdentityOp,
+            kv_layernorm=NUTPNorm if latent_norms else IdentityOp))
 
 
 def _replicated_linear(rows: int, config: Any, single: Any, name: str | None) -> Any:

@@ -289,8 +289,10 @@ def build_moe_gpt_model(plan: Any, rank: int, model_cfg: Any, moe: MoEDims, grou
         mla.check(model_cfg)
         config = mla_transformer_config(config, mla)
         h0, h1 = unit_range(model_cfg, "qkv_weight", degree, j, balance)
-        layer.submodules.self_attention = nutp_mla_attention_spec(local_heads=h1 - h0,
-                                                                  single=groups.single)
+        layer.submodules.self_attention = nutp_mla_attention_spec(
+            local_heads=h1 - h0, single=groups.single,
+            latent_norms=bool(getattr(model_cfg, "qk_layernorm", False)),
+            q_latent=mla.q_lora_rank is not None)
     block = TransformerBlockSubmodules(layer_specs=[layer] * model_cfg.num_layers,
                                        layer_norm=NUTPNorm)
     v0, v1 = unit_range(model_cfg, "word_embedding", degree, j, balance)

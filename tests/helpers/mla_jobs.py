@@ -116,17 +116,19 @@ def mla_replica_step(case: MoECase, degree: int, control: str | None) -> dict[st
     return {"loss": total / n, "aux": float(aux), "grads": grads, "routing": routing}
 
 
-def mla_replica_worker(rank: int, world: int, port: int, case: MoECase,
-                       controls: list[str | None], outdir: str) -> None:
+def mla_replica_worker(rank: int, world: int, port: int,
+                       runs: list[tuple[MoECase, str | None]], outdir: str) -> None:
+    """Each (case, control) of ``runs`` in this one world, saved as
+    ``mla_tp<world>_<case>_<control>.pt``."""
     from tests.helpers.dist import gloo_rank
 
     def body() -> None:
         import torch.distributed as dist
 
-        for control in controls:
+        for case, control in runs:
             res = mla_replica_step(case, world, control)
             if dist.get_rank() == 0:
-                torch.save(res, os.path.join(outdir, f"mla_tp{world}_{control}.pt"))
+                torch.save(res, os.path.join(outdir, f"mla_tp{world}_{case.name}_{control}.pt"))
 
     gloo_rank(rank, world, port, outdir, body)
 

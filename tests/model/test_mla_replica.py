@@ -6,11 +6,12 @@ YaRN, latent RMSNorms; 8 experts top-2 with the aux loss), against *stock* megat
 ``MoECase.mla``; its only non-stock piece is the core-attention adapter
 ``mla_reference.MLACoreAttention``).
 
-One replica a world, sequence parallel, fp32, step 0 of the whole global batch (4 micro-batches
-of 2): TP3 (heads 2/3/3, experts 2/3/3; TP2 passes too, 5.0e-7, left to the layout test's
-[2,2,1] for CI time). Loss and load-balancing loss within 1e-5, every
-gradient (MLA ones by name; the replicated ones summed over the TP group as the sync sums
-them) within 1e-5, 0 router flips.
+One TP3 replica (heads 2/3/3, experts 2/3/3), sequence parallel, fp32, step 0 of the whole
+global batch (4 micro-batches of 2), two shapes in one world: the DeepSeek-V3 one and
+DeepSeek-V2-Lite's form (no query latent: ``linear_q_proj``; no latent norms). TP2 passes too
+(5.0e-7), left to the layout test's [2,2,1] for CI time. Loss and load-balancing loss within
+1e-5, every gradient (MLA ones by name; the replicated ones summed over the TP group as the
+sync sums them) within 1e-5, 0 router flips.
 
 Negative controls, run here at TP3: the down-projections' gradients not summed over the TP group
 (``down_once``) or summed twice (``down_twice``) fail the bound on exactly those gradients.
@@ -38,14 +39,20 @@ from tests.helpers.moe_reference import MoECase, moe_reference_worker
 TOL = 1e-5
 MLA_NAMES = ("linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj",
              "linear_kv_up_proj", "q_layernorm", "kv_layernorm", "linear_proj")
+PLAIN_NAMES = ("linear_q_proj", "linear_kv_down_proj", "linear_kv_up_proj", "linear_proj")
+
+
+CASES = [MoECase(name="dsv3_mla", model=dict(DSV3_MLA), mla=MLAShape()),
+         # DeepSeek-V2-Lite's form: no query latent (linear_q_proj), no latent norms
+         MoECase(name="no_q_latent", model=dict(DSV3_MLA, q_lora_rank=None, qk_layernorm=False),
+                 mla=MLAShape(q_lora_rank=None))]
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[MoECase, dict]:
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     out = tmp_path_factory.mktemp("mla_ref")
-    case = MoECase(name="dsv3_mla", model=dict(DSV3_MLA), mla=MLAShape())
-    spawn(moe_reference_worker, 1, ([case],), out)
-    return case, torch.load(out / "moe_ref_dsv3_mla.pt", weights_only=False)
+    spawn(moe_reference_worker, 1, (CASES,), out)
+    return {c.name: torch.load(out / f"moe_ref_{c.name}.pt", weights_only=False) for c in CASES}
 
 
 def test_stock_core_attention_needs_the_adapter() -> None:
@@ -58,23 +65,27 @@ def test_stock_core_attention_needs_the_adapter() -> None:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize(("degree", "controls"), [(3, [None, "down_once", "down_twice"])])
-def test_mla_moe_replica_matches_stock(reference: tuple[MoECase, dict], degree: int,
-                                       controls: list[str | None], tmp_path: Path) -> None:
-    case, ref = reference
-    assert all(a > 0.5 for a in ref["aux_losses"])  # the aux loss is live
-    spawn(mla_replica_worker, degree, (case, controls), tmp_path)
-    err = mla_errors(ref, torch.load(tmp_path / f"mla_tp{degree}_None.pt", weights_only=False))
-    print(f"TP{degree}: loss {err['loss']:.1e} aux {err['aux']:.1e} worst {err['worst']} "
-          f"flips {err['flips']}")
-    assert not err["missing"], err["missing"]
-    for name in MLA_NAMES:  # every layer's MLA parameters are there, by name
-        assert sum(f".self_attention.{name}.weight" in k for k in err["grads"]) == 2, name
-    assert err["flips"] == 0
-    assert err["loss"] <= TOL and err["aux"] <= TOL and err["worst"][0] <= TOL, err["worst"]
-    for control in controls[1:]:
-        bad = mla_errors(ref, torch.load(tmp_path / f"mla_tp{degree}_{control}.pt",
+def test_mla_moe_replica_matches_stock(reference: dict[str, dict], tmp_path: Path) -> None:
+    degree, controls = 3, ["down_once", "down_twice"]
+    main, plain = CASES
+    runs = [(main, None), (plain, None)] + [(main, c) for c in controls]
+    spawn(mla_replica_worker, degree, (runs,), tmp_path)
+    for case in CASES:
+        ref = reference[case.name]
+        assert all(a > 0.5 for a in ref["aux_losses"])  # the aux loss is live
+        err = mla_errors(ref, torch.load(tmp_path / f"mla_tp{degree}_{case.name}_None.pt",
                                          weights_only=False))
+        print(f"{case.name} TP{degree}: loss {err['loss']:.1e} aux {err['aux']:.1e} "
+              f"worst {err['worst']} flips {err['flips']}")
+        assert not err["missing"], err["missing"]
+        names = MLA_NAMES if case is main else PLAIN_NAMES
+        for name in names:  # every layer's MLA parameters are there, by name
+            assert sum(f".self_attention.{name}.weight" in k for k in err["grads"]) == 2, name
+        assert err["flips"] == 0
+        assert err["loss"] <= TOL and err["aux"] <= TOL and err["worst"][0] <= TOL, err["worst"]
+    for control in controls:
+        bad = mla_errors(reference[main.name], torch.load(
+            tmp_path / f"mla_tp{degree}_{main.name}_{control}.pt", weights_only=False))
         off = {k for k, v in bad["grads"].items() if v > TOL}
         print(f"TP{degree} control {control}: worst {bad['worst']}")
         assert off and all("_down_proj." in k for k in off), off
