@@ -6,7 +6,10 @@ megatron's own ``GPTModel`` with its own local layer spec built for MoE
 optimizer (Adam, clipping on), megatron's global ``parallel_state`` at TP1/PP1/EP1 in a world of
 one process. The only non-stock pieces are the CPU redirections of ``nemo_nutp/compat/cpu.py``
 (``_MOE_SHIMMED_MODULES``: ``torch.cuda.Stream``/``Event`` and ``current_device()`` in the MoE
-modules), which ``tests/helpers/dist.gloo_rank`` applies.
+modules), which ``tests/helpers/dist.gloo_rank`` applies. With ``MoECase.mla`` (multi-latent
+attention, ``mla_reference.py``): megatron's own ``MLATransformerConfig`` and local MLA spec, whose
+one non-stock piece is the core-attention adapter ``mla_reference.MLACoreAttention`` (the local
+``DotProductAttention`` does not take the ``k_channels``/``v_channels`` MLA passes).
 
 Shape: Qwen3-MoE in miniature (``QWEN3_MOE``): GQA with qk-layernorm, RMSNorm, SwiGLU experts,
 8 experts, top-2, softmax routing in fp32, the load-balancing aux loss (``aux_loss``,
