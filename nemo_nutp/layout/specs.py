@@ -303,6 +303,19 @@ class ModelDims:
     ``...linear_proj.post_layernorm.weight``, ``...linear_fc2.post_layernorm.weight``). Its
     weights are replicated (the row-parallel output is whole after the all-reduce; under
     sequence parallelism each rank's gradient covers its sequence shard, as other norms)."""
+    kv_lora_rank: int | None = None
+    """Multi-latent attention (MLA, DeepSeek-V2/V3; megatron ``MLATransformerConfig``): the KV
+    latent width; None: no MLA. With MLA the heads are the units (``num_query_groups =
+    num_attention_heads``), ``kv_channels = v_head_dim``; built with MoE only
+    (``model.mla``), refused elsewhere."""
+    q_lora_rank: int | None = None
+    """MLA's query latent width; None: queries projected from the hidden state directly."""
+    qk_head_dim: int | None = None
+    """MLA's per-head query/key width without RoPE."""
+    qk_pos_emb_head_dim: int | None = None
+    """MLA's per-head RoPE part of queries/keys (one key RoPE head shared by all heads)."""
+    v_head_dim: int | None = None
+    """MLA's per-head value width."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
@@ -320,6 +333,28 @@ class ModelDims:
                                 f"{self.num_attention_heads} (or set model.kv_channels)")
         else:
             check_positive("model.kv_channels", self.kv_channels)
+        if self.kv_lora_rank is not None:
+            for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+                check_positive(f"model.{name}", getattr(self, name))
+            if self.q_lora_rank is not None:
+                check_positive("model.q_lora_rank", self.q_lora_rank)
+            if self.num_query_groups != self.num_attention_heads:
+                raise bad_value("model.num_query_groups", self.num_query_groups,
+                                "MLA's units are heads: must be model.num_attention_heads="
+                                f"{self.num_attention_heads}")
+            if self.kv != self.v_head_dim:
+                raise bad_value("model.kv_channels", self.kv_channels,
+                                f"must be model.v_head_dim={self.v_head_dim} with MLA")
+        else:
+            for name in ("q_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+                if getattr(self, name) is not None:
+                    raise bad_value(f"model.{name}", getattr(self, name),
+                                    "an MLA setting: needs model.kv_lora_rank")
+
+    @property
+    def mla(self) -> bool:
+        """Multi-latent attention (``kv_lora_rank`` set)."""
+        return self.kv_lora_rank is not None
 
     @property
     def norm_params(self) -> int:

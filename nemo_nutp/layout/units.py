@@ -59,8 +59,19 @@ PARAM_KINDS: dict[str, ParamKind] = {
         ParamKind("fc2_weight", "ffn", 1),
         ParamKind("word_embedding", "vocab", 0),
         ParamKind("output_layer", "vocab", 0),
+        ParamKind("mla_q_weight", "qg", 0),
+        ParamKind("mla_kv_up_weight", "qg", 0),
     )
 }
+
+
+def kinds_of(dims: ModelDims) -> list[str]:
+    """The kinds a model of ``dims`` can have: MLA's (``mla_*``) with MLA
+    (``model.kv_lora_rank``), the fused QKV ones without."""
+    mla = getattr(dims, "kv_lora_rank", None) is not None
+    return [k for k in PARAM_KINDS
+            if (k.startswith("mla_") if mla else not k.startswith("mla_"))
+            and not (mla and k.startswith("qkv_"))]
 
 
 def num_units(dims: ModelDims, space: str) -> int:
@@ -70,6 +81,8 @@ def num_units(dims: ModelDims, space: str) -> int:
 
 def layer_kinds(dims: ModelDims) -> list[str]:
     """Sharded kinds present in one transformer layer."""
+    if getattr(dims, "kv_lora_rank", None) is not None:
+        return ["mla_q_weight", "mla_kv_up_weight", "proj_weight", "fc1_weight", "fc2_weight"]
     kinds = ["qkv_weight", "proj_weight", "fc1_weight", "fc2_weight"]
     if dims.qkv_bias:
         kinds.append("qkv_bias")
@@ -82,6 +95,16 @@ def replicated_shapes(dims: ModelDims) -> dict[str, tuple[int, ...]]:
     """Replicated (not TP-sharded) parameters of one layer: norms and row-parallel biases."""
     h = dims.hidden_size
     shapes: dict[str, tuple[int, ...]] = {"input_layernorm": (h,), "pre_mlp_layernorm": (h,)}
+    if getattr(dims, "kv_lora_rank", None) is not None:
+        r, pos = int(dims.kv_lora_rank or 0), int(dims.qk_pos_emb_head_dim or 0)
+        if dims.q_lora_rank is not None:
+            shapes.update(q_down_proj=(dims.q_lora_rank, h))
+        shapes.update(kv_down_proj=(r + pos, h))
+        if dims.qk_layernorm:
+            if dims.q_lora_rank is not None:
+                shapes.update(q_latent_layernorm=(dims.q_lora_rank,))
+            shapes.update(kv_latent_layernorm=(r,))
+        return shapes
     if dims.qk_layernorm:
         shapes.update(q_layernorm=(dims.kv,), k_layernorm=(dims.kv,))
     if getattr(dims, "post_layernorm", False):
@@ -121,7 +144,25 @@ def unit_geometry(kind: str, d: ModelDims) -> tuple[tuple[int, ...], int, int]:
         "word_embedding": ((v, h), 1, 0),
         "output_layer": ((v, h), 1, 0),
     }
+    if kind.startswith("mla_"):
+        return _mla_geometry(kind, d)
     return table[kind]
+
+
+def _mla_geometry(kind: str, d: ModelDims) -> tuple[tuple[int, ...], int, int]:
+    """MLA's head-sharded up-projections (rows; a head's rows are a unit): ``mla_q_weight``
+    ``[heads x (qk_head_dim + qk_pos_emb_head_dim), q_lora_rank or hidden]``,
+    ``mla_kv_up_weight`` ``[heads x (qk_head_dim + v_head_dim), kv_lora_rank]``. Empty
+    (``[0, 0]``) without MLA. ``linear_proj`` is the ``proj_weight`` kind (one group per head,
+    ``kv = v_head_dim``)."""
+    n = d.num_attention_heads
+    if getattr(d, "kv_lora_rank", None) is None:
+        return (n, 0), 1, 0
+    qk, pos, v = int(d.qk_head_dim or 0), int(d.qk_pos_emb_head_dim or 0), int(d.v_head_dim or 0)
+    if kind == "mla_q_weight":
+        cols = d.hidden_size if d.q_lora_rank is None else d.q_lora_rank
+        return (n * (qk + pos), cols), qk + pos, 0
+    return (n * (qk + v), int(d.kv_lora_rank or 0)), qk + v, 0
 
 
 def global_shape(kind: str, dims: ModelDims) -> tuple[int, ...]:

@@ -51,6 +51,8 @@ _KIND_OF = (
     # a MoE layer's shared expert: its FFN columns are the dense FFN's units (model/moe.py)
     (r"mlp\.shared_experts\.linear_fc1\.weight$", "fc1_weight"),
     (r"mlp\.shared_experts\.linear_fc2\.weight$", "fc2_weight"),
+    (r"self_attention\.linear_q_(up_)?proj\.weight$", "mla_q_weight"),
+    (r"self_attention\.linear_kv_up_proj\.weight$", "mla_kv_up_weight"),
 )
 
 
@@ -410,6 +412,9 @@ def build_gpt_model(plan: Plan, rank: int, model_cfg: Any, pgs: ProcessGroupColl
     if plan.pp > 1 and (pgs.pp is None or pgs.pp.size() != plan.pp or pgs.pp.rank() != stage):
         raise ValueError(f"rank {rank}: its pipeline group must hold one rank per stage with "
                          f"this rank at position {stage}")
+    if getattr(model_cfg, "kv_lora_rank", None) is not None:
+        raise ValueError(f"model.kv_lora_rank={model_cfg.kv_lora_rank}: multi-latent attention "
+                         "is built with MoE only so far (model.moe.build_moe_gpt_model, mla=)")
     sp = plan.request.parallel.sequence_parallel
     config = transformer_config(model_cfg, degree=degree, sequence_parallel=sp,
                                 precision=precision, pp=plan.pp, vp=plan.vp)

@@ -359,14 +359,16 @@ def check_moe_plan(plan: Any, moe: MoEDims) -> None:
 
 
 def build_moe_gpt_model(plan: Any, rank: int, model_cfg: Any, moe: MoEDims, groups: Any, *,
-                        seed: int = 1234) -> Any:
+                        seed: int = 1234, mla: Any = None) -> Any:
     """This rank's NUTP GPT model with a MoE MLP in every layer (fp32):
     ``build.build_gpt_model``'s model with ``nutp_moe_layer_spec`` layers, initialised from the
     global weights; each local expert's tensors from its *global* name
     (``...local_experts.<global index>...``), tagged ``nutp_expert`` and ``nutp_name``.
     Pipeline stages (``plan.pp > 1``, no virtual stages): the rank's stage's layers at the
     stage's degree, whose MoE layers use the stage's TP group of the replica as expert
-    parallelism (names and layer numbers global, as ``build_gpt_model``'s)."""
+    parallelism (names and layer numbers global, as ``build_gpt_model``'s).
+    ``mla`` (``model.mla.MLADims``): multi-latent attention over this rank's heads
+    (``NUTPMLASelfAttention``) instead of GQA, in every layer (dense ones and MTP's too)."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     from .build import load_global_init, nutp_layer_spec, rope_kwargs, unit_range
@@ -389,6 +391,17 @@ def build_moe_gpt_model(plan: Any, rank: int, model_cfg: Any, moe: MoEDims, grou
                                 balance=balance)
     dense = nutp_layer_spec(model_cfg, degree=degree, tp_rank=j, tp_group=pgs.tp,
                             balance=balance)  # moe_layer_freq's 0 layers: NUTPMLP
+    if mla is not None:
+        from .mla import mla_transformer_config, nutp_mla_attention_spec
+
+        mla.check(model_cfg)
+        config = mla_transformer_config(config, mla)
+        h0, h1 = unit_range(model_cfg, "qkv_weight", degree, j, balance)
+        for spec in (layer, dense):
+            spec.submodules.self_attention = nutp_mla_attention_spec(
+                local_heads=h1 - h0, single=groups.single,
+                latent_norms=bool(getattr(model_cfg, "qk_layernorm", False)),
+                q_latent=mla.q_lora_rank is not None)
     first, last = chunk_layers(model_cfg.num_layers, plan.pp, 1)[stage][0]
     block = TransformerBlockSubmodules(
         layer_specs=[layer if is_moe else dense

@@ -260,7 +260,8 @@ def build_session(plan: Plan, model_cfg: Any, *, lr: float, seed: int, micro_bat
                   device: torch.device | None = None, data_path: str | None = None,
                   distributed_optimizer: bool = False,
                   live_redundancy: bool = False, schedule: Schedule | None = None,
-                  valid_data_path: str | None = None, moe: Any = None) -> RankSession:
+                  valid_data_path: str | None = None, moe: Any = None,
+                  mla: Any = None) -> RankSession:
     """Collective over the world: create groups (unless given), the model, DDP and optimizer.
 
     bf16/fp16: the model is megatron's ``Float16Module`` around the NUTP GPT (half-precision
@@ -272,6 +273,8 @@ def build_session(plan: Plan, model_cfg: Any, *, lr: float, seed: int, micro_bat
     every layer's MLP is ``NUTPMoELayer`` (experts as units inside each replica stage,
     ``sync/experts.py`` across replicas, per stage; with ``distributed_optimizer`` their state
     sliced among each shard's holders, ``sync/zero.py``).
+    ``mla`` (``model.mla.MLADims``, with ``moe`` only, one stage): multi-latent attention,
+    heads as units.
     """
     opts = opts or StepOptions()
     prec = precision or Precision()
@@ -279,6 +282,9 @@ def build_session(plan: Plan, model_cfg: Any, *, lr: float, seed: int, micro_bat
         from ..model.moe import check_moe_plan
 
         check_moe_plan(plan, moe)
+        if mla is not None and plan.pp > 1:
+            raise ValueError(f"model.kv_lora_rank={model_cfg.kv_lora_rank}: multi-latent "
+                             f"attention over {plan.pp} pipeline stages is not tested yet")
         if distributed_optimizer and plan.pp > 1:
             raise ValueError(f"train.distributed_optimizer=true: not with NUTP MoE over {plan.pp}"
                              " pipeline stages yet (each is tested alone)")
@@ -295,8 +301,12 @@ def build_session(plan: Plan, model_cfg: Any, *, lr: float, seed: int, micro_bat
         if prec.precision != "fp32":
             raise ValueError(f"train.precision={prec.precision!r}: NUTP MoE trains fp32 so far")
         pgs = moe_pg_collection(groups.pgs, single=groups.single, stage=groups.stage)
-        chunks = [build_moe_gpt_model(plan, ctx.rank, model_cfg, moe, groups, seed=seed)]
+        chunks = [build_moe_gpt_model(plan, ctx.rank, model_cfg, moe, groups, seed=seed,
+                                      mla=mla)]
     else:
+        if mla is not None:
+            raise ValueError("model.kv_lora_rank: multi-latent attention is built with MoE "
+                             "only so far (build_session(moe=...))")
         chunks = build_gpt_chunks(plan, ctx.rank, model_cfg, groups.pgs, seed=seed,
                                   precision=prec.precision)
     if device is not None:

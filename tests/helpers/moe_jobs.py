@@ -230,10 +230,12 @@ def layout_run(case: MoECase, replicas: tuple[int, ...], control: str | None,
     if control == "mtp_per_rank":
         moe = dataclasses.replace(moe, mtp_loss_scaling_factor=moe.mtp_loss_scaling_factor
                                   * degree)
+    from .mla_jobs import mla_dims
+
     s = build_session(plan, dims(case), lr=case.lr, seed=case.seed,
                       micro_batch_size=case.micro_batch_size,
                       opts=StepOptions(clip_grad=case.clip_grad), moe=moe,
-                      distributed_optimizer=zero)
+                      distributed_optimizer=zero, mla=mla_dims(case))
     if tweak is not None:
         tweak(s)
     ctx = s.groups.ctx

@@ -6,7 +6,10 @@ megatron's own ``GPTModel`` with its own local layer spec built for MoE
 optimizer (Adam, clipping on), megatron's global ``parallel_state`` at TP1/PP1/EP1 in a world of
 one process. The only non-stock pieces are the CPU redirections of ``nemo_nutp/compat/cpu.py``
 (``_MOE_SHIMMED_MODULES``: ``torch.cuda.Stream``/``Event`` and ``current_device()`` in the MoE
-modules), which ``tests/helpers/dist.gloo_rank`` applies.
+modules), which ``tests/helpers/dist.gloo_rank`` applies. With ``MoECase.mla`` (multi-latent
+attention, ``mla_reference.py``): megatron's own ``MLATransformerConfig`` and local MLA spec, whose
+one non-stock piece is the core-attention adapter ``mla_reference.MLACoreAttention`` (the local
+``DotProductAttention`` does not take the ``k_channels``/``v_channels`` MLA passes).
 
 Shape: Qwen3-MoE in miniature (``QWEN3_MOE``): GQA with qk-layernorm, RMSNorm, SwiGLU experts,
 8 experts, top-2, softmax routing in fp32, the load-balancing aux loss (``aux_loss``,
@@ -113,6 +116,7 @@ class MoECase:
             return {}
         return {"mtp_num_layers": self.mtp_num_layers,
                 "mtp_loss_scaling_factor": self.mtp_loss_scaling_factor}
+    mla: Any = None  # mla_reference.MLAShape: multi-latent attention (model: DSV3_MLA)
 
 
 def dims(case: MoECase) -> Any:
@@ -129,6 +133,10 @@ def moe_config(case: MoECase, *, tp: int = 1, sequence_parallel: bool = False) -
     from .reference import _config
 
     base = _config(SimpleNamespace(precision="fp32"), dims(case))
+    if case.mla is not None:
+        from .mla_reference import mla_config
+
+        base = mla_config(base, case.mla)
     return dataclasses.replace(base, tensor_model_parallel_size=tp,
                                sequence_parallel=sequence_parallel, **case.moe.fields(),
                                **case.mtp_fields())
@@ -212,12 +220,20 @@ def build(case: MoECase) -> tuple[Any, Any, Any]:
                                                moe_grouped_gemm=False,
                                                qk_layernorm=d.qk_layernorm,
                                                normalization=d.normalization)
+    if case.mla is not None:
+        from .mla_reference import MLACoreAttention, mla_layer_spec
+
+        layer_spec = mla_layer_spec(case.moe.num_moe_experts, qk_layernorm=d.qk_layernorm,
+                                    normalization=d.normalization)
     spec = layer_spec
     if case.moe.moe_layer_freq != 1:  # dense and MoE layers: megatron's own block spec
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
                                           normalization=d.normalization)
+        if case.mla is not None:  # the named adapter, as mla_layer_spec sets it
+            for ls in spec.layer_specs:
+                ls.submodules.self_attention.submodules.core_attention = MLACoreAttention
     mtp = (get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=False)
            if case.mtp_num_layers else None)
     model = GPTModel(config, spec, mtp_block_spec=mtp, vocab_size=d.vocab_size,

@@ -8,10 +8,17 @@ from nemo_nutp.layout import ClusterSpec, HealthReport, ModelDims, ParallelSpec,
 
 
 @st.composite
-def model_dims(draw: st.DrawFn, *, min_units: int = 1) -> ModelDims:
+def model_dims(draw: st.DrawFn, *, min_units: int = 1, mla: bool = False) -> ModelDims:
+    """GQA dims; ``mla``: multi-latent attention dims (one group per head, ``kv_channels =
+    v_head_dim``, the latent ranks and head widths drawn; ``q_lora_rank`` possibly None)."""
     groups = draw(st.integers(max(1, min_units), max(1, min_units) + 8))
-    hpg = draw(st.integers(1, 4))
+    hpg = 1 if mla else draw(st.integers(1, 4))
     kv = draw(st.integers(1, 4))
+    extra = {}
+    if mla:
+        extra = dict(kv_lora_rank=draw(st.integers(1, 6)), qk_head_dim=draw(st.integers(1, 4)),
+                     qk_pos_emb_head_dim=draw(st.integers(1, 4)), v_head_dim=kv,
+                     q_lora_rank=draw(st.one_of(st.none(), st.integers(1, 6))))
     return ModelDims(
         num_layers=draw(st.sampled_from([2, 4, 6])),
         hidden_size=draw(st.integers(2, 12)),
@@ -22,9 +29,14 @@ def model_dims(draw: st.DrawFn, *, min_units: int = 1) -> ModelDims:
         seq_length=draw(st.sampled_from([12, 16, 24, 60])),
         gated_linear_unit=draw(st.booleans()),
         tie_embeddings=draw(st.booleans()),
-        add_bias_linear=draw(st.booleans()),
-        kv_channels=kv,
+        add_bias_linear=False if mla else draw(st.booleans()),
+        kv_channels=kv, **extra,
     )
+
+
+def any_model_dims(min_units: int = 1) -> st.SearchStrategy[ModelDims]:
+    """GQA or MLA dims (``model_dims``)."""
+    return st.one_of(model_dims(min_units=min_units), model_dims(min_units=min_units, mla=True))
 
 
 @st.composite

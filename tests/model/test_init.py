@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from nemo_nutp.layout import PARAM_KINDS, ModelDims, global_index, local_layout
 from nemo_nutp.layout.units import (
     global_shape,
+    kinds_of,
     local_shape,
     max_degree,
     num_units,
@@ -24,7 +25,7 @@ from nemo_nutp.model.init import (
     piece_key,
     unit_view,
 )
-from tests.helpers.strategies import model_dims
+from tests.helpers.strategies import any_model_dims
 
 # A random-initialised name: the layout tests use it for every kind (biases included), so the
 # assembly check is never trivially true for a constant.
@@ -45,9 +46,9 @@ def _shard(kind: str, dims: ModelDims, lo: int, hi: int, *, seed: int = 7, name:
 
 
 @settings(max_examples=100, deadline=None)
-@given(dims=model_dims(), data=st.data())
+@given(dims=any_model_dims(), data=st.data())
 def test_unit_view_is_a_canonical_strided_view(dims: ModelDims, data: st.DataObject) -> None:
-    for kind in PARAM_KINDS:
+    for kind in kinds_of(dims):
         u = _units(dims, kind)
         lo = data.draw(st.integers(0, u - 1), label=f"{kind} lo")
         hi = data.draw(st.integers(lo + 1, u), label=f"{kind} hi")
@@ -61,12 +62,16 @@ def test_unit_view_is_a_canonical_strided_view(dims: ModelDims, data: st.DataObj
         assert torch.equal(view.reshape(hi - lo, -1), canon), kind
 
 
+@pytest.mark.parametrize("mla", [False, True])
 @pytest.mark.parametrize("gated", [True, False])
 @pytest.mark.parametrize("n_local", [1, 2, 3, 5])
-def test_unit_view_every_kind(gated: bool, n_local: int) -> None:
+def test_unit_view_every_kind(gated: bool, n_local: int, mla: bool) -> None:
+    extra = dict(kv_lora_rank=5, q_lora_rank=3, qk_head_dim=2, qk_pos_emb_head_dim=1,
+                 v_head_dim=2) if mla else {}
     dims = ModelDims(hidden_size=6, num_attention_heads=6, num_query_groups=6, kv_channels=2,
-                     ffn_hidden_size=7, vocab_size=9, gated_linear_unit=gated, add_bias_linear=True)
-    for kind in PARAM_KINDS:
+                     ffn_hidden_size=7, vocab_size=9, gated_linear_unit=gated,
+                     add_bias_linear=not mla, **extra)
+    for kind in kinds_of(dims):
         units = np.arange(1, 1 + n_local)
         local = torch.from_numpy(local_layout(kind, dims, units)).view(
             local_shape(kind, dims, n_local))
@@ -77,12 +82,13 @@ def test_unit_view_every_kind(gated: bool, n_local: int) -> None:
 
 
 @settings(max_examples=150, deadline=None)
-@given(dims=model_dims(), data=st.data(), piece=PIECES, seed=st.integers(0, 2**40))
+@given(dims=any_model_dims(), data=st.data(), piece=PIECES, seed=st.integers(0, 2**40))
 def test_shards_assemble_into_the_global_tensor(dims: ModelDims, data: st.DataObject,
                                                 piece: int, seed: int) -> None:
     balance = data.draw(st.sampled_from(["work", "units"]), label="balance")
     t = data.draw(st.integers(1, max_degree(dims)), label="degree")
-    for kind, pk in PARAM_KINDS.items():
+    for kind in kinds_of(dims):
+        pk = PARAM_KINDS[kind]
         full = init_global(RANDOM, kind, dims, seed, 0.02, piece_elems=piece).reshape(-1)
         assert not torch.isnan(full).any()
         b = space_bounds(dims, pk.space, t, balance)
@@ -93,10 +99,10 @@ def test_shards_assemble_into_the_global_tensor(dims: ModelDims, data: st.DataOb
 
 
 @settings(max_examples=60, deadline=None)
-@given(dims=model_dims(), data=st.data(), piece=PIECES)
+@given(dims=any_model_dims(), data=st.data(), piece=PIECES)
 def test_any_unit_range_matches_and_low_precision_casts(dims: ModelDims, data: st.DataObject,
                                                        piece: int) -> None:
-    kind = data.draw(st.sampled_from(sorted(PARAM_KINDS)), label="kind")
+    kind = data.draw(st.sampled_from(sorted(kinds_of(dims))), label="kind")
     u = _units(dims, kind)
     lo = data.draw(st.integers(0, u - 1), label="lo")
     hi = data.draw(st.integers(lo + 1, u), label="hi")
