@@ -29,7 +29,7 @@ TESTS_312 ?= tests/train/test_parity.py tests/train/test_checks.py \
 	tests/train/test_mtp_parity.py \
 	tests/checkpoint/test_moe_checkpoint.py \
 	tests/train/test_moe_routing.py \
-	tests/model/test_mla_replica.py tests/train/test_mla_parity.py
+	tests/model/test_mla_replica.py tests/train/test_mla_parity.py tests/train/test_deepseek_v3.py
 
 # Megatron-Bridge (Python 3.12 only): Bridge --no-deps plus the pinned list of what its imports
 # need (requirements-bridge.txt); its full dependency set does not build here.
