@@ -24,7 +24,7 @@ TESTS_312 ?= tests/train/test_parity.py tests/train/test_checks.py \
 	tests/checkpoint/test_zero_roundtrip.py tests/pipeline/test_pipeline_parity.py \
 	tests/sync/test_zero.py tests/launch/test_docker.py tests/pipeline/test_vpp.py \
 	tests/model/test_moe_reference.py tests/model/test_moe_replica.py tests/train/test_moe_parity.py \
-	tests/pipeline/test_moe_pipeline.py
+	tests/pipeline/test_moe_pipeline.py tests/model/test_moe_memory_measured.py
 
 # Megatron-Bridge (Python 3.12 only): Bridge --no-deps plus the pinned list of what its imports
 # need (requirements-bridge.txt); its full dependency set does not build here.
