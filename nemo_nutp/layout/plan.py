@@ -426,7 +426,7 @@ class _Speed:
             self._cache[key] = stage_time(
                 r.model, r.cost, t=t, stage=s, pp=self.pp, tokens=self.tokens, t_prev=t_prev,
                 t_next=t_next, sequence_parallel=r.parallel.sequence_parallel,
-                balance=r.parallel.unit_balance, vp=r.parallel.vp)
+                balance=r.parallel.unit_balance, vp=r.parallel.vp, moe=r.moe)
         return self._cache[key]
 
     def _nbrs(self, s: int, degrees: tuple[int, ...] | None) -> tuple[int | None, int | None]:

@@ -165,3 +165,46 @@ def test_the_degree_cannot_exceed_the_experts() -> None:
     with pytest.raises(ValueError, match=r"model.num_moe_experts=4: fewer experts than the TP "
                                          r"degree 8"):
         build_plan(_req(80.0, few))
+
+
+# the compute term (layout/cost.py): what a MoE rank computes and sends
+
+
+def test_moe_compute_and_alltoall_terms_by_hand() -> None:
+    from nemo_nutp.layout.cost import alltoall_bytes, stage_flops
+
+    tokens = 24
+    # TINY at degree 3, per token: a query group's attention is QKV 4 x 8 x 32 + scores and
+    # values 2 x 2 x 12 x 8 + proj 2 x 8 x 32 = 1920 MACs; a routed token through one expert
+    # 3 x 16 x 32 = 1536, a rank with n experts sees top-2 x n / 8 of the tokens; the router
+    # 8 x 32 over the 3 sequence shards; the last rank (2 groups, 3 experts) is the slowest,
+    # plus its 32 vocab rows x 32
+    slowest = 2 * (2 * 1920 + 2 * 3 / 8 * 1536 + 8 * 32 / 3) + 32 * 32
+    got = stage_flops(TINY, 3, 2, with_vocab=True, tokens=tokens, moe=TINY_MOE, moe_layers=2)
+    assert got == pytest.approx(3 * 2 * slowest * tokens, rel=1e-12)
+    assert stage_flops(TINY, 3, 2, with_vocab=True, tokens=tokens) != pytest.approx(got)
+    # all-to-all: 2 layers x 4 (dispatch/combine, fwd/bwd) x 3/4 leaving x 24/4 tokens x top-2
+    # x 32 x 2 bytes
+    assert alltoall_bytes(TINY, TINY_MOE, 4, 2, tokens=tokens) == 2 * 4 * 0.75 * 6 * 2 * 32 * 2
+    assert alltoall_bytes(TINY, TINY_MOE, 1, 2, tokens=tokens) == 0.0
+
+
+def test_the_planner_times_a_degraded_moe_replica_by_its_experts() -> None:
+    from nemo_nutp.layout.cost import stage_flops
+
+    def degraded(moe: MoESpec | None) -> float:
+        req = dataclasses.replace(_req(80.0, moe, failed=(0,)), memory=None)
+        reps = build_plan(req).replicas
+        assert sorted(r.tp[0] for r in reps) == [7, 8]
+        return next(r.stage_times[0] for r in reps if r.tp[0] == 7)
+
+    tokens = MID.seq_length
+    want = {m: stage_flops(MID, 7, 8, with_vocab=True, tokens=tokens, moe=m,
+                           moe_layers=8 if m else 0)
+            / stage_flops(MID, 8, 8, with_vocab=True, tokens=tokens, moe=m,
+                          moe_layers=8 if m else 0) for m in (None, MID_MOE)}
+    assert degraded(MID_MOE) == pytest.approx(want[MID_MOE], rel=1e-12)
+    assert degraded(None) == pytest.approx(want[None], rel=1e-12)
+    # 10 of 64 experts on the slowest degree-7 rank against 8 at degree 8: slower than the
+    # dense FFN's 8/7
+    assert degraded(MID_MOE) > degraded(None)
