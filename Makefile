@@ -29,7 +29,8 @@ TESTS_312 ?= tests/train/test_parity.py tests/train/test_checks.py \
 	tests/train/test_mtp_parity.py \
 	tests/checkpoint/test_moe_checkpoint.py \
 	tests/train/test_moe_routing.py \
-	tests/model/test_mla_replica.py tests/train/test_mla_parity.py tests/train/test_deepseek_v3.py
+	tests/model/test_mla_replica.py tests/train/test_mla_parity.py tests/train/test_deepseek_v3.py \
+	tests/model/test_moe_memory_measured.py
 
 # Megatron-Bridge (Python 3.12 only): Bridge --no-deps plus the pinned list of what its imports
 # need (requirements-bridge.txt); its full dependency set does not build here.
@@ -46,7 +47,8 @@ TESTS_BRIDGE ?= tests/integrations/test_bridge_shim.py tests/integrations/test_b
 	tests/model/test_gemma_reference.py tests/launch/test_bridge_slurm.py \
 	tests/integrations/test_bridge_links.py tests/integrations/test_bridge_spares.py \
 	tests/integrations/test_bridge_moe.py tests/integrations/test_bridge_moe_zero.py \
-	tests/integrations/test_bridge_moe_checkpoint.py
+	tests/integrations/test_bridge_moe_checkpoint.py \
+	tests/integrations/test_bridge_moe_plan.py
 
 # The real Slurm the tests start (tests/helpers/slurm_cluster.py: munged, slurmctld, 3 slurmd on
 # loopback; tests/launch runs the scripts `nutp sbatch` renders on it): Debian's Slurm 22.05 and

@@ -78,7 +78,7 @@ def memory_table(plan: Plan) -> Table | None:
     for s in range(plan.pp):
         for d in sorted({r.tp[s] for r in plan.replicas}, reverse=True):
             m = stage_memory(plan.request.model, d, mem, stage=s, pp=plan.pp,
-                             balance=p.unit_balance)
+                             balance=p.unit_balance, moe=plan.request.moe)
             t.add_row(str(s), str(d), *(f"{x / GIB:.1f}" for x in (
                 m.weights, m.grads, m.optimizer, m.activations, m.reserve, m.total)),
                 "yes" if m.fits else "[red]NO[/]")

@@ -9,7 +9,7 @@ from ..layout import ClusterSpec, PlanRequest
 from ..layout.cost import CostSpec
 from ..layout.memory import MemorySpec
 from ..layout.plan import fit_cluster, slices_of, spare_slices
-from ..layout.specs import normalize_replicas
+from ..layout.specs import MoESpec, normalize_replicas
 from .hardware import cost_spec as hardware_cost_spec
 from .hardware import hardware_spec
 from .schema import CONFIG_DIR, CPU_CLUSTER, JobConfig, config_dir
@@ -58,9 +58,11 @@ def memory_spec(cfg: JobConfig) -> MemorySpec | None:
         recompute_num_layers=m.recompute_num_layers or 1, vp=p.vp)
 
 
-def plan_request(cfg: JobConfig, *, world_size: int | None = None) -> PlanRequest:
+def plan_request(cfg: JobConfig, *, world_size: int | None = None,
+                 moe: MoESpec | None = None) -> PlanRequest:
     """The planner's input for a job (``recovery.spares``: the last TP slices held back, until
-    the job's health names what it holds back)."""
+    the job's health names what it holds back); ``moe``: the model's experts (``nutp-bridge``
+    reads them from its provider, ``bridge_run.moe_spec_of``; the job config has none)."""
     health = cfg.health.as_report()
     if cfg.health.reserved_gpus is None and cfg.recovery.spares:
         held = [g for s in spare_slices(cfg.cluster, cfg.parallel.tp_base, cfg.recovery.spares)
@@ -72,5 +74,5 @@ def plan_request(cfg: JobConfig, *, world_size: int | None = None) -> PlanReques
         replicas=None if cfg.nutp.replicas is None else tuple(cfg.nutp.replicas),
         global_batch=cfg.train.num_microbatches, world_size=world_size,
         micro_batch_size=cfg.train.micro_batch_size, cost=cost_spec(cfg.cluster),
-        memory=memory_spec(cfg),
+        memory=memory_spec(cfg), moe=moe,
     )

@@ -91,6 +91,26 @@ def moe_of(provider: Any) -> Any:
     return moe
 
 
+def moe_spec_of(provider: Any) -> Any:
+    """The planner's view of a provider's experts (``layout.specs.MoESpec``: experts, top-k,
+    expert width, shared expert width, ``moe_layer_freq``), or None without
+    ``num_moe_experts``. Read as megatron reads them; what NUTP's MoE layers do not build yet
+    (shared experts, ``moe_layer_freq``) is refused by ``check_moe``/``check_container``, not
+    here: the planner counts them anyway."""
+    experts = getattr(provider, "num_moe_experts", None)
+    if not experts:
+        return None
+    from ..layout.specs import MoESpec
+
+    shared = getattr(provider, "moe_shared_expert_intermediate_size", None)
+    freq = getattr(provider, "moe_layer_freq", 1)
+    return MoESpec(num_moe_experts=int(experts), moe_router_topk=int(provider.moe_router_topk),
+                   moe_ffn_hidden_size=int(provider.moe_ffn_hidden_size or
+                                           provider.ffn_hidden_size),
+                   moe_shared_expert_intermediate_size=int(shared) if shared else None,
+                   moe_layer_freq=freq if isinstance(freq, int) else tuple(freq))
+
+
 def check_moe(cfg: Any, plan: Any = None) -> None:
     """What NUTP's MoE layers do not run yet, one line naming the field (nothing without
     ``model.num_moe_experts``): bf16/fp16, pipeline stages (recovery:

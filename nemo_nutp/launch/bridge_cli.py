@@ -304,11 +304,11 @@ def _job(argv: list[str]) -> tuple[Any, Any]:
 
 def _load(argv: list[str]) -> tuple[Any, Any, Any]:
     from nemo_nutp.config import plan_request
-    from nemo_nutp.integrations.bridge_run import preflight
+    from nemo_nutp.integrations.bridge_run import moe_spec_of, preflight
     from nemo_nutp.layout import build_plan
 
     args, job = _job(argv)
-    plan = build_plan(plan_request(job.nutp))
+    plan = build_plan(plan_request(job.nutp, moe=moe_spec_of(job.bridge.model)))
     preflight(job, plan)
     return args, job, plan
 

@@ -14,6 +14,15 @@ A replica stage at TP degree ``t`` spends, per micro-batch, on its *slowest rank
   replicated, so each of ``t`` senders serves ``t_next / t`` receivers); with sequence parallel
   each side holds ``A / t`` and only the pieces move.
 
+* MoE (``moe``, a ``MoESpec``): in each MoE layer the rank's MLP work is its experts' share of
+  the routed tokens under balanced routing (``topk x n_j / E`` of the replica's tokens through
+  one expert each, ``n_j`` its experts: 8 over 3 ranks are 2/3/3, so the rank with 3 is the
+  slowest), its shared-expert columns and its sequence shard's router; the layer's TP traffic
+  is the attention's two collectives (and the shared expert's two), plus the token all-to-all
+  inside the replica (``alltoall_bytes``: dispatch and combine, forward and backward, each
+  rank sending ``(t-1)/t`` of its ``topk`` copies of its ``tokens / t``), counted with the TP
+  traffic on the scale-up links.
+
 ``CostSpec`` turns these into seconds (achieved FLOP/s, link bandwidths, a latency per message,
 a fixed per-layer cost that does not shrink with the degree, the first stage's dense embedding
 gradient per table element).
@@ -30,8 +39,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .specs import CostSpec, ModelDims, bad_value
-from .units import rank_work, space_bounds
+from .experts import expert_bounds
+from .memory import moe_layer_count
+from .specs import CostSpec, ModelDims, MoESpec, bad_value
+from .units import assignment, rank_work, space_bounds
 
 FWD_BWD = 3.0
 """Forward + backward cost in forward passes (backward computes input and weight gradients)."""
@@ -57,16 +68,54 @@ def chunk_layers(num_layers: int, pp: int, vp: int = 1) -> list[list[tuple[int, 
     return [[((c * pp + s) * n, (c * pp + s + 1) * n) for c in range(vp)] for s in range(pp)]
 
 
+def moe_rank_work(dims: ModelDims, moe: MoESpec, t: int) -> np.ndarray:
+    """(t,) forward multiply-adds per token of the replica of one MoE layer's MLP on each of
+    its ``t`` ranks (balanced routing): its experts' share of the routed tokens, its columns of
+    the shared expert, its sequence shard's router."""
+    h, halves = dims.hidden_size, 2 if dims.gated_linear_unit else 1
+    n = np.diff(expert_bounds(moe.num_moe_experts, t)).astype(np.float64)
+    work = moe.moe_router_topk * n / moe.num_moe_experts * (halves + 1) * \
+        moe.moe_ffn_hidden_size * h + moe.num_moe_experts * h / t
+    if moe.moe_shared_expert_intermediate_size:
+        cols = np.diff(assignment(moe.moe_shared_expert_intermediate_size, t))
+        work = work + cols * (halves + 1) * h
+    return work
+
+
+def stage_rank_work(dims: ModelDims, t: int, layers: int, *, with_vocab: bool,
+                    balance: str = "work", moe: MoESpec | None = None,
+                    moe_layers: int = 0) -> np.ndarray:
+    """``units.rank_work`` with ``moe_layers`` of the ``layers`` MoE layers (their dense FFN
+    replaced by ``moe_rank_work``)."""
+    work = rank_work(dims, t, layers, with_vocab, balance)
+    if moe is None or not moe_layers:
+        return work
+    h, halves = dims.hidden_size, 2 if dims.gated_linear_unit else 1
+    ffn = np.diff(space_bounds(dims, "ffn", t, balance)) * float((halves + 1) * h)
+    return work + moe_layers * (moe_rank_work(dims, moe, t) - ffn)
+
+
 def stage_flops(dims: ModelDims, t: int, layers: int, *, with_vocab: bool, tokens: int,
-                balance: str = "work") -> float:
+                balance: str = "work", moe: MoESpec | None = None,
+                moe_layers: int = 0) -> float:
     """Forward + backward FLOPs of the slowest of ``t`` ranks for one micro-batch."""
-    work = float(rank_work(dims, t, layers, with_vocab, balance).max())
+    work = float(stage_rank_work(dims, t, layers, with_vocab=with_vocab, balance=balance,
+                                 moe=moe, moe_layers=moe_layers).max())
     return FWD_BWD * FLOPS_PER_MAC * work * tokens
 
 
 def tp_bytes(dims: ModelDims, t: int, layers: int, *, tokens: int, act_bytes: int = 2) -> float:
     """Bytes one rank moves in TP all-reduces for one micro-batch (ring: 2 (t-1)/t x size)."""
     return layers * 4 * 2 * (t - 1) / t * tokens * dims.hidden_size * act_bytes
+
+
+def alltoall_bytes(dims: ModelDims, moe: MoESpec, t: int, moe_layers: int, *, tokens: int,
+                   act_bytes: int = 2) -> float:
+    """Bytes one rank sends in the MoE token all-to-alls of one micro-batch (balanced routing):
+    per MoE layer dispatch and combine, forward and backward, each ``(t-1)/t`` of the rank's
+    ``topk`` copies of its ``tokens / t``."""
+    return moe_layers * 4 * (t - 1) / t * tokens / t * moe.moe_router_topk * \
+        dims.hidden_size * act_bytes
 
 
 def boundary_bytes(dims: ModelDims, t: int, *, t_prev: int | None, t_next: int | None,
@@ -110,18 +159,29 @@ class StageTime:
 def stage_time(dims: ModelDims, spec: CostSpec | None, *, t: int, stage: int, pp: int,
                tokens: int, t_prev: int | None = None, t_next: int | None = None,
                sequence_parallel: bool = False, balance: str = "work",
-               vp: int = 1) -> StageTime:
+               vp: int = 1, moe: MoESpec | None = None) -> StageTime:
     """One micro-batch on stage ``stage`` of ``pp`` at degree ``t`` (slowest rank); ``vp``
     chunks per rank: its boundary crossings per micro-batch (``crossings``; ``t_prev`` /
-    ``t_next`` then the ring's neighbours)."""
+    ``t_next`` then the ring's neighbours); ``moe``: the model's experts (the module doc)."""
     layers = dims.num_layers // pp
+    n_moe = moe_layer_count(dims, moe, stage=stage, pp=pp, vp=vp)
     flops = stage_flops(dims, t, layers, with_vocab=stage == pp - 1, tokens=tokens,
-                        balance=balance)
+                        balance=balance, moe=moe, moe_layers=n_moe)
     if spec is None:
         return StageTime(flops, 0.0, 0.0)
     ab = spec.act_bytes
-    tp = tp_bytes(dims, t, layers, tokens=tokens, act_bytes=ab) / (spec.tp_gbps * 1e9)
-    tp = tp * (1.0 - spec.tp_overlap) + (4 * layers * spec.latency_s if t > 1 else 0.0)
+    # a MoE layer's MLP runs no TP collectives (its tokens go by all-to-all), its shared
+    # expert does (megatron's shared expert: a TP MLP)
+    mlp_collectives = 2 if moe is not None and moe.moe_shared_expert_intermediate_size else 0
+    tp = tp_bytes(dims, t, layers, tokens=tokens, act_bytes=ab)
+    messages = 4 * layers
+    if moe is not None and n_moe:
+        skipped = n_moe * (2 - mlp_collectives)
+        tp += alltoall_bytes(dims, moe, t, n_moe, tokens=tokens, act_bytes=ab) - \
+            tp_bytes(dims, t, skipped, tokens=tokens, act_bytes=ab) / 4
+        messages += 4 * n_moe - skipped
+    tp = tp / (spec.tp_gbps * 1e9)
+    tp = tp * (1.0 - spec.tp_overlap) + (messages * spec.latency_s if t > 1 else 0.0)
     n_prev, n_next = crossings(stage, pp, vp) if vp > 1 else (1, 1)
     nb = n_prev * (t_prev is not None) + n_next * (t_next is not None)
     bd = boundary_bytes(dims, t, t_prev=t_prev, t_next=t_next, tokens=tokens,

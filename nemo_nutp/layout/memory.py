@@ -28,6 +28,15 @@ shards show up) it counts, in bytes:
   (``(2 + 8) s b V_rank`` bytes in bf16, one micro-batch). Activations are counted in the
   weights' precision (fp32 runs: twice Korthikanti's half-precision bytes, masks still 1 byte).
 * ``reserve_gib``: CUDA context, NCCL and sync buffers, allocator fragmentation.
+* **experts** (``moe``, a ``MoESpec``): in each MoE layer (``moe_layer_freq``) the dense FFN
+  is replaced by what the rank really holds: its balanced range of routed experts
+  (``experts.expert_bounds``: 8 experts over 3 ranks are 2/3/3, so the most loaded rank holds 3,
+  not 8/3), the replicated router and the shared expert's FFN columns (balanced like units).
+  Their gradients and optimizer state follow the same rules as every other weight (the
+  distributed optimizer's share: each expert has one holder per replica, as each dense shard
+  has). Activations of a MoE layer assume balanced routing: the rank's experts receive
+  ``s b topk n_j / E`` tokens, each saving its permuted input, fc1 output, fc2 input and
+  unpermuted output, plus the router's fp32 probabilities and the shared expert's widths.
 
 Not modelled: the sync engine's extra buckets beyond the reserve, activation offloading,
 CUDA graphs, fp8. The cross-check against Korthikanti's closed form
@@ -40,8 +49,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .specs import MemorySpec, ModelDims
-from .units import PARAM_KINDS, layer_kinds, replicated_shapes, space_bounds, unit_numel
+from .experts import ExpertShape, expert_bounds
+from .specs import MemorySpec, ModelDims, MoESpec
+from .units import (
+    PARAM_KINDS,
+    assignment,
+    layer_kinds,
+    replicated_shapes,
+    space_bounds,
+    unit_numel,
+)
 
 GIB = 1024 ** 3
 
@@ -66,68 +83,132 @@ class StageMemory:
         return self.total <= self.capacity
 
 
-def rank_params(dims: ModelDims, t: int, *, stage: int, pp: int, balance: str = "work"
-                ) -> int:
-    """Parameter elements on the most loaded of ``t`` ranks of a stage."""
+def stage_layer_ids(num_layers: int, pp: int, stage: int, vp: int = 1) -> list[list[int]]:
+    """Global layer indices of each of the stage's ``vp`` model chunks (megatron's
+    interleaving: chunk ``c`` of stage ``s`` holds block ``c * pp + s``)."""
+    n = num_layers // (pp * vp)
+    return [list(range((c * pp + stage) * n, (c * pp + stage + 1) * n)) for c in range(vp)]
+
+
+def moe_layer_count(dims: ModelDims, moe: MoESpec | None, *, stage: int, pp: int,
+                    vp: int = 1) -> int:
+    """MoE layers on stage ``stage`` (0 without ``moe``)."""
+    if moe is None:
+        return 0
+    pattern = moe.pattern(dims.num_layers)
+    return sum(pattern[i] for chunk in stage_layer_ids(dims.num_layers, pp, stage, vp)
+               for i in chunk)
+
+
+def expert_shape(dims: ModelDims, moe: MoESpec) -> ExpertShape:
+    return ExpertShape(moe.num_moe_experts, dims.hidden_size, moe.moe_ffn_hidden_size,
+                       gated=dims.gated_linear_unit)
+
+
+def moe_rank_params(dims: ModelDims, moe: MoESpec, t: int) -> np.ndarray:
+    """(t,) parameter elements of one MoE layer's MLP on each TP rank of a replica of degree
+    ``t``: its routed experts' range x one expert, the replicated router and its columns of
+    the shared expert (the dense FFN of a MoE layer is not there)."""
+    experts = np.diff(expert_bounds(moe.num_moe_experts, t)) * expert_shape(dims, moe).unit_numel()
+    out = experts.astype(np.int64) + moe.num_moe_experts * dims.hidden_size
+    if moe.moe_shared_expert_intermediate_size:
+        cols = np.diff(assignment(moe.moe_shared_expert_intermediate_size, t))
+        out += cols * (3 if dims.gated_linear_unit else 2) * dims.hidden_size
+    return out
+
+
+def rank_param_counts(dims: ModelDims, t: int, *, stage: int, pp: int, balance: str = "work",
+                      moe: MoESpec | None = None, vp: int = 1) -> np.ndarray:
+    """(t,) parameter elements on each of the ``t`` ranks of a stage."""
     layers = dims.num_layers // pp
-    per_rank = np.zeros(t)
+    n_moe = moe_layer_count(dims, moe, stage=stage, pp=pp, vp=vp)
+    per_rank = np.zeros(t, dtype=np.int64)
     for kind in layer_kinds(dims):
-        units = np.diff(space_bounds(dims, PARAM_KINDS[kind].space, t, balance))
-        per_rank += layers * unit_numel(kind, dims) * units
+        space = PARAM_KINDS[kind].space
+        units = np.diff(space_bounds(dims, space, t, balance))
+        per_rank += (layers - n_moe if space == "ffn" else layers) * unit_numel(kind, dims) * units
+    if moe is not None and n_moe:
+        per_rank += n_moe * moe_rank_params(dims, moe, t)
     rows = np.diff(space_bounds(dims, "vocab", t, balance)) * dims.hidden_size
     first, last = stage == 0, stage == pp - 1
     tables = int(first) + int(last and (not dims.tie_embeddings or pp > 1))
     per_rank += tables * rows
     replicated = sum(int(np.prod(s)) for s in replicated_shapes(dims).values()) * layers
-    return int(per_rank.max()) + replicated + (dims.hidden_size if last else 0)
+    return per_rank + replicated + (dims.hidden_size if last else 0)
+
+
+def rank_params(dims: ModelDims, t: int, *, stage: int, pp: int, balance: str = "work",
+                moe: MoESpec | None = None, vp: int = 1) -> int:
+    """Parameter elements on the most loaded of ``t`` ranks of a stage."""
+    return int(rank_param_counts(dims, t, stage=stage, pp=pp, balance=balance, moe=moe,
+                                 vp=vp).max())
 
 
 def layer_activation_bytes(dims: ModelDims, t: int, spec: MemorySpec, *,
-                           balance: str = "work") -> float:
+                           balance: str = "work", moe: MoESpec | None = None) -> float:
     """Bytes one layer saves for backward per micro-batch on the most loaded rank (no
-    recompute of whole layers; ``selective`` drops the core attention's terms)."""
+    recompute of whole layers; ``selective`` drops the core attention's terms); ``moe``: a MoE
+    layer's (balanced routing, see the module doc)."""
     s, b, h, d = dims.seq_length, spec.micro_batch_size, dims.hidden_size, dims.kv
     groups = int(np.diff(space_bounds(dims, "qg", t, balance)).max())
-    ffn = int(np.diff(space_bounds(dims, "ffn", t, balance)).max())
     heads = groups * dims.heads_per_group
     sbh = s * b * h
     e = spec.param_bytes  # activations are kept in the weights' precision
     sp = t if spec.sequence_parallel else 1
+    halves = 2 if dims.gated_linear_unit else 1
     unsharded = (2 + 1 + 1) * e * sbh / sp + (2 * sbh / sp if spec.dropout else 0.0)
     qkv = e * s * b * d * (heads + 2 * groups)
     proj_in = e * s * b * d * heads
-    fc1_out = e * s * b * ffn * (2 if dims.gated_linear_unit else 1)
-    fc2_in = e * s * b * ffn
+    if moe is None:
+        ffn = int(np.diff(space_bounds(dims, "ffn", t, balance)).max())
+        mlp = float(e * s * b * ffn * (halves + 1))  # fc1 output, fc2 input
+    else:
+        n = int(np.diff(expert_bounds(moe.num_moe_experts, t)).max())
+        f = moe.moe_ffn_hidden_size
+        routed = s * b * moe.moe_router_topk * n / moe.num_moe_experts
+        mlp = e * routed * (2 * h + (halves + 1) * f) + 4.0 * s * b * moe.num_moe_experts / sp
+        if moe.moe_shared_expert_intermediate_size:
+            cols = int(np.diff(assignment(moe.moe_shared_expert_intermediate_size, t)).max())
+            mlp += e * s * b * cols * (halves + 1)
     core = 0.0
     if spec.recompute_granularity != "selective":
         if spec.flash_attention:
             core = 4.0 * b * heads * s  # fp32 log-sum-exp
         else:  # probabilities (+ dropout mask and output)
             core = b * heads * s * s * (e + (1 + e if spec.dropout else 0))
-    return unsharded + qkv + proj_in + fc1_out + fc2_in + core
+    return unsharded + qkv + proj_in + mlp + core
 
 
 def stage_activation_bytes(dims: ModelDims, t: int, spec: MemorySpec, *, stage: int, pp: int,
-                           microbatches: int | None = None, balance: str = "work") -> float:
+                           microbatches: int | None = None, balance: str = "work",
+                           moe: MoESpec | None = None) -> float:
     """Peak activation bytes of a stage: micro-batches in flight x what each keeps, one
     recomputed chunk, and the last stage's logits. Virtual pipeline stages (``spec.vp > 1``):
-    chunk passes in flight x what each keeps of its chunk's layers; megatron's interleaved
-    schedule runs ``2 (pp - stage - 1) + (vp - 1) pp`` warm-up passes (its default micro-batch
-    group, ``pp``), so one more are in flight (all ``vp M`` when ``M == pp``)."""
+    chunk passes in flight x what each keeps of its chunk's layers (the largest chunk's, with
+    MoE layers); megatron's interleaved schedule runs ``2 (pp - stage - 1) + (vp - 1) pp``
+    warm-up passes (its default micro-batch group, ``pp``), so one more are in flight (all
+    ``vp M`` when ``M == pp``)."""
     vp = spec.vp
-    layers = dims.num_layers // (pp * vp)
-    a_layer = layer_activation_bytes(dims, t, spec, balance=balance)
+    a_dense = layer_activation_bytes(dims, t, spec, balance=balance)
+    a_moe = a_dense if moe is None else layer_activation_bytes(dims, t, spec, balance=balance,
+                                                               moe=moe)
+    pattern = (0,) * dims.num_layers if moe is None else moe.pattern(dims.num_layers)
     s, b, h = dims.seq_length, spec.micro_batch_size, dims.hidden_size
     chunk_in = spec.param_bytes * s * b * h / (t if spec.sequence_parallel else 1)
     n = spec.recompute_num_layers
-    if spec.recompute_granularity != "full":
-        kept, transient = layers * a_layer, 0.0
-    elif spec.recompute_method == "block":
-        k = min(n, layers)
-        kept, transient = k * chunk_in + (layers - k) * a_layer, a_layer if k else 0.0
-    else:  # uniform (megatron's default method for full)
-        chunks = -(-layers // n)
-        kept, transient = chunks * chunk_in, min(n, layers) * a_layer
+    kept, transient = 0.0, 0.0
+    for ids in stage_layer_ids(dims.num_layers, pp, stage, vp):
+        a = [a_moe if pattern[i] else a_dense for i in ids]
+        layers = len(a)
+        if spec.recompute_granularity != "full":
+            k, tr = sum(a), 0.0
+        elif spec.recompute_method == "block":
+            m = min(n, layers)
+            k, tr = m * chunk_in + sum(a[m:]), max(a[:m]) if m else 0.0
+        else:  # uniform (megatron's default method for full)
+            k = -(-layers // n) * chunk_in
+            tr = max(sum(a[i:i + n]) for i in range(0, layers, n))
+        kept, transient = max(kept, k), max(transient, tr)
     in_flight = pp - stage if pp > 1 else 1
     if vp > 1:
         in_flight = 2 * (pp - stage - 1) + (vp - 1) * pp + 1
@@ -144,9 +225,10 @@ def stage_activation_bytes(dims: ModelDims, t: int, spec: MemorySpec, *, stage: 
 
 
 def stage_memory(dims: ModelDims, t: int, spec: MemorySpec, *, stage: int, pp: int,
-                 balance: str = "work") -> StageMemory:
-    """Memory of the most loaded rank of stage ``stage`` of ``pp`` at degree ``t``."""
-    n = rank_params(dims, t, stage=stage, pp=pp, balance=balance)
+                 balance: str = "work", moe: MoESpec | None = None) -> StageMemory:
+    """Memory of the most loaded rank of stage ``stage`` of ``pp`` at degree ``t`` (``moe``:
+    the model's experts, see the module doc)."""
+    n = rank_params(dims, t, stage=stage, pp=pp, balance=balance, moe=moe, vp=spec.vp)
     state = 8 if spec.optimizer == "adam" else 4
     redundant = spec.distributed_optimizer and spec.zero_redundancy
     master = 4 if spec.param_bytes < 4 or redundant else 0
@@ -155,14 +237,15 @@ def stage_memory(dims: ModelDims, t: int, spec: MemorySpec, *, stage: int, pp: i
     return StageMemory(
         weights=float(n * spec.param_bytes), grads=float(n * spec.grad_bytes),
         optimizer=float(opt),
-        activations=stage_activation_bytes(dims, t, spec, stage=stage, pp=pp, balance=balance),
+        activations=stage_activation_bytes(dims, t, spec, stage=stage, pp=pp, balance=balance,
+                                           moe=moe),
         reserve=spec.reserve_gib * GIB, capacity=spec.gpu_memory_gib * GIB)
 
 
 def fits_every_stage(dims: ModelDims, t: int, spec: MemorySpec, *, pp: int,
-                     balance: str = "work") -> bool:
+                     balance: str = "work", moe: MoESpec | None = None) -> bool:
     """Degree ``t`` fits on every stage (the planner's conservative test for any stage)."""
-    return all(stage_memory(dims, t, spec, stage=s, pp=pp, balance=balance).fits
+    return all(stage_memory(dims, t, spec, stage=s, pp=pp, balance=balance, moe=moe).fits
                for s in range(pp))
 
 
@@ -173,10 +256,10 @@ MEMORY_FIELDS = ("parallel.tp_base", "parallel.pp", "train.distributed_optimizer
 
 
 def why_not(dims: ModelDims, t: int, spec: MemorySpec, *, pp: int, balance: str = "work",
-            stage: int | None = None) -> str:
+            stage: int | None = None, moe: MoESpec | None = None) -> str:
     """One-line reason degree ``t`` does not fit ('' when it fits every stage, or ``stage``)."""
     for s in range(pp) if stage is None else (stage,):
-        m = stage_memory(dims, t, spec, stage=s, pp=pp, balance=balance)
+        m = stage_memory(dims, t, spec, stage=s, pp=pp, balance=balance, moe=moe)
         if not m.fits:
             return (f"stage {s} at degree {t} needs {m.total / GIB:.1f} GiB per GPU (weights "
                     f"{m.weights / GIB:.1f}, grads {m.grads / GIB:.1f}, optimizer "

@@ -36,6 +36,7 @@ from functools import cached_property
 import numpy as np
 
 from .cost import StageTime, stage_time, sync_seconds
+from .experts import check_expert_degree
 from .memory import fits_every_stage, stage_memory, why_not
 from .specs import (
     ClusterSpec,
@@ -237,12 +238,15 @@ def _valid_degrees(req: PlanRequest, *, memory: bool = True) -> np.ndarray:
     p, m = req.parallel, req.model
     t = np.arange(p.tp_base + 1)
     ok = (t >= p.min_tp) & (t <= max_degree(m))
+    if req.moe is not None:  # every rank of a replica holds at least one expert
+        ok &= t <= req.moe.num_moe_experts
     if p.sequence_parallel:
         ok &= (m.seq_length % np.maximum(t, 1)) == 0
     ok[0] = False
     if memory and req.memory is not None:  # a degree that does not fit some stage is never planned
         for d in np.nonzero(ok)[0]:
-            ok[d] = fits_every_stage(m, int(d), req.memory, pp=p.pp, balance=p.unit_balance)
+            ok[d] = fits_every_stage(m, int(d), req.memory, pp=p.pp, balance=p.unit_balance,
+                                     moe=req.moe)
     return ok
 
 
@@ -287,6 +291,12 @@ def _validate(req: PlanRequest) -> None:
                           "vocab": "vocab_size"}[space]
             raise bad_value("parallel.tp_base", p.tp_base,
                             f"exceeds model.{field_name}={num_units(m, space)} units")
+    if req.moe is not None:
+        check_expert_degree(req.moe.num_moe_experts, p.tp_base)
+        if req.moe.moe_shared_expert_intermediate_size is not None and \
+                p.tp_base > req.moe.moe_shared_expert_intermediate_size:
+            raise bad_value("parallel.tp_base", p.tp_base, "exceeds model.moe_shared_expert_"
+                            f"intermediate_size={req.moe.moe_shared_expert_intermediate_size}")
     if p.sequence_parallel and m.seq_length % p.tp_base:
         raise bad_value("model.seq_length", m.seq_length,
                         f"must be divisible by parallel.tp_base={p.tp_base} with sequence parallel")
@@ -310,16 +320,17 @@ def _check_memory(req: PlanRequest) -> None:
     if req.memory is None:
         return
     p, m, mem = req.parallel, req.model, req.memory
-    why = why_not(m, p.tp_base, mem, pp=p.pp, balance=p.unit_balance)
+    why = why_not(m, p.tp_base, mem, pp=p.pp, balance=p.unit_balance, moe=req.moe)
     if why:
         raise bad_value("parallel.tp_base", p.tp_base, why)
     for k, degs in enumerate(req.replicas or ()):
         for s, t in enumerate(degs):
             if 0 < t <= p.tp_base and not stage_memory(m, t, mem, stage=s, pp=p.pp,
-                                                       balance=p.unit_balance).fits:
+                                                       balance=p.unit_balance,
+                                                       moe=req.moe).fits:
                 raise bad_value("nutp.replicas", [list(r) for r in req.replicas or ()],
                                 f"replica {k}: " + why_not(m, t, mem, pp=p.pp, stage=s,
-                                                      balance=p.unit_balance))
+                                                      balance=p.unit_balance, moe=req.moe))
 
 
 def plan_slices(req: PlanRequest) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -415,7 +426,7 @@ class _Speed:
             self._cache[key] = stage_time(
                 r.model, r.cost, t=t, stage=s, pp=self.pp, tokens=self.tokens, t_prev=t_prev,
                 t_next=t_next, sequence_parallel=r.parallel.sequence_parallel,
-                balance=r.parallel.unit_balance, vp=r.parallel.vp)
+                balance=r.parallel.unit_balance, vp=r.parallel.vp, moe=r.moe)
         return self._cache[key]
 
     def _nbrs(self, s: int, degrees: tuple[int, ...] | None) -> tuple[int | None, int | None]:

@@ -379,6 +379,59 @@ class ModelDims:
 
 
 @dataclass(frozen=True)
+class MoESpec:
+    """A MoE model's experts as the planner counts them (megatron's ``TransformerConfig``
+    names; ``PlanRequest.moe``). Each MoE layer's MLP is ``num_moe_experts`` routed experts
+    (units of the ``expert`` space, ``layout/experts.py``: balanced ranges over a replica's TP
+    ranks), a replicated router ``[num_moe_experts, hidden]`` and, when
+    ``moe_shared_expert_intermediate_size`` is set, a shared expert: a dense gated MLP of that
+    width, sharded over TP like the dense FFN. Layers ``moe_layer_freq`` marks 0 keep the dense
+    FFN of ``model.ffn_hidden_size``."""
+
+    num_moe_experts: int
+    """Routed experts per MoE layer."""
+    moe_router_topk: int
+    """Experts each token is routed to (the compute term)."""
+    moe_ffn_hidden_size: int
+    """One routed expert's inner width (per half when gated)."""
+    moe_shared_expert_intermediate_size: int | None = None
+    """Width of the shared expert(s) of every MoE layer (None: none)."""
+    moe_layer_freq: int | tuple[int, ...] = 1
+    """megatron's pattern: an int ``k`` (layer ``i`` is MoE when ``i % k == 0``) or one 0/1 per
+    layer (DeepSeek-V3: ``(0,) * 3 + (1,) * 58``, its first 3 layers dense)."""
+
+    def __post_init__(self) -> None:
+        check_positive("model.num_moe_experts", self.num_moe_experts)
+        check_positive("model.moe_ffn_hidden_size", self.moe_ffn_hidden_size)
+        if not (_is_int(self.moe_router_topk) and 1 <= self.moe_router_topk
+                <= self.num_moe_experts):
+            raise bad_value("model.moe_router_topk", self.moe_router_topk,
+                            f"must be in [1, model.num_moe_experts={self.num_moe_experts}]")
+        if self.moe_shared_expert_intermediate_size is not None:
+            check_positive("model.moe_shared_expert_intermediate_size",
+                           self.moe_shared_expert_intermediate_size)
+        f = self.moe_layer_freq
+        if isinstance(f, int):  # (check_positive refuses a bool)
+            check_positive("model.moe_layer_freq", f)
+        else:
+            pattern = tuple(f) if hasattr(f, "__iter__") and not isinstance(f, str) else ()
+            if not pattern or any(not _is_int(x) or x not in (0, 1) for x in pattern):
+                raise bad_value("model.moe_layer_freq", list(pattern),
+                                "must be a positive int or a list of 0/1, one per layer")
+            object.__setattr__(self, "moe_layer_freq", pattern)
+
+    def pattern(self, num_layers: int) -> tuple[int, ...]:
+        """1 for every MoE layer, 0 for every dense one (megatron's ``moe_layer_pattern``)."""
+        f = self.moe_layer_freq
+        if isinstance(f, int):
+            return tuple(int(i % f == 0) for i in range(num_layers))
+        if len(f) != num_layers:
+            raise bad_value("model.moe_layer_freq", list(f),
+                            f"has {len(f)} entries; model.num_layers={num_layers}")
+        return f
+
+
+@dataclass(frozen=True)
 class ParallelSpec:
     """How replicas are cut: TP degree per replica stage, pipeline stages, batch."""
 
@@ -455,6 +508,9 @@ class PlanRequest:
     memory: MemorySpec | None = None
     """GPU memory model inputs (``layout.memory``): degrees that do not fit are never planned;
     None: memory unchecked (CPU runs, hardware without ``gpu_memory_gib``)."""
+    moe: MoESpec | None = None
+    """The model's experts (``nutp-bridge``: its provider's ``num_moe_experts`` etc.); the
+    memory model counts what each rank holds of them; None: a dense model."""
 
     def __post_init__(self) -> None:
         check_positive("global_batch", self.global_batch)
@@ -464,6 +520,8 @@ class PlanRequest:
         if self.replicas is not None:
             object.__setattr__(self, "replicas", normalize_replicas(self.replicas,
                                                                     self.parallel.pp))
+        if self.moe is not None:
+            self.moe.pattern(self.model.num_layers)  # a per-layer list of the right length
 
 
 def _is_int(x: Any) -> bool:
