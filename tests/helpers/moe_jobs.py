@@ -253,6 +253,8 @@ def layout_run(case: MoECase, replicas: tuple[int, ...], control: str | None,
     L = sum(isinstance(m, TopKRouter) for m in s.gpt.modules())  # MoE layers (MTP's included)
     if control == "mtp_replica_count":
         _mtp_scale_per_replica(ctx.weight)
+    if control == "aux_replica_count":
+        _aux_scale_per_replica(ctx.weight)
     for k in range(case.steps):
         maps.clear()
         res = s.step(k, after_sync=(lambda: grads.append(gather_replicas(
@@ -287,6 +289,7 @@ def layout_run(case: MoECase, replicas: tuple[int, ...], control: str | None,
             rec["expert_bias"].append(every)
     params = gather_replicas(s)
     _mtp_scale_per_replica(None)
+    _aux_scale_per_replica(None)
     if dist.get_rank() != 0:
         return None
     rec["grads"], rec["params"] = grads[0], params
@@ -305,6 +308,23 @@ def _mtp_scale_per_replica(weight: float | None) -> None:
         MTPLossAutoScaler.set_loss_scale = stock  # type: ignore[method-assign]
         return
     MTPLossAutoScaler.set_loss_scale = staticmethod(  # type: ignore[method-assign]
+        lambda scale: stock.__func__(scale / weight))
+
+
+def _aux_scale_per_replica(weight: float | None) -> None:
+    """Negative control ``aux_replica_count``: every aux-loss scale set (megatron's
+    ``MoEAuxLossAutoScaler``) is divided by the replica's weight ``m_r/M``, i.e. the aux loss
+    scaled by the replica's micro-batch count instead of the global one (``None``: megatron's
+    own ``set_loss_scale`` back)."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    stock = MoEAuxLossAutoScaler.__dict__.get("_stock_set_loss_scale",
+                                              MoEAuxLossAutoScaler.__dict__["set_loss_scale"])
+    MoEAuxLossAutoScaler._stock_set_loss_scale = stock  # type: ignore[attr-defined]
+    if weight is None:
+        MoEAuxLossAutoScaler.set_loss_scale = stock  # type: ignore[method-assign]
+        return
+    MoEAuxLossAutoScaler.set_loss_scale = staticmethod(  # type: ignore[method-assign]
         lambda scale: stock.__func__(scale / weight))
 
 

@@ -13,8 +13,9 @@ experts, top-2, load-balancing aux loss, fp32 routing), layouts [3,2] and [2,2,1
 * router flips (each token's chosen experts vs the reference's) counted: 0 measured; a flip
   would void the bounds of its step, so the test asserts 0.
 
-Negative control, run here and asserted to fail the bounds: the aux loss counted once per TP
-rank (``moe_jobs`` control ``aux_per_rank``). megatron-core 0.16's MoE needs Transformer
+Negative controls, run here and asserted to fail the bounds: the aux loss counted once per TP
+rank (``moe_jobs`` control ``aux_per_rank``); its gradient scaled by the replica's micro-batch
+count instead of the global one (``aux_replica_count``). megatron-core 0.16's MoE needs Transformer
 Engine: skipped there (the Python 3.12 leg runs it)."""
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ def _within(err: dict) -> bool:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize(("replicas", "controls"), [((3, 2), [None, "aux_per_rank"]),
+@pytest.mark.parametrize(("replicas", "controls"), [((3, 2), [None, "aux_per_rank",
+                                                                "aux_replica_count"]),
                                                     ((2, 2, 1), [None])])
 def test_moe_layout_matches_stock(reference: tuple[MoECase, dict, Path],
                                   replicas: tuple[int, ...], controls: list[str | None],
@@ -71,5 +73,11 @@ def test_moe_layout_matches_stock(reference: tuple[MoECase, dict, Path],
         bad = layout_errors(ref, torch.load(tmp_path / f"moe_{name}_aux_per_rank.pt",
                                             weights_only=False))
         print(f"{replicas} control aux_per_rank: {bad}")
+        assert not _within(bad), bad
+        assert bad["grads"][0] > 100 * TOL and "router" in bad["grads"][1], bad["grads"]
+    if "aux_replica_count" in controls:
+        bad = layout_errors(ref, torch.load(tmp_path / f"moe_{name}_aux_replica_count.pt",
+                                            weights_only=False))
+        print(f"{replicas} control aux_replica_count: {bad}")
         assert not _within(bad), bad
         assert bad["grads"][0] > 100 * TOL and "router" in bad["grads"][1], bad["grads"]
