@@ -21,7 +21,7 @@ Each field is in exactly one class:
   layer spec, the plain optimizer override provider). A field under ``ONLY_WITH`` is read only
   with its switch on (e.g. ``model.moe_*`` with ``model.num_moe_experts``), as megatron reads it:
   it is refused, or a substitution noticed, only then. The switch itself is refused, or (MoE:
-  ``model.num_moe_experts``) honoured.
+  ``model.num_moe_experts``; MTP: ``model.mtp_num_layers``) honoured.
 
 MoE (``model.num_moe_experts``, ``bridge_run.moe_of``; docs/moe.md): the experts, top-k, expert
 FFN size, load-balancing type (``aux_loss`` or ``none``) and coefficient and router dtype are
@@ -30,6 +30,9 @@ router fusions, DeepEP and expert TP (1) are substitutions; the flex dispatcher'
 kernel settings are not math; everything else (shared experts, z-loss, capacity factor and
 dropping, sigmoid routing, expert bias, group-limited top-k, MoE layer frequency, expert
 parallelism outside the replica, ...) is refused away from megatron's default.
+Multi-token prediction (``model.mtp_num_layers``, with MoE only: ``bridge_run.moe_of``): the
+layer count and ``model.mtp_loss_scaling_factor`` are honoured; the other ``model.mtp_*``
+(detached heads, a repeated layer, its own gradient scale, ...) are refused away from the default.
 
 "Off" values are equivalent (``None``, ``False``, ``0``, ``[]``), so a recipe that spells the
 default differently passes. ``model.transformer_layer_spec`` is accepted at the GPT provider's
@@ -80,6 +83,8 @@ VIRTUAL = ("tests/integrations/test_bridge_pipeline.py"
            "::test_bridge_virtual_stages_match_bridge_stock_run")
 BRIDGE_MOE = ("tests/integrations/test_bridge_moe.py"
               "::test_bridge_qwen3_moe_nutp_2_1_matches_bridge_stock_run")
+BRIDGE_MTP = ("tests/integrations/test_bridge_mtp.py"
+              "::test_bridge_qwen3_moe_mtp_nutp_2_1_matches_bridge_stock_run")
 ROUNDING = "same math, other rounding"
 KERNELS = "same math, other kernels"
 SCHEDULING = "same math, other scheduling"
@@ -148,6 +153,8 @@ HONOURED: dict[str, str] = {  # the test that proves the effect
     "model.moe_router_dtype": BRIDGE_MOE,
     "model.moe_router_load_balancing_type": BRIDGE_MOE,
     "model.moe_router_topk": BRIDGE_MOE,
+    "model.mtp_loss_scaling_factor": BRIDGE_MTP,
+    "model.mtp_num_layers": BRIDGE_MTP,
     "model.normalization": PARITY,
     "model.num_attention_heads": BRIDGE_TRAIN,
     "model.num_layers": BRIDGE_TRAIN,
@@ -938,8 +945,6 @@ REFUSED: dict[str, Any] = {  # the NUTP model's value; any other is refused
     "model.mtp_enabled": False,
     "model.mtp_grad_scale_func": None,
     "model.mtp_hybrid_override_pattern": None,
-    "model.mtp_loss_scaling_factor": 0.1,
-    "model.mtp_num_layers": None,
     "model.mtp_standalone": False,
     "model.mtp_use_repeated_layer": False,
     "model.multi_latent_attention": False,

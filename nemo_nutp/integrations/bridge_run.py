@@ -70,12 +70,20 @@ def moe_of(provider: Any) -> Any:
     ``num_moe_experts``, else None. What they carry is honoured as megatron reads it
     (``bridge_fields.HONOURED``); the dispatcher is always NUTP's all-to-all one inside each
     replica (``model.moe_token_dispatcher_type``: ``bridge_fields.SUBSTITUTED``); every other
-    MoE setting is refused away from megatron's default by ``check_model``. One-line
-    ``ValueError`` naming the field for a value NUTP's MoE layer does not build."""
+    MoE setting is refused away from megatron's default by ``check_model``. Multi-token
+    prediction (``model.mtp_num_layers``, ``model.mtp_loss_scaling_factor``: ``model/mtp.py``)
+    is carried with MoE only. One-line ``ValueError`` naming the field for a value NUTP's MoE
+    layer does not build."""
     experts = getattr(provider, "num_moe_experts", None)
+    raw = getattr(provider, "mtp_num_layers", None)
+    mtp = int(raw) if raw else None  # (0: off, as megatron reads it)
     if not experts:
+        if mtp is not None:
+            raise ValueError(f"model.mtp_num_layers={mtp}: NUTP builds multi-token prediction "
+                             "on its MoE model only (model.num_moe_experts) so far")
         return None
     from ..model.moe import MoEDims
+    from ..model.mtp import check_mtp
 
     coeff = provider.moe_aux_loss_coeff
     if isinstance(coeff, (list, tuple)):  # megatron: one coefficient per load-balancing type
@@ -86,8 +94,10 @@ def moe_of(provider: Any) -> Any:
                                           provider.ffn_hidden_size),
                   moe_aux_loss_coeff=float(coeff or 0.0),
                   moe_router_load_balancing_type=str(provider.moe_router_load_balancing_type),
-                  moe_router_dtype=provider.moe_router_dtype)
+                  moe_router_dtype=provider.moe_router_dtype, mtp_num_layers=mtp,
+                  mtp_loss_scaling_factor=float(provider.mtp_loss_scaling_factor))
     moe.check(1)
+    check_mtp(moe, pp=1)  # (pipeline stages with MoE: check_moe)
     return moe
 
 
@@ -648,6 +658,8 @@ def start_world(world: BridgeWorld, out_dir: str | Path, *,
                             evals=evals, start_step=first_step, ledger=ledger,
                             inside=balance.inside_speeds, live=hooks is not None, watch=watch)
     outputs.attach(callbacks, optimizer, checkpoints, mc)
+    if getattr(mc, "mtp_num_layers", None) and not cfg.logger.skip_train_metrics_log:
+        mtp_log_callbacks(callbacks, groups)  # (before a Reshare can leave the step)
     balance_callbacks(callbacks, balance, outputs, mc, iters=int(cfg.train.train_iters))
     if callbacks_extra is not None:
         callbacks_extra(callbacks, state)
@@ -685,6 +697,37 @@ def balance_view(world: BridgeWorld) -> Any:
     return SimpleNamespace(plan=world.plan, groups=world.groups, model=world.ddp,
                            gpt=gpt.module if isinstance(gpt, Float16Module) else gpt,
                            opts=StepOptions())
+
+
+def mtp_log_callbacks(callbacks: Any, groups: Any) -> None:
+    """The MTP losses Bridge's ``training_log`` reports (megatron's ``track_mtp_metrics``: the
+    tracker times ``1 / micro-batches``, after averaging over megatron's global data-parallel
+    group, which NUTP does not create: ``model/mtp.py``) as one process has them over the
+    global batch. Every TP rank of a replica holds its replica's sum over its ``m_r``
+    micro-batches; at each step's end (before ``training_log``) the tracker becomes
+    ``m_r x sum over replicas (w_r x replica mean)`` (``w_r = m_r / M``, each TP rank counted
+    ``1 / degree``), so that Bridge's ``1 / m_r`` logs the global mean on every rank. The
+    acceptance counts become the global sums likewise (exact only at even vocabulary shards:
+    megatron's argmax over vocab shards assumes them, ``model/mtp.py``). Collective over the
+    stage group."""
+
+    def reduce(_ctx: Any) -> None:
+        from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+        tracker = MTPLossLoggingHelper.tracker
+        c = groups.ctx  # (after a rebalance: this replica's new share)
+        for key, factor, back in (
+                ("loss_values", c.weight / (c.microbatches * c.degree), c.microbatches),
+                ("correct_values", 1.0 / c.degree, 1),
+                ("total_values", 1.0 / c.degree, 1)):
+            values = tracker.get(key)
+            if values is None:
+                continue
+            t = values.double() * factor
+            torch.distributed.all_reduce(t, group=groups.stage)
+            values.copy_(t * back)
+
+    callbacks.register("on_train_step_end", reduce)
 
 
 def balance_callbacks(callbacks: Any, balance: Any, outputs: Any, mc: Any, *,

@@ -150,7 +150,8 @@ def nutp_worker(rank: int, world: int, port: int, overrides: list[str], control:
         norms: list[Any] = [None] * world
         dist.all_gather_object(norms, [s["grad_norm"] for s in got["steps"]])
         ref = torch.load(Path(outdir, "stock_routing.pt"))
-        layers = job.nutp.model.num_layers
+        # routers a micro-batch: every layer's, MTP layers' too (model.mtp_num_layers)
+        layers = job.nutp.model.num_layers + int(job.bridge.model.mtp_num_layers or 0)
         steps = len(got["steps"])
         per_step = len(ref) // steps  # the stock run's router calls a step (M micro-batches)
         mine = len(full) // steps
