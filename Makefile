@@ -28,7 +28,8 @@ TESTS_312 ?= tests/train/test_parity.py tests/train/test_checks.py \
 	tests/sync/test_moe_zero.py \
 	tests/train/test_mtp_parity.py \
 	tests/checkpoint/test_moe_checkpoint.py \
-	tests/train/test_moe_routing.py
+	tests/train/test_moe_routing.py \
+	tests/relayout/test_moe_live.py
 
 # Megatron-Bridge (Python 3.12 only): Bridge --no-deps plus the pinned list of what its imports
 # need (requirements-bridge.txt); its full dependency set does not build here.
