@@ -269,6 +269,20 @@ def _local_copy(pieces: list[Piece], old: dict[str, _Param], new: dict[str, _Par
     return done
 
 
+def experts_of(session: Any) -> Any:
+    """The ``plan.MoveExperts`` of a session's model (its megatron config's MoE fields), None
+    without experts; ``MoveImpossible`` naming the setting the move does not plan yet."""
+    from .plan import move_experts
+
+    config = getattr(session.gpt, "config", None)
+    if getattr(config, "num_moe_experts", None) is None:
+        return None
+    try:
+        return move_experts(session.plan.request.model, config)
+    except ValueError as e:
+        raise MoveImpossible(str(e)) from e
+
+
 def _check_experts(move: MovePlan, old: Any | None, new: Any, src: dict[str, _Param],
                    dst: dict[str, _Param]) -> None:
     """``MoveImpossible`` for MoE state this move would leave behind (before any collective:

@@ -81,9 +81,10 @@ class MoveExperts:
 
 
 def move_experts(dims: ModelDims, moe: Any) -> MoveExperts:
-    """``MoveExperts`` of a model (``dims``) and its MoE settings (``model.moe.MoEDims``,
-    read by attribute: no model import here). ``ValueError`` naming the setting for what the
-    move does not plan yet: MTP layers, the expert bias (a buffer, not moved)."""
+    """``MoveExperts`` of a model (``dims``) and its MoE settings (``model.moe.MoEDims`` or
+    the MoE model's megatron ``TransformerConfig``, read by attribute: no model import
+    here). ``ValueError`` naming the setting for what the move does not plan yet: MTP
+    layers, the expert bias (a buffer, not moved)."""
     mtp = getattr(moe, "mtp_num_layers", None)
     if mtp:
         raise ValueError(f"model.mtp_num_layers={mtp}: the live re-layout does not plan the "
@@ -95,7 +96,12 @@ def move_experts(dims: ModelDims, moe: Any) -> MoveExperts:
                dims.hidden_size)
     shape = ExpertShape(e, h, f, gated=dims.gated_linear_unit)
     bias = ((2 if dims.gated_linear_unit else 1) * f + h) if dims.add_bias_linear else 0
-    layers = tuple(bool(x) for x in moe.moe_layers(dims.num_layers))
+    if hasattr(moe, "moe_layers"):  # MoEDims
+        layers = tuple(bool(x) for x in moe.moe_layers(dims.num_layers))
+    else:  # megatron's TransformerConfig: moe_layer_freq, an int or a 0/1 list
+        f = moe.moe_layer_freq
+        layers = (tuple(i % f == 0 for i in range(dims.num_layers)) if isinstance(f, int)
+                  else tuple(bool(x) for x in f))
     shared = getattr(moe, "moe_shared_expert_intermediate_size", None) is not None
     return MoveExperts(e, shape.unit_numel() + bias, layers, shared_ffn=shared)
 

@@ -97,13 +97,14 @@ def _body(rank: int, port2: int, case: MoECase, control: bool, ref_path: str,
           outdir: str) -> None:
     import torch.distributed as dist
 
+    from nemo_nutp.live.link import move as link_move
     from nemo_nutp.relayout import plan_move, survivor_rank_map
-    from nemo_nutp.relayout.move import move_state
+    from nemo_nutp.relayout.move import MoveImpossible, move_state
     from nemo_nutp.relayout.plan import EXPERT, move_experts
 
     from .moe_jobs import gather_replicas, moe_dims
     from .moe_reference import reset_moe_globals
-    from .relayout import unmatched
+    from .relayout import _fields, _mismatches, unmatched
 
     ref = torch.load(ref_path, weights_only=False)
     old, new = plans(case)
@@ -124,7 +125,21 @@ def _body(rank: int, port2: int, case: MoECase, control: bool, ref_path: str,
     assert move.possible, move.reason
     reset_moe_globals()
     a = _session(new, case)
+    try:  # a plan without the experts is refused before any collective
+        move_state(plan_move(old, new, rmap), old=s_old, new=a, group=dist.group.WORLD)
+        refused = ""
+    except MoveImpossible as e:
+        refused = str(e)
     rep = move_state(move, old=s_old, new=a, group=dist.group.WORLD, bucket_bytes=16 << 10)
+    # the live path's move (live/link.move: the plan with the model's experts) gives the same
+    # bits; the new session as built differs from them (its experts' fresh init)
+    moved = {k: v.clone() if torch.is_tensor(v) else v for k, v in _fields(a).items()}
+    reset_moe_globals()
+    b = _session(new, case)
+    fresh = _mismatches(_fields(b), moved)
+    link_stats = link_move(s_old, b, old_plan=old, rank_map=rmap)
+    live_bad = _mismatches(_fields(b), moved)
+    del b
     after = _steps(a, case, ref, range(BEFORE, case.steps))
     params = gather_replicas(a)
     bad_loss = None
@@ -142,7 +157,9 @@ def _body(rank: int, port2: int, case: MoECase, control: bool, ref_path: str,
                 for k, v in ref["params"].items()))
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, {"report": rep.as_dict(), "posted": rep.posted,
-                                   "old_rank": rank})
+                                   "old_rank": rank, "live_bad": live_bad[:8],
+                                   "fresh_differs": [k for k in fresh if ".experts." in k][:4],
+                                   "link": link_stats})
     if dist.get_rank() == 0:
         assert params is not None
         equal = all(torch.equal(p[k], params[0][k]) for p in params[1:] for k in params[0])
@@ -154,7 +171,8 @@ def _body(rank: int, port2: int, case: MoECase, control: bool, ref_path: str,
                "ranks": [{k: v for k, v in e.items() if k != "posted"} for e in every],
                "unmatched": unmatched([e["posted"] for e in every]),
                "plan_received": move.received_bytes, "plan_lower_bound": move.lower_bound_bytes,
-               "expert_received": expert_in, "rank_map": rmap, "control": bad_loss}
+               "expert_received": expert_in, "rank_map": rmap, "control": bad_loss,
+               "refused": refused}
         with open(os.path.join(outdir, "moe_live.json"), "w") as f:
             json.dump(res, f, default=str)
     dist.destroy_process_group()

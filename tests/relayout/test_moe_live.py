@@ -9,7 +9,9 @@ clipping on every step, fp32:
   1e-5, every rank's grad norm the same bits, 0 router flips;
 * the final parameters (every replica bitwise equal) within ``TENSOR_TOL``;
 * each survivor receives exactly its lower bound (the plan's and the bytes on the wire), the
-  experts only from survivors that held them; the posted p2p ops match per round (NCCL's rule).
+  experts only from survivors that held them; the posted p2p ops match per round (NCCL's rule);
+  a move plan without the experts is refused by name before any collective; the live path's
+  move (``live/link.move``, the experts read off the model) gives the same bits.
 
 Negative control, run here: the experts that cross the wire left out of the move (their new
 holders keep the fresh init and zero Adam state) leaves the parameter bounds.
@@ -63,10 +65,15 @@ def test_kill_an_expert_holder_survivors_continue_exact(tmp_path: Path) -> None:
     assert max(max(v) for v in rel.values()) <= TOL, rel
     assert perr <= TENSOR_TOL, perr
     assert not res["unmatched"], res["unmatched"][:4]
+    assert res["refused"].startswith("model.num_moe_experts: "), res["refused"]
     assert res["plan_received"] == res["plan_lower_bound"]
     for r in res["ranks"]:
         rep = r["report"]
         assert rep["received_bytes"] == rep["lower_bound_bytes"], rep
+        assert not r["live_bad"], r  # live/link.move: the same bits as the move checked here
+        assert r["link"]["received_bytes"] == rep["received_bytes"], r
+    # as built (the init), every rank's experts differ from the moved (trained) ones
+    assert all(r["fresh_differs"] for r in res["ranks"]), res["ranks"]
     n_in = {int(k): v for k, v in res["expert_received"].items()}
     assert sum(v > 0 for v in n_in.values()) == 2, n_in  # the degraded replica's survivors
     assert control > 100 * TENSOR_TOL, control  # negative control: experts not moved
