@@ -30,7 +30,8 @@ TESTS_312 ?= tests/train/test_parity.py tests/train/test_checks.py \
 	tests/checkpoint/test_moe_checkpoint.py \
 	tests/train/test_moe_routing.py \
 	tests/model/test_mla_replica.py tests/train/test_mla_parity.py tests/train/test_deepseek_v3.py \
-	tests/model/test_moe_memory_measured.py
+	tests/model/test_moe_memory_measured.py \
+	tests/relayout/test_moe_live.py
 
 # Megatron-Bridge (Python 3.12 only): Bridge --no-deps plus the pinned list of what its imports
 # need (requirements-bridge.txt); its full dependency set does not build here.

@@ -160,13 +160,14 @@ def check_moe(cfg: Any, plan: Any = None) -> None:
 
 
 def check_moe_recovery(cfg: Any, recovery: Any) -> None:
-    """``recovery.enabled=true`` with MoE: one line naming it (the live re-layout does not move
-    experts yet; the restart path is untested with MoE)."""
+    """``recovery.enabled=true`` with MoE: one line naming it (the in-process move of experts
+    is built and tested from Python, ``tests/relayout/test_moe_live.py``; Bridge's live path
+    and the restart path are untested with MoE)."""
     moe = moe_of(cfg.model)
     if moe is not None and recovery.enabled:
         raise ValueError(f"recovery.enabled=True: not with NUTP MoE ({moe.num_moe_experts} "
-                         "experts) yet (the live re-layout does not move experts; the restart "
-                         "path is untested with MoE): set recovery.enabled=false")
+                         "experts) through nutp-bridge yet (its live re-layout and the restart "
+                         "path are untested with MoE): set recovery.enabled=false")
 
 
 def _activation_name(func: Any) -> str:

@@ -263,7 +263,7 @@ def move(old: Any | None, new: Any, *, old_plan: Plan, rank_map: dict[int, int],
     ``old=None``: this rank joins with nothing; ``dead``: the old world's ranks that take no
     part: dead, or left out by the new plan). Returns
     this rank's figures: bytes received, its lower bound, peak memory ratio, seconds."""
-    from ..relayout.move import MoveImpossible, move_state
+    from ..relayout.move import MoveImpossible, experts_of, move_state
     from ..relayout.plan import plan_move
 
     if getattr(new.optimizer, "nutp_zero", False):  # by slices (recovery.live_redundancy)
@@ -277,7 +277,8 @@ def move(old: Any | None, new: Any, *, old_plan: Plan, rank_map: dict[int, int],
 
     prec = getattr(new, "precision", "fp32")
     per_elem = 12 if prec == "fp32" else 14
-    mv = plan_move(old_plan, new.plan, rank_map, bytes_per_elem=per_elem, joiners=joiners)
+    mv = plan_move(old_plan, new.plan, rank_map, bytes_per_elem=per_elem, joiners=joiners,
+                   experts=experts_of(new))  # MoE: experts move whole, as units
     rep = move_state(mv, old=old, new=new, group=dist.group.WORLD)
     return {"received_bytes": int(rep.received_bytes),
             "lower_bound_bytes": int(rep.lower_bound_bytes),

@@ -21,13 +21,20 @@ in opposite orders. Buffers: one chunk (``bucket_bytes``, or one unit if larger)
 round; bytes on the wire are raw tensor bytes (bf16 stays 2 bytes), so received bytes equal the
 plan's lower bound exactly.
 
+MoE: every expert tensor (``nutp_expert``: its global index; one tensor per expert and layer,
+under its global name) moves whole with its optimizer state, as the units of the plan's
+``expert`` space (``plan_move(experts=move_experts(...))``). The routers are replicated
+(``rep``).
+
 Not supported (``MoveImpossible``, the caller falls back to restart): a plan with
-``possible=False``. NUTP's distributed optimizer moves by its slices instead
+``possible=False``; a session with experts and a plan without them; a router's expert bias
+(a buffer: not moved yet). NUTP's distributed optimizer moves by its slices instead
 (``zero_move.py``, with ``recovery.live_redundancy``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 from dataclasses import asdict, dataclass
@@ -37,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from ..layout.units import PARAM_KINDS, unit_view_shape
-from .plan import REP, MovePlan, Piece, split_stream
+from .plan import EXPERT, REP, MovePlan, Piece, split_stream
 
 if TYPE_CHECKING:
     from ..train.session import RankSession
@@ -79,14 +86,21 @@ class _Param:
     kind: str | None
     lo: int
     fields: list[torch.Tensor]  # param, [fp32 master], optimizer states (sorted keys)
+    expert: int | None = None  # a routed expert's tensor: its global expert index
 
     @property
     def space(self) -> str:
+        if self.expert is not None:
+            return EXPERT
         return REP if self.kind is None else PARAM_KINDS[self.kind].space
 
     def views(self, dims: Any, lo: int, hi: int) -> list[torch.Tensor]:
         """Units [lo, hi) (global unit indices) of every field, (n, H, W) in canonical
-        order; REP: the whole tensor as (1, numel)."""
+        order; REP: the whole tensor as (1, numel); an expert's tensor: whole, as (1, numel)
+        (``[lo, hi)`` is its own expert)."""
+        if self.expert is not None:
+            assert (lo, hi) == (self.expert, self.expert + 1), (self.name, lo, hi)
+            return [f.view(1, -1) for f in self.fields]
         if self.kind is None:
             return [f.view(1, -1) for f in self.fields]
         n = self.fields[0].numel() // self._unit_numel(dims)
@@ -100,7 +114,8 @@ class _Param:
         return h * w
 
     def unit_bytes(self, dims: Any) -> int:
-        per = self.fields[0].numel() if self.kind is None else self._unit_numel(dims)
+        per = (self.fields[0].numel() if self.kind is None or self.expert is not None
+               else self._unit_numel(dims))
         return sum(per * f.element_size() for f in self.fields)
 
 
@@ -147,7 +162,9 @@ def _params(session: RankSession) -> tuple[dict[str, _Param], torch.Tensor | Non
                       if k != "step" and torch.is_tensor(v) and v.shape == p.shape)
         fields = [p.data] + ([master.data] if master is not None else []) + [st[k] for k in keys]
         units = getattr(p, "nutp_units", None)
-        out[p.nutp_name] = _Param(p.nutp_name, p.nutp_kind, units[0] if units else 0, fields)
+        expert = getattr(p, "nutp_expert", None)
+        out[p.nutp_name] = _Param(p.nutp_name, p.nutp_kind, units[0] if units else 0, fields,
+                                  None if expert is None else int(expert))
         if "step" in st and step is None:
             step = st["step"]
     return out, step
@@ -158,11 +175,19 @@ def _stream(move: MovePlan, pieces: list[Piece], params: dict[str, _Param], dims
     items: list[tuple[Any, int, int]] = []
     where: dict[Any, Piece] = {}
     for k, pc in enumerate(pieces):
-        for name in sorted(n for n, p in params.items() if p.space == pc.space):
+        for name in _names(params, pc):
             key = (k, name)
-            where[key] = pc
-            items.append((key, pc.hi - pc.lo, params[name].unit_bytes(dims)))
+            e = params[name].expert
+            where[key] = pc if e is None else dataclasses.replace(pc, lo=e, hi=e + 1)
+            items.append((key, where[key].hi - where[key].lo, params[name].unit_bytes(dims)))
     return split_stream(items, bucket), where
+
+
+def _names(params: dict[str, _Param], pc: Piece) -> list[str]:
+    """The parameters a piece moves, by global name: every one of its space (an expert
+    piece: the tensors of its experts only)."""
+    return sorted(n for n, p in params.items() if p.space == pc.space and (
+        p.expert is None or pc.lo <= p.expert < pc.hi))
 
 
 def _pair_pieces(move: MovePlan, me_old: int | None, me_new: int
@@ -234,14 +259,43 @@ def _local_copy(pieces: list[Piece], old: dict[str, _Param], new: dict[str, _Par
                 dims: Any) -> int:
     done = 0
     for pc in pieces:
-        for name, p in new.items():
-            if p.space != pc.space:
-                continue
-            for dst, src in zip(p.views(dims, pc.lo, pc.hi), old[name].views(dims, pc.lo, pc.hi),
+        for name in _names(new, pc):
+            p = new[name]
+            lo, hi = (pc.lo, pc.hi) if p.expert is None else (p.expert, p.expert + 1)
+            for dst, src in zip(p.views(dims, lo, hi), old[name].views(dims, lo, hi),
                                 strict=True):
                 dst.copy_(src)
                 done += dst.numel() * dst.element_size()
     return done
+
+
+def experts_of(session: Any) -> Any:
+    """The ``plan.MoveExperts`` of a session's model (its megatron config's MoE fields), None
+    without experts; ``MoveImpossible`` naming the setting the move does not plan yet."""
+    from .plan import move_experts
+
+    config = getattr(session.gpt, "config", None)
+    if getattr(config, "num_moe_experts", None) is None:
+        return None
+    try:
+        return move_experts(session.plan.request.model, config)
+    except ValueError as e:
+        raise MoveImpossible(str(e)) from e
+
+
+def _check_experts(move: MovePlan, old: Any | None, new: Any, src: dict[str, _Param],
+                   dst: dict[str, _Param]) -> None:
+    """``MoveImpossible`` for MoE state this move would leave behind (before any collective:
+    every rank of the group sees the same sessions' kind)."""
+    if move.experts is None and any(p.expert is not None for p in (*src.values(),
+                                                                    *dst.values())):
+        raise MoveImpossible("model.num_moe_experts: a session with experts needs a move plan "
+                             "with them (plan_move(experts=move_experts(...)))")
+    for s in (old, new):
+        if s is not None and any(getattr(m, "expert_bias", None) is not None
+                                 for m in s.gpt.modules()):
+            raise MoveImpossible("model.moe_router_enable_expert_bias=True: the expert bias "
+                                 "(a buffer) is not moved yet")
 
 
 def _state_bytes(params: dict[str, _Param]) -> int:
@@ -266,6 +320,7 @@ def move_state(move: MovePlan, *, old: Any | None, new: Any, group: Any,
     dims = new.plan.request.model
     src, step_old = _params(old) if old is not None else ({}, None)
     dst, step_new = _params(new)
+    _check_experts(move, old, new, src, dst)
     fields = sorted({(p.space, len(p.fields), str([f.dtype for f in p.fields]))
                      for p in (*src.values(), *dst.values())})
     sends, recvs, local = _pair_pieces(move, me_old, me_new)

@@ -30,6 +30,15 @@ degree moves nothing.
 The space ``rep`` is a stage's replicated parameters (norms, row-parallel biases, a learned
 position embedding), moved whole (one "unit", ``lo, hi = 0, 1``) to a new rank that did not
 hold that stage.
+
+MoE (``experts=MoveExperts(...)``): the ``expert`` space (``layout/experts.py``) is planned like
+the dense spaces: unit ``e`` of a stage is routed expert ``e`` of every MoE layer of the stage
+(all its tensors and their optimizer state), held by the rank ``expert_bounds`` gives it in
+its replica. A new holder of an expert takes it whole from one survivor that held it (its own
+old replica's holder first, else another replica's: replicas are bitwise equal), so each rank
+receives exactly the experts it did not hold (the lower bound). Dense FFN units then count only
+the layers that have them (dense layers; MoE layers with a shared expert), and ``rep`` adds
+each MoE layer's router (``[num_experts, hidden]``).
 """
 
 from __future__ import annotations
@@ -39,16 +48,74 @@ import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Any
 
 import numpy as np
 
 from ..layout.cost import stage_layers
+from ..layout.experts import EXPERT_SPACE, ExpertShape, expert_bounds
 from ..layout.plan import Plan, build_plan, plan_slices
 from ..layout.specs import ModelDims
 from ..layout.units import PARAM_KINDS, layer_kinds, space_bounds, unit_numel
 
 REP = "rep"
 MOVE_SPACES = ("qg", "ffn", "vocab", REP)
+EXPERT = EXPERT_SPACE
+
+
+@dataclass(frozen=True)
+class MoveExperts:
+    """What the move plan needs of a MoE model (pure): ``num_experts`` routed experts of
+    ``expert_numel`` elements each (all one expert's tensors in one layer), ``moe_layers`` one
+    flag per global layer (megatron's ``moe_layer_freq``), ``shared_ffn``: the MoE layers' shared
+    expert is over the dense FFN's units."""
+
+    num_experts: int
+    expert_numel: int
+    moe_layers: tuple[bool, ...]
+    shared_ffn: bool = False
+
+    def layers_in(self, first: int, last: int) -> int:
+        """MoE layers among global layers [first, last)."""
+        return sum(self.moe_layers[first:last])
+
+
+def move_experts(dims: ModelDims, moe: Any) -> MoveExperts:
+    """``MoveExperts`` of a model (``dims``) and its MoE settings (``model.moe.MoEDims`` or
+    the MoE model's megatron ``TransformerConfig``, read by attribute: no model import
+    here). ``ValueError`` naming the setting for what the move does not plan yet: MTP
+    layers, the expert bias (a buffer, not moved)."""
+    mtp = getattr(moe, "mtp_num_layers", None)
+    if mtp:
+        raise ValueError(f"model.mtp_num_layers={mtp}: the live re-layout does not plan the "
+                         "MTP layers' experts yet")
+    if getattr(moe, "moe_router_enable_expert_bias", False):
+        raise ValueError("model.moe_router_enable_expert_bias=True: the live re-layout does not "
+                         "move the expert bias (a buffer) yet")
+    e, f, h = (int(moe.num_moe_experts), int(moe.moe_ffn_hidden_size),
+               dims.hidden_size)
+    shape = ExpertShape(e, h, f, gated=dims.gated_linear_unit)
+    bias = ((2 if dims.gated_linear_unit else 1) * f + h) if dims.add_bias_linear else 0
+    if hasattr(moe, "moe_layers"):  # MoEDims
+        layers = tuple(bool(x) for x in moe.moe_layers(dims.num_layers))
+    else:  # megatron's TransformerConfig: moe_layer_freq, an int or a 0/1 list
+        f = moe.moe_layer_freq
+        layers = (tuple(i % f == 0 for i in range(dims.num_layers)) if isinstance(f, int)
+                  else tuple(bool(x) for x in f))
+    shared = getattr(moe, "moe_shared_expert_intermediate_size", None) is not None
+    return MoveExperts(e, shape.unit_numel() + bias, layers, shared_ffn=shared)
+
+
+def _spaces(experts: MoveExperts | None) -> tuple[str, ...]:
+    return MOVE_SPACES if experts is None else ("qg", "ffn", EXPERT, "vocab", REP)
+
+
+def _bounds(dims: ModelDims, space: str, degree: int, balance: str,
+            experts: MoveExperts | None) -> np.ndarray:
+    if space == EXPERT:
+        assert experts is not None
+        return expert_bounds(experts.num_experts, degree)
+    return space_bounds(dims, space, degree, balance)
 
 
 @dataclass(frozen=True)
@@ -75,6 +142,7 @@ class MovePlan:
     lower_bound_bytes: dict[int, int] = field(default_factory=dict)  # new rank -> bytes
     received_bytes: dict[int, int] = field(default_factory=dict)  # new rank -> bytes
     sent_bytes: dict[int, int] = field(default_factory=dict)  # old rank -> bytes
+    experts: MoveExperts | None = None  # MoE: the expert space is planned (None: no experts)
 
     def old_rank(self, new_rank: int) -> int:
         inv = self.__dict__.get("_inv")
@@ -124,16 +192,20 @@ def stable_replan(old: Plan, new: Plan) -> Plan | None:
         return None
 
 
-def unit_elems(plan: Plan, stage: int, space: str) -> int:
+def unit_elems(plan: Plan, stage: int, space: str, experts: MoveExperts | None = None) -> int:
     """Elements per unit of ``space`` summed over the stage's parameters (``rep``: all the
-    stage's replicated elements)."""
-    return _unit_elems(plan.request.model, plan.pp, stage, space)
+    stage's replicated elements; ``expert``: one expert of every MoE layer of the stage)."""
+    return _unit_elems(plan.request.model, plan.pp, stage, space, experts)
 
 
 @lru_cache(maxsize=4096)
-def _unit_elems(dims: ModelDims, pp: int, stage: int, space: str) -> int:
+def _unit_elems(dims: ModelDims, pp: int, stage: int, space: str,
+                experts: MoveExperts | None = None) -> int:
     first, last = stage_layers(dims.num_layers, pp)[stage]
     layers = last - first
+    n_moe = 0 if experts is None else experts.layers_in(first, last)
+    if space == EXPERT:
+        return 0 if experts is None else n_moe * experts.expert_numel
     if space == "vocab":
         n = int(stage == 0) + int(stage == pp - 1 and not (pp == 1 and dims.tie_embeddings))
         return n * unit_numel("word_embedding", dims)
@@ -144,24 +216,32 @@ def _unit_elems(dims: ModelDims, pp: int, stage: int, space: str) -> int:
             2 * ln * dims.kv if getattr(dims, "qk_layernorm", False) else 0) + (
             2 * ln * h if getattr(dims, "post_layernorm", False) else 0)
         out = layers * per_layer + (ln * h if stage == pp - 1 else 0)
+        if experts is not None:  # each MoE layer's router; its experts carry no fc2 bias here
+            out += n_moe * experts.num_experts * h
+            if dims.add_bias_linear and not experts.shared_ffn:
+                out -= n_moe * h
         if stage == 0 and getattr(dims, "position_embedding_type", "rope") == "learned_absolute":
             out += dims.seq_length * h
         return out
+    if space == "ffn" and experts is not None and not experts.shared_ffn:
+        layers -= n_moe  # a MoE layer's MLP is its experts
     return layers * sum(unit_numel(k, dims) for k in layer_kinds(dims)
                         if PARAM_KINDS[k].space == space)
 
 
-def stage_spaces(plan: Plan, stage: int) -> tuple[str, ...]:
-    return tuple(s for s in MOVE_SPACES if unit_elems(plan, stage, s) > 0)
+def stage_spaces(plan: Plan, stage: int, experts: MoveExperts | None = None
+                 ) -> tuple[str, ...]:
+    return tuple(s for s in _spaces(experts) if unit_elems(plan, stage, s, experts) > 0)
 
 
-def holding(plan: Plan, rank: int, space: str) -> tuple[int, int, int, int]:
+def holding(plan: Plan, rank: int, space: str, experts: MoveExperts | None = None
+            ) -> tuple[int, int, int, int]:
     """(replica, stage, lo, hi) of what ``rank`` holds of ``space`` in its stage."""
     i, s, j = plan.rank_index[rank]
     if space == REP:
         return i, s, 0, 1
-    b = space_bounds(plan.request.model, space, plan.replicas[i].tp[s],
-                     plan.request.parallel.unit_balance)
+    b = _bounds(plan.request.model, space, plan.replicas[i].tp[s],
+                plan.request.parallel.unit_balance, experts)
     return i, s, int(b[j]), int(b[j + 1])
 
 
@@ -188,8 +268,9 @@ def _check(old: Plan, new: Plan, rank_map: Mapping[int, int], joiners: frozenset
 class _Sources:
     """Old holders of a stage's units, and how much each survivor has been asked to send."""
 
-    def __init__(self, old: Plan, alive: set[int], max_sources: int) -> None:
-        self.old, self.alive, self.k = old, alive, max_sources
+    def __init__(self, old: Plan, alive: set[int], max_sources: int,
+                 experts: MoveExperts | None = None) -> None:
+        self.old, self.alive, self.k, self.experts = old, alive, max_sources, experts
         self.load: dict[int, int] = {}
 
     def _holder(self, rep: int, stage: int, space: str, lo: int, hi: int) -> int | None:
@@ -199,7 +280,7 @@ class _Sources:
             alive = [r for r in ranks if r in self.alive]
             return min(alive, key=lambda r: (self.load.get(r, 0), r)) if alive else None
         for r in ranks:
-            _, _, a, b = holding(self.old, r, space)
+            _, _, a, b = holding(self.old, r, space, self.experts)
             if a <= lo and hi <= b:
                 return r if r in self.alive else None
         return None
@@ -208,7 +289,7 @@ class _Sources:
         """Unit boundaries of replica ``rep`` strictly inside (lo, hi)."""
         out = []
         for r in self.old.replicas[rep].ranks[stage]:
-            a = holding(self.old, r, space)[2]
+            a = holding(self.old, r, space, self.experts)[2]
             if lo < a < hi:
                 out.append(a)
         return sorted(out)
@@ -299,40 +380,46 @@ def _unchanged(old: Plan, new: Plan) -> Callable[[int, int], bool]:
     return lambda o, n: where(old, o) == where(new, n)
 
 
-def _ranges(plan: Plan, rank: int) -> list[tuple[str, int, int, int]]:
+def _ranges(plan: Plan, rank: int, experts: MoveExperts | None = None
+            ) -> list[tuple[str, int, int, int]]:
     """(space, lo, hi, elements per unit) of everything ``rank`` holds."""
     i, s, j = plan.rank_index[rank]
     return _ranges_at(plan.request.model, plan.pp, plan.request.parallel.unit_balance, s,
-                      plan.replicas[i].tp[s], j)
+                      plan.replicas[i].tp[s], j, experts)
 
 
 @lru_cache(maxsize=65536)
-def _ranges_at(dims: ModelDims, pp: int, balance: str, stage: int, degree: int, j: int
-               ) -> list[tuple[str, int, int, int]]:
+def _ranges_at(dims: ModelDims, pp: int, balance: str, stage: int, degree: int, j: int,
+               experts: MoveExperts | None = None) -> list[tuple[str, int, int, int]]:
     out = []
-    for space in MOVE_SPACES:
-        e = _unit_elems(dims, pp, stage, space)
+    for space in _spaces(experts):
+        e = _unit_elems(dims, pp, stage, space, experts)
         if e == 0:
             continue
         if space == REP:
             out.append((space, 0, 1, e))
         else:
-            b = space_bounds(dims, space, degree, balance)
+            b = _bounds(dims, space, degree, balance, experts)
             out.append((space, int(b[j]), int(b[j + 1]), e))
     return out
 
 
 def plan_move(old: Plan, new: Plan, rank_map: Mapping[int, int], *, bytes_per_elem: int = 12,
-              max_sources: int = 8, joiners: frozenset[int] = frozenset()) -> MovePlan:
+              max_sources: int = 8, joiners: frozenset[int] = frozenset(),
+              experts: MoveExperts | None = None) -> MovePlan:
     """The move plan from ``old`` to ``new`` (see the module docstring). ``bytes_per_elem``:
     bytes of all moved fields per parameter element (fp32 + Adam 12; bf16 + master + Adam 14),
     for the byte figures only. ``joiners``: new ranks without an old rank (a returning GPU's new
     process, grow back): they hold nothing, so everything they hold comes from survivors
-    (their replica's old TP peers first). Deterministic: every rank computes the same plan."""
+    (their replica's old TP peers first). ``experts``: a MoE model's expert space is planned
+    too (see the module docstring). Deterministic: every rank computes the same plan."""
     _check(old, new, rank_map, frozenset(joiners))
+    if experts is not None:
+        for t in sorted({t for rep in (*old.replicas, *new.replicas) for t in rep.tp}):
+            expert_bounds(experts.num_experts, t)  # names model.num_moe_experts
     rmap = dict(rank_map)
     inv = {n: o for o, n in rmap.items()}
-    src = _Sources(old, set(rmap), max_sources)
+    src = _Sources(old, set(rmap), max_sources, experts)
     pieces: list[Piece] = []
     lower: dict[int, int] = {}
     same = _unchanged(old, new)
@@ -342,16 +429,16 @@ def plan_move(old: Plan, new: Plan, rank_map: Mapping[int, int], *, bytes_per_el
         s = new.rank_index[n][1]
         if o is not None and same(o, n):  # holds exactly what it held: local copies only
             pieces += [Piece(n, o, s, sp, lo, hi, (hi - lo) * e) for sp, lo, hi, e in
-                       _ranges(new, n)]
+                       _ranges(new, n, experts)]
             continue
-        for space in stage_spaces(new, s):
-            _, _, lo, hi = holding(new, n, space)
+        for space in stage_spaces(new, s, experts):
+            _, _, lo, hi = holding(new, n, space, experts)
             if o is None:  # a joiner: its new replica's old ranks are its nearest sources
                 orep, own = min(new.rank_index[n][0], len(old.replicas) - 1), None
             else:
-                orep, os_, olo, ohi = holding(old, o, space)
+                orep, os_, olo, ohi = holding(old, o, space, experts)
                 own = (olo, ohi) if os_ == s else None
-            elems = unit_elems(new, s, space)
+            elems = unit_elems(new, s, space, experts)
             if o is not None and own is not None and min(hi, own[1]) > max(lo, own[0]):
                 a, b = max(lo, own[0]), min(hi, own[1])
                 pieces.append(Piece(n, o, s, space, a, b, (b - a) * elems))
@@ -360,13 +447,14 @@ def plan_move(old: Plan, new: Plan, rank_map: Mapping[int, int], *, bytes_per_el
                 got = src.choose(orep, s, space, a, b, elems)
                 if got is None:
                     return MovePlan(False, f"units [{a}, {b}) of {space} at stage {s} (new rank "
-                                    f"{n}) are held by no survivor", (), rmap, bytes_per_elem)
+                                    f"{n}) are held by no survivor", (), rmap, bytes_per_elem,
+                                    experts=experts)
                 pieces += [Piece(n, r, s, space, x, y, (y - x) * elems) for r, x, y in got]
-    return _finish(pieces, rmap, bytes_per_elem, lower)
+    return _finish(pieces, rmap, bytes_per_elem, lower, experts)
 
 
 def _finish(pieces: Sequence[Piece], rmap: dict[int, int], bpe: int,
-            lower: dict[int, int]) -> MovePlan:
+            lower: dict[int, int], experts: MoveExperts | None = None) -> MovePlan:
     merged: list[Piece] = []
     for p in sorted(pieces, key=lambda p: (p.dst, p.stage, p.space, p.lo)):
         q = merged[-1] if merged else None
@@ -381,7 +469,7 @@ def _finish(pieces: Sequence[Piece], rmap: dict[int, int], bpe: int,
         if rmap[p.src] != p.dst:
             recv[p.dst] += p.elems * bpe
             sent[p.src] = sent.get(p.src, 0) + p.elems * bpe
-    return MovePlan(True, "", tuple(merged), rmap, bpe, lower, recv, sent)
+    return MovePlan(True, "", tuple(merged), rmap, bpe, lower, recv, sent, experts)
 
 
 def split_stream(items: Sequence[tuple[object, int, int]], bucket_bytes: int
