@@ -84,7 +84,7 @@ def move_experts(dims: ModelDims, moe: Any) -> MoveExperts:
     """``MoveExperts`` of a model (``dims``) and its MoE settings (``model.moe.MoEDims`` or
     the MoE model's megatron ``TransformerConfig``, read by attribute: no model import
     here). ``ValueError`` naming the setting for what the move does not plan yet: MTP
-    layers, the expert bias (a buffer, not moved)."""
+    layers, the expert bias (a buffer, not moved), multi-latent attention."""
     mtp = getattr(moe, "mtp_num_layers", None)
     if mtp:
         raise ValueError(f"model.mtp_num_layers={mtp}: the live re-layout does not plan the "
@@ -92,6 +92,10 @@ def move_experts(dims: ModelDims, moe: Any) -> MoveExperts:
     if getattr(moe, "moe_router_enable_expert_bias", False):
         raise ValueError("model.moe_router_enable_expert_bias=True: the live re-layout does not "
                          "move the expert bias (a buffer) yet")
+    kv = getattr(dims, "kv_lora_rank", None)
+    if kv or getattr(moe, "multi_latent_attention", False):
+        raise ValueError(f"model.kv_lora_rank={kv}: the live re-layout does not plan "
+                         "multi-latent attention's replicated projections yet")
     e, f, h = (int(moe.num_moe_experts), int(moe.moe_ffn_hidden_size),
                dims.hidden_size)
     shape = ExpertShape(e, h, f, gated=dims.gated_linear_unit)

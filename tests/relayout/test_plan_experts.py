@@ -162,6 +162,8 @@ def test_move_experts_reads_moe_settings_and_refuses_by_name() -> None:
         move_experts(DIMS, moe(mtp_num_layers=1))
     with pytest.raises(ValueError, match=r"^model\.moe_router_enable_expert_bias=True: "):
         move_experts(DIMS, moe(moe_router_enable_expert_bias=True))
+    with pytest.raises(ValueError, match=r"^model\.kv_lora_rank=None: "):
+        move_experts(DIMS, moe(multi_latent_attention=True))
     old, new = _plans(2, 4, 1, [], 3)
     with pytest.raises(ValueError, match=r"^model\.num_moe_experts=2: "):
         plan_move(old, new, survivor_rank_map(old, new),
