@@ -29,7 +29,10 @@ honoured; the dispatcher (NUTP's all-to-all inside each replica), grouped GEMM, 
 router fusions, DeepEP and expert TP (1) are substitutions; the flex dispatcher's backend and
 kernel settings are not math; everything else (shared experts, z-loss, capacity factor and
 dropping, sigmoid routing, expert bias, group-limited top-k, MoE layer frequency, expert
-parallelism outside the replica, ...) is refused away from megatron's default.
+parallelism outside the replica, ...) is refused away from megatron's default. With MoE,
+``model.pipeline_model_parallel_size`` is honoured too (per-stage degrees; the logged MoE
+metrics reduced by ``bridge_moe_metrics``: ``tests/integrations/test_bridge_moe_pipeline.py``);
+virtual stages and the distributed optimizer over stages are refused (``bridge_run.check_moe``).
 
 "Off" values are equivalent (``None``, ``False``, ``0``, ``[]``), so a recipe that spells the
 default differently passes. ``model.transformer_layer_spec`` is accepted at the GPT provider's

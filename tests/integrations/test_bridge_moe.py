@@ -71,7 +71,6 @@ REFUSED = [
     ("model.expert_model_parallel_size=2", "model.expert_model_parallel_size="),
     ("mixed_precision=bf16_mixed", "model.bf16=True"),
     ("checkpoint.save=/tmp/nutp_moe_ckpt", "checkpoint.save=/tmp/nutp_moe_ckpt"),
-    ("model.pipeline_model_parallel_size=2", "model.pipeline_model_parallel_size=2"),
 ]
 
 
