@@ -96,3 +96,27 @@ def test_moe_pipeline_settings_refused_by_name() -> None:
             load([*NUTP_PP, *LAYERS, override])
         msg = str(e.value)
         assert msg.startswith(named) and "\n" not in msg, (override, msg)
+
+
+def test_tracker_reduction_point_is_pinned() -> None:
+    """NUTP's tracker replaces megatron's ``MoEMetricsTracker._sync_metrics`` (called by
+    ``report`` with the metric names and the process groups) and reads ``_metrics``; the
+    installed tracker is the process-global one ``track_moe_metrics`` reports from."""
+    import inspect
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.moe import moe_logging
+
+    from nemo_nutp.integrations.bridge_moe_metrics import nutp_moe_tracker, tracker_class
+
+    real = moe_logging.MoEMetricsTracker
+    assert list(inspect.signature(real._sync_metrics).parameters) == [
+        "self", "metric_names", "pg_collection"]
+    assert "self._sync_metrics(metric_names, pg_collection)" in inspect.getsource(real.report)
+    assert "_metrics" in vars(real())
+    old = moe_logging.get_moe_metrics_tracker()
+    try:
+        nutp_moe_tracker(SimpleNamespace(), 6)
+        assert isinstance(moe_logging.get_moe_metrics_tracker(), tracker_class())
+    finally:
+        moe_logging.set_moe_metrics_tracker(old)
