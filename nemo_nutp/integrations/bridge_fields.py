@@ -29,7 +29,10 @@ honoured; the dispatcher (NUTP's all-to-all inside each replica), grouped GEMM, 
 router fusions, DeepEP and expert TP (1) are substitutions; the flex dispatcher's backend and
 kernel settings are not math; everything else (shared experts, z-loss, capacity factor and
 dropping, sigmoid routing, expert bias, group-limited top-k, MoE layer frequency, expert
-parallelism outside the replica, ...) is refused away from megatron's default.
+parallelism outside the replica, ...) is refused away from megatron's default. With MoE,
+``model.pipeline_model_parallel_size`` is honoured too (per-stage degrees; the logged MoE
+metrics reduced by ``bridge_moe_metrics``: ``tests/integrations/test_bridge_moe_pipeline.py``);
+virtual stages and the distributed optimizer over stages are refused (``bridge_run.check_moe``).
 Multi-token prediction (``model.mtp_num_layers``, with MoE only: ``bridge_run.moe_of``): the
 layer count and ``model.mtp_loss_scaling_factor`` are honoured; the other ``model.mtp_*``
 (detached heads, a repeated layer, its own gradient scale, ...) are refused away from the default.

@@ -123,10 +123,12 @@ def moe_spec_of(provider: Any) -> Any:
 
 def check_moe(cfg: Any, plan: Any = None) -> None:
     """What NUTP's MoE layers do not run yet, one line naming the field (nothing without
-    ``model.num_moe_experts``): bf16/fp16, pipeline stages (recovery:
-    ``check_moe_recovery``); with ``plan``: each replica's degree (experts over its
-    ranks, ``model.num_moe_experts``) and sequence parallelism at a degree above 1
-    (megatron's ``MoELayer`` needs it)."""
+    ``model.num_moe_experts``): bf16/fp16, virtual pipeline stages, the distributed optimizer
+    over pipeline stages, checkpoints with the distributed optimizer or over stages (recovery:
+    ``check_moe_recovery``); with ``plan``: each replica's degree at every stage (experts over
+    its ranks, ``model.num_moe_experts``) and sequence parallelism at a degree above 1
+    (megatron's ``MoELayer`` needs it). Pipeline stages run (per-stage degrees; Bridge's
+    logged MoE metrics reduced NUTP's way, ``bridge_moe_metrics``)."""
     m = cfg.model
     moe = moe_of(m)
     if moe is None:
@@ -136,10 +138,25 @@ def check_moe(cfg: Any, plan: Any = None) -> None:
         if getattr(m, half, False):
             raise ValueError(f"model.{half}=True: {on} trains fp32 so far "
                              "(mixed_precision=null, model.bf16=false, model.fp16=false)")
-    if int(m.pipeline_model_parallel_size) != 1:
-        raise ValueError(f"model.pipeline_model_parallel_size={m.pipeline_model_parallel_size}:"
-                         f" not with {on} through nutp-bridge yet (Bridge's MoE metrics reduce "
-                         "over megatron's pipeline group; untested here)")
+    vp = m.virtual_pipeline_model_parallel_size
+    if vp is not None and int(vp) > 1:
+        raise ValueError(f"model.virtual_pipeline_model_parallel_size={vp}: {on} builds no "
+                         "virtual pipeline stages yet: set null")
+    if int(m.pipeline_model_parallel_size) > 1:
+        from .bridge_zero import wants_zero
+
+        if wants_zero(cfg):
+            raise ValueError("ddp.use_distributed_optimizer=True: not with "
+                             f"model.pipeline_model_parallel_size={m.pipeline_model_parallel_size}"
+                             f" and {on} yet (the experts' ZeRO-1 over stages is not built): "
+                             "set ddp.use_distributed_optimizer=false "
+                             "optimizer.use_distributed_optimizer=false")
+        for name in ("save", "load"):
+            path = getattr(cfg.checkpoint, name, None)
+            if path:
+                raise ValueError(f"checkpoint.{name}={path}: not with {on} over "
+                                 f"{m.pipeline_model_parallel_size} pipeline stages yet "
+                                 "(megatron's MoE keys are tested at one stage)")
     # checkpoint.save / load: NUTP's store writes megatron's MoE keys (checkpoint/sharding.py),
     # not yet the distributed optimizer's expert slices (sync/zero.py refuses them at save time)
     if cfg.optimizer.use_distributed_optimizer or cfg.ddp.use_distributed_optimizer:
@@ -773,9 +790,12 @@ def train_world(run: BridgeRun) -> None:
     after the evaluation the run owes, if any."""
     from megatron.bridge.training import train as bridge_train
 
+    from .bridge_moe_metrics import nutp_moe_tracker
     from .bridge_pipeline import stage_communicator
 
     w = run.world
+    if getattr(w.cfg.model, "num_moe_experts", None):  # Bridge's logged MoE metrics: NUTP's sums
+        nutp_moe_tracker(w.groups, w.plan.request.global_batch)
     with stage_communicator(w.plan, w.groups):
         if run.eval_pending:
             owed_evaluation(run)
