@@ -45,7 +45,7 @@ TESTS_BRIDGE ?= tests/integrations/test_bridge_shim.py tests/integrations/test_b
 	tests/model/test_gemma_reference.py tests/launch/test_bridge_slurm.py \
 	tests/integrations/test_bridge_links.py tests/integrations/test_bridge_spares.py \
 	tests/integrations/test_bridge_moe.py tests/integrations/test_bridge_moe_zero.py \
-	tests/integrations/test_bridge_moe_checkpoint.py
+	tests/integrations/test_bridge_moe_checkpoint.py tests/integrations/test_bridge_moe_routing.py
 
 # The real Slurm the tests start (tests/helpers/slurm_cluster.py: munged, slurmctld, 3 slurmd on
 # loopback; tests/launch runs the scripts `nutp sbatch` renders on it): Debian's Slurm 22.05 and

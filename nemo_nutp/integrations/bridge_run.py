@@ -86,9 +86,27 @@ def moe_of(provider: Any) -> Any:
                                           provider.ffn_hidden_size),
                   moe_aux_loss_coeff=float(coeff or 0.0),
                   moe_router_load_balancing_type=str(provider.moe_router_load_balancing_type),
-                  moe_router_dtype=provider.moe_router_dtype)
+                  moe_router_dtype=provider.moe_router_dtype, **_deepseek_routing_of(provider))
     moe.check(1)
     return moe
+
+
+def _deepseek_routing_of(provider: Any) -> dict[str, Any]:
+    """The DeepSeek-V3 routing fields of ``MoEDims`` (issue #34) as megatron reads them: sigmoid
+    scores, the aux-loss-free expert bias and its update rate, group-limited top-k, top-k
+    scaling, one shared expert, the MoE layer frequency and the z-loss."""
+    freq = provider.moe_layer_freq
+    shared = provider.moe_shared_expert_intermediate_size
+    return dict(
+        moe_router_score_function=str(provider.moe_router_score_function),
+        moe_router_enable_expert_bias=bool(provider.moe_router_enable_expert_bias),
+        moe_router_bias_update_rate=float(provider.moe_router_bias_update_rate),
+        moe_router_num_groups=provider.moe_router_num_groups or None,
+        moe_router_group_topk=provider.moe_router_group_topk or None,
+        moe_router_topk_scaling_factor=provider.moe_router_topk_scaling_factor,
+        moe_shared_expert_intermediate_size=None if not shared else int(shared),
+        moe_layer_freq=freq if isinstance(freq, int) else tuple(int(x) for x in freq),
+        moe_z_loss_coeff=provider.moe_z_loss_coeff or None)
 
 
 def check_moe(cfg: Any, plan: Any = None) -> None:
@@ -102,6 +120,13 @@ def check_moe(cfg: Any, plan: Any = None) -> None:
     if moe is None:
         return
     on = f"NUTP MoE ({moe.num_moe_experts} experts)"
+    moe.moe_layers(int(m.num_layers))  # names a bad model.moe_layer_freq
+    shared = moe.moe_shared_expert_intermediate_size
+    if shared is not None and shared != int(m.ffn_hidden_size):
+        raise ValueError(f"model.moe_shared_expert_intermediate_size={shared}: {on} builds the "
+                         "shared expert over the dense FFN's units, so it must equal "
+                         f"model.ffn_hidden_size={m.ffn_hidden_size} (a unit space of its own "
+                         "is not built yet)")
     for half in ("bf16", "fp16"):
         if getattr(m, half, False):
             raise ValueError(f"model.{half}=True: {on} trains fp32 so far "
