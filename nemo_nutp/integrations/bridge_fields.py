@@ -24,12 +24,14 @@ Each field is in exactly one class:
   ``model.num_moe_experts``; MTP: ``model.mtp_num_layers``) honoured.
 
 MoE (``model.num_moe_experts``, ``bridge_run.moe_of``; docs/moe.md): the experts, top-k, expert
-FFN size, load-balancing type (``aux_loss`` or ``none``) and coefficient and router dtype are
-honoured; the dispatcher (NUTP's all-to-all inside each replica), grouped GEMM, the permute and
-router fusions, DeepEP and expert TP (1) are substitutions; the flex dispatcher's backend and
-kernel settings are not math; everything else (shared experts, z-loss, capacity factor and
-dropping, sigmoid routing, expert bias, group-limited top-k, MoE layer frequency, expert
-parallelism outside the replica, ...) is refused away from megatron's default. With MoE,
+FFN size, load-balancing type (``aux_loss``, ``seq_aux_loss`` or ``none``) and coefficient,
+router dtype and DeepSeek-V3's routing (sigmoid scores, the expert bias and its update rate,
+group-limited top-k, top-k scaling, a shared expert of the dense FFN's size, the MoE layer
+frequency, the z-loss) are honoured; the dispatcher (NUTP's all-to-all inside each replica),
+grouped GEMM, the permute and router fusions, DeepEP and expert TP (1) are substitutions; the
+flex dispatcher's backend and kernel settings are not math; everything else (capacity factor
+and dropping, the shared expert's gate and overlap, pre-softmax, expert parallelism outside the
+replica, ...) is refused away from megatron's default. With MoE,
 ``model.pipeline_model_parallel_size`` is honoured too (per-stage degrees; the logged MoE
 metrics reduced by ``bridge_moe_metrics``: ``tests/integrations/test_bridge_moe_pipeline.py``);
 virtual stages and the distributed optimizer over stages are refused (``bridge_run.check_moe``).
@@ -88,6 +90,8 @@ BRIDGE_MOE = ("tests/integrations/test_bridge_moe.py"
               "::test_bridge_qwen3_moe_nutp_2_1_matches_bridge_stock_run")
 BRIDGE_MTP = ("tests/integrations/test_bridge_mtp.py"
               "::test_bridge_qwen3_moe_mtp_nutp_2_1_matches_bridge_stock_run")
+BRIDGE_DSV3 = ("tests/integrations/test_bridge_moe_routing.py"
+               "::test_bridge_deepseek_routing_nutp_2_1_matches_bridge_stock_run")
 ROUNDING = "same math, other rounding"
 KERNELS = "same math, other kernels"
 SCHEDULING = "same math, other scheduling"
@@ -153,11 +157,20 @@ HONOURED: dict[str, str] = {  # the test that proves the effect
     "model.layernorm_zero_centered_gamma": SETTINGS,
     "model.moe_aux_loss_coeff": BRIDGE_MOE,
     "model.moe_ffn_hidden_size": BRIDGE_MOE,
+    "model.moe_layer_freq": BRIDGE_DSV3,
+    "model.moe_router_bias_update_rate": BRIDGE_DSV3,
     "model.moe_router_dtype": BRIDGE_MOE,
+    "model.moe_router_enable_expert_bias": BRIDGE_DSV3,
+    "model.moe_router_group_topk": BRIDGE_DSV3,
     "model.moe_router_load_balancing_type": BRIDGE_MOE,
+    "model.moe_router_num_groups": BRIDGE_DSV3,
+    "model.moe_router_score_function": BRIDGE_DSV3,
     "model.moe_router_topk": BRIDGE_MOE,
     "model.mtp_loss_scaling_factor": BRIDGE_MTP,
     "model.mtp_num_layers": BRIDGE_MTP,
+    "model.moe_router_topk_scaling_factor": BRIDGE_DSV3,
+    "model.moe_shared_expert_intermediate_size": BRIDGE_DSV3,
+    "model.moe_z_loss_coeff": BRIDGE_DSV3,
     "model.normalization": PARITY,
     "model.num_attention_heads": BRIDGE_TRAIN,
     "model.num_layers": BRIDGE_TRAIN,
@@ -911,7 +924,6 @@ REFUSED: dict[str, Any] = {  # the NUTP model's value; any other is refused
     "model.moe_grad_scale_func": None,
     "model.moe_input_jitter_eps": None,
     "model.moe_latent_size": None,
-    "model.moe_layer_freq": 1,
     "model.moe_mlp_glu_interleave_size": None,
     "model.moe_pad_expert_input_to_capacity": False,
     "model.moe_pad_experts_for_cuda_graph_inference": False,
@@ -919,28 +931,20 @@ REFUSED: dict[str, Any] = {  # the NUTP model's value; any other is refused
     "model.moe_paged_stash_buffer_size_factor_cpu": 0.0,
     "model.moe_paged_stash_buffer_size_factor_cuda": 1.1,
     "model.moe_paged_stash_page_size": 64,
-    "model.moe_router_bias_update_rate": 0.001,
-    "model.moe_router_enable_expert_bias": False,
     "model.moe_router_force_biased": None,
     "model.moe_router_force_load_balancing": False,
-    "model.moe_router_group_topk": None,
-    "model.moe_router_num_groups": None,
     "model.moe_router_padding_for_fp8": False,
     "model.moe_router_padding_for_quantization": False,
     "model.moe_router_pre_softmax": False,
     "model.moe_router_quantile_balancing_ema": 0.0,
-    "model.moe_router_score_function": 'softmax',
     "model.moe_router_topk_limited_devices": None,
-    "model.moe_router_topk_scaling_factor": None,
     "model.moe_shared_expert_gate": False,
     "model.moe_shared_expert_glu_interleave_size": None,
-    "model.moe_shared_expert_intermediate_size": None,
     "model.moe_shared_expert_overlap": False,
     "model.moe_single_grouped_bias": False,
     "model.moe_single_grouped_weight": False,
     "model.moe_token_drop_policy": 'probs',
     "model.moe_token_dropping": False,
-    "model.moe_z_loss_coeff": None,
     "model.mrope_section": None,
     "model.mscale": 1.0,
     "model.mscale_all_dim": 0.0,

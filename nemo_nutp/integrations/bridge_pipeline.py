@@ -72,7 +72,9 @@ def stage_communicator(plan: Any, groups: Any) -> Iterator[None]:
 
 class PipelineFinish:
     """megatron's ``finalize_model_grads_func`` for a NUTP model: each chunk's cross-replica
-    sync finished; with ``pp > 1`` then the pipelined step's finalisation (tied embeddings,
+    sync finished; MoE's aux-loss-free expert bias updated from the global batch's token counts
+    (``model.moe.update_expert_bias``, once per step, as megatron's ``finalize_model_grads``);
+    with ``pp > 1`` then the pipelined step's finalisation (tied embeddings,
     the whole model's grad norm on every rank)."""
 
     def __init__(self, plan: Any, groups: Any, model: Any) -> None:
@@ -86,6 +88,11 @@ class PipelineFinish:
     def __call__(self, model_chunks: list[Any], num_tokens: Any = None, **kwargs: Any) -> None:
         for chunk in model_chunks:
             chunk.finish_grad_sync()
+        for chunk in model_chunks:  # as megatron's finalize_model_grads: after the grad sync
+            if getattr(chunk.config, "moe_router_enable_expert_bias", False):
+                from ..model.moe import update_expert_bias  # megatron-core 0.19 (MoE)
+
+                update_expert_bias(chunk)
         if self.finalizer is not None:
             self.finalizer.finish(0.0)  # the loss is shared by the recording (bridge_run)
 

@@ -95,7 +95,8 @@ def moe_of(provider: Any) -> Any:
                   moe_aux_loss_coeff=float(coeff or 0.0),
                   moe_router_load_balancing_type=str(provider.moe_router_load_balancing_type),
                   moe_router_dtype=provider.moe_router_dtype, mtp_num_layers=mtp,
-                  mtp_loss_scaling_factor=float(provider.mtp_loss_scaling_factor))
+                  mtp_loss_scaling_factor=float(provider.mtp_loss_scaling_factor),
+                  **_deepseek_routing_of(provider))
     moe.check(1)
     check_mtp(moe, pp=1)  # (pipeline stages with MoE: check_moe)
     return moe
@@ -121,6 +122,24 @@ def moe_spec_of(provider: Any) -> Any:
                    moe_layer_freq=freq if isinstance(freq, int) else tuple(freq))
 
 
+def _deepseek_routing_of(provider: Any) -> dict[str, Any]:
+    """The DeepSeek-V3 routing fields of ``MoEDims`` (issue #34) as megatron reads them: sigmoid
+    scores, the aux-loss-free expert bias and its update rate, group-limited top-k, top-k
+    scaling, one shared expert, the MoE layer frequency and the z-loss."""
+    freq = provider.moe_layer_freq
+    shared = provider.moe_shared_expert_intermediate_size
+    return dict(
+        moe_router_score_function=str(provider.moe_router_score_function),
+        moe_router_enable_expert_bias=bool(provider.moe_router_enable_expert_bias),
+        moe_router_bias_update_rate=float(provider.moe_router_bias_update_rate),
+        moe_router_num_groups=provider.moe_router_num_groups or None,
+        moe_router_group_topk=provider.moe_router_group_topk or None,
+        moe_router_topk_scaling_factor=provider.moe_router_topk_scaling_factor,
+        moe_shared_expert_intermediate_size=None if not shared else int(shared),
+        moe_layer_freq=freq if isinstance(freq, int) else tuple(int(x) for x in freq),
+        moe_z_loss_coeff=provider.moe_z_loss_coeff or None)
+
+
 def check_moe(cfg: Any, plan: Any = None) -> None:
     """What NUTP's MoE layers do not run yet, one line naming the field (nothing without
     ``model.num_moe_experts``): bf16/fp16, virtual pipeline stages, the distributed optimizer
@@ -134,6 +153,13 @@ def check_moe(cfg: Any, plan: Any = None) -> None:
     if moe is None:
         return
     on = f"NUTP MoE ({moe.num_moe_experts} experts)"
+    moe.moe_layers(int(m.num_layers))  # names a bad model.moe_layer_freq
+    shared = moe.moe_shared_expert_intermediate_size
+    if shared is not None and shared != int(m.ffn_hidden_size):
+        raise ValueError(f"model.moe_shared_expert_intermediate_size={shared}: {on} builds the "
+                         "shared expert over the dense FFN's units, so it must equal "
+                         f"model.ffn_hidden_size={m.ffn_hidden_size} (a unit space of its own "
+                         "is not built yet)")
     for half in ("bf16", "fp16"):
         if getattr(m, half, False):
             raise ValueError(f"model.{half}=True: {on} trains fp32 so far "
@@ -144,6 +170,11 @@ def check_moe(cfg: Any, plan: Any = None) -> None:
                          "virtual pipeline stages yet: set null")
     if int(m.pipeline_model_parallel_size) > 1:
         from .bridge_zero import wants_zero
+
+        if moe.moe_router_enable_expert_bias:
+            raise ValueError("model.moe_router_enable_expert_bias=True: not with "
+                             f"model.pipeline_model_parallel_size={m.pipeline_model_parallel_size}"
+                             f" and {on} yet (tested at one stage)")
 
         if wants_zero(cfg):
             raise ValueError("ddp.use_distributed_optimizer=True: not with "

@@ -90,17 +90,51 @@ def stock_worker(rank: int, world: int, port: int, overrides: list[str], outdir:
         job = load([*STOCK, *overrides])
         d, seed = job.nutp.model, job.nutp.train.seed
         maps = record_all_routing()
+        built: list[Any] = []
 
         def prepare(model: list[Any]) -> None:
             reset_moe_globals()
+            built.extend(model)
             with torch.no_grad():
                 for name, p in model[0].named_parameters():
                     p.copy_(initial_weight(d, seed, name, tuple(p.shape)))
 
         stock_rank(job, outdir, Path(outdir, "stock_init"), prepare=prepare)
         torch.save(maps, Path(outdir, "stock_routing.pt"))
+        torch.save(expert_biases(built[0]), Path(outdir, "stock_bias.pt"))
 
     gloo_rank(rank, world, port, outdir, body)
+
+
+def expert_biases(model: Any) -> list[torch.Tensor]:
+    """Every router's aux-loss-free expert bias (``[E]``, fp32), in module order."""
+    return [m.expert_bias.detach().clone() for m in model.modules()
+            if getattr(m, "expert_bias", None) is not None]
+
+
+def bias_per_replica(plan: Any, rank: int) -> None:
+    """Negative control of the expert-bias update (``model.moe.update_expert_bias``): every
+    router counts only its own replica's tokens (the replica's ranks as the count group, not the
+    stage over all replicas). Collective: one group per replica, made on every rank."""
+    import torch.distributed as dist
+
+    from nemo_nutp.model import moe
+
+    mine = None
+    for i in range(len(plan.replicas)):
+        ranks = sorted(r for r, (k, _, _) in plan.rank_index.items() if k == i)
+        group = dist.new_group(ranks)
+        if plan.rank_index[rank][0] == i:
+            mine = group
+    real = moe.update_expert_bias
+
+    def update(model: Any) -> None:
+        for m in model.modules():
+            if getattr(m, "nutp_count_group", None) is not None:
+                m.nutp_count_group = mine
+        real(model)
+
+    moe.update_expert_bias = update  # type: ignore[assignment]
 
 
 def nutp_worker(rank: int, world: int, port: int, overrides: list[str], control: str | None,
@@ -108,9 +142,11 @@ def nutp_worker(rank: int, world: int, port: int, overrides: list[str], control:
     """``nutp-bridge``'s run of the shrunk recipe at [2,1]; rank 0 writes
     ``nutp_<control>.json``: per step the loss and grad norm (and whether every rank's grad
     norm is the same bits), the router flips against the stock run's routing maps, whether
-    the replicas end bitwise equal. ``control='aux_per_rank'`` (negative control): each TP rank
-    counts the aux loss of its replica's tokens once per TP rank (the coefficient times the
-    degree)."""
+    the replicas end bitwise equal, every router's expert bias (and, with the stock run's
+    ``stock_bias.pt``, whether it equals the stock run's bits). ``control='aux_per_rank'``
+    (negative control): each TP rank counts the aux loss of its replica's tokens once per TP
+    rank (the coefficient times the degree); ``'bias_per_replica'``: the expert-bias update
+    counts each replica's tokens only (``bias_per_replica``)."""
     from tests.helpers.dist import gloo_rank
 
     def body() -> None:
@@ -137,6 +173,8 @@ def nutp_worker(rank: int, world: int, port: int, overrides: list[str], control:
                     moe, moe_aux_loss_coeff=moe.moe_aux_loss_coeff * degree)
 
             bridge_run.moe_of = moe_of  # type: ignore[assignment]
+        if control == "bias_per_replica":
+            bias_per_replica(plan, rank)
         maps = record_all_routing()
         got = bridge_run.train_rank(job, plan, outdir, seed=job.nutp.train.seed)
         groups = got["groups"]
@@ -150,8 +188,9 @@ def nutp_worker(rank: int, world: int, port: int, overrides: list[str], control:
         norms: list[Any] = [None] * world
         dist.all_gather_object(norms, [s["grad_norm"] for s in got["steps"]])
         ref = torch.load(Path(outdir, "stock_routing.pt"))
-        # routers a micro-batch: every layer's, MTP layers' too (model.mtp_num_layers)
-        layers = job.nutp.model.num_layers + int(job.bridge.model.mtp_num_layers or 0)
+        moe = bridge_run.moe_of(job.bridge.model)  # routers a micro-batch: the MoE layers,
+        layers = (sum(moe.moe_layers(job.nutp.model.num_layers))  # MTP layers' too
+                  + int(job.bridge.model.mtp_num_layers or 0))
         steps = len(got["steps"])
         per_step = len(ref) // steps  # the stock run's router calls a step (M micro-batches)
         mine = len(full) // steps
@@ -173,7 +212,16 @@ def nutp_worker(rank: int, world: int, port: int, overrides: list[str], control:
                "flips": [sum(f[k] for f in every) for k in range(steps)],
                "replicas_bitwise_equal": all(torch.equal(r[k], reps[0][k]) for r in reps[1:]
                                              for k in reps[0]),
-               "tensors": len(reps[0]), "shares": [r.microbatches for r in plan.replicas]}
+               "tensors": len(reps[0]), "shares": [r.microbatches for r in plan.replicas],
+               "expert_bias": [b.tolist() for b in expert_biases(got["model"])]}
+        ref_bias = Path(outdir, "stock_bias.pt")
+        if ref_bias.exists():  # the stock run's biases, bits compared
+            want = torch.load(ref_bias)
+            have = expert_biases(got["model"])
+            out["bias_equal"] = len(want) == len(have) and all(
+                torch.equal(a, b) for a, b in zip(have, want, strict=True))
+            out["bias_max_diff"] = max((float((a - b).abs().max())
+                                        for a, b in zip(have, want, strict=True)), default=0.0)
         Path(outdir, f"nutp_{control}.json").write_text(json.dumps(out))
 
     gloo_rank(rank, world, port, outdir, body)

@@ -97,6 +97,8 @@ def stock_rank(job: Any, out_dir: str, init_root: Path, *,
         from megatron.bridge.models.gpt_provider import local_layer_spec
 
         cfg.model.transformer_layer_spec = local_layer_spec
+        if getattr(cfg.model, "num_moe_experts", None) and cfg.model.moe_layer_freq != 1:
+            cfg.model.transformer_layer_spec = local_block_spec  # dense and MoE layers mixed
     model = cfg.model.provide_distributed_model(
         ddp_config=cfg.ddp, pg_collection=pgs, use_cpu_initialization=True,
         # (bf16/fp16: Bridge's setup() keeps the default Float16Module wrapper)
@@ -157,3 +159,14 @@ def stock_worker(rank: int, world: int, port: int, overrides: list[str], outdir:
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     gloo_rank(rank, world, port, outdir, body)
+
+
+def local_block_spec(config: Any, vp_stage: int | None = None) -> Any:
+    """megatron's decoder block spec with local layers (what Bridge's DeepSeek-V3 and GLM-4.5
+    providers set, TE off): ``moe_layer_freq``'s dense and MoE layers, the norms by
+    ``config.normalization``; one pipeline stage (``pp_rank=0``: no megatron globals here)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    return get_gpt_decoder_block_spec(config, use_transformer_engine=False,
+                                      normalization=config.normalization, vp_stage=vp_stage,
+                                      pp_rank=0)
