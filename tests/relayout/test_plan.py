@@ -144,7 +144,15 @@ def test_grow_back_joiners_receive_everything_from_survivors(case: tuple) -> Non
     assume(old.pp == new.pp and old.world_size < new.world_size)
     new = stable_replan(old, new) or new
     move = _check(old, new, grow=True)
-    assert move.possible, move.reason  # nobody died: every unit has a holder
+    left = set(range(old.world_size)) - set(survivor_rank_map(old, new))
+    if not move.possible:
+        # Nobody died, but the re-plan can leave out a live GPU that alone held some units (a
+        # single replica whose stage 1 moves from the leftover GPU 3 to GPUs 6,7 of stage 0, as
+        # GPU 4 returns): the move is impossible and the caller restarts from a checkpoint.
+        # Only such a departing rank may make it so.
+        assert "held by no survivor" in move.reason and left, (move.reason, left)
+        assume(False)
+        return
     joiners = set(range(new.world_size)) - set(survivor_rank_map(old, new).values())
     assert joiners and all(move.received_bytes[n] > 0 for n in joiners)
 
