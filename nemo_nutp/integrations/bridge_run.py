@@ -459,24 +459,17 @@ def validate_as_uniform(cfg: Any, plan: Any | None) -> None:
 
 
 def preflight(job: Any, plan: Any) -> None:
-    """Bridge's own container checks, run once by the launching process before any process
-    group, so a config error is one line naming the field and not a failure of every rank
-    (which a recovery supervisor would blame on the GPUs). ``dataset.seq_length`` against
-    ``model.seq_length`` by name; any other assertion of Bridge's ``validate()`` (run on a
-    copy, as each rank runs it) as one line."""
-    import copy
-
+    """Bridge's own sequence-length check, run once by the launching process before any process
+    group, so the error is one line naming the field and not a failure of every rank (which a
+    recovery supervisor would blame on the GPUs): ``dataset.seq_length`` against
+    ``model.seq_length``. (Bridge's whole ``validate()`` cannot run here: it reads the world size
+    from ``torch.distributed``, which the launcher has not started; each rank runs it.)"""
     cfg = job.bridge
     m, d = cfg.model, cfg.dataset
     data_seq = getattr(d, "seq_length", None) if d is not None else None
     if data_seq is not None and int(data_seq) != int(m.seq_length):
         raise ValueError(f"dataset.seq_length={data_seq}: differs from model.seq_length="
                          f"{m.seq_length} (Bridge trains only when they are equal)")
-    try:
-        validate_as_uniform(copy.deepcopy(cfg), plan)
-    except AssertionError as e:
-        raise ValueError("Bridge's ConfigContainer.validate(): "
-                         f"{' '.join(str(e).split()) or 'assertion failed'}") from None
 
 
 @dataclass
