@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .moe_reference import MoECase, causal_mask, dims, record_routing, step_batches
+from .moe_reference import MoECase, dims, record_routing
 
 CONTROLS = (None, "down_once", "down_twice")
 
@@ -57,14 +57,13 @@ def mla_replica_step(case: MoECase, degree: int, control: str | None) -> dict[st
     """Step 0 of ``case`` on one replica of ``degree`` (collective over the world)."""
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
-    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     from nemo_nutp.layout import PARAM_KINDS
     from nemo_nutp.model.moe import build_moe_gpt_model
     from nemo_nutp.parallel.groups import build_groups
 
-    from .moe_jobs import moe_dims
-    from .moe_reference import aux_loss_of_step, reset_moe_globals
+    from .moe_jobs import gather_routing, moe_dims, step0_backward
+    from .moe_reference import reset_moe_globals
 
     reset_moe_globals()
     plan = _plan(case, degree)
@@ -76,18 +75,8 @@ def mla_replica_step(case: MoECase, degree: int, control: str | None) -> dict[st
     model = build_moe_gpt_model(plan, dist.get_rank(), dims(case), moe_dims(case), groups,
                                 seed=case.seed, mla=mla_dims(case))
     maps = record_routing(model)
-    mask = causal_mask(dims(case).seq_length)
-    batches = step_batches(case, 0)
-    n = len(batches)
-    total = 0.0
-    for mb in batches:
-        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / n))
-        loss = model(mb.tokens, mb.position_ids, mask, labels=mb.labels).float().mean()
-        (loss / n).backward()
-        total += float(loss.detach())
     tp = groups.tp
-    aux = torch.tensor([aux_loss_of_step(n)], dtype=torch.float64)
-    dist.all_reduce(aux, group=tp)
+    total, aux = step0_backward(model, case, tp)
     grads: dict[str, torch.Tensor] = {}
     experts: dict[str, torch.Tensor] = {}
     for _name, p in model.named_parameters():
@@ -104,16 +93,11 @@ def mla_replica_step(case: MoECase, degree: int, control: str | None) -> dict[st
             if down and control == "down_twice":
                 g *= degree
             grads[name] = g
-    routing = []
-    for m in maps:
-        parts = [torch.empty_like(m) for _ in range(tp.size())]
-        dist.all_gather(parts, m.contiguous(), group=tp)
-        routing.append(torch.cat(parts))
     every: list[Any] = [None] * tp.size()
     dist.all_gather_object(every, experts, group=tp)
     for part in every:
         grads.update(part)
-    return {"loss": total / n, "aux": float(aux), "grads": grads, "routing": routing}
+    return {"loss": total, "aux": aux, "grads": grads, "routing": gather_routing(maps, tp)}
 
 
 def mla_replica_worker(rank: int, world: int, port: int,

@@ -58,12 +58,11 @@ def replica_step(case: MoECase, degree: int, control: str | None) -> dict[str, A
 
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
-    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     from nemo_nutp.model.moe import build_moe_gpt_model
     from nemo_nutp.parallel.groups import build_groups
 
-    from .moe_reference import aux_loss_of_step, reset_moe_globals
+    from .moe_reference import reset_moe_globals
 
     reset_moe_globals()
     plan = _plan(case, degree)
@@ -78,18 +77,8 @@ def replica_step(case: MoECase, degree: int, control: str | None) -> dict[str, A
     model = build_moe_gpt_model(plan, dist.get_rank(), dims(case), moe, groups,
                                 seed=case.seed)
     maps = record_routing(model)
-    mask = causal_mask(dims(case).seq_length)
-    batches = step_batches(case, 0)
-    n = len(batches)
-    total = 0.0
-    for mb in batches:
-        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / n))
-        loss = model(mb.tokens, mb.position_ids, mask, labels=mb.labels).float().mean()
-        (loss / n).backward()
-        total += float(loss.detach())
     tp = groups.tp
-    aux = torch.tensor([aux_loss_of_step(n)], dtype=torch.float64)
-    dist.all_reduce(aux, group=tp)
+    total, aux = step0_backward(model, case, tp)
     grads: dict[str, torch.Tensor] = {}
     for _name, p in model.named_parameters():
         g = p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
@@ -99,17 +88,47 @@ def replica_step(case: MoECase, degree: int, control: str | None) -> dict[str, A
         elif p.nutp_kind is None:  # replicated: partial sums under sequence parallel
             dist.all_reduce(g, group=tp)
             grads[name] = g
-    routing = []
-    for m in maps:
-        parts = [torch.empty_like(m) for _ in range(tp.size())]
-        dist.all_gather(parts, m.contiguous(), group=tp)
-        routing.append(torch.cat(parts))
     every: list[Any] = [None] * tp.size()
     dist.all_gather_object(every, {k: v for k, v in grads.items() if ".experts." in k},
                            group=tp)
     for part in every:
         grads.update(part)
-    return {"loss": total / n, "aux": float(aux), "grads": grads, "routing": routing}
+    return {"loss": total, "aux": aux, "grads": grads, "routing": gather_routing(maps, tp)}
+
+
+def step0_backward(model: Any, case: MoECase, tp: Any) -> tuple[float, float]:
+    """Step 0's whole global batch through one replica's ``model`` as the one process does it
+    (each micro-batch's loss / n, megatron's aux-loss scale 1/n): the mean loss and
+    megatron's load-balancing loss summed over the TP group."""
+    import torch.distributed as dist
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    from .moe_reference import aux_loss_of_step
+
+    mask = causal_mask(dims(case).seq_length)
+    batches = step_batches(case, 0)
+    n = len(batches)
+    total = 0.0
+    for mb in batches:
+        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / n))
+        loss = model(mb.tokens, mb.position_ids, mask, labels=mb.labels).float().mean()
+        (loss / n).backward()
+        total += float(loss.detach())
+    aux = torch.tensor([aux_loss_of_step(n)], dtype=torch.float64)
+    dist.all_reduce(aux, group=tp)
+    return total / n, float(aux)
+
+
+def gather_routing(maps: list[torch.Tensor], tp: Any) -> list[torch.Tensor]:
+    """Every token's routing map of the replica: each rank's sequence shard, in rank order."""
+    import torch.distributed as dist
+
+    routing = []
+    for m in maps:
+        parts = [torch.empty_like(m) for _ in range(tp.size())]
+        dist.all_gather(parts, m.contiguous(), group=tp)
+        routing.append(torch.cat(parts))
+    return routing
 
 
 def replica_worker(rank: int, world: int, port: int, case: MoECase,
