@@ -53,6 +53,16 @@ from .hosts import BEAT_S, agent_key, agent_store
 from .world import RankEntry
 
 EXIT_LOST = 3  # the control process's store is gone
+SERVER_LOST = 255
+"""What multiprocessing says for a process whose fork server is gone: not its exit, an unknown
+one (the server, which waits on its children, died first)."""
+SERVER_GRACE_S = 3.0
+"""How long such an exit waits before it is reported. A node that Slurm stops (set DOWN, the
+step cancelled there) signals every process of the agents' step, the fork server possibly
+before the agent: reported at once, the ranks' "exit code 255" reached the control process
+before the agent's silence did, and the failure was blamed on the ranks' exits instead of the
+lost node. The agent is gone well inside the grace (``KillWait`` applies only to processes
+that survive SIGTERM; the agent does not handle it)."""
 
 
 def _env(op: dict[str, Any]) -> dict[str, str]:
@@ -251,12 +261,28 @@ class Agent:
                 time.sleep(0.1)
                 continue
             wait_sentinels([p.sentinel for p in running.values()], timeout=0.2)
-            for i, p in running.items():
-                if p.exitcode is not None:
-                    p.join()
-                    with self._lock:
-                        del self._procs[i]
-                    self._report(i, int(p.exitcode))
+            ended = {i: p for i, p in running.items() if p.exitcode is not None}
+            if any(p.exitcode == SERVER_LOST for p in ended.values()):
+                self._server_lost(ended)
+            for i, p in ended.items():
+                p.join()
+                with self._lock:
+                    del self._procs[i]
+                self._report(i, int(p.exitcode))
+
+    def _server_lost(self, ended: dict[int, Any]) -> None:
+        """Exits that may be the fork server's loss (``SERVER_LOST``): wait ``SERVER_GRACE_S``
+        (an agent whose node is being stopped ends in it, unreported), then kill what the
+        server left running (the rank's process group) before reporting them."""
+        self.done.wait(SERVER_GRACE_S)
+        for p in ended.values():
+            if p.exitcode == SERVER_LOST:
+                for kill in (os.killpg, os.kill):  # its group (``world.enter``), else itself
+                    try:
+                        kill(p.pid, signal.SIGKILL)
+                        break
+                    except (ProcessLookupError, PermissionError):
+                        pass
 
     def run(self) -> int:
         with self._report_lock:

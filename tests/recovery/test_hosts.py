@@ -219,3 +219,45 @@ def test_the_agent_starts_the_entry_the_control_process_sends(tmp_path, monkeypa
     h.close()
     for t in threads:
         t.join(30)
+
+
+def test_an_exit_the_fork_server_lost_waits_for_the_agent_to_end_first(monkeypatch) -> None:
+    """A node being stopped (Slurm sets it DOWN: SIGTERM to every process of the agents' step
+    there) can lose the agent's fork server before the agent itself. multiprocessing then says
+    255 for every rank the server forked -- not their exit, an unknown one -- and an agent that
+    reported it at once made the control process blame "exit code 255" instead of the lost
+    node (the clean-clone CI of 1b35b2d, ``test_live_node_set_down_is_relaid_out_live``). Such
+    an exit is reported only after ``agent.SERVER_GRACE_S`` (a stopped node's agent is gone by
+    then: its silent beat names the node), and a rank the server orphaned is killed first."""
+    import multiprocessing as mp
+    import os
+    import signal
+
+    monkeypatch.setattr(agent, "BEAT_S", 0.05)
+    monkeypatch.setattr(agent, "SERVER_GRACE_S", 1.5)
+    port = free_port()
+    store = _store(port, True)
+    node = agent.Agent("127.0.0.1", port, 0, timeout_s=30)
+    threading.Thread(target=node.run, daemon=True).start()
+    proc = node._ctx.Process(target=time.sleep, args=(300,))
+    node._add(7, proc)
+    with open(f"/proc/{proc.pid}/stat") as f:  # the rank's parent: the fork server
+        server = int(f.read().rsplit(")", 1)[1].split()[1])
+    assert server != os.getpid()
+    os.kill(server, signal.SIGKILL)
+    killed = time.monotonic()
+    while time.monotonic() - killed < 1.0:  # inside the grace: nothing reported
+        assert not store.check(["exits"]), store.get("exits")
+        time.sleep(0.05)
+    deadline = time.monotonic() + 20
+    while not store.check(["exits"]):
+        assert time.monotonic() < deadline, "the exit was never reported"
+        time.sleep(0.05)
+    assert time.monotonic() - killed >= 1.5
+    assert store.get("exits").decode() == "7 255\n"
+    deadline = time.monotonic() + 10  # SIGKILL lands asynchronously
+    while _alive(proc.pid):
+        assert time.monotonic() < deadline, "the orphaned rank was left running"
+        time.sleep(0.05)
+    node.done.set()
+    mp.get_context("forkserver")  # later tests start a new server (ensure_running)
