@@ -45,6 +45,7 @@ TESTS_BRIDGE ?= tests/integrations/test_bridge_shim.py tests/integrations/test_b
 	tests/integrations/test_bridge_readme.py tests/integrations/test_bridge_recovery.py \
 	tests/integrations/test_bridge_live.py tests/integrations/test_bridge_stragglers.py \
 	tests/integrations/test_recipe_coverage.py tests/integrations/test_gemma_hf_parity.py \
+	tests/integrations/test_recipe_standins.py \
 	tests/model/test_gemma_reference.py tests/launch/test_bridge_slurm.py \
 	tests/integrations/test_bridge_links.py tests/integrations/test_bridge_spares.py \
 	tests/integrations/test_bridge_moe.py tests/integrations/test_bridge_moe_zero.py \

@@ -11,7 +11,8 @@ dropped by function identity; vision-language and diffusion recipes excluded by 
   256, sequence 32, windows 8; every switch kept:
   normalisation and its epsilon, activation and gating, biases, QKV bias, qk-layernorm, tied
   embeddings, position embedding and every RoPE setting, window pattern, MoE / MTP / ... as
-  shipped; a MoE recipe's experts cut to 8, top-k to 2 at most, expert FFN 16, its every MoE
+  shipped; a MoE recipe's experts cut to 8, top-k to 2 at most, expert FFN 16, a per-layer
+  ``moe_layer_freq`` cut to the 2 layers (its leading dense layer kept: [0, 1]), its every MoE
   switch kept, with sequence parallelism on and the CPU MoE kernels, ``MOE_RUNTIME``), in fp32
   at replicas [2,1] with clipping, through ``nutp-bridge``'s own checks
   (``bridge_config.load_bridge_job``: Bridge's overrides, the precision and dataset checks,
@@ -131,8 +132,12 @@ def field_of(message: str) -> str:
 
 
 PRIMARY = ("model.num_moe_experts", "model.hybrid_layer_pattern",
+           "model.experimental_attention_variant", "model.softmax_type",
            "model.multi_latent_attention", "model.mtp_num_layers")
-"""The switches of the features refused until built, named first when present."""
+"""The switches of the features refused until built, named first when present: a model
+that is another kind of network (hybrid Mamba; DSA or gated delta net attention,
+``experimental_attention_variant``; attention sinks, ``softmax_type``) before the parts of
+one NUTP builds elsewhere (MLA, MTP)."""
 
 
 def shrink(provider: Any) -> list[str]:
@@ -159,6 +164,12 @@ def shrink(provider: Any) -> list[str]:
         out.append(f"model.num_query_groups={g}")
     if getattr(provider, "num_moe_experts", None):  # MoE: 8 experts, top-2 at most, FFN 16
         out += [*MOE_SHRINK, f"model.moe_router_topk={min(int(provider.moe_router_topk), 2)}"]
+        freq = getattr(provider, "moe_layer_freq", 1)
+        if isinstance(freq, (list, tuple)):  # one entry per layer: the recipe's leading dense
+            # layers, at most layers - 1 of them, then MoE (DeepSeek, GLM: [0, 1])
+            dense = min(next((i for i, f in enumerate(freq) if f), len(freq)), layers - 1)
+            out.append(f"model.moe_layer_freq={[0] * dense + [1] * (layers - dense)}"
+                       .replace(" ", ""))
     w = provider.window_size
     if isinstance(w, (tuple, list)):
         out.append(f"model.window_size=[8,{min(int(w[1]), 8)}]")

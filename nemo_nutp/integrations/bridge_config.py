@@ -351,10 +351,12 @@ def bridge_keys(cfg: Any) -> list[str]:
     from dataclasses import asdict
 
     from .bridge_data import check_dataset
-    from .bridge_fields import check_container
+    from .bridge_fields import check_container, check_model
     from .bridge_run import check_moe, model_config_of, precision_of
 
     tokenizer_vocabulary(cfg)
+    check_model(cfg.model)  # the model's refused fields first, all in one line: what the
+    # recipe is (Qwen3-Next: its gated delta net, not its optimizer's weight decay of QK norms)
     check_container(cfg)
     check_precision(cfg)
     check_dataset(cfg)

@@ -210,10 +210,12 @@ def check_moe(cfg: Any, plan: Any = None) -> None:
 def check_moe_recovery(cfg: Any, recovery: Any) -> None:
     """``recovery.enabled=true`` with MoE: one line naming it (the in-process move of experts
     is built and tested from Python, ``tests/relayout/test_moe_live.py``; Bridge's live path
-    and the restart path are untested with MoE)."""
-    moe = moe_of(cfg.model)
-    if moe is not None and recovery.enabled:
-        raise ValueError(f"recovery.enabled=True: not with NUTP MoE ({moe.num_moe_experts} "
+    and the restart path are untested with MoE). Reads only ``model.num_moe_experts``: the
+    model's own fields are checked after it, all refused ones named together
+    (``model_config_of``), not the first MoE value ``moe_of`` meets."""
+    experts = getattr(cfg.model, "num_moe_experts", None)
+    if experts and recovery.enabled:
+        raise ValueError(f"recovery.enabled=True: not with NUTP MoE ({experts} "
                          "experts) through nutp-bridge yet (its live re-layout and the restart "
                          "path are untested with MoE): set recovery.enabled=false")
 
@@ -222,12 +224,14 @@ def _activation_name(func: Any) -> str:
     """``model.activation_func``'s name for a provider's callable (the same functions the NUTP
     model builds from the name); anything else is refused by name."""
     from megatron.core import activations
+    from megatron.core.fusions import fused_bias_geglu
 
     from ..config.schema import ACTIVATIONS
 
+    # (megatron's fused GEGLU module has its own quick_gelu, the same math: gpt-oss's bridge)
     known = {F.silu: "silu", F.gelu: "gelu", F.relu: "relu",
              activations.squared_relu: "squared_relu", activations.quick_gelu: "quick_gelu",
-             activations.fast_gelu: "fast_gelu"}
+             fused_bias_geglu.quick_gelu: "quick_gelu", activations.fast_gelu: "fast_gelu"}
     if func not in known:
         raise ValueError(f"model.activation_func={getattr(func, '__name__', func)}: not "
                          f"supported by the NUTP model (one of {ACTIVATIONS})")

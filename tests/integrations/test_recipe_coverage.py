@@ -32,10 +32,15 @@ REFUSED = {
     "olmoe_7b": "moe_router_pre_softmax",  # (MoE itself trains: issue #34, qwen3_moe)
     "nemotronh": "hybrid_layer_pattern", "nemotron_nano_v2": "hybrid_layer_pattern",
     "nemotron_3_nano_4b": "hybrid_layer_pattern",
+    "qwen3_next": "experimental_attention_variant",  # gated delta net
+    "gpt_oss": "softmax_type",  # attention sinks
 }
 """Families refused by name today, with the field; the families not in either map are refused
 for a reason the benchmark reports (e.g. ``hf_config``: no committed stand-in of their HF
 config), never ``error``."""
+STANDINS = {"deepseek_v2", "glm45", "gpt_oss", "qwen3_next"}
+"""Families whose HF configs have committed stand-ins (``configs/hf/hub``) beside the accepted
+ones: refused by a model field, never ``hf_config``."""
 PARTIAL = {"qwen3_moe": {("accepted", ""): 3, ("refused", "moe_mlp_glu_interleave_size"): 1}}
 """Families part accepted: (model, field) -> recipes. Qwen3-MoE (NUTP's MoE layers, issue #34):
 its GB200 FP8 recipe interleaves the expert GLU weights for its grouped GEMM (refused)."""
@@ -79,6 +84,9 @@ def test_recipe_coverage_config_half_and_three_families_train() -> None:
     for r in rows:
         if r["family"] not in ACCEPTED and r["family"] not in PARTIAL:
             assert r["model"] == "refused" and r["model_field"], r
+    for family in STANDINS:
+        assert all(r["model_field"] not in ("hf_config", "remote_code")
+                   for r in families[family]), family
 
     trained = rc.run(train=True, shipped=False, progress=False,
                      only="^(" + "|".join(TRAIN) + ")_")
