@@ -159,6 +159,11 @@ def shrink(provider: Any) -> list[str]:
         out.append(f"model.num_query_groups={g}")
     if getattr(provider, "num_moe_experts", None):  # MoE: 8 experts, top-2 at most, FFN 16
         out += [*MOE_SHRINK, f"model.moe_router_topk={min(int(provider.moe_router_topk), 2)}"]
+        shared = getattr(provider, "moe_shared_expert_intermediate_size", None)
+        if shared:  # its shared experts at 16 each (their count: the size / one expert's)
+            per = int(provider.moe_ffn_hidden_size or provider.ffn_hidden_size)
+            out.append(f"model.moe_shared_expert_intermediate_size="
+                       f"{16 * max(int(shared) // per, 1)}")
     w = provider.window_size
     if isinstance(w, (tuple, list)):
         out.append(f"model.window_size=[8,{min(int(w[1]), 8)}]")
