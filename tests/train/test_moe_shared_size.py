@@ -20,6 +20,7 @@ megatron-core 0.16 (the Python 3.12 leg runs it)."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from pathlib import Path
 
@@ -78,3 +79,19 @@ def test_shared_expert_of_its_own_size_matches_stock(
         print(f"{replicas} control shared_not_summed: {bad}")
         assert not _within(bad), bad
         assert bad["grads"][0] > 100 * TOL and ".shared_experts." in bad["grads"][1], bad
+
+
+def test_live_relayout_refuses_a_replicated_shared_expert() -> None:
+    """The live re-layout does not plan a replicated shared expert yet: refused by name (one of
+    the dense FFN's size is planned, as before)."""
+    from nemo_nutp.config import ModelConfig
+    from nemo_nutp.model.moe import MoEDims
+    from nemo_nutp.relayout.plan import move_experts
+
+    d = ModelConfig(**MoECase(name="x").model)
+    moe = MoEDims(num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=16,
+                  moe_shared_expert_intermediate_size=SHARED)
+    with pytest.raises(ValueError, match=r"^model\.moe_shared_expert_intermediate_size=48: "):
+        move_experts(d, moe)
+    assert move_experts(d, dataclasses.replace(
+        moe, moe_shared_expert_intermediate_size=64)).shared_ffn
