@@ -28,7 +28,7 @@ TESTS_312 ?= tests/train/test_parity.py tests/train/test_checks.py \
 	tests/sync/test_moe_zero.py \
 	tests/train/test_mtp_parity.py \
 	tests/checkpoint/test_moe_checkpoint.py \
-	tests/train/test_moe_routing.py \
+	tests/train/test_moe_routing.py tests/train/test_moe_shared_size.py \
 	tests/model/test_mla_replica.py tests/train/test_mla_parity.py tests/train/test_deepseek_v3.py \
 	tests/model/test_moe_memory_measured.py \
 	tests/relayout/test_moe_live.py

@@ -170,6 +170,11 @@ def shrink(provider: Any) -> list[str]:
             dense = min(next((i for i, f in enumerate(freq) if f), len(freq)), layers - 1)
             out.append(f"model.moe_layer_freq={[0] * dense + [1] * (layers - dense)}"
                        .replace(" ", ""))
+        shared = getattr(provider, "moe_shared_expert_intermediate_size", None)
+        if shared:  # its shared experts at 16 each (their count: the size / one expert's)
+            per = int(provider.moe_ffn_hidden_size or provider.ffn_hidden_size)
+            out.append(f"model.moe_shared_expert_intermediate_size="
+                       f"{16 * max(int(shared) // per, 1)}")
     w = provider.window_size
     if isinstance(w, (tuple, list)):
         out.append(f"model.window_size=[8,{min(int(w[1]), 8)}]")

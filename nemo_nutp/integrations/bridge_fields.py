@@ -26,12 +26,13 @@ Each field is in exactly one class:
 MoE (``model.num_moe_experts``, ``bridge_run.moe_of``; docs/moe.md): the experts, top-k, expert
 FFN size, load-balancing type (``aux_loss``, ``seq_aux_loss`` or ``none``) and coefficient,
 router dtype and DeepSeek-V3's routing (sigmoid scores, the expert bias and its update rate,
-group-limited top-k, top-k scaling, a shared expert of the dense FFN's size, the MoE layer
-frequency, the z-loss) are honoured; the dispatcher (NUTP's all-to-all inside each replica),
-grouped GEMM, the permute and router fusions, DeepEP and expert TP (1) are substitutions; the
-flex dispatcher's backend and kernel settings are not math; everything else (capacity factor
-and dropping, the shared expert's gate and overlap, pre-softmax, expert parallelism outside the
-replica, ...) is refused away from megatron's default. With MoE,
+group-limited top-k, top-k scaling, a shared expert of any size, the MoE layer frequency, the
+z-loss) and OLMoE's pre-softmax are honoured; the dispatcher (NUTP's all-to-all inside each
+replica), grouped GEMM, the permute and router fusions, DeepEP and expert TP (1) are
+substitutions; the flex dispatcher's backend and kernel settings are not math; everything else
+(capacity factor and dropping, the shared expert's gate and overlap, the GLU interleaving of
+grouped-GEMM experts, expert parallelism outside the replica, ...) is refused away from
+megatron's default. With MoE,
 ``model.pipeline_model_parallel_size`` is honoured too (per-stage degrees; the logged MoE
 metrics reduced by ``bridge_moe_metrics``: ``tests/integrations/test_bridge_moe_pipeline.py``);
 virtual stages and the distributed optimizer over stages are refused (``bridge_run.check_moe``).
@@ -92,6 +93,8 @@ BRIDGE_MTP = ("tests/integrations/test_bridge_mtp.py"
               "::test_bridge_qwen3_moe_mtp_nutp_2_1_matches_bridge_stock_run")
 BRIDGE_DSV3 = ("tests/integrations/test_bridge_moe_routing.py"
                "::test_bridge_deepseek_routing_nutp_2_1_matches_bridge_stock_run")
+SHARED_SIZE = ("tests/train/test_moe_shared_size.py"
+               "::test_shared_expert_of_its_own_size_matches_stock")
 ROUNDING = "same math, other rounding"
 KERNELS = "same math, other kernels"
 SCHEDULING = "same math, other scheduling"
@@ -164,6 +167,7 @@ HONOURED: dict[str, str] = {  # the test that proves the effect
     "model.moe_router_group_topk": BRIDGE_DSV3,
     "model.moe_router_load_balancing_type": BRIDGE_MOE,
     "model.moe_router_num_groups": BRIDGE_DSV3,
+    "model.moe_router_pre_softmax": SHARED_SIZE,
     "model.moe_router_score_function": BRIDGE_DSV3,
     "model.moe_router_topk": BRIDGE_MOE,
     "model.moe_router_topk_scaling_factor": BRIDGE_DSV3,
@@ -935,7 +939,6 @@ REFUSED: dict[str, Any] = {  # the NUTP model's value; any other is refused
     "model.moe_router_force_load_balancing": False,
     "model.moe_router_padding_for_fp8": False,
     "model.moe_router_padding_for_quantization": False,
-    "model.moe_router_pre_softmax": False,
     "model.moe_router_quantile_balancing_ema": 0.0,
     "model.moe_router_topk_limited_devices": None,
     "model.moe_shared_expert_gate": False,
@@ -1090,6 +1093,9 @@ ONLY_WITH: dict[str, str] = {  # refused field (or prefix) -> the switch it is r
 _RECOVERY = "NUTP's recovery.* does its job (its recovery supervisor)"
 _STRAGGLERS = ("NUTP's straggler handling is its own (nutp.straggler_probe_interval, "
                "nutp.exclude_stragglers; nutp-train)")
+_GLU_INTERLEAVE = ("megatron reads it only in the grouped-GEMM {} fc1 layout (gate and up "
+                   "rows in interleaved blocks); NUTP's SequentialMLP reads fc1 as [gate; up], "
+                   "so the same weights would mean another model")
 WHY_REFUSED: dict[str, str] = {  # the reason a refusal adds, where it is more than the value
     "ft.enable_ft_package": f"Bridge's fault tolerance (nvidia-resiliency-ext); {_RECOVERY}",
     "ft.simulate_fault": "Bridge's fault injection; NUTP's is recovery.fault",
@@ -1098,6 +1104,13 @@ WHY_REFUSED: dict[str, str] = {  # the reason a refusal adds, where it is more t
     "straggler.log_straggler": f"megatron's straggler detector; {_STRAGGLERS}",
 }
 """Bridge's own resilience switches: NUTP's recovery and straggler handling replace them."""
+
+WHY_REFUSED_MOE: dict[str, str] = {
+    "model.moe_mlp_glu_interleave_size": _GLU_INTERLEAVE.format("experts' (TEGroupedMLP)"),
+    "model.moe_shared_expert_glu_interleave_size": _GLU_INTERLEAVE.format(
+        "shared expert's (use_grouped_gemm_for_shared_expert)"),
+}
+"""The GLU interleaving of grouped-GEMM weights, which NUTP's experts do not read."""
 
 CLASSES = ("honoured", "not_math", "substituted", "refused")
 
@@ -1225,7 +1238,8 @@ def refusals(cfg: Any, *, prefix: str = "") -> list[str]:
             continue
         needs = ("a provider without it" if accepted == ABSENT else
                  "Bridge's default" if accepted == BRIDGE_DEFAULT else _short(accepted))
-        why = f": {WHY_REFUSED[name]}" if name in WHY_REFUSED else ""
+        reason = WHY_REFUSED.get(name) or WHY_REFUSED_MOE.get(name)
+        why = f": {reason}" if reason else ""
         out.append(f"{name}={_short(value)}: not supported by NUTP (needs {needs}){why}")
     return out
 

@@ -105,9 +105,9 @@ def moe_of(provider: Any) -> Any:
 def moe_spec_of(provider: Any) -> Any:
     """The planner's view of a provider's experts (``layout.specs.MoESpec``: experts, top-k,
     expert width, shared expert width, ``moe_layer_freq``), or None without
-    ``num_moe_experts``. Read as megatron reads them; what NUTP's MoE layers do not build yet
-    (shared experts, ``moe_layer_freq``) is refused by ``check_moe``/``check_container``, not
-    here: the planner counts them anyway."""
+    ``num_moe_experts``. Read as megatron reads them (a shared expert of its own size is
+    counted whole on every rank: ``layout.experts.shared_expert_columns``); what NUTP's MoE
+    layers do not build is refused by ``check_moe``/``check_container``, not here."""
     experts = getattr(provider, "num_moe_experts", None)
     if not experts:
         return None
@@ -125,7 +125,8 @@ def moe_spec_of(provider: Any) -> Any:
 def _deepseek_routing_of(provider: Any) -> dict[str, Any]:
     """The DeepSeek-V3 routing fields of ``MoEDims`` (issue #34) as megatron reads them: sigmoid
     scores, the aux-loss-free expert bias and its update rate, group-limited top-k, top-k
-    scaling, one shared expert, the MoE layer frequency and the z-loss."""
+    scaling, one shared expert (of any size), the MoE layer frequency, the z-loss and
+    pre-softmax."""
     freq = provider.moe_layer_freq
     shared = provider.moe_shared_expert_intermediate_size
     return dict(
@@ -137,7 +138,8 @@ def _deepseek_routing_of(provider: Any) -> dict[str, Any]:
         moe_router_topk_scaling_factor=provider.moe_router_topk_scaling_factor,
         moe_shared_expert_intermediate_size=None if not shared else int(shared),
         moe_layer_freq=freq if isinstance(freq, int) else tuple(int(x) for x in freq),
-        moe_z_loss_coeff=provider.moe_z_loss_coeff or None)
+        moe_z_loss_coeff=provider.moe_z_loss_coeff or None,
+        moe_router_pre_softmax=bool(getattr(provider, "moe_router_pre_softmax", False)))
 
 
 def check_moe(cfg: Any, plan: Any = None) -> None:
@@ -154,12 +156,6 @@ def check_moe(cfg: Any, plan: Any = None) -> None:
         return
     on = f"NUTP MoE ({moe.num_moe_experts} experts)"
     moe.moe_layers(int(m.num_layers))  # names a bad model.moe_layer_freq
-    shared = moe.moe_shared_expert_intermediate_size
-    if shared is not None and shared != int(m.ffn_hidden_size):
-        raise ValueError(f"model.moe_shared_expert_intermediate_size={shared}: {on} builds the "
-                         "shared expert over the dense FFN's units, so it must equal "
-                         f"model.ffn_hidden_size={m.ffn_hidden_size} (a unit space of its own "
-                         "is not built yet)")
     for half in ("bf16", "fp16"):
         if getattr(m, half, False):
             raise ValueError(f"model.{half}=True: {on} trains fp32 so far "

@@ -39,10 +39,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .experts import expert_bounds
+from .experts import expert_bounds, shared_expert_columns
 from .memory import moe_layer_count
 from .specs import CostSpec, ModelDims, MoESpec, bad_value
-from .units import assignment, rank_work, space_bounds
+from .units import rank_work, space_bounds
 
 FWD_BWD = 3.0
 """Forward + backward cost in forward passes (backward computes input and weight gradients)."""
@@ -76,9 +76,10 @@ def moe_rank_work(dims: ModelDims, moe: MoESpec, t: int) -> np.ndarray:
     n = np.diff(expert_bounds(moe.num_moe_experts, t)).astype(np.float64)
     work = moe.moe_router_topk * n / moe.num_moe_experts * (halves + 1) * \
         moe.moe_ffn_hidden_size * h + moe.num_moe_experts * h / t
-    if moe.moe_shared_expert_intermediate_size:
-        cols = np.diff(assignment(moe.moe_shared_expert_intermediate_size, t))
-        work = work + cols * (halves + 1) * h
+    held, whole = shared_expert_columns(moe.moe_shared_expert_intermediate_size,
+                                        dims.ffn_hidden_size, t)
+    # one of its own size: whole on every rank, each rank its own sequence shard's tokens
+    work = work + held * (halves + 1) * h / (t if whole else 1)
     return work
 
 
@@ -172,7 +173,9 @@ def stage_time(dims: ModelDims, spec: CostSpec | None, *, t: int, stage: int, pp
     ab = spec.act_bytes
     # a MoE layer's MLP runs no TP collectives (its tokens go by all-to-all), its shared
     # expert does (megatron's shared expert: a TP MLP)
-    mlp_collectives = 2 if moe is not None and moe.moe_shared_expert_intermediate_size else 0
+    mlp_collectives = 2 if moe is not None and moe.moe_shared_expert_intermediate_size and \
+        not shared_expert_columns(moe.moe_shared_expert_intermediate_size,
+                                  dims.ffn_hidden_size, t)[1] else 0  # (replicated: none)
     tp = tp_bytes(dims, t, layers, tokens=tokens, act_bytes=ab)
     messages = 4 * layers
     if moe is not None and n_moe:

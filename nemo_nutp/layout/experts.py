@@ -115,3 +115,16 @@ def expert_moves(num_experts: int, degrees: tuple[int, ...] | list[int],
     return {t: (reshard_plan(lay, t).moved_units,
                 moved_lower_bound(num_experts, t, lay.shards, lay.bounds[t]))
             for t in lay.bounds}
+
+
+def shared_expert_columns(shared: int | None, ffn: int, degree: int) -> tuple[np.ndarray, bool]:
+    """((degree,) shared-expert columns each TP rank holds, replicated). A shared expert of the
+    dense FFN's size (``shared == ffn``) is over the dense FFN's units (``assignment``); one of
+    its own size is whole on every rank of the replica (``model/moe.py``), each rank running
+    it on its own sequence shard: its work and activations per rank are ``shared / degree``
+    columns' worth, and it runs no TP collectives. None: no shared expert (zeros)."""
+    if not shared:
+        return np.zeros(degree, dtype=np.int64), False
+    if int(shared) == int(ffn):
+        return np.diff(assignment(int(shared), degree)), False
+    return np.full(degree, int(shared), dtype=np.int64), True

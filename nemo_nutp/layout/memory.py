@@ -49,11 +49,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .experts import ExpertShape, expert_bounds
+from .experts import ExpertShape, expert_bounds, shared_expert_columns
 from .specs import MemorySpec, ModelDims, MoESpec
 from .units import (
     PARAM_KINDS,
-    assignment,
     layer_kinds,
     replicated_shapes,
     space_bounds,
@@ -111,9 +110,9 @@ def moe_rank_params(dims: ModelDims, moe: MoESpec, t: int) -> np.ndarray:
     the shared expert (the dense FFN of a MoE layer is not there)."""
     experts = np.diff(expert_bounds(moe.num_moe_experts, t)) * expert_shape(dims, moe).unit_numel()
     out = experts.astype(np.int64) + moe.num_moe_experts * dims.hidden_size
-    if moe.moe_shared_expert_intermediate_size:
-        cols = np.diff(assignment(moe.moe_shared_expert_intermediate_size, t))
-        out += cols * (3 if dims.gated_linear_unit else 2) * dims.hidden_size
+    cols, _ = shared_expert_columns(moe.moe_shared_expert_intermediate_size,
+                                    dims.ffn_hidden_size, t)  # its own size: whole per rank
+    out += cols * (3 if dims.gated_linear_unit else 2) * dims.hidden_size
     return out
 
 
@@ -167,9 +166,10 @@ def layer_activation_bytes(dims: ModelDims, t: int, spec: MemorySpec, *,
         f = moe.moe_ffn_hidden_size
         routed = s * b * moe.moe_router_topk * n / moe.num_moe_experts
         mlp = e * routed * (2 * h + (halves + 1) * f) + 4.0 * s * b * moe.num_moe_experts / sp
-        if moe.moe_shared_expert_intermediate_size:
-            cols = int(np.diff(assignment(moe.moe_shared_expert_intermediate_size, t)).max())
-            mlp += e * s * b * cols * (halves + 1)
+        held, whole = shared_expert_columns(moe.moe_shared_expert_intermediate_size,
+                                            dims.ffn_hidden_size, t)
+        # one of its own size runs whole on the rank's sequence shard
+        mlp += e * s * b * int(held.max()) * (halves + 1) / (t if whole else 1)
     core = 0.0
     if spec.recompute_granularity != "selective":
         if spec.flash_attention:

@@ -322,7 +322,9 @@ def load_global_init(model: torch.nn.Module, dims: ModelDims, *, degree: int, tp
     (``output_layer.weight`` with ``pp > 1``) is initialised as the word embedding and tagged
     ``nutp_tied_copy``."""
     for name, p in model.named_parameters():
-        kind = param_kind(name)
+        # nutp_replicated: whole on every rank whatever its name (a MoE layer's shared expert
+        # of its own size, model/moe.py)
+        kind = None if getattr(p, "nutp_replicated", False) else param_kind(name)
         gname = global_name(name, layer_offset=layer_offset)
         tied_copy = bool(getattr(p, "shared_embedding", False)) and kind == "output_layer"
         p.nutp_kind = kind  # type: ignore[attr-defined]

@@ -40,13 +40,20 @@ scaling, the sequence aux loss and the z-loss are per token or reduced over ``tp
 The aux-loss-free expert bias is a replicated buffer; its update (``update_expert_bias``, run by
 ``train_step`` after the gradient sync, as megatron's ``finalize_model_grads``) sums the token
 counts over the stage of *all* replicas (NUTP's data parallelism is not megatron's), so every
-rank applies the same update as one process. A shared expert (``NUTPSharedExpertMLP``) is a
-dense MLP over this rank's dense FFN units, tagged and synchronised like a dense MLP, so its
-intermediate size must equal ``ffn_hidden_size``. ``moe_layer_freq`` mixes dense (``NUTPMLP``)
-and MoE layers.
+rank applies the same update as one process. A shared expert (``NUTPSharedExpertMLP``) of
+the dense FFN's size is a dense MLP over this rank's dense FFN units, tagged and synchronised
+like a dense MLP. A shared expert of its own size (``moe_shared_expert_intermediate_size !=
+ffn_hidden_size``: DeepSeek-V3, Moonlight, Kimi-K2, Qwen2-MoE) is replicated in the replica:
+every TP rank holds it whole and runs it at TP 1 on its own sequence shard (no TP
+collectives), so its gradient on each rank is its tokens' part, marked ``sequence_parallel``
+and summed over the TP group like the router's and the norms' (``nutp_replicated``: tagged
+kind None by ``build.load_global_init``). ``moe_router_pre_softmax`` is megatron's router's
+own (softmax before top-k), unchanged. ``moe_layer_freq`` mixes dense (``NUTPMLP``) and MoE
+layers.
 
-Not built yet (refused by the builders here): capacity factor / token dropping, a shared expert
-of another size than the dense FFN, the shared-expert gate, the global aux loss, grouped GEMM.
+Not built yet (refused by the builders here): capacity factor / token dropping, the
+shared-expert gate, the global aux loss, grouped GEMM (and with it
+``moe_mlp_glu_interleave_size``: megatron reads it only in its grouped-GEMM experts).
 """
 
 from __future__ import annotations
@@ -93,6 +100,7 @@ class MoEDims:
     moe_shared_expert_intermediate_size: int | None = None
     moe_layer_freq: int | tuple[int, ...] = 1  # megatron's int or list (a tuple here)
     moe_z_loss_coeff: float | None = None
+    moe_router_pre_softmax: bool = False  # OLMoE: softmax over all experts, then top-k
 
     def moe_layers(self, num_layers: int) -> list[bool]:
         """Which layers are MoE (megatron's ``moe_layer_freq``: every N-th from layer 0, or a
@@ -245,39 +253,56 @@ class NUTPMoELayer(MoELayer, _UnevenExperts):
 
 
 class NUTPSharedExpertMLP(SharedExpertMLP):
-    """megatron's shared expert over this rank's columns of the dense FFN unit space: its
-    ``linear_fc1``/``linear_fc2`` are tagged and synchronised like a dense MLP's
-    (``build.param_kind``), so its intermediate size is the dense ``ffn_hidden_size``."""
+    """megatron's shared expert. ``nutp_local_ffn`` columns: this rank's columns of the dense
+    FFN unit space, its ``linear_fc1``/``linear_fc2`` tagged and synchronised like a dense
+    MLP's (``build.param_kind``: its intermediate size is the dense ``ffn_hidden_size``).
+    ``nutp_local_ffn=None``: a shared expert of its own size, whole on this rank (TP 1 over
+    ``pg_collection.expt_tp``, this rank alone, on its own sequence shard); its parameters are
+    ``nutp_replicated`` (kind None) and, under sequence parallelism, ``sequence_parallel``
+    (each rank's gradient is its tokens' part: summed over the TP group)."""
 
     def __init__(self, config: Any, submodules: Any, gate: bool,
                  pg_collection: ProcessGroupCollection | None = None, name: str | None = None,
-                 *, nutp_local_ffn: int) -> None:
+                 *, nutp_local_ffn: int | None) -> None:
         if gate:
             raise ValueError("model.moe_shared_expert_gate=True: not built with NUTP MoE yet")
         if config.moe_shared_expert_overlap:
             raise ValueError("model.moe_shared_expert_overlap=True: not built with NUTP MoE")
         assert pg_collection is not None
         cfg = copy.copy(config)
+        if nutp_local_ffn is None:
+            pgs = copy.copy(pg_collection)
+            pgs.tp = pg_collection.expt_tp  # this rank alone
+            cfg.tensor_model_parallel_size = 1
+            cfg.sequence_parallel = False
+            super().__init__(cfg, submodules, gate, pgs, name)
+            for p in self.parameters():
+                p.nutp_replicated = True  # type: ignore[attr-defined]
+                p.sequence_parallel = bool(config.sequence_parallel)  # type: ignore[attr-defined]
+                p.tensor_model_parallel = False  # type: ignore[attr-defined]
+            return
         cfg.moe_shared_expert_intermediate_size = nutp_local_ffn * pg_collection.tp.size()
         super().__init__(cfg, submodules, gate, pg_collection, name)
 
 
-def _shared_expert_builder(*, submodules: Any, local_ffn: int, config: Any,
+def _shared_expert_builder(*, submodules: Any, local_ffn: int | None, config: Any,
                            pg_collection: Any, gate: bool, name: str | None = None) -> Any:
     return NUTPSharedExpertMLP(config, submodules, gate, pg_collection, name,
                                nutp_local_ffn=local_ffn)
 
 
-def nutp_moe_submodule(mlp: Any, *, shared_local_ffn: int | None = None) -> Any:
+def nutp_moe_submodule(mlp: Any, *, shared_local_ffn: int | None = None,
+                       shared_replicated: bool = False) -> Any:
     """A 0.19 local spec's MoE ``mlp`` entry (``partial(MoELayer, submodules=...)``) rebuilt to
     construct ``NUTPMoELayer``; with ``shared_local_ffn`` its shared expert is
-    ``NUTPSharedExpertMLP`` over that many FFN columns."""
+    ``NUTPSharedExpertMLP`` over that many FFN columns, with ``shared_replicated`` one of its
+    own size, whole on every rank."""
     import functools
 
     if not (isinstance(mlp, functools.partial) and mlp.func is MoELayer):
         raise TypeError(f"not a megatron-core 0.19 MoE layer spec entry: {mlp!r}")
     keywords = dict(mlp.keywords)
-    if shared_local_ffn is not None:
+    if shared_local_ffn is not None or shared_replicated:
         sub = keywords["submodules"]
         keywords["submodules"] = dataclasses.replace(sub, shared_experts=functools.partial(
             _shared_expert_builder, submodules=sub.shared_experts.keywords["submodules"],
@@ -332,17 +357,20 @@ def nutp_moe_layer_spec(model_cfg: Any, moe: MoEDims, *, degree: int, tp_rank: i
                            balance=balance)
     stock = get_gpt_layer_local_spec(num_experts=moe.num_moe_experts, moe_grouped_gemm=False)
     shared = None
-    if moe.moe_shared_expert_intermediate_size is not None:
-        if moe.moe_shared_expert_intermediate_size != model_cfg.ffn_hidden_size:
-            raise ValueError(
-                "model.moe_shared_expert_intermediate_size="
-                f"{moe.moe_shared_expert_intermediate_size}: NUTP builds the shared expert over "
-                f"the dense FFN's units, so it must equal model.ffn_hidden_size="
-                f"{model_cfg.ffn_hidden_size} (a unit space of its own is not built yet)")
+    replicated = shared_expert_replicated(model_cfg, moe)
+    if moe.moe_shared_expert_intermediate_size is not None and not replicated:
         f0, f1 = unit_range(model_cfg, "fc1_weight", degree, tp_rank, balance)
         shared = f1 - f0
-    spec.submodules.mlp = nutp_moe_submodule(stock.submodules.mlp, shared_local_ffn=shared)
+    spec.submodules.mlp = nutp_moe_submodule(stock.submodules.mlp, shared_local_ffn=shared,
+                                             shared_replicated=replicated)
     return spec
+
+
+def shared_expert_replicated(model_cfg: Any, moe: Any) -> bool:
+    """A shared expert of its own size (not the dense FFN's): whole on every TP rank of a
+    replica (``NUTPSharedExpertMLP``); the dense FFN's size is over the dense FFN's units."""
+    size = getattr(moe, "moe_shared_expert_intermediate_size", None)
+    return size is not None and int(size) != int(model_cfg.ffn_hidden_size)
 
 
 def check_moe_plan(plan: Any, moe: MoEDims) -> None:

@@ -96,6 +96,11 @@ def move_experts(dims: ModelDims, moe: Any) -> MoveExperts:
     if kv or getattr(moe, "multi_latent_attention", False):
         raise ValueError(f"model.kv_lora_rank={kv}: the live re-layout does not plan "
                          "multi-latent attention's replicated projections yet")
+    size = getattr(moe, "moe_shared_expert_intermediate_size", None)
+    if size is not None and int(size) != dims.ffn_hidden_size:
+        raise ValueError(f"model.moe_shared_expert_intermediate_size={size}: the live re-layout "
+                         "does not plan a shared expert of its own size (replicated in the "
+                         f"replica, not over the {dims.ffn_hidden_size} FFN units) yet")
     e, f, h = (int(moe.num_moe_experts), int(moe.moe_ffn_hidden_size),
                dims.hidden_size)
     shape = ExpertShape(e, h, f, gated=dims.gated_linear_unit)

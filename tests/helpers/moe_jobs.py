@@ -258,6 +258,10 @@ def layout_run(case: MoECase, replicas: tuple[int, ...], control: str | None,
     if tweak is not None:
         tweak(s)
     ctx = s.groups.ctx
+    if control == "shared_not_summed":  # a replicated shared expert's per-rank gradient
+        for e in s.model.nutp_engine.order:  # taken as a full copy, not its tokens' part
+            if ".shared_experts." in e.name:
+                e.partial = False
     if control == "bias_per_replica":  # the expert-bias counts of this replica only
         for m in s.gpt.modules():
             if getattr(m, "expert_bias", None) is not None:

@@ -67,6 +67,7 @@ class MoEShape:
     moe_shared_expert_intermediate_size: int | None = None
     moe_layer_freq: int | tuple[int, ...] = 1  # megatron's list as a tuple
     moe_z_loss_coeff: float | None = None
+    moe_router_pre_softmax: bool = False  # OLMoE's (tests/train/test_moe_shared_size.py)
 
     def fields(self) -> dict[str, Any]:
         out = {**dataclasses.asdict(self), "moe_grouped_gemm": False}
@@ -152,11 +153,14 @@ def initial_weight(d: Any, seed: int, name: str, shape: tuple[int, ...]) -> torc
     """NUTP's initial value of parameter ``name`` (global expert index in expert names) of a
     MoE model of ``d`` (``ModelConfig``): what ``model.moe.build_moe_gpt_model`` gives every
     replica, a pure function of (seed, name)."""
+    from nemo_nutp.layout.units import global_shape
     from nemo_nutp.model.build import param_kind
     from nemo_nutp.model.init import init_global
 
     name = normalize_name(name)
     kind = None if ".experts." in name or ".router." in name else param_kind(name)
+    if ".shared_experts." in name and kind is not None and tuple(shape) != global_shape(kind, d):
+        kind = None  # a shared expert of its own size: replicated (model/moe.py)
     return init_global(name, kind, d, seed=seed, std=d.init_std, shape=shape)
 
 

@@ -60,13 +60,12 @@ def test_bridge_qwen3_moe_nutp_2_1_matches_bridge_stock_run(tmp_path: Path) -> N
 
 REFUSED = [
     # what NUTP's MoE layers do not build yet, one line naming the setting
-    # (DeepSeek-V3's routing runs: test_bridge_moe_routing.py; a shared expert of another size
-    # than the dense FFN is not built yet)
-    ("model.moe_shared_expert_intermediate_size=32", "model.moe_shared_expert_intermediate_size="),
+    # (DeepSeek-V3's routing runs: test_bridge_moe_routing.py; a shared expert of its own size
+    # and pre-softmax: tests/train/test_moe_shared_size.py)
     ("model.moe_shared_expert_intermediate_size=64 model.moe_shared_expert_gate=true",
      "model.moe_shared_expert_gate="),
     ("model.moe_expert_capacity_factor=1.0", "model.moe_expert_capacity_factor="),
-    ("model.moe_router_pre_softmax=true", "model.moe_router_pre_softmax="),
+    ("model.moe_mlp_glu_interleave_size=32", "model.moe_mlp_glu_interleave_size=32: "),
     ("model.moe_router_load_balancing_type=global_aux_loss",
      "model.moe_router_load_balancing_type="),
     ("model.moe_layer_freq=0", "model.moe_layer_freq="),
@@ -83,8 +82,8 @@ REFUSED = [
 
 
 def test_moe_settings_nutp_does_not_build_are_refused_by_name() -> None:
-    """The MoE settings NUTP's MoE does not build (a shared expert of another size than the dense
-    FFN, the shared-expert gate, capacity factor, pre-softmax, the global aux loss, a bad MoE
+    """The MoE settings NUTP's MoE does not build (the shared-expert gate, capacity factor, the
+    grouped-GEMM experts' GLU interleaving, the global aux loss, a bad MoE
     layer frequency, expert parallelism outside the replica) and what NUTP's MoE does not run
     yet (bf16, recovery, checkpoints with the distributed optimizer or over stages, the expert
     bias over stages; the distributed optimizer runs: ``test_bridge_moe_zero.py``; checkpoints:

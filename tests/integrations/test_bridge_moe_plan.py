@@ -37,7 +37,7 @@ def test_the_launcher_plans_with_the_recipes_experts() -> None:
     dense = rank_param_counts(dims, 2, stage=0, pp=1)
     expert, router, half_ffn = 32 * 32 + 32 * 16, 8 * 32, 32 * 3 * 32
     assert list(with_experts - dense) == [2 * (4 * expert + router - half_ffn)] * 2
-    # the provider's shared expert and layer pattern are read too (refused at run time so far)
+    # the provider's shared expert (of its own size here: replicated) and layer pattern
     freq = [0, 1]
     shared = types.SimpleNamespace(num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=None,
                                    ffn_hidden_size=64, moe_shared_expert_intermediate_size=24,

@@ -29,7 +29,7 @@ ACCEPTED = {"gpt", "gpt3", "llama2", "llama3", "llama3.1", "llama3.2", "qwen2", 
 """Families whose every recipe's model the config half accepts today."""
 REFUSED = {
     # family -> the model field that refuses every recipe of it today (the feature's switch)
-    "olmoe_7b": "moe_router_pre_softmax",  # (MoE itself trains: issue #34, qwen3_moe)
+    "olmoe_7b": "transformer_layer_spec",  # its own layer spec (pre-softmax is honoured)
     "nemotronh": "hybrid_layer_pattern", "nemotron_nano_v2": "hybrid_layer_pattern",
     "nemotron_3_nano_4b": "hybrid_layer_pattern",
     "qwen3_next": "experimental_attention_variant",  # gated delta net

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -86,9 +85,14 @@ def test_moe_layer_freq_and_shared_experts() -> None:
     # stage 0 of 2 holds layers 0 (dense) and 1 (MoE): the average of the all-dense and the
     # all-MoE stage 0 (the same embedding table and norms)
     assert list(2 * plain) == list(dense_ffn + moe_all)
+    # a shared expert of the dense FFN's size: over its units (64 columns: 21/21/22); one of
+    # its own size (10): whole on every rank of the replica (model/moe.py)
+    shared = dataclasses.replace(TINY_MOE, moe_shared_expert_intermediate_size=64)
+    extra = moe_rank_params(TINY, shared, 3) - moe_rank_params(TINY, TINY_MOE, 3)
+    assert list(extra) == [21 * 3 * 32, 21 * 3 * 32, 22 * 3 * 32]
     shared = dataclasses.replace(TINY_MOE, moe_shared_expert_intermediate_size=10)
     extra = moe_rank_params(TINY, shared, 3) - moe_rank_params(TINY, TINY_MOE, 3)
-    assert list(extra) == [3 * 3 * 32, 3 * 3 * 32, 4 * 3 * 32]  # 10 columns: 3/3/4
+    assert list(extra) == [10 * 3 * 32] * 3
     with pytest.raises(ValueError, match=r"model.moe_layer_freq=\[0, 1\]: has 2 entries"):
         PlanRequest(cluster=ClusterSpec(num_gpus=8), model=dims,
                     moe=MoESpec(8, 2, 16, moe_layer_freq=(0, 1)))
@@ -110,9 +114,9 @@ def test_expert_elements_over_a_replica_sum_to_the_whole(experts: int, degree: i
     per = moe_rank_params(dims, moe, t)
     one = ((2 if gated else 1) + 1) * f * h
     whole_shared = ((2 if gated else 1) + 1) * shared * h if shared else 0
-    assert int(per.sum()) == experts * one + t * experts * h + whole_shared  # router: each rank
-    routed = per - experts * h - (np.diff(np.arange(t + 1) * (shared or 0) // t)
-                                  * ((2 if gated else 1) + 1) * h)
+    # router and a shared expert of its own size (not the dense FFN's 64): whole on each rank
+    assert int(per.sum()) == experts * one + t * (experts * h + whole_shared)
+    routed = per - experts * h - whole_shared
     assert int(routed.max() - routed.min()) <= one  # balanced: at most one expert apart
     assert int(routed.max()) == -(-experts // t) * one  # the most loaded rank: ceil(E / t)
 
