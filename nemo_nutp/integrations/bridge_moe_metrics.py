@@ -64,7 +64,12 @@ def tracker_class() -> Any:
 
 
 def nutp_moe_tracker(groups: Any, global_microbatches: int) -> None:
-    """Make megatron's process-global MoE metrics tracker NUTP's (its entries carried over)."""
+    """Make megatron's process-global MoE metrics tracker NUTP's, over ``groups`` (called as
+    every world starts: a live re-layout's new world reduces over its own groups). Its entries
+    are carried over with their values zeroed: a step that a stopped world left unfinished
+    recorded its routers' values for the micro-batches this rank ran before the failure (the
+    TP1 replica's whole share, say), and that step is recomputed from scratch; a world that
+    ends at a step boundary has reported (and cleared) them already."""
     from megatron.core.transformer.moe.moe_logging import (
         get_moe_metrics_tracker,
         set_moe_metrics_tracker,
@@ -73,4 +78,5 @@ def nutp_moe_tracker(groups: Any, global_microbatches: int) -> None:
     old = get_moe_metrics_tracker()
     new = tracker_class()(groups, global_microbatches)
     new._metrics.update(old.metrics)
+    new.clear()
     set_moe_metrics_tracker(new)
