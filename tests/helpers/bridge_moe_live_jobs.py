@@ -87,57 +87,60 @@ def _drop_moved_experts() -> None:
     relayout_move.move_state = move_state  # type: ignore[assignment]
 
 
-def job_command(tmp_path: Path, overrides: list[str]) -> list[str]:
+def job_command(tmp_path: Path, steps: int) -> list[str]:
     """``nutp-bridge``'s command line: the shrunk recipe (``bridge_moe_jobs``' settings),
-    ``CLUSTER``, ``LIVE``, ``STEPS`` steps, output in ``tmp_path/run``, Bridge's checkpoints
+    ``CLUSTER``, ``LIVE``, ``steps`` steps, output in ``tmp_path/run``, Bridge's checkpoints
     (at the end only: recovery requires them) in ``tmp_path/ckpt``."""
     from tests.helpers.bridge_jobs import PARITY
     from tests.helpers.bridge_moe_jobs import CPU, TINY
 
     return [sys.executable, "-m", "nemo_nutp.launch.bridge_cli", "--recipe",
             f"{__name__}:qwen3_moe_recipe", "--config-file", str(TINY), "--output-dir",
-            str(tmp_path / "run"), *PARITY, *CPU, *CLUSTER, *LIVE, f"train.train_iters={STEPS}",
-            f"checkpoint.save={tmp_path / 'ckpt'}", "checkpoint.save_interval=1000",
-            *overrides]
+            str(tmp_path / "run"), *PARITY, *CPU, *CLUSTER, *LIVE, f"train.train_iters={steps}",
+            f"checkpoint.save={tmp_path / 'ckpt'}", "checkpoint.save_interval=1000"]
 
 
-def stock_worker(rank: int, world: int, port: int, outdir: str) -> None:
-    """Bridge's stock one-process run (``bridge_moe_jobs.stock_worker``) of ``STEPS`` steps;
+def stock_worker(rank: int, world: int, port: int, steps: int, outdir: str) -> None:
+    """Bridge's stock one-process run (``bridge_moe_jobs.stock_worker``) of ``steps`` steps;
     also the load-balancing loss it logged (``stock_aux.json``)."""
     from tests.helpers.bridge_moe_jobs import stock_worker as stock
     from tests.helpers.bridge_moe_pipeline_jobs import logged_aux
 
     logged = logged_aux()
-    stock(rank, world, port, [f"train.train_iters={STEPS}"], outdir)
+    stock(rank, world, port, [f"train.train_iters={steps}"], outdir)
     Path(outdir, "stock_aux.json").write_text(json.dumps(logged))
 
 
-def live_job(tmp_path: Path, *, control: bool = False, stock: bool = True
-             ) -> dict[str, Any]:
-    """The job (``FAULT``; ``control``: ``NO_EXPERT_MOVE``) and, beside it (``stock``), the stock
-    run in ``tmp_path/stock``. Returns the job's metrics rows, events, every process's logged
-    load-balancing losses (pid -> list), and the stock run's per-step records and logged
-    losses."""
+def live_job(tmp_path: Path, *, control: bool = False, fault: str = FAULT,
+             grow: bool = False, steps: int = STEPS) -> dict[str, Any]:
+    """The job (``fault``; ``control``: ``NO_EXPERT_MOVE``; ``grow``: GPU 3 reported back as the
+    first world starts, ``bridge_live_jobs.report_back``) and, beside it, the stock run in
+    ``tmp_path/stock``. Returns the job's metrics rows, events, every process's logged
+    load-balancing losses (pid -> list), its checkpoints, and the stock run's per-step records
+    and logged losses."""
     from nemo_nutp.common.procs import kill_session
+    from tests.helpers.bridge_live_jobs import report_back
     from tests.helpers.dist import spawn
     from tests.helpers.live import metric_rows, read_events
 
     aux = tmp_path / "aux"
     aux.mkdir()
-    env = {**os.environ, "NUTP_FAULT": FAULT, "NUTP_LIVE_DIGEST": "1", AUX: str(aux),
+    env = {**os.environ, "NUTP_FAULT": fault, "NUTP_LIVE_DIGEST": "1", AUX: str(aux),
            "PYTHONPATH": os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[2]),
                                                      os.environ.get("PYTHONPATH")) if p)}
     if control:
         env[NO_EXPERT_MOVE] = "1"
     log = tmp_path / "run.log"
     with log.open("w") as f:
-        proc = subprocess.Popen(job_command(tmp_path, []), stdout=f, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True, env=env)
+        proc = subprocess.Popen(job_command(tmp_path, steps), stdout=f,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                                env=env)
     try:
-        ref = tmp_path / "stock"
-        if stock:  # beside the job
-            ref.mkdir()
-            spawn(stock_worker, 1, (), ref)
+        if grow:
+            report_back(tmp_path / "run", proc, log)
+        ref = tmp_path / "stock"  # beside the job
+        ref.mkdir()
+        spawn(stock_worker, 1, (steps,), ref)
         rc = proc.wait(timeout=JOB_TIMEOUT_S)
     finally:
         kill_session(proc.pid)
@@ -148,8 +151,7 @@ def live_job(tmp_path: Path, *, control: bool = False, stock: bool = True
         "rows": metric_rows(out), "events": read_events(out),
         "aux": {int(p.stem[4:]): [json.loads(x) for x in p.read_text().splitlines()]
                 for p in aux.glob("aux_*.jsonl")},
-        "checkpoints": sorted(p.name for p in (tmp_path / "ckpt").glob("iter_*"))}
-    if stock:
-        got["stock"] = json.loads((ref / "stock_rank0.json").read_text())
-        got["stock_aux"] = json.loads((ref / "stock_aux.json").read_text())
+        "checkpoints": sorted(p.name for p in (tmp_path / "ckpt").glob("iter_*")),
+        "stock": json.loads((ref / "stock_rank0.json").read_text()),
+        "stock_aux": json.loads((ref / "stock_aux.json").read_text())}
     return got

@@ -97,6 +97,42 @@ def test_negative_control_experts_not_moved_leave_the_bounds(tmp_path: Path) -> 
     assert len(set().union(*digests[1].values())) == 2, digests
 
 
+@pytest.mark.bench
+@pytest.mark.skipif(os.environ.get("NUTP_BENCH") != "1",
+                    reason="bench tier (about 2 min on 2 cores): make bench, or NUTP_BENCH=1")
+@pytest.mark.timeout(JOB_TIMEOUT_S + 240)
+def test_grow_back_a_joiner_takes_its_experts_from_the_survivors(tmp_path: Path) -> None:
+    """GPU 3 reported back as the first world starts: at the step boundary the vote agrees on,
+    a new process joins for it and the layout grows from [2,1] to [2,2] (the joiner, rank 3,
+    takes experts 4-7 whole from the survivors); 6 steps against the stock run: loss, grad norm
+    and, on every rank, the load-balancing loss Bridge logs within 1e-5 (the step at the
+    boundary is not logged by Bridge: it leaves ``train()`` first); replicas bitwise equal."""
+    from tests.helpers.live import replica_digests
+
+    steps = 6
+    got = live_job(tmp_path, fault="", grow=True, steps=steps)
+    rows, ev = got["rows"], got["events"]
+    errs = _errors(got)
+    print("MoE grow back under Bridge: relative errors", errs)
+    for k in ("loss", "grad_norm"):
+        assert max(errs[k]) <= TOL, errs
+    (grow,) = [e for e in ev if e["event"] == "live_relayout"]
+    k = grow["resume_step"]
+    assert (grow["cause"], grow["joiners"], grow["replica_tp"]) == ("gpu_back", [3], [[2], [2]])
+    assert grow["processes_started"] == 1 and grow["checkpoint_bytes_read"] == 0, grow
+    assert 0 < grow["bytes_received_rank_max"] == grow["lower_bound_rank_max"], grow
+    assert [r["replica_tp"] for r in rows] == [[[2], [1]]] * k + [[[2], [2]]] * (steps - k)
+    digests = replica_digests(ev)
+    assert len(set().union(*digests[1].values())) == 1, digests
+    assert len({e["digest"] for e in ev if e["event"] == "live_final"}) == 1
+    (first,) = [e for e in ev if e["event"] == "live_world"]
+    assert sorted(got["aux"]) == sorted(grow["pids"]) and set(first["pids"]) < set(grow["pids"])
+    for pid, aux in got["aux"].items():  # the boundary's step k - 1 is not logged
+        want = [a for i, a in enumerate(got["stock_aux"])
+                if (i != k - 1 if pid in first["pids"] else i >= k)]
+        assert max(_rel(a, s) for a, s in zip(aux, want, strict=True)) <= TOL, (pid, aux, want)
+
+
 REFUSED = [  # recovery with MoE: what is not built or not tested, one line naming it
     ({"mode": "restart"}, {}, "recovery.mode=restart: "),
     ({}, {"optimizer.use_distributed_optimizer": True},
