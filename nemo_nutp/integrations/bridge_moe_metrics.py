@@ -64,7 +64,15 @@ def tracker_class() -> Any:
 
 
 def nutp_moe_tracker(groups: Any, global_microbatches: int) -> None:
-    """Make megatron's process-global MoE metrics tracker NUTP's (its entries carried over)."""
+    """Make megatron's process-global MoE metrics tracker NUTP's, over ``groups`` (called as
+    every world starts, and as ``bridge_live`` re-enters ``train()``: a live re-layout's new
+    world reduces over its own groups). Its entries are carried over with their values zeroed:
+    what the process recorded since the last report is no step of the new run. A world stopped
+    by a failure had recorded its unfinished step's values for the micro-batches this rank ran
+    (the TP1 replica's whole share, say), and that step is recomputed; a world that leaves
+    ``train()`` at a step boundary (grow back, a straggler, new shares: ``on_train_step_end``)
+    leaves before Bridge's ``training_log`` reports that step. Either way the next step's
+    report would have added them."""
     from megatron.core.transformer.moe.moe_logging import (
         get_moe_metrics_tracker,
         set_moe_metrics_tracker,
@@ -73,4 +81,5 @@ def nutp_moe_tracker(groups: Any, global_microbatches: int) -> None:
     old = get_moe_metrics_tracker()
     new = tracker_class()(groups, global_microbatches)
     new._metrics.update(old.metrics)
+    new.clear()
     set_moe_metrics_tracker(new)

@@ -333,16 +333,24 @@ def _digest(session: RankSession, gen: int, *, event: str = "live_digest") -> No
               (getattr(p, "nutp_kind", None), getattr(p, "nutp_units", None),
                p.detach().float().clone().view(p.shape))
               for n, p in session.model.named_parameters()}
-    got: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(got, (ctx.replica, ctx.stage, shards))
+    mine_experts = [getattr(p, "nutp_name", normalize_name(n))
+                    for n, p in session.model.named_parameters()
+                    if getattr(p, "nutp_expert", None) is not None]
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (ctx.replica, ctx.stage, shards, mine_experts))
     if dist.get_rank() != 0:
         return
+    got = [(r, st, s) for r, st, s, _ in every]
+    experts = {k for *_, ks in every for k in ks}
     plan = session.plan
     for i in range(len(plan.replicas)):
         merged: dict[str, torch.Tensor] = {}
         for stage in range(plan.pp):
-            merged.update(assemble([s for r, st, s in got if (r, st) == (i, stage)],
-                                   plan.request.model))
+            mine = [s for r, st, s in got if (r, st) == (i, stage)]
+            # MoE: each rank holds whole experts under their global names (``nutp_expert``)
+            merged.update(assemble([{k: v for k, v in s.items() if k not in experts}
+                                    for s in mine], plan.request.model))
+            merged.update({k: v[2] for s in mine for k, v in s.items() if k in experts})
         h = hashlib.sha256()
         for k in sorted(merged):
             h.update(k.encode())

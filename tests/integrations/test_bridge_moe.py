@@ -71,7 +71,7 @@ REFUSED = [
     ("model.moe_layer_freq=0", "model.moe_layer_freq="),
     ("model.expert_model_parallel_size=2", "model.expert_model_parallel_size="),
     ("mixed_precision=bf16_mixed", "model.bf16=True"),
-    ("recovery.enabled=true", "recovery.enabled=True"),
+    ("recovery.enabled=true", "recovery.mode=restart"),
     ("optimizer.use_distributed_optimizer=true checkpoint.save=/tmp/nutp_moe_ckpt",
      "checkpoint.save=/tmp/nutp_moe_ckpt"),
     ("model.pipeline_model_parallel_size=2 checkpoint.save=/tmp/nutp_moe_ckpt",
