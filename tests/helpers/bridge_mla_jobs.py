@@ -48,11 +48,14 @@ def local_mla_core_attention() -> None:
 
 def stock_mla_worker(rank: int, world: int, port: int, overrides: list[str],
                      outdir: str) -> None:
-    """``bridge_moe_jobs.stock_worker`` of the shrunk DeepSeek-V3 recipe."""
+    """``bridge_moe_jobs.stock_worker`` of the shrunk DeepSeek-V3 recipe (its MTP layer from
+    megatron's local MTP spec: ``bridge_mtp_jobs.local_mtp_spec``)."""
     from tests.helpers.bridge_moe_jobs import stock_worker
+    from tests.helpers.bridge_mtp_jobs import local_mtp_spec
 
     use_recipe()
     local_mla_core_attention()
+    local_mtp_spec()
     stock_worker(rank, world, port, [*CPU, *overrides], outdir)
 
 

@@ -2,18 +2,19 @@
 pretraining recipe (its HF config from the committed stand-in, ``configs/hf/hub``), shrunk by
 ``data/bridge_deepseek_v3_tiny.yaml`` (3 layers, the first dense; 4 heads with a query latent of
 16 and a KV latent of 12, head dims 8 + 4 RoPE / 8, the recipe's YaRN; 8 experts top-2 with the
-recipe's sigmoid routing, expert bias, group-limited top-k, scaling and sequence aux loss; the
-shared expert at the dense FFN's size, pre-softmax and the shared-expert overlap off, no MTP
-layer). It trains through Bridge's own ``train()`` with NUTP's MLA (heads as units, the
+recipe's sigmoid routing, expert bias, group-limited top-k, scaling and sequence aux loss, its
+MTP layer; the shared expert at the dense FFN's size, pre-softmax and the shared-expert overlap
+off). It trains through Bridge's own ``train()`` with NUTP's MLA (heads as units, the
 down-projections and latent norms replicated) and MoE layers at replicas [2,1] with sequence
 parallelism, fp32 and clipping on, against Bridge's own stock run of the same recipe in one
 process (megatron's ``GPTModel`` from megatron's decoder block spec with the named MLA core
 attention adapter, ``bridge_mla_jobs``), from the same initial weights: every step's loss and
-grad norm within 1e-5, every rank the same grad-norm bits, the replicas bitwise equal, router
-flips counted.
+grad norm within 1e-5, every rank the same grad-norm bits, the replicas bitwise equal, the
+expert biases with the stock run's bits, router flips counted (0).
 
-Negative control (in the test, one step): the MLA down-projections' gradients not summed over
-the TP group (``bridge_mla_jobs`` control ``down_unsummed``) leaves the grad norm off."""
+Negative control (in the test, in the NUTP world after the run, one step): the MLA
+down-projections' gradients not summed over the TP group (``bridge_mla_jobs`` control
+``down_unsummed``) leaves the grad norm off (2.0e-4)."""
 
 from __future__ import annotations
 
