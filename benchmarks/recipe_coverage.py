@@ -140,9 +140,10 @@ def shrink(provider: Any) -> list[str]:
     heads = int(provider.num_attention_heads) or 4  # the GPT template ships no dims
     groups = int(provider.num_query_groups or heads)
     ratio = max(heads // groups, 1)
-    kv = 16 if ratio <= 4 else 8  # 8-16 query heads per group: width <= 256 (fp32 rounding
-    # of the TP-split sums grows with width: 405B's ratio 16 at head dim 16, width 512, gave
-    # grad norms 2.8e-6..8.5e-6 off, vs <= 1.1e-6 at width 128)
+    mla = bool(getattr(provider, "multi_latent_attention", False))  # kv_channels = v_head_dim
+    kv = 16 if ratio <= 4 and not mla else 8  # 8-16 query heads per group: width <= 256 (fp32
+    # rounding of the TP-split sums grows with width: 405B's ratio 16 at head dim 16, width 512,
+    # gave grad norms 2.8e-6..8.5e-6 off, vs <= 1.1e-6 at width 128)
     g = 2  # a TP2 replica needs a query group per rank (megatron's rule too): MQA (Gemma 3
     # 1B's one group) is cut to 2 groups of the same query heads per group
     decoupled = bool(provider.kv_channels) and \
@@ -159,6 +160,12 @@ def shrink(provider: Any) -> list[str]:
         out.append(f"model.num_query_groups={g}")
     if getattr(provider, "num_moe_experts", None):  # MoE: 8 experts, top-2 at most, FFN 16
         out += [*MOE_SHRINK, f"model.moe_router_topk={min(int(provider.moe_router_topk), 2)}"]
+    freq = getattr(provider, "moe_layer_freq", 1)
+    if isinstance(freq, (list, tuple)) and len(freq) != layers:  # a per-layer pattern: its
+        # first layer (DeepSeek's dense ones) and its last ones
+        out.append(f"model.moe_layer_freq={json.dumps([freq[0], *freq[len(freq) - layers + 1:]])}")
+    if mla:  # MLA: the latents and head dims cut (kv_channels = v_head_dim: MLA_SHRINK)
+        out += [*MLA_SHRINK, *([] if provider.q_lora_rank is None else ["model.q_lora_rank=16"])]
     w = provider.window_size
     if isinstance(w, (tuple, list)):
         out.append(f"model.window_size=[8,{min(int(w[1]), 8)}]")
@@ -166,6 +173,11 @@ def shrink(provider: Any) -> list[str]:
         out.append("model.window_size=8")
     return out
 
+
+MLA_SHRINK = ["model.kv_lora_rank=12", "model.qk_head_dim=8", "model.qk_pos_emb_head_dim=4",
+              "model.v_head_dim=8"]
+"""A multi-latent attention recipe's latents and head dims, shrunk (its query latent, if any, to
+16; ``kv_channels`` is ``v_head_dim``'s 8); its RoPE and YaRN kept."""
 
 MOE_SHRINK = ["model.num_moe_experts=8", "model.moe_ffn_hidden_size=16"]
 """A MoE recipe's experts, shrunk (with top-k cut to 2 at most): every MoE switch kept."""
@@ -189,6 +201,7 @@ STOCK_MOE = ["model.tensor_model_parallel_size=1", "model.sequence_parallel=fals
 
 
 RUNTIME = ["model.tensor_model_parallel_size=2", "model.pipeline_model_parallel_size=1",
+           "model.pipeline_model_parallel_layout=null",
            "model.virtual_pipeline_model_parallel_size=null",
            "model.context_parallel_size=1", "model.sequence_parallel=false",
            "model.fp8=null", "model.bf16=false", "model.fp16=false",

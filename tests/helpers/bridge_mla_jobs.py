@@ -15,7 +15,9 @@ recipe's ``kv_channels`` is the shrunk ``v_head_dim`` (what that attention sizes
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 RECIPE = ("megatron.bridge.recipes.deepseek.h100.deepseek_v3:"
           "deepseek_v3_pretrain_1024gpu_h100_bf16_config")
@@ -46,6 +48,41 @@ def local_mla_core_attention() -> None:
     LocalSpecProvider.core_attention = lambda self: MLACoreAttention  # type: ignore[method-assign]
 
 
+YARN_ATTRS = ("rotary_base", "scaling_factor", "original_max_position_embeddings",
+              "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+"""What megatron's ``YarnRotaryEmbedding`` keeps of MLA's YaRN settings."""
+
+
+def record_mla_rope() -> list[dict[str, Any]]:
+    """Every ``MultiLatentAttention`` built in this process appends what MLA's RoPE and YaRN
+    settings made of it: its softmax scale, its rotary embedding's class, settings and output
+    at 8 positions (cos/sin angles) and YaRN's mscale; recorded by wrapping the class's
+    ``__init__`` (NUTP's ``NUTPMLASelfAttention`` calls it too)."""
+    from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
+
+    seen: list[dict[str, Any]] = []
+    real = MultiLatentAttention.__init__
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        real(self, *args, **kwargs)
+        rope = self.rotary_pos_emb
+        out = rope(8)
+        emb, scale = out if isinstance(out, tuple) else (out, None)
+        seen.append({"softmax_scale": float(self.softmax_scale), "rope": type(rope).__name__,
+                     **{k: getattr(rope, k, None) for k in YARN_ATTRS},
+                     "emb": emb.flatten().tolist(),
+                     "emb_mscale": None if scale is None else float(scale)})
+
+    MultiLatentAttention.__init__ = init  # type: ignore[method-assign]
+    return seen
+
+
+def write_first(seen: list[dict[str, Any]], path: Path) -> None:
+    """The first MLA layer's record (every layer's is the same: asserted) as JSON."""
+    assert seen and all(r == seen[0] for r in seen), len(seen)
+    path.write_text(json.dumps(seen[0]))
+
+
 def stock_mla_worker(rank: int, world: int, port: int, overrides: list[str],
                      outdir: str) -> None:
     """``bridge_moe_jobs.stock_worker`` of the shrunk DeepSeek-V3 recipe (its MTP layer from
@@ -56,7 +93,9 @@ def stock_mla_worker(rank: int, world: int, port: int, overrides: list[str],
     use_recipe()
     local_mla_core_attention()
     local_mtp_spec()
+    seen = record_mla_rope()
     stock_worker(rank, world, port, [*CPU, *overrides], outdir)
+    write_first(seen, Path(outdir, "mla_rope_stock.json"))
 
 
 def nutp_mla_worker(rank: int, world: int, port: int, overrides: list[str],
@@ -78,7 +117,9 @@ def nutp_mla_worker(rank: int, world: int, port: int, overrides: list[str],
     def body() -> None:
         dist.gloo_rank = lambda _r, _w, _p, _o, inner: inner()  # type: ignore[assignment]
         try:
+            seen = record_mla_rope()
             nutp_worker(rank, world, port, [*CPU, *overrides], None, outdir)
+            write_first(seen, Path(outdir, f"mla_rope_nutp_rank{rank}.json"))
             _unsummed_down_projections()
             nutp_worker(rank, world, port,
                         [*CPU, *overrides, f"train.train_iters={CONTROL_STEPS}"],

@@ -60,24 +60,32 @@ def test_bridge_deepseek_v3_mla_nutp_2_1_matches_bridge_stock_run(tmp_path: Path
     assert min(r["grad_norm"] for r in stock) > 0.05  # clipping active at every step
     assert got["norms_same_bits"] and got["replicas_bitwise_equal"]
     assert got["bias_equal"], got["bias_max_diff"]
+    # MLA's RoPE and YaRN as built: the softmax scale, the rotary embedding and its settings,
+    # its angles at 8 positions and YaRN's mscale, the stock run's bits on every NUTP rank
+    rope = json.loads((tmp_path / "mla_rope_stock.json").read_text())
+    assert rope["rope"] == "YarnRotaryEmbedding" and rope["scaling_factor"] == 40.0, rope
+    for r in range(3):
+        assert json.loads((tmp_path / f"mla_rope_nutp_rank{r}.json").read_text()) == rope, r
     # the negative control: each TP rank steps the down-projections with its own tokens' part
     assert len(bad["steps"]) == 1 and bad_errs["grad_norm"][0] > TOL, bad_errs
 
 
 REFUSED = [
-    ("model.num_moe_experts", None, "model.multi_latent_attention=True: NUTP builds"),
-    ("model.pipeline_model_parallel_size", 2, "model.pipeline_model_parallel_size=2: not with"),
-    ("model.rope_scaling", True, "model.rope_scaling=True: not with"),
-    ("model.softmax_scale", 0.5, "model.softmax_scale=0.5: not with"),
-    ("model.rotary_percent", 0.5, "model.rotary_percent=0.5: not with"),
-    ("model.rope_type", "llama3", "model.rope_type='llama3': must be one of"),
-    ("model.q_lora_rank", None, "model.q_lora_rank=None: with model.qk_layernorm"),
-    ("model.num_query_groups", 2, "model.num_query_groups=2: MLA has one per head"),
-    ("checkpoint.save", "/tmp/nutp_h", "checkpoint.save=/tmp/nutp_h: not with"),
-    ("optimizer.use_distributed_optimizer", True,
+    ({"model.num_moe_experts": None, "model.mtp_num_layers": None},
+     "model.multi_latent_attention=True: NUTP builds"),
+    ({"model.pipeline_model_parallel_size": 2}, "model.pipeline_model_parallel_size=2: not with"),
+    ({"model.rope_scaling": True}, "model.rope_scaling=True: not with"),
+    ({"model.softmax_scale": 0.5}, "model.softmax_scale=0.5: not with"),
+    ({"model.rotary_percent": 0.5}, "model.rotary_percent=0.5: not with"),
+    ({"model.rope_type": "llama3"}, "model.rope_type='llama3': must be one of"),
+    ({"model.q_lora_rank": None}, "model.q_lora_rank=None: with model.qk_layernorm"),
+    ({"model.num_query_groups": 2}, "model.num_query_groups=2: MLA has one per head"),
+    ({"checkpoint.save": "/tmp/nutp_h"}, "checkpoint.save=/tmp/nutp_h: not with"),
+    ({"optimizer.use_distributed_optimizer": True},
      "optimizer.use_distributed_optimizer=True: not with"),
 ]
-"""What NUTP's MLA does not read or build, each refused in one line naming the field."""
+"""What NUTP's MLA does not read or build (the settings changed, the error's start), each
+refused in one line naming the field."""
 
 
 def test_what_nutp_mla_does_not_build_is_refused_by_name() -> None:
@@ -94,13 +102,15 @@ def test_what_nutp_mla_does_not_build_is_refused_by_name() -> None:
     cfg = load([*CPU, *STOCK]).bridge
     assert model_config_of(cfg.model, vocab_size=256).kv_lora_rank == 12
     check_moe(cfg)
-    for field, value, want in REFUSED:
-        section, name = field.split(".", 1)
+    for changes, want in REFUSED:
         bad = copy.copy(cfg)
-        setattr(bad, section, copy.copy(getattr(cfg, section)))
-        setattr(getattr(bad, section), name, value)
+        for field, value in changes.items():
+            section, name = field.split(".", 1)
+            if getattr(bad, section) is getattr(cfg, section):
+                setattr(bad, section, copy.copy(getattr(cfg, section)))
+            setattr(getattr(bad, section), name, value)
         with pytest.raises(ValueError) as e:
             model_config_of(bad.model, vocab_size=256)
             check_moe(bad)
         msg = str(e.value)
-        assert msg.startswith(want) and "\n" not in msg, (field, msg)
+        assert msg.startswith(want) and "\n" not in msg, (changes, msg)
