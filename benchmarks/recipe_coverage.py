@@ -11,8 +11,10 @@ dropped by function identity; vision-language and diffusion recipes excluded by 
   256, sequence 32, windows 8; every switch kept:
   normalisation and its epsilon, activation and gating, biases, QKV bias, qk-layernorm, tied
   embeddings, position embedding and every RoPE setting, window pattern, MoE / MTP / ... as
-  shipped; a MoE recipe's experts cut to 8, top-k to 2 at most, expert FFN 16, its every MoE
-  switch kept, with sequence parallelism on and the CPU MoE kernels, ``MOE_RUNTIME``), in fp32
+  shipped; a MoE recipe's experts cut to 8, top-k to 2 at most, expert FFN 16, a per-layer MoE
+  pattern to its first and last layers, its every MoE switch kept; an MLA recipe's latents and
+  head dims cut (``MLA_SHRINK``), its RoPE and YaRN kept; with sequence parallelism on and the
+  CPU MoE kernels, ``MOE_RUNTIME``), in fp32
   at replicas [2,1] with clipping, through ``nutp-bridge``'s own checks
   (``bridge_config.load_bridge_job``: Bridge's overrides, the precision and dataset checks,
   ``bridge_run.model_config_of``, ``nutp-train``'s schema) and the NUTP planner. The runtime
