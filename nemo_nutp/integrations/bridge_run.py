@@ -131,6 +131,9 @@ def mla_of(provider: Any) -> Any:
     from ..model.mla import MLADims
 
     on = "model.multi_latent_attention=True"
+    if not all(hasattr(provider, k) for k in (*MLA_SHAPE, *MLA_ROPE)):
+        raise ValueError(f"{on}: {type(provider).__name__} has no MLA fields (Bridge's "
+                         "MLAModelProvider, megatron's MLATransformerConfig)")
     if not getattr(provider, "num_moe_experts", None):
         raise ValueError(f"{on}: NUTP builds multi-latent attention on its MoE model only "
                          "(model.num_moe_experts) so far")
