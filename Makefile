@@ -54,7 +54,8 @@ TESTS_BRIDGE ?= tests/integrations/test_bridge_shim.py tests/integrations/test_b
 	tests/integrations/test_bridge_mtp.py \
 	tests/integrations/test_bridge_moe_pipeline.py \
 	tests/integrations/test_bridge_moe_routing.py \
-	tests/integrations/test_bridge_moe_live.py
+	tests/integrations/test_bridge_moe_live.py \
+	tests/integrations/test_bridge_mla.py
 
 # The real Slurm the tests start (tests/helpers/slurm_cluster.py: munged, slurmctld, 3 slurmd on
 # loopback; tests/launch runs the scripts `nutp sbatch` renders on it): Debian's Slurm 22.05 and

@@ -11,9 +11,11 @@ dropped by function identity; vision-language and diffusion recipes excluded by 
   256, sequence 32, windows 8; every switch kept:
   normalisation and its epsilon, activation and gating, biases, QKV bias, qk-layernorm, tied
   embeddings, position embedding and every RoPE setting, window pattern, MoE / MTP / ... as
-  shipped; a MoE recipe's experts cut to 8, top-k to 2 at most, expert FFN 16, a per-layer
-  ``moe_layer_freq`` cut to the 2 layers (its leading dense layer kept: [0, 1]), its every MoE
-  switch kept, with sequence parallelism on and the CPU MoE kernels, ``MOE_RUNTIME``), in fp32
+  shipped; a MoE recipe's experts cut to 8, top-k to 2 at most, expert FFN 16, a shared
+  expert to 16 per shared expert, a per-layer ``moe_layer_freq`` cut to the 2 layers (its
+  leading dense layer kept: [0, 1]), its every MoE switch kept; an MLA recipe's latents and
+  head dims cut (``MLA_SHRINK``), its RoPE and YaRN kept; with sequence parallelism on and the
+  CPU MoE kernels, ``MOE_RUNTIME``), in fp32
   at replicas [2,1] with clipping, through ``nutp-bridge``'s own checks
   (``bridge_config.load_bridge_job``: Bridge's overrides, the precision and dataset checks,
   ``bridge_run.model_config_of``, ``nutp-train``'s schema) and the NUTP planner. The runtime
@@ -145,9 +147,10 @@ def shrink(provider: Any) -> list[str]:
     heads = int(provider.num_attention_heads) or 4  # the GPT template ships no dims
     groups = int(provider.num_query_groups or heads)
     ratio = max(heads // groups, 1)
-    kv = 16 if ratio <= 4 else 8  # 8-16 query heads per group: width <= 256 (fp32 rounding
-    # of the TP-split sums grows with width: 405B's ratio 16 at head dim 16, width 512, gave
-    # grad norms 2.8e-6..8.5e-6 off, vs <= 1.1e-6 at width 128)
+    mla = bool(getattr(provider, "multi_latent_attention", False))  # kv_channels = v_head_dim
+    kv = 16 if ratio <= 4 and not mla else 8  # 8-16 query heads per group: width <= 256 (fp32
+    # rounding of the TP-split sums grows with width: 405B's ratio 16 at head dim 16, width 512,
+    # gave grad norms 2.8e-6..8.5e-6 off, vs <= 1.1e-6 at width 128)
     g = 2  # a TP2 replica needs a query group per rank (megatron's rule too): MQA (Gemma 3
     # 1B's one group) is cut to 2 groups of the same query heads per group
     decoupled = bool(provider.kv_channels) and \
@@ -175,6 +178,8 @@ def shrink(provider: Any) -> list[str]:
             per = int(provider.moe_ffn_hidden_size or provider.ffn_hidden_size)
             out.append(f"model.moe_shared_expert_intermediate_size="
                        f"{16 * max(int(shared) // per, 1)}")
+    if mla:  # MLA: the latents and head dims cut (kv_channels = v_head_dim: MLA_SHRINK)
+        out += [*MLA_SHRINK, *([] if provider.q_lora_rank is None else ["model.q_lora_rank=16"])]
     w = provider.window_size
     if isinstance(w, (tuple, list)):
         out.append(f"model.window_size=[8,{min(int(w[1]), 8)}]")
@@ -182,6 +187,11 @@ def shrink(provider: Any) -> list[str]:
         out.append("model.window_size=8")
     return out
 
+
+MLA_SHRINK = ["model.kv_lora_rank=12", "model.qk_head_dim=8", "model.qk_pos_emb_head_dim=4",
+              "model.v_head_dim=8"]
+"""A multi-latent attention recipe's latents and head dims, shrunk (its query latent, if any, to
+16; ``kv_channels`` is ``v_head_dim``'s 8); its RoPE and YaRN kept."""
 
 MOE_SHRINK = ["model.num_moe_experts=8", "model.moe_ffn_hidden_size=16"]
 """A MoE recipe's experts, shrunk (with top-k cut to 2 at most): every MoE switch kept."""
@@ -205,6 +215,7 @@ STOCK_MOE = ["model.tensor_model_parallel_size=1", "model.sequence_parallel=fals
 
 
 RUNTIME = ["model.tensor_model_parallel_size=2", "model.pipeline_model_parallel_size=1",
+           "model.pipeline_model_parallel_layout=null",
            "model.virtual_pipeline_model_parallel_size=null",
            "model.context_parallel_size=1", "model.sequence_parallel=false",
            "model.fp8=null", "model.bf16=false", "model.fp16=false",

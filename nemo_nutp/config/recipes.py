@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 
 from ..common import env
+from ..layout.specs import bad_value
 from .loading import load_config
 from .schema import JobConfig, config_dir
 
@@ -61,12 +62,21 @@ def split_recipe(overrides: list[str], recipe: str | None = None
 
 
 def load_job(overrides: list[str] | None = None, *, config_name: str = "config",
-             recipe: str | None = None) -> JobConfig:
+             recipe: str | None = None, mla: bool = False) -> JobConfig:
     """The job of ``nutp plan``/``nutp sbatch``: a recipe (``recipe=NAME`` or ``recipe``) plus
-    overrides, or the primary config ``configs/<config_name>.yaml`` plus overrides."""
+    overrides, or the primary config ``configs/<config_name>.yaml`` plus overrides.
+    ``mla``: the model may carry multi-latent attention (``model.kv_lora_rank``: ``nutp-bridge``,
+    whose provider's MoE NUTP builds it on, ``bridge_run.mla_of``); ``nutp-train`` has no MoE
+    keys and refuses it."""
     name, rest = split_recipe(list(overrides or []), recipe)
     if name is None:
-        return load_config(rest, config_name=config_name)
-    if config_name != "config":
+        cfg = load_config(rest, config_name=config_name)
+    elif config_name != "config":
         raise ValueError(f"recipe={name!r}: cannot be combined with --config-name {config_name}")
-    return load_recipe(name, rest)
+    else:
+        cfg = load_recipe(name, rest)
+    if cfg.model.kv_lora_rank is not None and not mla:
+        raise bad_value("model.kv_lora_rank", cfg.model.kv_lora_rank,
+                        "multi-latent attention is not built in nutp-train yet (NUTP builds it "
+                        "with MoE: model/mla.py, build_session(moe=..., mla=...), nutp-bridge)")
+    return cfg

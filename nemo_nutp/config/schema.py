@@ -774,10 +774,6 @@ class JobConfig:
 
     def __post_init__(self) -> None:
         _check_layout(self)
-        if self.model.kv_lora_rank is not None:
-            raise bad_value("model.kv_lora_rank", self.model.kv_lora_rank,
-                            "multi-latent attention is not built in nutp-train yet (NUTP builds "
-                            "it with MoE: model/mla.py, build_session(moe=..., mla=...))")
         if self.recovery.live_redundancy and not self.train.distributed_optimizer:
             raise bad_value("recovery.live_redundancy", True, "needs train.distributed_optimizer="
                             "true (the non-distributed optimizer's state is replicated already)")

@@ -34,13 +34,14 @@ from ..parallel.groups import NUTPGroups
 
 
 def nutp_provider(provider: Any, plan: Plan, groups: NUTPGroups, *, seed: int = 1234,
-                  moe: Any = None) -> Any:
+                  moe: Any = None, mla: Any = None) -> Any:
     """A copy of a Bridge ``GPTModelProvider`` whose ``provide()`` builds this rank's NUTP GPT.
 
     The model shape is read from the provider (``num_layers``, ``hidden_size``, ...) and must
     match ``plan.request.model`` (checked). ``moe`` (``model.moe.MoEDims``, from
     ``bridge_run.moe_of``): every layer's MLP is NUTP's MoE layer (experts as units inside each
-    replica, ``model/moe.py``; fp32, one stage)."""
+    replica, ``model/moe.py``; fp32, one stage). ``mla`` (``model.mla.MLADims``, from
+    ``bridge_run.mla_of``, with ``moe``): multi-latent attention over each rank's heads."""
     from ..model import build_gpt_model
 
     dims = plan.request.model
@@ -57,7 +58,8 @@ def nutp_provider(provider: Any, plan: Plan, groups: NUTPGroups, *, seed: int = 
             if moe is not None:
                 from ..model.moe import build_moe_gpt_model
 
-                return build_moe_gpt_model(plan, groups.ctx.rank, dims, moe, groups, seed=seed)
+                return build_moe_gpt_model(plan, groups.ctx.rank, dims, moe, groups, seed=seed,
+                                           mla=mla)
             # virtual pipeline stages: chunk ``vp_stage`` (Bridge's get_model asks for each)
             return build_gpt_model(plan, groups.ctx.rank, dims, groups.pgs, seed=seed,
                                    precision=precision,

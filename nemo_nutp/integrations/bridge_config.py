@@ -126,7 +126,7 @@ def load_nutp(overrides: list[str], *, tp: int) -> Any:
     degree from Bridge's ``model.tensor_model_parallel_size``."""
     from ..config.recipes import load_job
 
-    return load_job([f"parallel.tp_base={tp}", *overrides])
+    return load_job([f"parallel.tp_base={tp}", *overrides], mla=True)  # (bridge_run.mla_of)
 
 
 def load_bridge_job(recipe: str, config_file: str | None, overrides: list[str], *,

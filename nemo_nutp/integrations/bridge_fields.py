@@ -95,6 +95,8 @@ BRIDGE_DSV3 = ("tests/integrations/test_bridge_moe_routing.py"
                "::test_bridge_deepseek_routing_nutp_2_1_matches_bridge_stock_run")
 SHARED_SIZE = ("tests/train/test_moe_shared_size.py"
                "::test_shared_expert_of_its_own_size_matches_stock")
+BRIDGE_MLA = ("tests/integrations/test_bridge_mla.py"
+              "::test_bridge_deepseek_v3_mla_nutp_2_1_matches_bridge_stock_run")
 ROUNDING = "same math, other rounding"
 KERNELS = "same math, other kernels"
 SCHEDULING = "same math, other scheduling"
@@ -143,6 +145,8 @@ HONOURED: dict[str, str] = {  # the test that proves the effect
     "model.add_qkv_bias": SETTINGS,
     "model.attention_dropout": DROPOUT,
     "model.attn_logit_softcapping": SETTINGS,
+    "model.beta_fast": BRIDGE_MLA,
+    "model.beta_slow": BRIDGE_MLA,
     "model.bf16": PARITY,
     "model.cross_entropy_loss_fusion": PARITY,
     "model.embedding_init_method": INIT,
@@ -156,6 +160,7 @@ HONOURED: dict[str, str] = {  # the test that proves the effect
     "model.init_method_std": INIT,
     "model.interleaved_attn_pattern": SETTINGS,
     "model.kv_channels": SETTINGS,
+    "model.kv_lora_rank": BRIDGE_MLA,
     "model.layernorm_epsilon": SETTINGS,
     "model.layernorm_zero_centered_gamma": SETTINGS,
     "model.moe_aux_loss_coeff": BRIDGE_MOE,
@@ -173,29 +178,39 @@ HONOURED: dict[str, str] = {  # the test that proves the effect
     "model.moe_router_topk_scaling_factor": BRIDGE_DSV3,
     "model.moe_shared_expert_intermediate_size": BRIDGE_DSV3,
     "model.moe_z_loss_coeff": BRIDGE_DSV3,
+    "model.mscale": BRIDGE_MLA,
+    "model.mscale_all_dim": BRIDGE_MLA,
     "model.mtp_loss_scaling_factor": BRIDGE_MTP,
     "model.mtp_num_layers": BRIDGE_MTP,
+    "model.multi_latent_attention": BRIDGE_MLA,
     "model.normalization": PARITY,
     "model.num_attention_heads": BRIDGE_TRAIN,
     "model.num_layers": BRIDGE_TRAIN,
     "model.num_moe_experts": BRIDGE_MOE,
     "model.num_query_groups": PARITY,
+    "model.original_max_position_embeddings": BRIDGE_MLA,
     "model.output_layer_init_method": INIT,
     "model.params_dtype": PARITY,
     "model.pipeline_model_parallel_size": PIPELINE,
     "model.position_embedding_type": SETTINGS,
+    "model.q_lora_rank": BRIDGE_MLA,
+    "model.qk_head_dim": BRIDGE_MLA,
     "model.qk_layernorm": SETTINGS,
+    "model.qk_pos_emb_head_dim": BRIDGE_MLA,
     "model.query_pre_attn_scalar": SETTINGS,
     "model.rope_scaling": SETTINGS,
     "model.rope_scaling_factor": SETTINGS,
+    "model.rope_type": BRIDGE_MLA,
     "model.rotary_base": SETTINGS,
     "model.rotary_percent": SETTINGS,
+    "model.rotary_scaling_factor": BRIDGE_MLA,
     "model.seq_len_interpolation_factor": SETTINGS,
     "model.seq_length": BRIDGE_TRAIN,
     "model.sequence_parallel": PIPELINE,
     "model.share_embeddings_and_output_weights": PARITY,
     "model.softmax_scale": SETTINGS,
     "model.tensor_model_parallel_size": BRIDGE_UNIFORM,
+    "model.v_head_dim": BRIDGE_MLA,
     "model.virtual_pipeline_model_parallel_size": VIRTUAL,
     "model.vocab_size": BRIDGE_TRAIN,
     "model.window_attn_skip_freq": SETTINGS,
@@ -818,8 +833,6 @@ REFUSED: dict[str, Any] = {  # the NUTP model's value; any other is refused
     "model.attention_output_gate": False,
     "model.attention_value_scale": ABSENT,
     "model.autocast_dtype": None,
-    "model.beta_fast": 32,
-    "model.beta_slow": 1,
     "model.cache_mla_latents": False,
     "model.calculate_per_token_loss": False,
     "model.chunk_size": ABSENT,
@@ -901,7 +914,6 @@ REFUSED: dict[str, Any] = {  # the NUTP model's value; any other is refused
     "model.is_vision_language": ABSENT,
     "model.keep_mtp_spec_in_bf16": ABSENT,
     "model.key_multiplier": ABSENT,
-    "model.kv_lora_rank": 512,
     "model.language_max_sequence_length": ABSENT,
     "model.layer_types": ABSENT,
     "model.lightning_indexer_layers": ABSENT,
@@ -949,15 +961,12 @@ REFUSED: dict[str, Any] = {  # the NUTP model's value; any other is refused
     "model.moe_token_drop_policy": 'probs',
     "model.moe_token_dropping": False,
     "model.mrope_section": None,
-    "model.mscale": 1.0,
-    "model.mscale_all_dim": 0.0,
     "model.mtp_detach_heads": False,
     "model.mtp_enabled": False,
     "model.mtp_grad_scale_func": None,
     "model.mtp_hybrid_override_pattern": None,
     "model.mtp_standalone": False,
     "model.mtp_use_repeated_layer": False,
-    "model.multi_latent_attention": False,
     "model.multimodal_projector_bias": ABSENT,
     "model.mup_attn_scale_power": 1.0,
     "model.mup_base_head_dim": None,
@@ -972,24 +981,18 @@ REFUSED: dict[str, Any] = {  # the NUTP model's value; any other is refused
     "model.num_layers_at_start_in_bf16": 1,
     "model.num_layers_in_first_pipeline_stage": None,
     "model.num_layers_in_last_pipeline_stage": None,
-    "model.original_max_position_embeddings": 4096,
     "model.pipeline_model_parallel_layout": None,
     "model.projector_bias": ABSENT,
     "model.projector_hidden_size": ABSENT,
-    "model.q_lora_rank": 512,
     "model.qk_clip": False,
     "model.qk_clip_alpha": 0.5,
     "model.qk_clip_threshold": 100,
-    "model.qk_head_dim": 128,
     "model.qk_l2_norm": False,
-    "model.qk_pos_emb_head_dim": 64,
     "model.quant_recipe": None,
     "model.restore_modelopt_state": False,
     "model.rmsnorm": ABSENT,
-    "model.rope_type": 'yarn',
     "model.rotary_base_per_layer": ABSENT,
     "model.rotary_interleaved": False,
-    "model.rotary_scaling_factor": None,
     "model.scatter_embedding_sequence_parallel": True,
     "model.should_pad_vocab": False,
     "model.sliding_attention_setting": ABSENT,
@@ -1009,7 +1012,6 @@ REFUSED: dict[str, Any] = {  # the NUTP model's value; any other is refused
     "model.use_mamba": ABSENT,
     "model.use_mlp": ABSENT,
     "model.use_mup": False,
-    "model.v_head_dim": 128,
     "model.video_token_id": ABSENT,
     "model.vision_config": ABSENT,
     "model.vision_end_token_id": ABSENT,
@@ -1063,30 +1065,19 @@ ONLY_WITH: dict[str, str] = {  # refused field (or prefix) -> the switch it is r
     "mixed_precision.num_layers_at_": "mixed_precision.fp8",
     "model.activation_func_fp8_input_store": "model.fp8",
     "model.autocast_dtype": "model.enable_autocast",
-    "model.beta_fast": "model.multi_latent_attention",
-    "model.beta_slow": "model.multi_latent_attention",
     "model.cache_mla_latents": "model.multi_latent_attention",
     "model.dsa_": "model.experimental_attention_variant",
     "model.expert_": "model.num_moe_experts",
     "model.first_last_layers_bf16": "model.fp8",
     "model.fp4_": "model.fp4",
     "model.fp8_": "model.fp8",
-    "model.kv_lora_rank": "model.multi_latent_attention",
     "model.linear_": "model.experimental_attention_variant",
     "model.mla_down_proj_fusion": "model.multi_latent_attention",
     "model.moe_": "model.num_moe_experts",
-    "model.mscale": "model.multi_latent_attention",
-    "model.mscale_all_dim": "model.multi_latent_attention",
     "model.mtp_": "model.mtp_num_layers",
     "model.mup_": "model.use_mup",
     "model.num_layers_at_": "model.fp8",
-    "model.original_max_position_embeddings": "model.multi_latent_attention",
-    "model.q_lora_rank": "model.multi_latent_attention",
     "model.qk_clip_": "model.qk_clip",
-    "model.qk_head_dim": "model.multi_latent_attention",
-    "model.qk_pos_emb_head_dim": "model.multi_latent_attention",
-    "model.rope_type": "model.multi_latent_attention",
-    "model.v_head_dim": "model.multi_latent_attention",
     "optimizer.fp8_recipe": "model.fp8",  # megatron reads it for fp8 parameters only
 }
 
@@ -1132,15 +1123,24 @@ def _plain(value: Any) -> Any:
 
 def _layer_spec_default(value: Any, provider: Any) -> bool:
     """The GPT provider's default layer spec, or a Gemma 2 / Gemma 3 provider's own (whose
-    post norms, windows and attention ``model_config_of`` maps)."""
+    post norms, windows and attention ``model_config_of`` maps), or megatron's decoder block
+    spec as Bridge's DeepSeek-V3 / Kimi-K2 / GLM-4.5 providers set it
+    (``partial(get_gpt_decoder_block_spec, use_transformer_engine=...)``: each layer dense or
+    MoE by ``model.moe_layer_freq``, MLA by ``model.multi_latent_attention``, the norms by
+    ``model.normalization`` (TE's), which the NUTP model builds from the same fields)."""
     import dataclasses
+    import functools
 
     from megatron.bridge.models.gemma.gemma2_provider import Gemma2ModelProvider, gemma2_layer_spec
     from megatron.bridge.models.gemma.gemma3_provider import Gemma3ModelProvider, gemma3_layer_spec
     from megatron.bridge.models.gpt_provider import GPTModelProvider
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     spec = {f.name: f.default for f in dataclasses.fields(GPTModelProvider)}
     if value is spec["transformer_layer_spec"]:
+        return True
+    if isinstance(value, functools.partial) and value.func is get_gpt_decoder_block_spec and \
+            not value.args and set(value.keywords) <= {"use_transformer_engine"}:
         return True
     return (isinstance(provider, Gemma2ModelProvider) and value is gemma2_layer_spec) or \
         (isinstance(provider, Gemma3ModelProvider) and value is gemma3_layer_spec)

@@ -36,6 +36,7 @@ def model_config_of(provider: Any, *, vocab_size: int) -> Any:
 
     check_model(provider)
     moe_of(provider)
+    mla = mla_of(provider)
     gated = bool(provider.gated_linear_unit)
     act = _activation_name(provider.activation_func)
     pos = provider.position_embedding_type
@@ -47,6 +48,11 @@ def model_config_of(provider: Any, *, vocab_size: int) -> Any:
     # cross_entropy_fusion_impl=te: megatron's native fused kernel (bridge_fields.SUBSTITUTED)
     fused_ce = bool(getattr(provider, "cross_entropy_loss_fusion", False))
     heads = provider.num_attention_heads
+    # MLA: its shape fields (the layout's units); kv_channels is not read by megatron's MLA
+    # (TE's attention takes the k/v head widths; NUTP's local core attention sizes its output
+    # by it, so it is v_head_dim there: model.mla.MLADims.check)
+    kv = provider.kv_channels if mla is None else mla.v_head_dim
+    shape = {} if mla is None else {k: getattr(mla, k) for k in MLA_SHAPE}
     return ModelConfig(
         num_layers=provider.num_layers, hidden_size=provider.hidden_size,
         num_attention_heads=heads, num_query_groups=provider.num_query_groups or heads,
@@ -54,7 +60,7 @@ def model_config_of(provider: Any, *, vocab_size: int) -> Any:
         seq_length=provider.seq_length, gated_linear_unit=gated, activation_func=act,
         tie_embeddings=bool(provider.share_embeddings_and_output_weights),
         add_bias_linear=bool(provider.add_bias_linear), add_qkv_bias=bool(provider.add_qkv_bias),
-        kv_channels=provider.kv_channels, qk_layernorm=bool(provider.qk_layernorm),
+        kv_channels=kv, qk_layernorm=bool(provider.qk_layernorm), **shape,
         **_window_of(provider), **_gemma_of(provider),
         normalization=provider.normalization, position_embedding_type=pos,
         layernorm_epsilon=float(provider.layernorm_epsilon),
@@ -100,6 +106,78 @@ def moe_of(provider: Any) -> Any:
     moe.check(1)
     check_mtp(moe, pp=1)  # (pipeline stages with MoE: check_moe)
     return moe
+
+
+MLA_SHAPE = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
+"""The MLA shape fields of ``ModelConfig`` (what the layout's units read)."""
+MLA_ROPE = ("rope_type", "rotary_base", "rotary_scaling_factor",
+            "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+            "mscale_all_dim")
+"""MLA's RoPE (and YaRN) settings, megatron's ``MLATransformerConfig`` names."""
+
+
+def mla_of(provider: Any) -> Any:
+    """NUTP's multi-latent attention settings (``model.mla.MLADims``) of a provider with
+    ``multi_latent_attention``, else None: the shape (``MLA_SHAPE``) and MLA's own RoPE with
+    YaRN (``MLA_ROPE``) as megatron's ``MultiLatentAttention`` reads them (the softmax scale
+    from ``rotary_scaling_factor`` and ``mscale_all_dim`` at either ``rope_type``). Built on
+    NUTP's MoE model at one stage (``model/mla.py``); one-line ``ValueError`` naming the field
+    for what MLA does not read or NUTP's MLA does not build: the dense model's RoPE scalings
+    and YaRN (``rope_scaling``, ``seq_len_interpolation_factor``, ``yarn_*``), ``rotary_percent``
+    other than 1, ``softmax_scale``, windows, logit softcapping and the Gemma families (NUTP's
+    own core attention, not MLA's)."""
+    if not getattr(provider, "multi_latent_attention", False):
+        return None
+    from ..model.mla import MLADims
+
+    on = "model.multi_latent_attention=True"
+    if not all(hasattr(provider, k) for k in (*MLA_SHAPE, *MLA_ROPE)):
+        raise ValueError(f"{on}: {type(provider).__name__} has no MLA fields (Bridge's "
+                         "MLAModelProvider, megatron's MLATransformerConfig)")
+    if not getattr(provider, "num_moe_experts", None):
+        raise ValueError(f"{on}: NUTP builds multi-latent attention on its MoE model only "
+                         "(model.num_moe_experts) so far")
+    pp = int(getattr(provider, "pipeline_model_parallel_size", 1) or 1)
+    if pp > 1:
+        raise ValueError(f"model.pipeline_model_parallel_size={pp}: not with {on} yet "
+                         "(NUTP's MLA is tested at one stage)")
+    off = {"rope_scaling": False, "seq_len_interpolation_factor": None, "softmax_scale": None,
+           "window_size": None, "attn_logit_softcapping": None,
+           **{name: None for name in YARN_FIELDS}}
+    for name, default in off.items():
+        value = getattr(provider, name, default)
+        if value != default and value is not None and value is not False:
+            raise ValueError(f"model.{name}={value}: not with {on} (megatron's MLA does not "
+                             "read it: its RoPE is model.rope_type's)")
+    if float(provider.rotary_percent) != 1.0:
+        raise ValueError(f"model.rotary_percent={provider.rotary_percent}: not with {on} "
+                         "(NUTP's MLA rotates the whole RoPE part, qk_pos_emb_head_dim)")
+    if isinstance(provider.rotary_base, (tuple, list)) or _family(provider) is not None:
+        raise ValueError(f"model.rotary_base={provider.rotary_base}: not with {on} (per-layer "
+                         "RoPE bases and the Gemma families are NUTP's GQA attention only)")
+    q = provider.q_lora_rank
+    mla = MLADims(q_lora_rank=None if not q else int(q),
+                  **{k: int(getattr(provider, k)) for k in MLA_SHAPE if k != "q_lora_rank"},
+                  rope_type=str(provider.rope_type), rotary_base=float(provider.rotary_base),
+                  rotary_scaling_factor=float(provider.rotary_scaling_factor),
+                  original_max_position_embeddings=int(
+                      provider.original_max_position_embeddings),
+                  beta_fast=float(provider.beta_fast), beta_slow=float(provider.beta_slow),
+                  mscale=float(provider.mscale), mscale_all_dim=float(provider.mscale_all_dim))
+    heads = int(provider.num_attention_heads)
+    groups = provider.num_query_groups or heads
+    if groups != heads:
+        raise ValueError(f"model.num_query_groups={groups}: MLA has one per head (heads are "
+                         f"its units): must be model.num_attention_heads={heads}")
+    from types import SimpleNamespace
+
+    mla.check(SimpleNamespace(  # the model's MLA as NUTP builds it (model_config_of's fields)
+        **{k: getattr(mla, k) for k in MLA_SHAPE}, num_query_groups=heads,
+        num_attention_heads=heads, kv=mla.v_head_dim, kv_channels=mla.v_head_dim,
+        qk_layernorm=bool(provider.qk_layernorm),
+        position_embedding_type=provider.position_embedding_type,
+        add_bias_linear=bool(provider.add_bias_linear), add_qkv_bias=bool(provider.add_qkv_bias)))
+    return mla
 
 
 def moe_spec_of(provider: Any) -> Any:
@@ -154,6 +232,7 @@ def check_moe(cfg: Any, plan: Any = None) -> None:
     moe = moe_of(m)
     if moe is None:
         return
+    check_mla(cfg)
     on = f"NUTP MoE ({moe.num_moe_experts} experts)"
     moe.moe_layers(int(m.num_layers))  # names a bad model.moe_layer_freq
     for half in ("bf16", "fp16"):
@@ -201,6 +280,26 @@ def check_moe(cfg: Any, plan: Any = None) -> None:
             raise ValueError(f"model.sequence_parallel=False: {on} needs it at a replica of "
                              f"degree {degree} (megatron's MoE layer refuses TP > 1 without "
                              "it; its experts are spread over the replica's TP group)")
+
+
+def check_mla(cfg: Any) -> None:
+    """What NUTP's multi-latent attention does not run yet under ``nutp-bridge``, one line
+    naming the field (nothing without ``model.multi_latent_attention``): checkpoints and the
+    distributed optimizer with MLA (neither tested: the up-projections' head units in the
+    checkpoint format and in ZeRO's slices)."""
+    if mla_of(cfg.model) is None:
+        return
+    on = "model.multi_latent_attention=True"
+    for name in ("save", "load"):
+        path = getattr(cfg.checkpoint, name, None)
+        if path:
+            raise ValueError(f"checkpoint.{name}={path}: not with {on} yet (NUTP's checkpoints "
+                             "of MLA's head units are not tested)")
+    if cfg.optimizer.use_distributed_optimizer or cfg.ddp.use_distributed_optimizer:
+        raise ValueError(f"optimizer.use_distributed_optimizer=True: not with {on} yet (NUTP's "
+                         "ZeRO-1 over MLA's head units is not tested): set "
+                         "optimizer.use_distributed_optimizer=false ddp.use_distributed_optimizer"
+                         "=false")
 
 
 def check_moe_recovery(cfg: Any, recovery: Any) -> None:
@@ -593,7 +692,8 @@ def build_world(job: Any, plan: Any, *, seed: int) -> BridgeWorld:
         # NUTP's own forward pre-hooks complete the gather (bridge_zero): off on the config,
         # so that Bridge's loop does not toggle megatron's
         cfg.ddp.overlap_param_gather = cfg.optimizer.overlap_param_gather = False
-    provider = nutp_provider(cfg.model, plan, groups, seed=seed, moe=moe)
+    provider = nutp_provider(cfg.model, plan, groups, seed=seed, moe=moe,
+                             mla=mla_of(cfg.model))
     chunks = provider.provide_distributed_model(
         ddp_config=cfg.ddp, wrap_with_ddp=False, pg_collection=groups.pgs,
         use_cpu_initialization=True)  # bf16/fp16: Bridge's default Float16Module wrapper

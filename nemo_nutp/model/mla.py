@@ -36,9 +36,9 @@ rows, in the ``qg`` space), so initialisation, the cross-replica gradient sync a
 treat them as they treat the fused QKV weight; the down-projections and latent norms are in
 ``replicated_shapes``.
 
-Not built yet: MLA in ``nutp-train`` (refused by name) and through ``nutp-bridge``, the TE
-spec, fused RoPE, ``cache_mla_latents``, DSA; the layout's cost model still prices a head as a
-GQA query group.
+Through ``nutp-bridge``: ``integrations.bridge_run.mla_of`` reads these settings from a Bridge
+provider. Not built yet: MLA in ``nutp-train`` (refused by name), the TE spec, fused RoPE,
+``cache_mla_latents``, DSA; the layout's cost model still prices a head as a GQA query group.
 """
 
 from __future__ import annotations
