@@ -32,14 +32,16 @@ def _rel(a: float, b: float) -> float:
 
 
 @pytest.mark.timeout(1500)
-def test_bridge_qwen3_moe_nutp_2_1_matches_bridge_stock_run(tmp_path: Path) -> None:
+def test_bridge_qwen3_moe_nutp_2_1_matches_bridge_stock_run(
+        tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     from tests.helpers.bridge_moe_jobs import nutp_worker, stock_worker
-    from tests.helpers.dist import spawn
+    from tests.helpers.bridge_worlds import spawn_runs
+    from tests.helpers.shared_refs import bridge_stock
 
-    spawn(stock_worker, 1, ([],), tmp_path)
+    bridge_stock(stock_worker, [], tmp_path_factory, tmp_path)  # shared with _zero's test
     stock = json.loads((tmp_path / "stock_rank0.json").read_text())
-    for control in (None, "aux_per_rank"):
-        spawn(nutp_worker, 3, ([], control), tmp_path)
+    spawn_runs(3, [(nutp_worker, ([], control)) for control in (None, "aux_per_rank")],
+               tmp_path)  # the run and its control in one world
     got = json.loads((tmp_path / "nutp_None.json").read_text())
     bad = json.loads((tmp_path / "nutp_aux_per_rank.json").read_text())
     errs = {k: [_rel(s[k], r[k]) for s, r in zip(got["steps"], stock, strict=True)]

@@ -29,9 +29,9 @@ def _rel(a: float, b: float) -> float:
 
 @pytest.mark.timeout(900)
 def test_nutp_bridge_moe_resumes_its_checkpoint_in_another_layout(tmp_path: Path) -> None:
+    from tests.helpers.bridge_fork import spawn_bridge
     from tests.helpers.bridge_moe_ckpt_jobs import resume_worker
     from tests.helpers.bridge_moe_jobs import NUTP
-    from tests.helpers.dist import spawn
 
     root = tmp_path / "ckpt"
     first = [*NUTP, f"train.train_iters={END}", f"checkpoint.load={root}",
@@ -39,7 +39,7 @@ def test_nutp_bridge_moe_resumes_its_checkpoint_in_another_layout(tmp_path: Path
     second = ["model.tensor_model_parallel_size=1", "model.sequence_parallel=false",
               "nutp.replicas=[1,1,1]", f"train.train_iters={END}", f"checkpoint.load={root}",
               f"checkpoint.ckpt_step={S}"]
-    spawn(resume_worker, 3, (first, second), tmp_path)
+    spawn_bridge(resume_worker, 3, (first, second), tmp_path)
     u, r = json.loads((tmp_path / "moe_resume.json").read_text())
     print(json.dumps(u), json.dumps(r))
     assert u["loaded"] is None and [row["step"] for row in u["steps"]] == list(range(END))

@@ -42,13 +42,13 @@ def _rel(a: float, b: float) -> float:
 
 @pytest.mark.timeout(900)
 def test_bridge_qwen3_moe_two_stages_matches_bridge_stock_run(tmp_path: Path) -> None:
+    from tests.helpers.bridge_fork import spawn_bridge
     from tests.helpers.bridge_moe_pipeline_jobs import nutp_worker, stock_worker
-    from tests.helpers.dist import spawn
 
-    spawn(stock_worker, 1, ([],), tmp_path)
+    spawn_bridge(stock_worker, 1, ([],), tmp_path)
     stock = json.loads((tmp_path / "stock_rank0.json").read_text())
     stock_aux = json.loads((tmp_path / "stock_aux.json").read_text())
-    spawn(nutp_worker, 7, ([], [None, "broken"]), tmp_path)
+    spawn_bridge(nutp_worker, 7, ([], [None, "broken"]), tmp_path)
     got = json.loads((tmp_path / "nutp_pp_None.json").read_text())
     bad = json.loads((tmp_path / "nutp_pp_broken.json").read_text())
 

@@ -43,13 +43,14 @@ def _rel(a: float, b: float) -> float:
 
 @pytest.mark.timeout(1500)
 def test_bridge_deepseek_routing_nutp_2_1_matches_bridge_stock_run(tmp_path: Path) -> None:
+    from tests.helpers.bridge_fork import spawn_bridge
     from tests.helpers.bridge_moe_jobs import nutp_worker, stock_worker
-    from tests.helpers.dist import spawn
+    from tests.helpers.bridge_worlds import spawn_runs
 
-    spawn(stock_worker, 1, (DSV3,), tmp_path)
+    spawn_bridge(stock_worker, 1, (DSV3,), tmp_path)
     stock = json.loads((tmp_path / "stock_rank0.json").read_text())
-    for control in (None, "bias_per_replica"):
-        spawn(nutp_worker, 3, (DSV3, control), tmp_path)
+    spawn_runs(3, [(nutp_worker, (DSV3, control)) for control in (None, "bias_per_replica")],
+               tmp_path)  # the run and its control in one world
     got = json.loads((tmp_path / "nutp_None.json").read_text())
     bad = json.loads((tmp_path / "nutp_bias_per_replica.json").read_text())
 

@@ -39,16 +39,18 @@ def _rel(a: float, b: float) -> float:
 
 
 @pytest.mark.timeout(1500)
-def test_bridge_qwen3_moe_distributed_optimizer_matches_bridge_stock_run(tmp_path: Path
-                                                                          ) -> None:
+def test_bridge_qwen3_moe_distributed_optimizer_matches_bridge_stock_run(
+        tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     from tests.helpers.bridge_moe_jobs import stock_worker
-    from tests.helpers.dist import spawn
+    from tests.helpers.bridge_worlds import spawn_runs
     from tests.helpers.moe_zero_jobs import bridge_zero_worker
+    from tests.helpers.shared_refs import bridge_stock
 
-    spawn(stock_worker, 1, ([],), tmp_path)
+    bridge_stock(stock_worker, [], tmp_path_factory, tmp_path)  # test_bridge_moe's stock run
     stock = json.loads((tmp_path / "stock_rank0.json").read_text())
-    for control in (None, *(["expert_grad_not_reduced"] if CONTROL else [])):
-        spawn(bridge_zero_worker, 3, (ZERO, control), tmp_path)
+    spawn_runs(3, [(bridge_zero_worker, (ZERO, control))
+                   for control in (None, *(["expert_grad_not_reduced"] if CONTROL else []))],
+               tmp_path)
     got = json.loads((tmp_path / "nutp_None.json").read_text())
     errs = {k: [_rel(s[k], r[k]) for s, r in zip(got["steps"], stock, strict=True)]
             for k in ("loss", "grad_norm")}

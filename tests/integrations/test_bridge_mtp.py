@@ -41,15 +41,16 @@ def _read(path: Path) -> list:
 
 @pytest.mark.timeout(1500)
 def test_bridge_qwen3_moe_mtp_nutp_2_1_matches_bridge_stock_run(tmp_path: Path) -> None:
+    from tests.helpers.bridge_fork import spawn_bridge
     from tests.helpers.bridge_mtp_jobs import nutp_mtp_worker, stock_mtp_worker
-    from tests.helpers.dist import spawn
+    from tests.helpers.bridge_worlds import spawn_runs
 
-    spawn(stock_mtp_worker, 1, ([],), tmp_path)
+    spawn_bridge(stock_mtp_worker, 1, ([],), tmp_path)
     stock = _read(tmp_path / "stock_rank0.json")
     stock_logs = _read(tmp_path / "mtp_stock_rank0.json")
     stock_mtp = [s[LOSS] for s in stock_logs]
-    for control in (None, "mtp_per_rank"):
-        spawn(nutp_mtp_worker, 3, ([], control), tmp_path)
+    spawn_runs(3, [(nutp_mtp_worker, ([], control)) for control in (None, "mtp_per_rank")],
+               tmp_path)  # the run and its control in one world
     got = _read(tmp_path / "nutp_None.json")
     bad = _read(tmp_path / "nutp_mtp_per_rank.json")
     logs = {r: _read(tmp_path / f"mtp_nutp_None_rank{r}.json") for r in range(3)}

@@ -34,7 +34,8 @@ if importlib.util.find_spec("megatron.core.transformer.moe.moe_logging") is None
 from tests.helpers.dist import spawn
 from tests.helpers.mla_jobs import mla_errors, mla_replica_worker
 from tests.helpers.mla_reference import DSV3_MLA, MLAShape
-from tests.helpers.moe_reference import MoECase, moe_reference_worker
+from tests.helpers.moe_reference import MoECase
+from tests.helpers.shared_refs import moe_references
 
 TOL = 1e-5
 MLA_NAMES = ("linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj",
@@ -50,9 +51,8 @@ CASES = [MoECase(name="dsv3_mla", model=dict(DSV3_MLA), mla=MLAShape()),
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
-    out = tmp_path_factory.mktemp("mla_ref")
-    spawn(moe_reference_worker, 1, (CASES,), out)
-    return {c.name: torch.load(out / f"moe_ref_{c.name}.pt", weights_only=False) for c in CASES}
+    paths = moe_references(CASES, tmp_path_factory)  # dsv3_mla: test_mla_parity's too
+    return {name: torch.load(p, weights_only=False) for name, p in paths.items()}
 
 
 def test_stock_core_attention_needs_the_adapter() -> None:

@@ -25,17 +25,18 @@ if importlib.util.find_spec("megatron.core.transformer.moe.moe_logging") is None
 
 from tests.helpers.dist import spawn
 from tests.helpers.moe_jobs import compare, replica_worker
-from tests.helpers.moe_reference import MoECase, moe_reference_worker
+from tests.helpers.moe_reference import MoECase
+from tests.helpers.shared_refs import moe_reference
 
 TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[MoECase, dict, Path]:
-    out = tmp_path_factory.mktemp("moe_ref")
-    case = MoECase(name="qwen3_moe", steps=1)
-    spawn(moe_reference_worker, 1, ([case],), out)
-    return case, torch.load(out / "moe_ref_qwen3_moe.pt", weights_only=False), out
+    # step 0 of the session's 4-step reference (test_moe_parity's): the steps after it do not
+    # change step 0's loss, aux loss, gradients or routing (the same bits as a 1-step run)
+    path = moe_reference(MoECase(name="qwen3_moe"), tmp_path_factory)
+    return MoECase(name="qwen3_moe", steps=1), torch.load(path, weights_only=False), path.parent
 
 
 @pytest.mark.timeout(300)

@@ -32,20 +32,21 @@ if importlib.util.find_spec("megatron.core.transformer.moe.moe_logging") is None
 
 from tests.helpers.dist import free_port, spawn
 from tests.helpers.moe_live_jobs import BEFORE, OLD, worker
-from tests.helpers.moe_reference import MoECase, moe_reference_worker
+from tests.helpers.moe_reference import MoECase
+from tests.helpers.shared_refs import moe_reference
 
 TOL = 1e-5
 TENSOR_TOL = 5e-5  # parameters after 4 Adam steps (as test_moe_parity.py)
 
 
 @pytest.mark.timeout(600)
-def test_kill_an_expert_holder_survivors_continue_exact(tmp_path: Path) -> None:
+def test_kill_an_expert_holder_survivors_continue_exact(
+        tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     case = MoECase(name="qwen3_moe")
-    spawn(moe_reference_worker, 1, ([case],), tmp_path)
-    ref = torch.load(tmp_path / "moe_ref_qwen3_moe.pt", weights_only=False)
+    path = moe_reference(case, tmp_path_factory)  # the session's (test_moe_parity's)
+    ref = torch.load(path, weights_only=False)
     assert all(g > case.clip_grad for g in ref["grad_norms"])  # every step clips
-    spawn(worker, sum(OLD), (free_port(), case, True, str(tmp_path / "moe_ref_qwen3_moe.pt")),
-          tmp_path)
+    spawn(worker, sum(OLD), (free_port(), case, True, str(path)), tmp_path)
     res = json.loads((tmp_path / "moe_live.json").read_text())
     got = {k: res["before"][k] + res["after"][k] for k in res["before"]}
     rel = {k: [abs(a - b) / abs(b) for a, b in zip(got[n], ref[k], strict=True)]

@@ -32,8 +32,9 @@ if importlib.util.find_spec("megatron.core.transformer.moe.moe_logging") is None
 
 from tests.helpers.dist import spawn
 from tests.helpers.moe_jobs import layout_errors
-from tests.helpers.moe_reference import MoECase, moe_reference_worker
+from tests.helpers.moe_reference import MoECase
 from tests.helpers.moe_zero_jobs import zero_worker
+from tests.helpers.shared_refs import moe_reference
 
 TOL = 1e-5
 TENSOR_TOL = 5e-5  # parameters after 4 Adam steps (as tests/helpers/parity.py)
@@ -46,10 +47,11 @@ def _within(err: dict) -> bool:
 
 
 @pytest.mark.timeout(900)
-def test_moe_distributed_optimizer_matches_stock(tmp_path: Path) -> None:
+def test_moe_distributed_optimizer_matches_stock(tmp_path: Path,
+                                                 tmp_path_factory: pytest.TempPathFactory
+                                                 ) -> None:
     case = MoECase(name="qwen3_moe")
-    spawn(moe_reference_worker, 1, ([case],), tmp_path)
-    path = tmp_path / "moe_ref_qwen3_moe.pt"
+    path = moe_reference(case, tmp_path_factory)  # the session's (test_moe_parity's)
     ref = torch.load(path, weights_only=False)
     assert all(g > case.clip_grad for g in ref["grad_norms"])  # every step clips
     spawn(zero_worker, 5, (case, RUNS, str(path)), tmp_path)

@@ -31,7 +31,8 @@ from tests.helpers.dist import spawn
 from tests.helpers.mla_jobs import mla_layout_worker
 from tests.helpers.mla_reference import DSV3_MLA, MLAShape
 from tests.helpers.moe_jobs import layout_errors
-from tests.helpers.moe_reference import MoECase, moe_reference_worker
+from tests.helpers.moe_reference import MoECase
+from tests.helpers.shared_refs import moe_reference
 
 TOL = 1e-5
 TENSOR_TOL = 5e-5  # parameters after 4 Adam steps (as tests/helpers/parity.py)
@@ -41,10 +42,8 @@ MLA_NAMES = ("linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj",
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[MoECase, dict, Path]:
-    out = tmp_path_factory.mktemp("mla_ref")
     case = MoECase(name="dsv3_mla", model=dict(DSV3_MLA), mla=MLAShape())
-    spawn(moe_reference_worker, 1, ([case],), out)
-    path = out / "moe_ref_dsv3_mla.pt"
+    path = moe_reference(case, tmp_path_factory)  # the session's, shared with test_mla_replica
     return case, torch.load(path, weights_only=False), path
 
 

@@ -32,7 +32,8 @@ if importlib.util.find_spec("megatron.core.transformer.moe.moe_logging") is None
 
 from tests.helpers.dist import spawn
 from tests.helpers.moe_jobs import layout_errors, layout_worker
-from tests.helpers.moe_reference import MoECase, moe_reference_worker
+from tests.helpers.moe_reference import MoECase
+from tests.helpers.shared_refs import moe_reference
 
 TOL = 1e-5
 TENSOR_TOL = 5e-5  # parameters after 4 Adam steps (as tests/helpers/parity.py)
@@ -40,10 +41,8 @@ TENSOR_TOL = 5e-5  # parameters after 4 Adam steps (as tests/helpers/parity.py)
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[MoECase, dict, Path]:
-    out = tmp_path_factory.mktemp("moe_ref")
     case = MoECase(name="qwen3_moe")
-    spawn(moe_reference_worker, 1, ([case],), out)
-    path = out / "moe_ref_qwen3_moe.pt"
+    path = moe_reference(case, tmp_path_factory)  # the session's, shared with test_moe_zero
     return case, torch.load(path, weights_only=False), path
 
 
