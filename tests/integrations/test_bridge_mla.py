@@ -37,12 +37,12 @@ def _rel(a: float, b: float) -> float:
 
 @pytest.mark.timeout(1500)
 def test_bridge_deepseek_v3_mla_nutp_2_1_matches_bridge_stock_run(tmp_path: Path) -> None:
+    from tests.helpers.bridge_fork import spawn_bridge  # ranks start with Bridge imported
     from tests.helpers.bridge_mla_jobs import nutp_mla_worker, stock_mla_worker
-    from tests.helpers.dist import spawn
 
-    spawn(stock_mla_worker, 1, ([],), tmp_path)
+    spawn_bridge(stock_mla_worker, 1, ([],), tmp_path)
     stock = json.loads((tmp_path / "stock_rank0.json").read_text())
-    spawn(nutp_mla_worker, 3, ([],), tmp_path)  # the run, then the control, in one world
+    spawn_bridge(nutp_mla_worker, 3, ([],), tmp_path)  # the run, then the control, in one world
     got = json.loads((tmp_path / "nutp_None.json").read_text())
     bad = json.loads((tmp_path / "nutp_down_unsummed.json").read_text())
 
