@@ -199,19 +199,23 @@ MOE_SHRINK = ["model.num_moe_experts=8", "model.moe_ffn_hidden_size=16"]
 MOE_RUNTIME = ["model.sequence_parallel=true", "model.moe_token_dispatcher_type=alltoall",
                "model.moe_grouped_gemm=false", "model.moe_permute_fusion=false",
                "model.moe_router_fusion=false", "model.expert_tensor_parallel_size=1",
-               "model.cuda_graph_impl=none",
+               "model.cuda_graph_impl=none", "model.persist_layer_norm=false",
                "model.recompute_granularity=null", "model.recompute_method=null",
                "model.recompute_num_layers=null"]
 """A MoE recipe's run around the shrunk model, after ``RUNTIME``: sequence parallelism on
 (megatron's MoE layer needs it at TP2, where NUTP's expert parallelism runs), the CPU MoE
 kernels (NUTP's all-to-all dispatcher for the flex one, ``SequentialMLP`` experts for grouped
 GEMM, the permute and router fusions off; ``bridge_fields.SUBSTITUTED``), expert TP 1, no
-CUDA graphs (a substitution too: the stock reference asserts TE for them), no recompute (not
+CUDA graphs (a substitution too: the stock reference asserts TE for them), torch's norm for
+the persistent (TE) one (DeepSeek, GLM-4.5: megatron's local layers assert it off), no
+recompute (not
 math; the stock reference's recomputed forwards would route twice)."""
 
 STOCK_MOE = ["model.tensor_model_parallel_size=1", "model.sequence_parallel=false",
-             "nutp.replicas=[1]"]
-"""The MoE reference: Bridge's own stock run of the same shrunk recipe in one process."""
+             "model.moe_shared_expert_overlap=false", "nutp.replicas=[1]"]
+"""The MoE reference: Bridge's own stock run of the same shrunk recipe in one process, its
+shared expert not overlapped with the dispatcher (megatron's overlap runs on CUDA streams; the
+NUTP run keeps the recipe's value, a substitution: ``bridge_fields.SUBSTITUTED``)."""
 
 
 RUNTIME = ["model.tensor_model_parallel_size=2", "model.pipeline_model_parallel_size=1",

@@ -28,9 +28,10 @@ FFN size, load-balancing type (``aux_loss``, ``seq_aux_loss`` or ``none``) and c
 router dtype and DeepSeek-V3's routing (sigmoid scores, the expert bias and its update rate,
 group-limited top-k, top-k scaling, a shared expert of any size, the MoE layer frequency, the
 z-loss) and OLMoE's pre-softmax are honoured; the dispatcher (NUTP's all-to-all inside each
-replica), grouped GEMM, the permute and router fusions, DeepEP and expert TP (1) are
-substitutions; the flex dispatcher's backend and kernel settings are not math; everything else
-(capacity factor and dropping, the shared expert's gate and overlap, the GLU interleaving of
+replica), grouped GEMM, the permute and router fusions, DeepEP, expert TP (1) and the shared
+expert's overlap with the dispatcher's communication (CUDA streams) are substitutions; the flex
+dispatcher's backend and kernel settings are not math; everything else
+(capacity factor and dropping, the shared expert's gate, the GLU interleaving of
 grouped-GEMM experts, expert parallelism outside the replica, ...) is refused away from
 megatron's default. With MoE,
 ``model.pipeline_model_parallel_size`` is honoured too (per-stage degrees; the logged MoE
@@ -754,6 +755,9 @@ SUBSTITUTED: dict[str, tuple[Any, str]] = {
         False, f"megatron's SequentialMLP experts, no grouped GEMM ({KERNELS})"),
     "model.moe_permute_fusion": (False, f"the token permutation unfused ({KERNELS})"),
     "model.moe_router_fusion": (False, f"the router's top-k and scores unfused ({KERNELS})"),
+    "model.moe_shared_expert_overlap": (
+        False, f"the shared expert not overlapped with the dispatcher's communication "
+        f"({SCHEDULING})"),
     "model.moe_token_dispatcher_type": (
         "alltoall", f"NUTP's all-to-all dispatcher inside each replica ({KERNELS})"),
     "model.persist_layer_norm": (False, f"torch's norm ({ROUNDING})"),
@@ -955,7 +959,6 @@ REFUSED: dict[str, Any] = {  # the NUTP model's value; any other is refused
     "model.moe_router_topk_limited_devices": None,
     "model.moe_shared_expert_gate": False,
     "model.moe_shared_expert_glu_interleave_size": None,
-    "model.moe_shared_expert_overlap": False,
     "model.moe_single_grouped_bias": False,
     "model.moe_single_grouped_weight": False,
     "model.moe_token_drop_policy": 'probs',

@@ -232,8 +232,12 @@ def recipe_stock_worker(rank: int, world: int, port: int,
     """One process: Bridge's stock run of every MoE recipe in turn (``runs``: name, recipe
     spec, overrides making it one process), each from NUTP's initial weights; writes
     ``ref_<name>.pt`` (losses, grad norms, final parameters by name), the reference of
-    ``benchmarks/recipe_coverage.py``'s MoE recipes."""
+    ``benchmarks/recipe_coverage.py``'s MoE recipes. An MLA recipe's run takes
+    ``bridge_mla_jobs``' named core-attention adapter, an MTP recipe's megatron's local MTP
+    spec (``bridge_mtp_jobs.local_mtp_spec``), as ``bridge_mla_jobs.stock_mla_worker`` does."""
     from tests.helpers.dist import gloo_rank
+
+    mtp_patched: list[bool] = []  # megatron's local MTP spec wraps its builder once
 
     def body() -> None:
         from tests.helpers.hf_offline import offline_hf
@@ -252,6 +256,16 @@ def recipe_stock_worker(rank: int, world: int, port: int,
         from tests.helpers.moe_reference import initial_weight, reset_moe_globals
 
         job = load_bridge_job(spec, None, overrides)
+        if job.bridge.model.multi_latent_attention:  # as bridge_mla_jobs' stock run (for a
+            # non-MLA attention the adapter is megatron's DotProductAttention)
+            from tests.helpers.bridge_mla_jobs import local_mla_core_attention
+
+            local_mla_core_attention()
+        if job.bridge.model.mtp_num_layers and not mtp_patched:
+            from tests.helpers.bridge_mtp_jobs import local_mtp_spec
+
+            local_mtp_spec()
+            mtp_patched.append(True)
         d, seed = job.nutp.model, job.nutp.train.seed
         built: list[Any] = []
 

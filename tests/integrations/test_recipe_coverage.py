@@ -25,7 +25,7 @@ if importlib.util.find_spec("megatron.bridge") is None and sys.version_info < (3
 ROOT = Path(__file__).resolve().parents[2]
 
 ACCEPTED = {"gpt", "gpt3", "llama2", "llama3", "llama3.1", "llama3.2", "qwen2", "qwen2.5",
-            "qwen3", "gemma2", "gemma3"}
+            "qwen3", "gemma2", "gemma3", "deepseek_v3", "glm45"}
 """Families whose every recipe's model the config half accepts today."""
 REFUSED = {
     # family -> the model field that refuses every recipe of it today (the feature's switch)
@@ -34,6 +34,7 @@ REFUSED = {
     "nemotron_3_nano_4b": "hybrid_layer_pattern",
     "qwen3_next": "experimental_attention_variant",  # gated delta net
     "gpt_oss": "softmax_type",  # attention sinks
+    "moonlight_16b": "q_lora_rank",  # no query latent with qk-layernorm: TE's fused norm+linear
 }
 """Families refused by name today, with the field; the families not in either map are refused
 for a reason the benchmark reports (e.g. ``hf_config``: no committed stand-in of their HF
@@ -41,9 +42,11 @@ config), never ``error``."""
 STANDINS = {"deepseek_v2", "glm45", "gpt_oss", "qwen3_next"}
 """Families whose HF configs have committed stand-ins (``configs/hf/hub``) beside the accepted
 ones: refused by a model field, never ``hf_config``."""
-PARTIAL = {"qwen3_moe": {("accepted", ""): 3, ("refused", "moe_mlp_glu_interleave_size"): 1}}
+PARTIAL = {"qwen3_moe": {("accepted", ""): 3, ("refused", "moe_mlp_glu_interleave_size"): 1},
+           "deepseek_v2": {("accepted", ""): 1, ("refused", "q_lora_rank"): 1}}
 """Families part accepted: (model, field) -> recipes. Qwen3-MoE (NUTP's MoE layers, issue #34):
-its GB200 FP8 recipe interleaves the expert GLU weights for its grouped GEMM (refused)."""
+its GB200 FP8 recipe interleaves the expert GLU weights for its grouped GEMM (refused);
+DeepSeek-V2: V2-Lite has no query latent beside qk-layernorm (refused, as Moonlight)."""
 TRAIN = ("vanilla_gpt_pretrain", "llama32_1b_pretrain", "qwen3_600m_pretrain",
          "qwen3_30b_a3b_pretrain_8gpu_h100")
 """The training half in CI: the GPT template, one Llama 3 (3.2: llama3 RoPE scaling, tied
