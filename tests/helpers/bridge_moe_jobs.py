@@ -284,3 +284,33 @@ def recipe_stock_worker(rank: int, world: int, port: int,
                    Path(outdir, f"ref_{name}.pt"))
 
     gloo_rank(rank, world, port, outdir, body)
+
+
+def rel(a: float, b: float) -> float:
+    """``a``'s relative error against ``b``."""
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
+def step_errors(run: dict, stock: list[dict], *, strict: bool = True) -> dict[str, list[float]]:
+    """Each step's relative loss and grad-norm errors of a NUTP run against the stock run
+    (``strict=False``: a shorter run, e.g. a one-step control)."""
+    return {k: [rel(s[k], r[k]) for s, r in zip(run["steps"], stock, strict=strict)]
+            for k in ("loss", "grad_norm")}
+
+
+def check_bridge_parity(got: dict, stock: list[dict], bad: dict, *, tol: float, steps: int = 3,
+                        strict_control: bool = True) -> dict[str, list[float]]:
+    """What every Bridge MoE parity test asserts of ``nutp_worker``'s run ``got`` against
+    Bridge's stock run: ``steps`` steps, no router flips, losses and grad norms within ``tol``,
+    clipping active at every step, the same grad-norm bits on every rank, replicas bitwise
+    equal. Prints everything; returns the control ``bad``'s errors for the test's own check."""
+    errs, bad_errs = step_errors(got, stock), step_errors(bad, stock, strict=strict_control)
+    print(json.dumps({"stock": stock, "nutp": got, "errors": errs, "control": bad,
+                      "control_errors": bad_errs}))
+    assert len(stock) == len(got["steps"]) == steps
+    assert got["flips"] == [0] * steps  # every token routed to the stock run's experts
+    for k in ("loss", "grad_norm"):
+        assert max(errs[k]) <= tol, errs
+    assert min(r["grad_norm"] for r in stock) > 0.05  # clipping active at every step
+    assert got["norms_same_bits"] and got["replicas_bitwise_equal"]
+    return bad_errs

@@ -31,14 +31,12 @@ if importlib.util.find_spec("megatron.bridge") is None:
 TOL = 1e-5
 
 
-def _rel(a: float, b: float) -> float:
-    return abs(a - b) / max(abs(b), 1e-30)
-
 
 @pytest.mark.timeout(1500)
 def test_bridge_deepseek_v3_mla_nutp_2_1_matches_bridge_stock_run(tmp_path: Path) -> None:
     from tests.helpers.bridge_fork import spawn_bridge  # ranks start with Bridge imported
     from tests.helpers.bridge_mla_jobs import nutp_mla_worker, stock_mla_worker
+    from tests.helpers.bridge_moe_jobs import check_bridge_parity
 
     spawn_bridge(stock_mla_worker, 1, ([],), tmp_path)
     stock = json.loads((tmp_path / "stock_rank0.json").read_text())
@@ -46,19 +44,7 @@ def test_bridge_deepseek_v3_mla_nutp_2_1_matches_bridge_stock_run(tmp_path: Path
     got = json.loads((tmp_path / "nutp_None.json").read_text())
     bad = json.loads((tmp_path / "nutp_down_unsummed.json").read_text())
 
-    def errors(run: dict) -> dict[str, list[float]]:
-        return {k: [_rel(s[k], r[k]) for s, r in zip(run["steps"], stock, strict=False)]
-                for k in ("loss", "grad_norm")}
-
-    errs, bad_errs = errors(got), errors(bad)
-    print(json.dumps({"stock": stock, "nutp": got, "errors": errs, "control": bad,
-                      "control_errors": bad_errs}))
-    assert len(stock) == len(got["steps"]) == 3
-    assert got["flips"] == [0, 0, 0]  # every token routed to the stock run's experts
-    for k in ("loss", "grad_norm"):
-        assert max(errs[k]) <= TOL, errs
-    assert min(r["grad_norm"] for r in stock) > 0.05  # clipping active at every step
-    assert got["norms_same_bits"] and got["replicas_bitwise_equal"]
+    bad_errs = check_bridge_parity(got, stock, bad, tol=TOL, strict_control=False)
     assert got["bias_equal"], got["bias_max_diff"]
     # MLA's RoPE and YaRN as built: the softmax scale, the rotary embedding and its settings,
     # its angles at 8 positions and YaRN's mscale, the stock run's bits on every NUTP rank
@@ -88,17 +74,22 @@ REFUSED = [
 refused in one line naming the field."""
 
 
-def test_what_nutp_mla_does_not_build_is_refused_by_name() -> None:
+def test_what_nutp_mla_does_not_build_is_refused_by_name(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """Bridge's shrunk DeepSeek-V3 recipe (loaded once) with one setting changed at a time:
     ``bridge_run.model_config_of`` / ``check_moe`` (``mla_of``, ``check_mla``) refuse it in
     one line naming the field, before any process group; unchanged, it passes."""
     import copy
 
     from nemo_nutp.integrations.bridge_run import check_moe, model_config_of
-    from tests.helpers.bridge_mla_jobs import CPU, use_recipe
+    from tests.helpers import bridge_moe_jobs
+    from tests.helpers.bridge_mla_jobs import CPU, RECIPE, TINY
     from tests.helpers.bridge_moe_jobs import STOCK, load
 
-    use_recipe()
+    # the loader reads the DeepSeek-V3 recipe in this test only (``use_recipe`` is for the
+    # workers' own processes): later tests of this process load the Qwen3-MoE one again
+    monkeypatch.setattr(bridge_moe_jobs, "RECIPE", RECIPE)
+    monkeypatch.setattr(bridge_moe_jobs, "TINY", TINY)
     cfg = load([*CPU, *STOCK]).bridge
     assert model_config_of(cfg.model, vocab_size=256).kv_lora_rank == 12
     check_moe(cfg)
